@@ -1,0 +1,1 @@
+"""Request -> media: text encoding, denoising loop, VAE decode, output files (FLUX- and Cosmos-style)."""

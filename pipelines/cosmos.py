@@ -1,0 +1,251 @@
+"""Cosmos-style text-to-video, image/video-to-video and text-to-image on the Cosmos-Predict2 components.
+
+    encode (rank 0: T5, conditioning frames through the VAE)  ->  denoise (every rank)  ->  decode (rank 0)
+
+The denoising loop is diffusers' Cosmos2VideoToWorldPipeline / Cosmos2TextToImagePipeline loop (EDM
+preconditioning on a flow-match Euler scheduler with Karras sigmas), with one change that matters for
+parallelism: the conditional and unconditional branches of classifier-free guidance go through the
+transformer as one batch of two, so a cfg-parallel engine can put them on different ranks.
+Conditioning latents use the VAE posterior's mode (not a sample), so the seed's noise is the same on
+every rank whether or not that rank encoded anything. The Cosmos guardrail is used where the
+cosmos_guardrail package is installed (pipelines.guardrail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers.pipelines.cosmos.pipeline_cosmos2_video2world import retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
+
+from pipelines import torchvision_shim
+from pipelines.guardrail import Guardrail
+from pipelines.loading import load_component
+from pipelines.media import read_frames
+from pipelines.registry import ModelSpec, read_component_config
+from pipelines.requests import GenerationRequest, MediaLimits, read_limits
+
+StepCallback = Callable[[int, int], None]
+
+# The EDM constants diffusers' Cosmos-Predict2 pipelines write into the scheduler config.
+SIGMA_MAX = 80.0
+SIGMA_MIN = 0.002
+SIGMA_DATA = 1.0
+SIGMA_CONDITIONING = 0.0001
+
+
+@dataclass(kw_only=True)
+class CosmosConditioning:
+    """Everything the denoising loop needs from rank 0's encoders."""
+
+    prompt_embeds: torch.Tensor
+    """T5 embeddings, [1, L, D]."""
+    negative_prompt_embeds: torch.Tensor | None
+    """T5 embeddings of the negative prompt, or None when guidance is off."""
+    conditioning_latents: torch.Tensor | None
+    """VAE latents of the input image/video, normalised, [1, C, T, h, w]; None for text-only requests."""
+    num_cond_latent_frames: int
+    """How many leading latent frames are given rather than generated."""
+
+
+class CosmosPipeline:
+    """Prompt (and optional input frames) -> video, or image for text2image checkpoints."""
+
+    def __init__(
+        self,
+        *,
+        spec: ModelSpec,
+        folder: Path,
+        transformer: torch.nn.Module,
+        scheduler,
+        text_encoder=None,
+        tokenizer=None,
+        vae=None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.spec = spec
+        self.folder = folder
+        self.device = torch.device(device)
+        self.transformer_config = transformer.config
+        self.transformer: Callable[..., tuple[torch.Tensor]] = transformer
+        self.dtype = transformer.dtype
+        self.scheduler = scheduler
+        self.scheduler.register_to_config(
+            sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA, final_sigmas_type="sigma_min"
+        )
+        self.text_encoder, self.tokenizer, self.vae = text_encoder, tokenizer, vae
+        vae_config = read_component_config(folder, "vae")
+        self.vae_config = vae_config
+        self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
+        self.spatial_factor = 2 ** len(vae_config["temperal_downsample"])
+        self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
+        # The guardrail is part of the NVIDIA Open Model License terms; the embedded tiny model is not under it.
+        self.guardrail = Guardrail.load() if text_encoder is not None and not spec.embedded else None
+        if self.transformer_config.concat_padding_mask:
+            torchvision_shim.install()
+
+    @classmethod
+    def from_folder(
+        cls,
+        spec: ModelSpec,
+        folder: Path,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        with_encoders: bool = True,
+    ) -> CosmosPipeline:
+        """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 and VAE (ranks > 0)."""
+        parts = {name: load_component(folder, name, dtype) for name in ("transformer", "scheduler")}
+        if with_encoders:
+            for name in ("text_encoder", "tokenizer"):
+                parts[name] = load_component(folder, name, dtype)
+            # The Wan VAE runs in float32 in diffusers' Cosmos examples; bf16 costs visible banding.
+            parts["vae"] = load_component(folder, "vae", torch.float32)
+        for part in parts.values():
+            if isinstance(part, torch.nn.Module):
+                part.to(device)
+        return cls(spec=spec, folder=folder, device=device, **parts)
+
+    @property
+    def uses_condition_mask(self) -> bool:
+        """Video2World transformers take an extra condition-mask channel; Text2Image ones do not."""
+        return self.transformer_config.in_channels == self.vae_config["z_dim"] + 1
+
+    def limits(self) -> MediaLimits:
+        return read_limits(self.spec, self.folder)
+
+    def use_transformer(self, module: Callable[..., tuple[torch.Tensor]]) -> None:
+        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
+        self.transformer = module
+
+    def _t5(self, text: str) -> torch.Tensor:
+        inputs = self.tokenizer(
+            [text], padding="max_length", max_length=self.spec.max_sequence_length, truncation=True,
+            return_tensors="pt",
+        )
+        mask = inputs.attention_mask.bool().to(self.device)
+        embeds = self.text_encoder(inputs.input_ids.to(self.device), attention_mask=mask).last_hidden_state
+        embeds = embeds.to(self.dtype)
+        # Cosmos zeroes the embeddings of padding tokens (diffusers' _get_t5_prompt_embeds does too).
+        return embeds * mask[..., None].to(embeds.dtype)
+
+    @torch.no_grad()
+    def encode(self, request: GenerationRequest) -> CosmosConditioning:
+        """T5 embeddings of prompt and negative prompt, and latents of the conditioning frames if any."""
+        if self.text_encoder is None or self.vae is None:
+            raise RuntimeError("this pipeline was loaded without encoders (with_encoders=False)")
+        if self.guardrail is not None:
+            self.guardrail.check_text(request.prompt)
+        prompt_embeds = self._t5(request.prompt)
+        negative = self._t5(request.negative_prompt) if request.guidance > 1.0 else None
+        conditioning_latents, num_cond = None, 0
+        if request.condition is not None:
+            conditioning_latents, num_cond = self._encode_condition(request)
+        return CosmosConditioning(
+            prompt_embeds=prompt_embeds, negative_prompt_embeds=negative,
+            conditioning_latents=conditioning_latents, num_cond_latent_frames=num_cond,
+        )
+
+    def _encode_condition(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
+        frames = read_frames(request.condition)
+        video = self.video_processor.preprocess_video([frames], request.height, request.width)
+        video = video.to(self.device, torch.float32)
+        num_given = video.shape[2]
+        if num_given >= request.frames:
+            video = video[:, :, -request.frames:]
+            num_cond = (request.frames - 1) // self.temporal_factor + 1
+        else:
+            num_cond = (num_given - 1) // self.temporal_factor + 1
+            padding = video[:, :, -1:].repeat(1, 1, request.frames - num_given, 1, 1)
+            video = torch.cat([video, padding], dim=2)
+        latents = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().float()
+        mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
+        return (latents - mean) / std * SIGMA_DATA, num_cond
+
+    @torch.no_grad()
+    def denoise(
+        self, request: GenerationRequest, cond: CosmosConditioning, on_step: StepCallback | None = None
+    ) -> torch.Tensor:
+        """EDM-preconditioned Euler loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
+        device, dtype = self.device, self.dtype
+        use_cfg = request.guidance > 1.0
+        num_latent_frames = (request.frames - 1) // self.temporal_factor + 1
+        shape = (1, self.vae_config["z_dim"], num_latent_frames,
+                 request.height // self.spatial_factor, request.width // self.spatial_factor)
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32) * SIGMA_MAX
+
+        sigmas = torch.linspace(0, 1, request.steps, dtype=torch.float64)
+        timesteps, _ = retrieve_timesteps(self.scheduler, device=device, sigmas=sigmas)
+        # Cosmos ends on sigma_min instead of zero (final_sigmas_type="sigma_min").
+        self.scheduler.sigmas[-1] = self.scheduler.sigmas[-2]
+
+        # indicator = 1 on given (conditioning) latent frames, 0 on frames to generate.
+        indicator = latents.new_zeros(1, 1, num_latent_frames, 1, 1)
+        indicator[:, :, : cond.num_cond_latent_frames] = 1.0
+        given = cond.conditioning_latents.to(device) if cond.conditioning_latents is not None else torch.zeros_like(latents)
+        text = cond.prompt_embeds.to(device, dtype)
+        if use_cfg:
+            text = torch.cat([text, cond.negative_prompt_embeds.to(device, dtype)])
+        branches = text.shape[0]
+        extra: dict = {"padding_mask": latents.new_zeros(1, 1, request.height, request.width, dtype=dtype)}
+        if self.uses_condition_mask:
+            extra["fps"] = request.fps
+            extra["condition_mask"] = (indicator * latents.new_ones(1, 1, *shape[2:])).to(dtype).expand(branches, -1, -1, -1, -1)
+        t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
+
+        for i, t in enumerate(timesteps):
+            sigma = self.scheduler.sigmas[i]
+            current_t = sigma / (sigma + 1)
+            c_in, c_skip, c_out = 1 - current_t, 1 - current_t, -current_t
+            model_in = indicator * given + (1 - indicator) * (latents * c_in)
+            if self.uses_condition_mask:
+                timestep = current_t.view(1, 1, 1, 1, 1).expand(1, -1, num_latent_frames, -1, -1)
+                timestep = indicator * t_conditioning + (1 - indicator) * timestep
+            else:
+                timestep = current_t.expand(1)
+            out = self.transformer(
+                hidden_states=model_in.to(dtype).expand(branches, *model_in.shape[1:]),
+                timestep=timestep.to(dtype).expand(branches, *timestep.shape[1:]),
+                encoder_hidden_states=text,
+                return_dict=False,
+                **extra,
+            )[0]
+            x0 = (c_skip * latents + c_out * out.float()).to(dtype)
+            x0 = indicator * given + (1 - indicator) * x0
+            if use_cfg:
+                x0_cond, x0_uncond = x0[:1], x0[1:]
+                x0 = x0_cond + request.guidance * (x0_cond - x0_uncond)
+            velocity = (latents - x0) / sigma
+            latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                on_step(i + 1, len(timesteps))
+        return latents
+
+    @torch.no_grad()
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image:
+        """VAE-decode latents: uint8 frames [T, H, W, 3] for video models, a PIL image for image models."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_encoders=False)")
+        mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
+        latents = latents.to(self.device, torch.float32) * std / SIGMA_DATA + mean
+        video = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        frames = self.video_processor.postprocess_video(video, output_type="np")[0]
+        frames = (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
+        if self.guardrail is not None:
+            frames = self.guardrail.check_frames(frames)
+        if self.spec.media == "image":
+            return PIL.Image.fromarray(frames[0])
+        return frames
+
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> np.ndarray | PIL.Image.Image:
+        """All three stages in one process."""
+        return self.decode(request, self.denoise(request, self.encode(request), on_step))

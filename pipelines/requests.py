@@ -1,0 +1,199 @@
+"""One generation request, and the single place where a request is checked.
+
+Every way in (CLI, UI, batch file) builds a GenerationRequest with `make_request`, which fills the
+model's defaults and validates everything before any model work or collective starts: an invalid
+request is a RequestError with a message a person understands, never a crash on some rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pipelines.registry import ModelSpec, read_component_config
+
+MAX_PROMPT_CHARS = 4000
+MAX_STEPS = 500
+MAX_SEED = 2**63 - 1
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
+
+
+class RequestError(ValueError):
+    """A request a model cannot run, with a message meant for the person who made it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MediaLimits:
+    """What sizes and frame counts a model accepts, read from its own config."""
+
+    size_multiple: int
+    """Height and width must be multiples of this (VAE downsampling x transformer patch)."""
+    max_height: int
+    max_width: int
+    frame_multiple: int = 1
+    """Video frame counts must be 1 + k * frame_multiple (the VAE's temporal compression)."""
+    max_frames: int = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerationRequest:
+    """A complete, validated request: every field set, nothing left to a default."""
+
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    frames: int
+    fps: int
+    condition: str | None = None
+    """Image or video file whose frames condition a video-to-world request."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_seed(self, seed: int) -> GenerationRequest:
+        return replace(self, seed=seed)
+
+
+def read_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """What `folder`'s model accepts, from its VAE and transformer configs (no weights are loaded)."""
+    vae = read_component_config(folder, "vae")
+    if spec.family == "flux":
+        # VAE downsampling x the 2x2 latent packing. FLUX's rotary ids have no table limit; 4096 px is
+        # the largest size its authors report.
+        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2
+        return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
+    transformer = read_component_config(folder, "transformer")
+    spatial = 2 ** len(vae["temperal_downsample"])
+    temporal = 2 ** sum(vae["temperal_downsample"])
+    max_t, max_h, max_w = transformer["max_size"]
+    _, patch_h, patch_w = transformer["patch_size"]
+    return MediaLimits(
+        size_multiple=spatial * max(patch_h, patch_w),
+        max_height=max_h * patch_h * spatial,
+        max_width=max_w * patch_w * spatial,
+        frame_multiple=temporal,
+        max_frames=(max_t - 1) * temporal + 1 if spec.media == "video" else 1,
+    )
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise RequestError(f"{name} must be a whole number, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise RequestError(f"{name} must be a whole number, got {value!r}") from None
+    if not isinstance(value, int):
+        raise RequestError(f"{name} must be a whole number, got {value!r}")
+    return value
+
+
+def _as_float(name: str, value: Any) -> float:
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise RequestError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(result):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    return result
+
+
+def _nearest_multiples(value: int, multiple: int) -> str:
+    low = max(multiple, value // multiple * multiple)
+    high = low + multiple
+    return f"{low} or {high}" if low != value else str(low)
+
+
+def _check_size(name: str, value: int, multiple: int, maximum: int) -> None:
+    if value <= 0:
+        raise RequestError(f"{name} must be positive, got {value}")
+    if value % multiple:
+        raise RequestError(
+            f"{name} {value} is not a multiple of {multiple}, which this model needs; use {_nearest_multiples(value, multiple)}"
+        )
+    if value > maximum:
+        raise RequestError(f"{name} {value} is larger than this model accepts ({maximum})")
+
+
+def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> GenerationRequest:
+    """Fill `spec`'s defaults for missing (or None) fields and validate the result.
+
+    Raises RequestError naming the first field that is wrong and what would be right.
+    """
+    unknown = set(fields) - set(GenerationRequest.__dataclass_fields__)
+    if unknown:
+        raise RequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    given = {key: value for key, value in fields.items() if value is not None}
+
+    prompt = given.get("prompt", "")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError("prompt is empty: describe what to generate")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise RequestError(f"prompt is {len(prompt)} characters long; the limit is {MAX_PROMPT_CHARS}")
+    negative_prompt = given.get("negative_prompt", spec.negative_prompt)
+    if not isinstance(negative_prompt, str) or len(negative_prompt) > MAX_PROMPT_CHARS:
+        raise RequestError(f"negative prompt must be text of at most {MAX_PROMPT_CHARS} characters")
+
+    height = _as_int("height", given.get("height", spec.height))
+    width = _as_int("width", given.get("width", spec.width))
+    _check_size("height", height, limits.size_multiple, limits.max_height)
+    _check_size("width", width, limits.size_multiple, limits.max_width)
+
+    steps = _as_int("steps", given.get("steps", spec.steps))
+    if not 1 <= steps <= MAX_STEPS:
+        raise RequestError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+
+    guidance = _as_float("guidance", given.get("guidance", spec.guidance))
+    if not 0.0 <= guidance <= 100.0:
+        raise RequestError(f"guidance must be between 0 and 100, got {guidance}")
+
+    seed = _as_int("seed", given.get("seed", 0))
+    if not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"seed must be between 0 and {MAX_SEED}, got {seed}")
+
+    frames = _as_int("frames", given.get("frames", spec.frames))
+    fps = _as_int("fps", given.get("fps", spec.fps))
+    condition = given.get("condition")
+    if spec.media == "image":
+        if frames != 1:
+            raise RequestError(f"model '{spec.name}' makes images; frames must be 1, got {frames}")
+        if condition is not None:
+            raise RequestError(f"model '{spec.name}' makes images from text alone; it takes no input image or video")
+    else:
+        if frames <= 0:
+            raise RequestError(f"frames must be positive, got {frames}")
+        if (frames - 1) % limits.frame_multiple:
+            k = (frames - 1) // limits.frame_multiple
+            options = sorted({1 + k * limits.frame_multiple, 1 + (k + 1) * limits.frame_multiple})
+            raise RequestError(
+                f"frames {frames} is not 1 + a multiple of {limits.frame_multiple}, which this model needs; "
+                f"use {' or '.join(map(str, options))}"
+            )
+        if frames > limits.max_frames:
+            raise RequestError(f"frames {frames} is more than this model accepts ({limits.max_frames})")
+        if not 1 <= fps <= 240:
+            raise RequestError(f"fps must be between 1 and 240, got {fps}")
+        if condition is not None:
+            path = Path(str(condition))
+            if not path.is_file():
+                raise RequestError(f"input file {path} does not exist")
+            if path.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
+                raise RequestError(
+                    f"input file {path} is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor a video ({', '.join(VIDEO_SUFFIXES)})"
+                )
+            condition = str(path)
+
+    return GenerationRequest(
+        prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, steps=steps,
+        guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition,
+    )

@@ -1,0 +1,45 @@
+"""Stand-in for the one torchvision call in diffusers' CosmosTransformer3DModel.
+
+CosmosTransformer3DModel.forward resizes its padding mask with
+`torchvision.transforms.functional.resize(mask, size, interpolation=NEAREST)` when the checkpoint
+has concat_padding_mask=True (all Cosmos-Predict2 checkpoints do). torchvision is not a dependency:
+PyPI's CPU build fails to import beside the CPU torch wheel and breaks diffusers' imports. diffusers
+binds the name `transforms` in transformer_cosmos only when torchvision imports, so without it the
+forward raises NameError. `install()` binds that name to this module's torch-only equivalent; it does
+nothing where torchvision is installed.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+class InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+
+
+def resize(image: torch.Tensor, size: list[int], interpolation: InterpolationMode = InterpolationMode.NEAREST,
+           **_: object) -> torch.Tensor:
+    """torchvision.transforms.functional.resize for NEAREST on [..., H, W] tensors."""
+    if interpolation is not InterpolationMode.NEAREST:
+        raise NotImplementedError("only NEAREST resizing is provided without torchvision")
+    leading = image.shape[:-2]
+    flat = image.reshape(-1, 1, *image.shape[-2:])
+    # torchvision's NEAREST uses the floor of (dst index * scale), which is interpolate's "nearest".
+    resized = F.interpolate(flat.float(), size=list(size), mode="nearest").to(image.dtype)
+    return resized.reshape(*leading, *resized.shape[-2:])
+
+
+def install() -> None:
+    """Give diffusers' Cosmos transformer module its `transforms` name where torchvision is absent."""
+    from diffusers.models.transformers import transformer_cosmos
+
+    if hasattr(transformer_cosmos, "transforms"):
+        return
+    transformer_cosmos.transforms = types.SimpleNamespace(
+        functional=types.SimpleNamespace(resize=resize), InterpolationMode=InterpolationMode
+    )

@@ -1,0 +1,213 @@
+"""Build the embedded tiny models in assets/ (diffusers folder format) from fixed seeds.
+
+    python scripts/make_tiny_models.py            # writes assets/tiny-flux and assets/tiny-cosmos
+
+The folders have exactly the layout of real checkpoints (model_index.json, one subfolder per component,
+safetensors weights, offline tokenizers), so they load through the same code path as FLUX.1-dev or
+Cosmos-Predict2. The weights are random; the architectures are the real diffusers classes, shrunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    CosmosTransformer3DModel,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Whole-word pieces for the T5 tokenizer: the vocabulary of the captions the tiny models are meant for
+# (shapes, colours, sizes, positions, motions). Anything else falls back to single characters.
+CAPTION_WORDS = """
+a an the of on in at to and with is are one two three small big large tiny huge medium
+red green blue yellow orange purple pink white black gray grey brown cyan magenta
+circle square triangle rectangle star ring cross diamond ellipse dot shape shapes
+left right up down top bottom center centre middle corner upper lower side
+moving moves move sliding slides growing grows shrinking shrinks rotating spinning bouncing
+background picture image photo video scene of over under near far bright dark light
+""".split()
+
+
+def clip_tokenizer() -> CLIPTokenizer:
+    """Byte-level CLIP tokenizer with no merges: every character is a token, as DESIGN.md describes."""
+    alphabet = sorted(set(bytes_to_unicode().values()))
+    vocab: dict[str, int] = {}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    for ch in alphabet:
+        vocab[ch + "</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def t5_tokenizer(max_length: int) -> T5TokenizerFast:
+    """Unigram T5 tokenizer: caption words as whole pieces, characters as fallback."""
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
+    seen = {p for p, _ in pieces}
+    for word in dict.fromkeys(CAPTION_WORDS):
+        piece = "\u2581" + word
+        if piece not in seen:
+            pieces.append((piece, -1.0))
+            seen.add(piece)
+    for ch in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()/&%+=":
+        if ch not in seen:
+            pieces.append((ch, -8.0))
+            seen.add(ch)
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def t5_encoder(vocab_size: int, seed: int) -> T5EncoderModel:
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config).eval()
+
+
+def flow_scheduler(**overrides) -> FlowMatchEulerDiscreteScheduler:
+    return FlowMatchEulerDiscreteScheduler(**overrides)
+
+
+def write_model_index(folder: Path, class_name: str, components: dict[str, tuple[str | None, str | None]]) -> None:
+    import diffusers
+
+    index = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
+    index.update({name: list(lib_cls) for name, lib_cls in components.items()})
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def build_tiny_flux(folder: Path, seed: int) -> None:
+    """FLUX.1-dev's component set, shrunk: CLIP + T5 text encoders, 8x VAE, guidance-distilled DiT."""
+    clip_tok = clip_tokenizer()
+    t5_tok = t5_tokenizer(max_length=512)
+
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
+            bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
+        )
+    ).eval()
+    t5 = t5_encoder(len(t5_tok), seed + 1)
+
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 16, 32, 32], layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        sample_size=256, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+    torch.manual_seed(seed + 3)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=[4, 6, 6],
+    ).eval()
+
+    scheduler = flow_scheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    clip_tok.save_pretrained(folder / "tokenizer")
+    t5_tok.save_pretrained(folder / "tokenizer_2")
+    clip.save_pretrained(folder / "text_encoder", safe_serialization=True)
+    t5.save_pretrained(folder / "text_encoder_2", safe_serialization=True)
+    vae.save_pretrained(folder / "vae", safe_serialization=True)
+    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    scheduler.save_pretrained(folder / "scheduler")
+    write_model_index(
+        folder,
+        "FluxPipeline",
+        {
+            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+            "text_encoder": ("transformers", "CLIPTextModel"),
+            "text_encoder_2": ("transformers", "T5EncoderModel"),
+            "tokenizer": ("transformers", "CLIPTokenizer"),
+            "tokenizer_2": ("transformers", "T5TokenizerFast"),
+            "transformer": ("diffusers", "FluxTransformer2DModel"),
+            "vae": ("diffusers", "AutoencoderKL"),
+            "image_encoder": (None, None),
+            "feature_extractor": (None, None),
+        },
+    )
+
+
+def build_tiny_cosmos(folder: Path, seed: int) -> None:
+    """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (4x time, 8x space), Cosmos DiT."""
+    t5_tok = t5_tokenizer(max_length=512)
+    t5 = t5_encoder(len(t5_tok), seed)
+
+    z_dim = 8
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+    ).eval()
+
+    torch.manual_seed(seed + 2)
+    transformer = CosmosTransformer3DModel(
+        in_channels=z_dim + 1, out_channels=z_dim, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+        mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=16, max_size=(32, 64, 64), patch_size=(1, 2, 2),
+        rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=True, extra_pos_embed_type=None,
+    ).eval()
+
+    # Cosmos-Predict2's scheduler: Karras sigmas in the EDM parameterisation, as its checkpoints ship.
+    scheduler = flow_scheduler(use_karras_sigmas=True, shift=1.0, use_dynamic_shifting=False)
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    t5_tok.save_pretrained(folder / "tokenizer")
+    t5.save_pretrained(folder / "text_encoder", safe_serialization=True)
+    vae.save_pretrained(folder / "vae", safe_serialization=True)
+    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
+    scheduler.save_pretrained(folder / "scheduler")
+    write_model_index(
+        folder,
+        "Cosmos2VideoToWorldPipeline",
+        {
+            "safety_checker": ("cosmos_guardrail", "CosmosSafetyChecker"),
+            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+            "text_encoder": ("transformers", "T5EncoderModel"),
+            "tokenizer": ("transformers", "T5TokenizerFast"),
+            "transformer": ("diffusers", "CosmosTransformer3DModel"),
+            "vae": ("diffusers", "AutoencoderKLWan"),
+        },
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "assets", help="folder that receives tiny-flux/ and tiny-cosmos/")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    build_tiny_flux(args.out / "tiny-flux", args.seed)
+    build_tiny_cosmos(args.out / "tiny-cosmos", args.seed + 100)
+    for name in ("tiny-flux", "tiny-cosmos"):
+        size = sum(p.stat().st_size for p in (args.out / name).rglob("*") if p.is_file())
+        print(f"{name}: {size / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
