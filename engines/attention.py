@@ -1,0 +1,153 @@
+"""Context-parallel attention: Ulysses, Ring, AllGather-KV and Ulysses x Ring, on sequence shards.
+
+All communication goes through engines.collectives (functional collectives, traceable by
+torch.compile with fullgraph=True), and every shape and split is a Python int fixed by the
+ShardLayout, so the graph is static.
+
+Shape legend: B batch, S local tokens, H heads (h = H / ulysses), D head dim; "BSHD" is the
+diffusers layout of q/k/v at the attention call, "BHSD" the layout of the SDPA kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engines.collectives import all_gather, all_to_all, ring_shift, wait
+from engines.mesh import ParallelMesh
+from engines.sharding import ShardLayout
+
+Runs = tuple[tuple[int, int], ...]
+
+
+def context_parallel_attention(
+    q_BSHD: torch.Tensor,
+    k_BSHD: torch.Tensor,
+    v_BSHD: torch.Tensor,
+    *,
+    mesh: ParallelMesh,
+    layout: ShardLayout,
+) -> torch.Tensor:
+    """Attention of this rank's query shard over the keys/values of all shards; returns BSHD.
+
+    Ulysses (if ulysses > 1) first trades sequence shards for head shards inside the ulysses
+    group; the ring axis (if ring > 1) then shares K/V by passing them around ("ring") or by one
+    all-gather ("allgather"). Padded key positions (see ShardLayout) are left out of the softmax.
+    """
+    plan = mesh.plan
+    if plan.ulysses > 1:
+        q, k, v = _ulysses_scatter_heads(q_BSHD, k_BSHD, v_BSHD, mesh.ulysses_group, plan.ulysses)
+    else:
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD))
+
+    if plan.ring == 1:
+        out = _attention(q, k, v, layout.valid_runs(mesh.ring_shards(mesh.ring_rank)))
+    elif plan.kv_exchange == "allgather":
+        out = _allgather_attention(q, k, v, mesh, layout)
+    else:
+        out = _ring_attention(q, k, v, mesh, layout)
+
+    if plan.ulysses > 1:
+        return _ulysses_gather_heads(out, mesh.ulysses_group, plan.ulysses)
+    return out.transpose(1, 2)
+
+
+def _ulysses_scatter_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, degree: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BSHD sequence shards -> BhSD head shards over degree*S tokens, with ONE all-to-all for q, k, v."""
+    B, S, H, D = q.shape
+    h = H // degree
+    # Leading axis = destination rank (head group); packing q, k, v makes one message per peer.
+    x = torch.stack([t.reshape(B, S, degree, h, D).permute(2, 0, 1, 3, 4) for t in (q, k, v)], dim=1)
+    x = all_to_all(x, group)  # (degree, 3, B, S, h, D), leading axis now = source rank = sequence shard
+    x = x.permute(1, 2, 4, 0, 3, 5).reshape(3, B, h, degree * S, D)
+    return x[0], x[1], x[2]
+
+
+def _ulysses_gather_heads(out: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+    """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
+    B, h, total, D = out.shape
+    S = total // degree
+    x = out.reshape(B, h, degree, S, D).permute(2, 0, 3, 1, 4).contiguous()  # leading = sequence owner
+    x = all_to_all(x, group)  # leading axis now = head group
+    return x.permute(1, 2, 0, 3, 4).reshape(B, S, degree * h, D)
+
+
+def _select(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:
+    """Keep the real-token runs of `x` along `dim` (a no-op when there is no padding)."""
+    if len(runs) == 1 and runs[0] == (0, x.shape[dim]):
+        return x
+    return torch.cat([x.narrow(dim, start, length) for start, length in runs], dim=dim)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """Plain attention (BHSD) over the real keys. Dropping padded keys instead of masking them
+    keeps the unmasked fast kernels (flash) usable whatever the token count."""
+    return F.scaled_dot_product_attention(q, _select(k, runs, 2), _select(v, runs, 2))
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention (BHSD) and its float32 log-sum-exp (BHS), for merging partial results.
+
+    Uses the SDPA kernels that return the LSE: flash (CPU; CUDA fp16/bf16), memory-efficient
+    (CUDA fp32); a plain float32 implementation elsewhere.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
+        return out, lse.float()
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+            return out, lse
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
+        return out, lse[..., : q.shape[2]]  # its LSE may be padded along the query axis
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    return out, lse
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of a block's attention into the running float32 result."""
+    block_out = block_out.float()
+    if out is None or lse is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    return out, new_lse
+
+
+def _ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
+) -> torch.Tensor:
+    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE."""
+    size, rank = mesh.plan.ring, mesh.ring_rank
+    kv = torch.stack((k, v))  # one message per step
+    out = lse = None
+    for step in range(size):
+        # Issue the next transfer before computing on the current block, so they overlap (eager:
+        # the result waits on first use; compiled: the scheduler may reorder the wait).
+        next_kv = ring_shift(kv, mesh.ring_group, rank, size) if step < size - 1 else None
+        runs = layout.valid_runs(mesh.ring_shards((rank - step) % size))
+        if runs:  # a block made only of padding adds nothing (and would give an empty softmax)
+            block_out, block_lse = attention_with_lse(q, _select(kv[0], runs, 2), _select(kv[1], runs, 2))
+            out, lse = _merge(out, lse, block_out, block_lse)
+        else:
+            wait(kv)  # complete the transfer even though its block is all padding
+        kv = next_kv
+    if out is None:
+        raise ValueError("attention over an empty sequence")
+    return out.to(q.dtype)
+
+
+def _allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
+) -> torch.Tensor:
+    """AllGather-KV attention (BHSD): one all-gather of packed K/V over the ring group, then local attention."""
+    kv = all_gather(torch.stack((k, v)), 3, mesh.ring_group)
+    shards = [s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)]
+    return _attention(q, kv[0], kv[1], layout.valid_runs(shards))

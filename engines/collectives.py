@@ -1,0 +1,46 @@
+"""Collective primitives of the parallel layer, all built on functional collectives.
+
+torch.distributed._functional_collectives ops are traced by torch.compile into the graph (with
+fullgraph=True), unlike the in-place torch.distributed calls. In eager mode they return an
+AsyncCollectiveTensor that waits on first use, which lets a caller overlap a transfer with
+compute by using the result late.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+# torch 2.13 renamed all_gather_tensor to all_gather_single (same arguments) and deprecated the
+# old name; the GPU image runs 2.11, so take whichever this torch has.
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a pending collective result (a no-op for other tensors)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Even all-to-all along dim 0: slice i goes to peer i; slice i of the result came from peer i."""
+    return funcol.all_to_all_single(x.contiguous(), None, None, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every peer's `x` along `dim`, in group-rank order."""
+    return _all_gather_single(x.contiguous(), dim, group)
+
+
+def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+    """Send `x` to group rank+1 and receive the same shape from rank-1.
+
+    An all-to-all whose only non-empty splits are those two peers: NCCL turns it into one send and
+    one receive, and it traces like any functional collective (funcol.permute_tensor would too,
+    but it sizes splits in elements, which only fits 1-D tensors).
+    """
+    send = [0] * size
+    recv = [0] * size
+    send[(rank + 1) % size] = 1
+    recv[(rank - 1) % size] = 1
+    return funcol.all_to_all_single(x.unsqueeze(0).contiguous(), recv, send, group).squeeze(0)

@@ -1,0 +1,215 @@
+"""Context parallelism for diffusers' CosmosTransformer3DModel (video self-attention, text cross-attention).
+
+Video tokens are sharded (padded to a multiple of the sequence degree); self-attention becomes
+context-parallel, cross-attention stays local (each rank's queries against the replicated text,
+no communication).
+
+Why an explicit adapter forward rather than hooks: diffusers' Cosmos forward builds the rotary
+embedding, the learnable position embedding and (for per-frame timesteps) the per-token time
+embedding from the full latent grid in its body, and patchifies to a 5-D grid before flattening;
+no submodule boundary yields "flat tokens, before the first block" where a hook could shard all
+of them consistently. So `ParallelCosmos.forward` replays that body (diffusers 0.42, same
+submodules, same order) and shards the four per-token tensors right before the blocks. The
+blocks forward `image_rotary_emb` untouched to self-attention, so the sharded rope travels there
+together with its shard layout (ShardedRotary). Tests compare against the model's own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
+
+from engines.attention import context_parallel_attention
+from engines.mesh import ParallelMesh
+from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.wrapper import ParallelTransformer, replace_processors
+
+VIDEO = 0  # the only segment of Cosmos' self-attention sequence
+
+
+def resize_padding_mask(mask: torch.Tensor, size: tuple[int, int] | list[int]) -> torch.Tensor:
+    """Nearest-neighbour resize of a (..., H, W) mask: torch-only equivalent of the torchvision
+    `transforms.functional.resize(mask, size, InterpolationMode.NEAREST)` call in diffusers' Cosmos."""
+    lead = mask.shape[:-2]
+    flat = mask.reshape(-1, 1, *mask.shape[-2:]).float()  # interpolate wants (N, C, H, W) floats
+    out = F.interpolate(flat, size=tuple(size), mode="nearest")
+    return out.reshape(*lead, *out.shape[-2:]).to(mask.dtype)
+
+
+class ShardedRotary(NamedTuple):
+    """This shard's rotary cos/sin (S, D) and the layout of the sequence they belong to."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    layout: ShardLayout
+
+
+class CosmosContextParallelProcessor:
+    """CosmosAttnProcessor2_0 for self-attention (attn1), with the attention call made context-parallel."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: ShardedRotary | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(image_rotary_emb, ShardedRotary):
+            raise RuntimeError("this Cosmos model is parallelized: call the module returned by parallelize_cosmos")
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("the context-parallel Cosmos processor serves self-attention only (no context, no mask)")
+        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        rope = (image_rotary_emb.cos, image_rotary_emb.sin)
+        query = apply_rotary_emb(query, rope, use_real=True, use_real_unbind_dim=-2)
+        key = apply_rotary_emb(key, rope, use_real=True, use_real_unbind_dim=-2)
+        # grouped-query attention, as in diffusers (a no-op for Cosmos' equal head counts)
+        key = key.repeat_interleave(query.size(3) // key.size(3), dim=3)
+        value = value.repeat_interleave(query.size(3) // value.size(3), dim=3)
+
+        hidden_states = context_parallel_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            mesh=self.mesh, layout=image_rotary_emb.layout,
+        )
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](hidden_states))
+
+
+def _split_context(context: Any, mesh: ParallelMesh, batch: int) -> Any:
+    if isinstance(context, tuple):
+        return tuple(split_batch(c, mesh, batch=batch) for c in context)
+    return split_batch(context, mesh, batch=batch)
+
+
+class ParallelCosmos(ParallelTransformer):
+    """CosmosTransformer3DModel across ranks; same call as the model, full output on every rank."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+        fps: int | None = None,
+        condition_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_dict: bool = True,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        """Run one denoiser call; arguments and result as CosmosTransformer3DModel.forward."""
+        model, mesh, plan = self.model, self.mesh, self.mesh.plan
+        config = model.config
+        batch = hidden_states.shape[0]
+        check_batch(batch, mesh)
+        hidden_states, timestep, condition_mask, attention_mask = (
+            split_batch(t, mesh, batch=batch) for t in (hidden_states, timestep, condition_mask, attention_mask)
+        )
+        encoder_hidden_states = _split_context(encoder_hidden_states, mesh, batch)
+        batch_size, _, num_frames, height, width = hidden_states.shape
+
+        # --- replay of CosmosTransformer3DModel.forward (diffusers 0.42), steps 1-5 ---
+        if condition_mask is not None:
+            hidden_states = torch.cat([hidden_states, condition_mask], dim=1)
+        if config.concat_padding_mask:
+            if padding_mask is None:
+                raise ValueError("this Cosmos transformer concatenates a padding mask: pass padding_mask")
+            padding_mask = resize_padding_mask(padding_mask, hidden_states.shape[-2:])
+            hidden_states = torch.cat(
+                [hidden_states, padding_mask.unsqueeze(2).repeat(batch_size, 1, num_frames, 1, 1)], dim=1
+            )
+        if attention_mask is not None:
+            attention_mask = attention_mask.unsqueeze(1).unsqueeze(1)  # [B, 1, 1, S_text]
+
+        # Computed on the full grid on every rank, then sliced: exact, and cheap next to the blocks.
+        rope_cos, rope_sin = model.rope(hidden_states, fps=fps)
+        extra_pos_emb = model.learnable_pos_embed(hidden_states) if config.extra_pos_embed_type else None
+
+        p_t, p_h, p_w = config.patch_size
+        grid = (num_frames // p_t, height // p_h, width // p_w)
+        hidden_states = model.patch_embed(hidden_states).flatten(1, 3)  # [B, THW, C]
+
+        if timestep.ndim == 1:
+            temb, embedded_timestep = model.time_embed(hidden_states, timestep)
+        elif timestep.ndim == 5:
+            if tuple(timestep.shape) != (batch_size, 1, num_frames, 1, 1):
+                raise ValueError(f"expected timestep of shape [B, 1, T, 1, 1], got {tuple(timestep.shape)}")
+            temb, embedded_timestep = model.time_embed(hidden_states, timestep.flatten())
+            temb, embedded_timestep = (
+                x.view(batch_size, grid[0], 1, 1, -1).expand(-1, -1, grid[1], grid[2], -1).flatten(1, 3)
+                for x in (temb, embedded_timestep)
+            )  # per-frame timesteps -> per-token embeddings [B, THW, C]
+        else:
+            raise ValueError(f"expected timestep of shape [B, 1, T, 1, 1] or [T], got {tuple(timestep.shape)}")
+
+        text_context, img_context = (
+            encoder_hidden_states if isinstance(encoder_hidden_states, tuple) else (encoder_hidden_states, None)
+        )
+        if config.use_crossattn_projection:
+            text_context = model.crossattn_proj(text_context)
+        if img_context is not None and config.img_context_dim_in:
+            img_context = model.img_context_proj(img_context)
+        context = (text_context, img_context) if isinstance(encoder_hidden_states, tuple) else text_context
+
+        # --- sharding: tokens and every per-token tensor, along the same layout ---
+        num_tokens = hidden_states.shape[1]
+        rotary: tuple[torch.Tensor, torch.Tensor] | ShardedRotary = (rope_cos, rope_sin)
+        if plan.seq_degree > 1:
+            layout = ShardLayout(lengths=(num_tokens,), degree=plan.seq_degree)
+
+            def shard(x: torch.Tensor, dim: int) -> torch.Tensor:
+                return shard_tokens(x, layout, segment=VIDEO, shard=mesh.seq_rank, dim=dim)
+
+            hidden_states = shard(hidden_states, 1)
+            rotary = ShardedRotary(shard(rope_cos, 0), shard(rope_sin, 0), layout)
+            if extra_pos_emb is not None:
+                extra_pos_emb = shard(extra_pos_emb, 1)
+            if temb.ndim == 3:
+                temb, embedded_timestep = shard(temb, 1), shard(embedded_timestep, 1)
+
+        for block in model.transformer_blocks:
+            hidden_states = block(
+                hidden_states,
+                encoder_hidden_states=context,
+                embedded_timestep=embedded_timestep,
+                temb=temb,
+                image_rotary_emb=rotary,
+                extra_pos_emb=extra_pos_emb,
+                attention_mask=attention_mask,
+            )
+        hidden_states = model.norm_out(hidden_states, embedded_timestep, temb)
+        hidden_states = model.proj_out(hidden_states)
+        if plan.seq_degree > 1:
+            hidden_states = gather_tokens(hidden_states, mesh, length=num_tokens, dim=1)
+
+        # --- unpatchify, as diffusers (its permutation is intentionally not the patchify inverse) ---
+        hidden_states = hidden_states.unflatten(2, (p_h, p_w, p_t, -1))
+        hidden_states = hidden_states.unflatten(1, grid)
+        hidden_states = hidden_states.permute(0, 7, 1, 6, 2, 4, 3, 5)
+        hidden_states = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+        hidden_states = gather_batch(hidden_states, mesh)
+        return Transformer2DModelOutput(sample=hidden_states) if return_dict else (hidden_states,)
+
+
+def parallelize_cosmos(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> ParallelCosmos:
+    """Shard Cosmos' video tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
+    if model.config.controlnet_block_every_n is not None:
+        raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
+    mesh.plan.check(world_size=mesh.plan.world_size, num_heads=model.config.num_attention_heads)
+    replaced = []
+    if mesh.plan.seq_degree > 1:
+        replaced = replace_processors(
+            [block.attn1 for block in model.transformer_blocks], CosmosContextParallelProcessor(mesh)
+        )
+    return ParallelCosmos(model, mesh, replaced)

@@ -1,0 +1,98 @@
+"""Process groups of one run: the tensor group (NCCL on GPUs, gloo on CPU) and a CPU control group.
+
+Environment (set by torchrun): WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Without
+them, or with WORLD_SIZE=1, the run is a single plain process and nothing is initialised.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(kw_only=True)
+class ParallelContext:
+    """Where this rank runs and how it talks to the others."""
+
+    rank: int
+    """Global rank (0 in a single process)."""
+    world_size: int
+    """Number of ranks (1 in a single process)."""
+    local_rank: int
+    """Rank on this host; picks the GPU."""
+    device: torch.device
+    """Device holding this rank's tensors."""
+    group: dist.ProcessGroup | None
+    """Group for tensor collectives (NCCL for CUDA tensors, gloo for CPU); None in a single process."""
+    control_group: dist.ProcessGroup | None
+    """gloo group for CPU objects (requests, errors) from the app layer; None in a single process."""
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one rank runs."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that talks to the user (rank 0)."""
+        return self.rank == 0
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_parallel(device: str | torch.device | None = None) -> ParallelContext:
+    """Join the torchrun job (env:// rendezvous) or, without one, return a single-process context.
+
+    Args:
+        device: "cuda", "cuda:1", "cpu" or None (this rank's GPU if there is one, else CPU).
+            The tensor group uses NCCL for CUDA and gloo for CPU.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+
+    if device is None:
+        dev = _default_device(local_rank)
+    else:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {dev} requested but CUDA is not available")
+        torch.cuda.set_device(dev)
+
+    if world_size == 1 and not dist.is_initialized():
+        return ParallelContext(rank=0, world_size=1, local_rank=0, device=dev, group=None, control_group=None)
+
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        # device_id binds NCCL to this GPU at init, so the first collective does not guess it.
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    # A separate gloo group keeps CPU control traffic (request broadcasts, error agreement) out of
+    # the tensor group's stream, so the app can talk while tensors are in flight.
+    control_group = dist.new_group(backend="gloo")
+    return ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=dev,
+        group=dist.group.WORLD,
+        control_group=control_group,
+    )
+
+
+def shutdown(ctx: ParallelContext) -> None:
+    """Tear down the process groups created by init_parallel (no-op in a single process)."""
+    if ctx.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()

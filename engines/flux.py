@@ -1,0 +1,140 @@
+"""Context parallelism for diffusers' FluxTransformer2DModel (joint text+image attention).
+
+Both token streams are sharded, each padded to a multiple of the sequence degree: rank s holds
+text chunk s and image chunk s, with their position ids. Diffusers' own FLUX forward then runs
+unchanged on the shards: it computes the rotary embedding from the sharded ids, so rope and
+tokens stay aligned, and the double- and single-stream blocks both see the local sequence
+[text chunk, image chunk]. Only the attention processor is replaced; the shard layout reaches it
+through `joint_attention_kwargs`, the channel FLUX already forwards to every attention call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel, _get_qkv_projections
+
+from engines.attention import context_parallel_attention
+from engines.mesh import ParallelMesh
+from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.wrapper import ParallelTransformer, replace_processors
+
+TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
+
+
+class FluxContextParallelProcessor:
+    """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope)."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cp_layout: ShardLayout | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cp_layout is None:
+            raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
+        if attention_mask is not None:
+            raise ValueError("FLUX attention masks are not supported with context parallelism")
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
+            encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+        hidden_states = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [text_len, hidden_states.shape[1] - text_len], dim=1
+        )
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states
+
+
+class ParallelFlux(ParallelTransformer):
+    """FluxTransformer2DModel across ranks; same call as the model, full output on every rank."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        """Run one denoiser call; arguments and result as FluxTransformer2DModel.forward."""
+        mesh, plan = self.mesh, self.mesh.plan
+        batch = hidden_states.shape[0]
+        check_batch(batch, mesh)
+        hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance = (
+            split_batch(t, mesh, batch=batch)
+            for t in (hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance)
+        )
+        # diffusers still accepts (deprecated) batched ids and takes the first; do the same before sharding
+        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        num_image_tokens = hidden_states.shape[1]
+        attention_kwargs = dict(joint_attention_kwargs or {})
+        if plan.seq_degree > 1:
+            layout = ShardLayout(lengths=(encoder_hidden_states.shape[1], num_image_tokens), degree=plan.seq_degree)
+            s = mesh.seq_rank
+            hidden_states = shard_tokens(hidden_states, layout, segment=IMAGE, shard=s, dim=1)
+            img_ids = shard_tokens(img_ids, layout, segment=IMAGE, shard=s, dim=0)
+            encoder_hidden_states = shard_tokens(encoder_hidden_states, layout, segment=TEXT, shard=s, dim=1)
+            txt_ids = shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0)
+            attention_kwargs["cp_layout"] = layout
+
+        output = self.model(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            joint_attention_kwargs=attention_kwargs or None,
+            return_dict=False,
+        )[0]
+
+        if plan.seq_degree > 1:
+            output = gather_tokens(output, mesh, length=num_image_tokens, dim=1)
+        output = gather_batch(output, mesh)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+
+def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> ParallelFlux:
+    """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
+    mesh.plan.check(world_size=mesh.plan.world_size, num_heads=model.config.num_attention_heads)
+    replaced = []
+    if mesh.plan.seq_degree > 1:
+        attentions = [b.attn for b in model.transformer_blocks] + [b.attn for b in model.single_transformer_blocks]
+        replaced = replace_processors(attentions, FluxContextParallelProcessor(mesh))
+    return ParallelFlux(model, mesh, replaced)

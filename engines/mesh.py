@@ -1,0 +1,67 @@
+"""The device mesh of a plan: one process group per parallel axis, and this rank's place on each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from engines.distributed import ParallelContext
+from engines.plan import ParallelPlan
+
+AXES = ("cfg", "ring", "ulysses")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelMesh:
+    """Process groups and coordinates of this rank for a ParallelPlan.
+
+    The global rank is cfg_rank * ring * ulysses + ring_rank * ulysses + ulysses_rank, and the
+    sequence shard held by a rank is seq_rank = ring_rank * ulysses + ulysses_rank.
+    """
+
+    plan: ParallelPlan
+    device_mesh: DeviceMesh | None
+    """None in a single process (every group below is then None and every rank index 0)."""
+    ulysses_group: dist.ProcessGroup | None
+    ring_group: dist.ProcessGroup | None
+    cfg_group: dist.ProcessGroup | None
+    ulysses_rank: int
+    ring_rank: int
+    cfg_rank: int
+
+    @property
+    def seq_rank(self) -> int:
+        """Index of the sequence shard this rank holds."""
+        return self.ring_rank * self.plan.ulysses + self.ulysses_rank
+
+    def ring_shards(self, ring_rank: int) -> list[int]:
+        """Sequence shards held, after the Ulysses all-to-all, by the ring member `ring_rank`."""
+        u = self.plan.ulysses
+        return list(range(ring_rank * u, (ring_rank + 1) * u))
+
+
+def build_mesh(ctx: ParallelContext, plan: ParallelPlan) -> ParallelMesh:
+    """Create the process groups of `plan` (collective: every rank must call it, in the same order)."""
+    if plan.world_size != ctx.world_size:
+        raise ValueError(
+            f"plan needs cfg*ring*ulysses = {plan.cfg}*{plan.ring}*{plan.ulysses} = {plan.world_size} ranks, "
+            f"but {ctx.world_size} are running"
+        )
+    if ctx.world_size == 1:
+        return ParallelMesh(
+            plan=plan, device_mesh=None, ulysses_group=None, ring_group=None, cfg_group=None,
+            ulysses_rank=0, ring_rank=0, cfg_rank=0,
+        )
+    mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses), mesh_dim_names=AXES)
+    return ParallelMesh(
+        plan=plan,
+        device_mesh=mesh,
+        ulysses_group=mesh.get_group("ulysses"),
+        ring_group=mesh.get_group("ring"),
+        cfg_group=mesh.get_group("cfg"),
+        ulysses_rank=mesh.get_local_rank("ulysses"),
+        ring_rank=mesh.get_local_rank("ring"),
+        cfg_rank=mesh.get_local_rank("cfg"),
+    )

@@ -1,0 +1,102 @@
+"""The parallel plan: how a run splits its ranks between sequence strategies and CFG branches."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelPlan:
+    """Degrees of each parallel axis; their product is the number of ranks.
+
+    Rank layout (outermost first): cfg, ring, ulysses. Ulysses is innermost so that its all-to-all,
+    the heaviest and most frequent exchange, stays between neighbouring ranks (same host/NVLink
+    island on multi-node layouts).
+    """
+
+    strategy: str = "ulysses"
+    """"ulysses" (default), "ring", "allgather" or the hybrid "ulysses-ring"."""
+    ulysses: int = 1
+    """Ranks that trade sequence shards for head shards with an all-to-all (must divide the heads)."""
+    ring: int = 1
+    """Ranks that exchange K/V: passed around a ring ("ring", "ulysses-ring") or all-gathered ("allgather")."""
+    cfg: int = 1
+    """Rank groups that each run one slice of the batch (conditional / unconditional branch)."""
+
+    STRATEGIES: ClassVar[tuple[str, ...]] = STRATEGIES
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        for name in ("ulysses", "ring", "cfg"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} degree must be a positive integer, got {value!r}")
+        if self.strategy == "ulysses" and self.ring != 1:
+            raise ValueError(f"strategy 'ulysses' uses no ring axis, got ring={self.ring}; use 'ulysses-ring'")
+        if self.strategy in ("ring", "allgather") and self.ulysses != 1:
+            raise ValueError(
+                f"strategy {self.strategy!r} uses no ulysses axis, got ulysses={self.ulysses}; use 'ulysses-ring'"
+            )
+        if self.strategy == "ulysses-ring" and (self.ulysses < 2 or self.ring < 2):
+            raise ValueError(
+                f"strategy 'ulysses-ring' needs ulysses >= 2 and ring >= 2, got ulysses={self.ulysses}, "
+                f"ring={self.ring}; use 'ulysses' or 'ring' for a single axis"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the plan needs."""
+        return self.cfg * self.ring * self.ulysses
+
+    @property
+    def seq_degree(self) -> int:
+        """Number of sequence shards (ranks that split one branch's tokens)."""
+        return self.ring * self.ulysses
+
+    @property
+    def kv_exchange(self) -> str:
+        """How the ring axis shares K/V: "ring" (pass chunks around) or "allgather"."""
+        return "allgather" if self.strategy == "allgather" else "ring"
+
+    def check(self, *, world_size: int, num_heads: int) -> None:
+        """Raise ValueError if this plan cannot run `num_heads`-head attention on `world_size` ranks."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"plan needs cfg*ring*ulysses = {self.cfg}*{self.ring}*{self.ulysses} = {self.world_size} ranks, "
+                f"but {world_size} are running"
+            )
+        if num_heads % self.ulysses != 0:
+            raise ValueError(
+                f"ulysses degree {self.ulysses} does not divide the model's {num_heads} attention heads; "
+                f"use ParallelPlan.auto(...) or strategy 'ulysses-ring' with a ulysses degree dividing {num_heads}"
+            )
+
+    @classmethod
+    def auto(cls, world_size: int, num_heads: int, strategy: str = "ulysses", cfg: int = 1) -> ParallelPlan:
+        """Choose degrees for `world_size` ranks: `cfg` branch groups, the rest split the sequence.
+
+        "ulysses" falls back to the hybrid when the head count does not divide the sequence degree
+        (largest ulysses degree dividing both, the rest on a ring); "ulysses-ring" uses the same
+        split; "ring" and "allgather" put every sequence rank on the K/V axis.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if cfg < 1 or world_size % cfg != 0:
+            raise ValueError(f"cfg degree {cfg} does not divide the {world_size} ranks")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        seq = world_size // cfg
+        if strategy in ("ring", "allgather"):
+            return cls(strategy=strategy, ring=seq, cfg=cfg)
+        ulysses = math.gcd(seq, num_heads)
+        ring = seq // ulysses
+        if ring == 1:
+            return cls(strategy="ulysses", ulysses=ulysses, cfg=cfg)
+        if ulysses == 1:
+            return cls(strategy="ring", ring=ring, cfg=cfg)
+        return cls(strategy="ulysses-ring", ulysses=ulysses, ring=ring, cfg=cfg)
