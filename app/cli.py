@@ -72,14 +72,20 @@ def run_generate(args: argparse.Namespace) -> int:
     request = make_request(
         spec, read_limits(spec, folder),
         prompt=args.prompt, negative_prompt=args.negative_prompt, seed=args.seed, steps=args.steps,
-        guidance=args.guidance, height=args.height or height, width=args.width or width,
+        guidance=args.guidance,
+        height=args.height if args.height is not None else height,
+        width=args.width if args.width is not None else width,
         frames=args.frames, fps=args.fps, condition=args.condition,
     )
     out = check_output_path(args.out, spec)
 
     # Heavy imports only once the request is known to be good.
     import torch
+    import transformers
     from tqdm import tqdm
+
+    # transformers warns at import that its image processors lack torchvision; we use none of them.
+    transformers.logging.set_verbosity_error()
 
     from app.outputs import write_result
     from pipelines.factory import default_dtype, load_pipeline

@@ -1,0 +1,110 @@
+"""`ulysses-studio generate` end to end, as a user runs it (a subprocess of `python -m app`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipelines.media import read_png_settings, read_video
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_generate_tiny_flux_png_with_settings(tmp_path):
+    out = tmp_path / "out.png"
+    result = cli("generate", "--model", "tiny-flux", "--prompt", "a red circle", "--seed", "1",
+                 "--steps", "3", "--size", "128x96", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "denoising" in result.stderr  # the progress bar
+    with Image.open(out) as image:
+        assert image.size == (128, 96)
+    settings = read_png_settings(out)
+    assert settings == {
+        "model": "tiny-flux", "prompt": "a red circle", "negative_prompt": "", "seed": 1, "steps": 3,
+        "guidance": 3.5, "height": 96, "width": 128, "condition": None,
+    }
+    with Image.open(out) as image:
+        assert image.text["seed"] == "1" and image.text["prompt"] == "a red circle"
+
+    again = tmp_path / "again.png"
+    assert cli("generate", "--prompt", "a red circle", "--seed", "1", "--steps", "3", "--size", "128x96",
+               "--out", str(again), "--quiet").returncode == 0
+    assert np.array_equal(np.asarray(Image.open(out)), np.asarray(Image.open(again)))
+
+
+def test_generate_tiny_cosmos_mp4_decodes_with_frames_and_fps(tmp_path):
+    out = tmp_path / "out.mp4"
+    result = cli("generate", "--model", "tiny-cosmos", "--prompt", "a blue square moving right", "--seed", "2",
+                 "--steps", "2", "--frames", "9", "--fps", "12", "--size", "96x64", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    frames, fps = read_video(out)
+    assert len(frames) == 9
+    assert fps == pytest.approx(12)
+    assert frames[0].shape == (64, 96, 3)
+
+
+def test_generate_video_to_world_from_an_image(tmp_path):
+    start = tmp_path / "start.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(start)
+    out = tmp_path / "world.mp4"
+    result = cli("generate", "--model", "tiny-cosmos", "--prompt", "the red square moves", "--input", str(start),
+                 "--steps", "2", "--frames", "5", "--size", "64x64", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    frames, _ = read_video(out)
+    assert len(frames) == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--model", "flux-dev"], "weights for 'flux-dev' not found in"),
+        (["--model-path", "/nonexistent/folder"], "does not exist"),
+        (["--height", "250"], "height 250 is not a multiple of 16"),
+        (["--width", "0"], "width must be positive"),
+        (["--steps", "0"], "steps must be between 1"),
+        (["--steps", "-3"], "steps must be between 1"),
+        (["--size", "12by12"], "--size must look like"),
+        (["--guidance", "nan"], "guidance must be a finite number"),
+        (["--prompt", "   "], "prompt is empty"),
+        (["--out", "/proc/forbidden/x.png"], "does not exist"),
+        (["--out", "OUT_DIR/image.mp4"], "should end in .png"),
+        (["--model", "tiny-cosmos", "--frames", "0", "--out", "OUT_DIR/v.mp4"], "frames must be positive"),
+        (["--model", "tiny-cosmos", "--frames", "16", "--out", "OUT_DIR/v.mp4"], "use 13 or 17"),
+        (["--model", "tiny-cosmos", "--input", "/nonexistent.png", "--out", "OUT_DIR/v.mp4"], "does not exist"),
+        (["--frames", "9"], "makes images; frames must be 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    args = [a.replace("OUT_DIR", str(tmp_path)) for a in args]
+    base = {"--prompt": "a circle", "--out": str(tmp_path / "x.png")}
+    for flag, value in base.items():
+        if flag not in args:
+            args += [flag, value]
+    result = cli("generate", *args, env={"ULYSSES_STUDIO_MODELS": str(tmp_path / "models")})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.mp4"))
+
+
+def test_output_that_is_a_folder_is_refused(tmp_path):
+    folder = tmp_path / "taken.png"
+    folder.mkdir()
+    result = cli("generate", "--prompt", "x", "--out", str(folder))
+    assert result.returncode == 2 and "it is a folder" in result.stderr
