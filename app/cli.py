@@ -84,8 +84,10 @@ def run_generate(args: argparse.Namespace) -> int:
     import transformers
     from tqdm import tqdm
 
-    # transformers warns at import that its image processors lack torchvision; we use none of them.
+    # transformers warns at import that its image processors lack torchvision (we use none of them),
+    # and draws a progress bar per loaded component: noise next to our own progress bar.
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
 
     from app.outputs import write_result
     from pipelines.factory import default_dtype, load_pipeline

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipelines.cosmos import CosmosPipeline
-from pipelines.flux import FluxImagePipeline
 from pipelines.registry import ModelSpec
 
-Pipeline = FluxImagePipeline | CosmosPipeline
+if TYPE_CHECKING:
+    from pipelines.cosmos import CosmosPipeline
+    from pipelines.flux import FluxImagePipeline
+
+    Pipeline = FluxImagePipeline | CosmosPipeline
 
 
 def load_pipeline(
@@ -22,7 +25,11 @@ def load_pipeline(
     with_encoders: bool = True,
 ) -> Pipeline:
     """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False."""
-    cls = FluxImagePipeline if spec.family == "flux" else CosmosPipeline
+    # Import only the family asked for: diffusers' Cosmos pipeline module alone costs seconds of start-up.
+    if spec.family == "flux":
+        from pipelines.flux import FluxImagePipeline as cls
+    else:
+        from pipelines.cosmos import CosmosPipeline as cls
     return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders)
 
 
