@@ -1,0 +1,368 @@
+"""Time one transformer forward: 1 GPU, diffusers-native Ulysses (FLUX), and ours per strategy (+CFG).
+
+One launch measures every mode: the 1-GPU baseline runs on rank 0 alone while the other ranks
+wait at a barrier, then all ranks run each parallel mode, then diffusers' own context
+parallelism (last, because enable_parallelism cannot be undone).
+
+    torchrun --nproc-per-node 2 -m engines.benchmark --model flux-dev --out flux.json
+    torchrun --nproc-per-node 2 -m engines.benchmark --model cosmos-2b --out cosmos.json
+    python -m engines.benchmark --model flux-dev                    # 1 GPU only
+    torchrun --nproc-per-node 2 -m engines.benchmark --tiny         # CPU, gloo, tiny configs
+
+Weights are random bf16 (no download); timings are of the forward only: CUDA events around
+each call, warmup first, median of the timed calls, the slowest rank's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+from engines.distributed import ParallelContext, init_parallel, shutdown
+from engines.parallelize import parallelize_transformer
+from engines.plan import STRATEGIES, ParallelPlan
+from engines.specs import SPECS, TransformerSpec, build_random
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
+VAE_TIME, VAE_SPACE = 4, 8  # latent = ((frames - 1) / 4 + 1, height / 8, width / 8)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Shape:
+    """One input size: an image (frames=1, FLUX) or a video (Cosmos), in pixels."""
+
+    height: int
+    width: int
+    frames: int = 1
+    text_tokens: int = 512
+
+    @property
+    def label(self) -> str:
+        """Human-readable size."""
+        return f"{self.height}x{self.width}" if self.frames == 1 else f"{self.frames}x{self.height}x{self.width}"
+
+
+def flux_inputs(spec: TransformerSpec, shape: Shape, *, batch: int, device: torch.device,
+                dtype: torch.dtype) -> dict[str, Any]:
+    """FluxTransformer2DModel keyword arguments for a packed latent of `shape` (2x2 latent patches)."""
+    c = spec.config
+    rows, cols = shape.height // (VAE_SPACE * 2), shape.width // (VAE_SPACE * 2)
+    g = torch.Generator().manual_seed(0)
+    img_ids = torch.zeros(rows, cols, 3)
+    img_ids[..., 1] = torch.arange(rows)[:, None]
+    img_ids[..., 2] = torch.arange(cols)[None, :]
+    inputs = dict(
+        hidden_states=torch.randn(batch, rows * cols, c["in_channels"], generator=g),
+        encoder_hidden_states=torch.randn(batch, shape.text_tokens, c["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(batch, c["pooled_projection_dim"], generator=g),
+        timestep=torch.full((batch,), 0.5),
+        img_ids=img_ids.reshape(-1, 3),
+        txt_ids=torch.zeros(shape.text_tokens, 3),
+        guidance=torch.full((batch,), 3.5) if c.get("guidance_embeds") else None,
+    )
+    out = {k: v.to(device, dtype if k not in ("img_ids", "txt_ids") else v.dtype) if v is not None else None
+           for k, v in inputs.items()}
+    return {**out, "joint_attention_kwargs": None, "return_dict": False}
+
+
+def cosmos_inputs(spec: TransformerSpec, shape: Shape, *, batch: int, device: torch.device,
+                  dtype: torch.dtype) -> dict[str, Any]:
+    """CosmosTransformer3DModel (Video2World) keyword arguments for a video of `shape`."""
+    c = spec.config
+    frames = (shape.frames - 1) // VAE_TIME + 1
+    height, width = shape.height // VAE_SPACE, shape.width // VAE_SPACE
+    g = torch.Generator().manual_seed(0)
+    latent = (batch, c["out_channels"], frames, height, width)
+    inputs: dict[str, Any] = dict(
+        hidden_states=torch.randn(*latent, generator=g),
+        timestep=torch.rand(batch, 1, frames, 1, 1, generator=g),
+        encoder_hidden_states=torch.randn(batch, shape.text_tokens, c["text_embed_dim"], generator=g),
+        padding_mask=torch.zeros(1, 1, shape.height, shape.width),
+    )
+    if c["in_channels"] == c["out_channels"] + 1:
+        inputs["condition_mask"] = torch.zeros(batch, 1, frames, height, width)
+    inputs = {k: v.to(device, dtype) for k, v in inputs.items()}
+    return {**inputs, "fps": 16, "return_dict": False}
+
+
+def make_inputs(spec: TransformerSpec, shape: Shape, *, batch: int, device: torch.device,
+                dtype: torch.dtype) -> dict[str, Any]:
+    """Model keyword arguments for `shape`."""
+    build = flux_inputs if spec.family == "flux" else cosmos_inputs
+    return build(spec, shape, batch=batch, device=device, dtype=dtype)
+
+
+def tokens(spec: TransformerSpec, shape: Shape) -> int:
+    """Image/video tokens the transformer attends over (text excluded)."""
+    if spec.family == "flux":
+        return (shape.height // 16) * (shape.width // 16)
+    frames = (shape.frames - 1) // VAE_TIME + 1
+    p_t, p_h, p_w = spec.config["patch_size"]
+    return (frames // p_t) * (shape.height // VAE_SPACE // p_h) * (shape.width // VAE_SPACE // p_w)
+
+
+def count_flops(spec: TransformerSpec, shape: Shape, batch: int) -> float | None:
+    """FLOPs of one forward, counted on the meta device (no memory, no compute)."""
+    try:
+        with torch.device("meta"):
+            model = torch.nn.Module.to(spec.model_class(**spec.config), torch.bfloat16)
+        forward = single_process_forward(model, torch.device("meta"))
+        kwargs = make_inputs(spec, shape, batch=batch, device=torch.device("meta"), dtype=torch.bfloat16)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            forward(**kwargs)
+        return float(counter.get_total_flops())
+    except Exception as error:  # FLOPs only feed the MFU column; never lose the timings for them
+        print(f"[benchmark] FLOP count failed for {spec.name} {shape.label}: {error!r}", file=sys.stderr)
+        return None
+
+
+def single_process_forward(model: torch.nn.Module, device: torch.device) -> Callable[..., Any]:
+    """The 1-GPU forward. Cosmos goes through our adapter at N=1 (same diffusers submodules in the
+    same order), because diffusers' own forward needs torchvision for the padding-mask resize."""
+    if model.__class__.__name__ == "FluxTransformer2DModel":
+        return model
+    local = ParallelContext(rank=0, world_size=1, local_rank=0, device=device, group=None, control_group=None)
+    return parallelize_transformer(model, local)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
+                 group: dist.ProcessGroup | None, warmup: int, iters: int) -> tuple[float, float]:
+    """Median milliseconds of `forward(**kwargs)` and peak GiB allocated, on this rank.
+
+    Ranks of `group` start every call together (barrier on the CPU control group, after the
+    device is idle), so the time is the collective latency of one call, not a pipelined rate.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + iters):
+            _sync(device)
+            if group is not None:
+                dist.barrier(group=group)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                forward(**kwargs)
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                forward(**kwargs)
+                elapsed = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                times.append(elapsed)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return statistics.median(times), peak
+
+
+def _gather(ctx: ParallelContext, value: Any) -> list[Any]:
+    if not ctx.is_distributed:
+        return [value]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, value, group=ctx.control_group)
+    return out
+
+
+def plan_label(plan: ParallelPlan) -> str:
+    """Short name of a plan, e.g. "ulysses-2", "ulysses-2xring-2", "cfg-2", "cfg-2xulysses-2"."""
+    parts = [f"cfg-{plan.cfg}"] if plan.cfg > 1 else []
+    if plan.ulysses > 1:
+        parts.append(f"ulysses-{plan.ulysses}")
+    if plan.ring > 1:
+        parts.append(f"{plan.kv_exchange}-{plan.ring}")
+    return "x".join(parts) or "1"
+
+
+def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: bool) -> list[ParallelPlan]:
+    """Distinct plans to measure on ctx.world_size ranks (strategies that degenerate are skipped)."""
+    n = ctx.world_size
+    plans: list[ParallelPlan] = []
+    if n == 1:
+        return plans
+    for strategy in strategies:
+        plan = ParallelPlan.auto(n, num_heads, strategy=strategy)
+        if plan.strategy == strategy and plan not in plans:
+            plans.append(plan)
+    if cfg and n % 2 == 0:
+        plan = ParallelPlan.auto(n, num_heads, cfg=2)
+        if plan not in plans:
+            plans.append(plan)
+    return plans
+
+
+def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespace,
+              ctx: ParallelContext) -> list[dict[str, Any]]:
+    """Measure every mode of one model on every shape; rows are complete on rank 0."""
+    device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
+    batch = args.batch or (2 if spec.family == "cosmos" else 1)
+    model = build_random(spec, device=device, dtype=dtype)
+    inputs = {s.label: make_inputs(spec, s, batch=batch, device=device, dtype=dtype) for s in shapes}
+    flops = {s.label: count_flops(spec, s, batch) for s in shapes}
+    rows: list[dict[str, Any]] = []
+
+    def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any) -> None:
+        ms, peak = (float("nan"), 0.0)
+        error = None
+        if forward is not None:
+            try:
+                fn = torch.compile(forward, fullgraph=True) if args.compile else forward
+                ms, peak = time_forward(fn, inputs[shape.label], device=device, group=group,
+                                        warmup=args.warmup, iters=args.iters)
+            except Exception as exc:  # keep the other modes' numbers; this row says what failed
+                error = repr(exc)
+        results = _gather(ctx, (ms, peak, error))
+        ran = [r for r in results[:gpus]]
+        errors = [r[2] for r in ran if r[2]]
+        rows.append(dict(
+            model=spec.name, mode=mode, shape=shape.label, tokens=tokens(spec, shape), batch=batch,
+            text_tokens=shape.text_tokens if spec.family == "flux" else None, gpus=gpus,
+            ms=max(r[0] for r in ran), peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
+            error=errors[0] if errors else None,
+        ))
+
+    # 1. one GPU: rank 0 alone; the others wait at the barrier below
+    for shape in shapes:
+        forward = single_process_forward(model, device) if ctx.is_main else None
+        record("1 GPU", shape, 1, forward, None)
+    # 2. ours, each plan over all ranks
+    for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, args.cfg):
+        parallel = parallelize_transformer(model, ctx, plan)
+        for shape in shapes:
+            record(f"ours {plan_label(plan)}", shape, ctx.world_size, parallel, ctx.control_group)
+        parallel.restore()
+    # 3. diffusers-native Ulysses (FLUX; CUDA only: it divides by the accelerator count)
+    if spec.family == "flux" and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers:
+        from diffusers import ContextParallelConfig
+
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ctx.world_size))
+        for shape in shapes:
+            record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
+    """Add speedup vs the 1-GPU row of the same model and shape, and MFU where the peak is known."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    base = {(r["model"], r["shape"]): r["ms"] for r in rows if r["mode"] == "1 GPU"}
+    for r in rows:
+        b = base.get((r["model"], r["shape"]))
+        r["speedup"] = b / r["ms"] if b and r["ms"] == r["ms"] and r["ms"] > 0 else None
+        r["mfu"] = r["flops"] / (r["ms"] / 1e3 * r["gpus"] * peak) if peak and r["flops"] and r["ms"] > 0 else None
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Compact text table of the rows."""
+    head = f"{'model':<11} {'mode':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        mfu = f"{r['mfu']:.0%}" if r["mfu"] else "-"
+        lines.append(f"{r['model']:<11} {r['mode']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
+                     f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else ""))
+    return "\n".join(lines)
+
+
+def parse_shapes(text: str, *, video: bool) -> list[Shape]:
+    """"1024x1024,2048x2048" (images) or "93x704x1280" (videos: frames x height x width)."""
+    shapes = []
+    for item in text.split(","):
+        dims = [int(d) for d in item.lower().split("x")]
+        if video and len(dims) == 3:
+            shapes.append(Shape(frames=dims[0], height=dims[1], width=dims[2]))
+        elif not video and len(dims) == 2:
+            shapes.append(Shape(height=dims[0], width=dims[1]))
+        else:
+            raise ValueError(f"bad {'video' if video else 'image'} size {item!r}")
+    return shapes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="flux-dev",
+                   help="comma-separated: flux-dev, cosmos-2b, cosmos-14b (default flux-dev)")
+    p.add_argument("--sizes", default=None, help="FLUX image sizes HxW, comma-separated (default 1024x1024,2048x2048)")
+    p.add_argument("--video", default=None, help="Cosmos video sizes FxHxW, comma-separated (default 93x704x1280)")
+    p.add_argument("--text-tokens", type=int, default=512, help="text tokens (FLUX T5 / Cosmos T5), default 512")
+    p.add_argument("--batch", type=int, default=0, help="batch (default: FLUX 1, Cosmos 2 = cond+uncond)")
+    p.add_argument("--strategies", default="ulysses,ring,allgather,ulysses-ring",
+                   help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure CFG-parallel plans (default: on for Cosmos)")
+    p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every measured forward")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (rank 0)")
+    args = p.parse_args(argv)
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    for s in args.strategies:
+        if s not in STRATEGIES:
+            p.error(f"unknown strategy {s!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Benchmark entry point (see the module docstring)."""
+    args = parse_args(argv)
+    ctx = init_parallel("cpu" if args.tiny else None)
+    try:
+        rows: list[dict[str, Any]] = []
+        for name in args.model.split(","):
+            if name not in ("flux-dev", "cosmos-2b", "cosmos-14b"):
+                raise ValueError(f"unknown model {name!r}; choose flux-dev, cosmos-2b or cosmos-14b")
+            family = "flux" if name.startswith("flux") else "cosmos"
+            spec = SPECS[f"{family}-tiny" if args.tiny else name]
+            if family == "flux":
+                shapes = parse_shapes(args.sizes or ("64x64,80x48" if args.tiny else "1024x1024,2048x2048"), video=False)
+            else:
+                shapes = parse_shapes(args.video or ("9x32x48" if args.tiny else "93x704x1280"), video=True)
+            shapes = [Shape(height=s.height, width=s.width, frames=s.frames, text_tokens=args.text_tokens)
+                      for s in shapes]
+            cfg_args = argparse.Namespace(**{**vars(args), "cfg": family == "cosmos" if args.cfg is None else args.cfg})
+            rows += run_model(spec, shapes, cfg_args, ctx)
+        if ctx.is_main:
+            rows = finish(rows, ctx.device)
+            print(table(rows), flush=True)
+            if args.out:
+                meta = dict(
+                    command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
+                    diffusers=diffusers.__version__, cuda=torch.version.cuda,
+                    device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+                    dtype="float32" if args.tiny else "bfloat16", compile=args.compile, warmup=args.warmup,
+                    iters=args.iters,
+                )
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    finally:
+        shutdown(ctx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The GPU benchmark's code path, run tiny on CPU with 2 gloo ranks (torchrun)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from test_engines_parallel import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_tiny_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "engines.benchmark", "--tiny", "--model", "flux-dev,cosmos-2b", "--warmup", "1", "--iters", "2",
+        "--out", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    modes = {(r["model"], r["mode"]) for r in rows}
+    for model in ("flux-tiny", "cosmos-tiny"):
+        for mode in ("1 GPU", "ours ulysses-2", "ours ring-2", "ours allgather-2"):
+            assert (model, mode) in modes
+    assert ("cosmos-tiny", "ours cfg-2") in modes
+    assert all(r["error"] is None and r["ms"] > 0 and r["speedup"] for r in rows), rows
+    assert "ours ulysses-2" in proc.stdout  # the table is printed on rank 0

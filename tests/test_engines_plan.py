@@ -1,0 +1,105 @@
+"""ParallelPlan, ShardLayout and single-process behaviour of the parallel layer (no ranks spawned)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines import ParallelContext, ParallelPlan, ShardLayout, parallelize_transformer, resize_padding_mask
+from engines.specs import SPECS, build_random
+
+
+@pytest.mark.parametrize(
+    ("world_size", "heads", "strategy", "cfg", "expected"),
+    [
+        (8, 24, "ulysses", 1, ParallelPlan(ulysses=8)),  # FLUX: 24 / 8 = 3 heads per rank
+        (2, 24, "ulysses", 1, ParallelPlan(ulysses=2)),
+        (3, 16, "ulysses", 1, ParallelPlan(strategy="ring", ring=3)),  # Cosmos-2B: 3 divides nothing
+        (6, 16, "ulysses", 1, ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=3)),
+        (8, 40, "ulysses", 1, ParallelPlan(ulysses=8)),  # Cosmos-14B
+        (6, 40, "ulysses", 1, ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=3)),
+        (4, 16, "ulysses", 2, ParallelPlan(ulysses=2, cfg=2)),
+        (2, 16, "ulysses", 2, ParallelPlan(cfg=2)),
+        (4, 24, "ring", 1, ParallelPlan(strategy="ring", ring=4)),
+        (4, 24, "allgather", 2, ParallelPlan(strategy="allgather", ring=2, cfg=2)),
+        (8, 24, "ulysses-ring", 1, ParallelPlan(ulysses=8)),  # hybrid not needed: plain ulysses
+        (1, 24, "ulysses", 1, ParallelPlan()),
+    ],
+)
+def test_auto(world_size: int, heads: int, strategy: str, cfg: int, expected: ParallelPlan) -> None:
+    plan = ParallelPlan.auto(world_size, heads, strategy=strategy, cfg=cfg)
+    assert plan == expected
+    plan.check(world_size=world_size, num_heads=heads)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(strategy="tree"), "unknown strategy"),
+        (dict(ulysses=0), "positive integer"),
+        (dict(ulysses=2, ring=2), "uses no ring axis"),
+        (dict(strategy="ring", ulysses=2, ring=2), "uses no ulysses axis"),
+        (dict(strategy="ulysses-ring", ulysses=2), "needs ulysses >= 2 and ring >= 2"),
+    ],
+)
+def test_invalid_plans(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan(**kwargs)
+
+
+def test_check_against_ranks_and_heads() -> None:
+    with pytest.raises(ValueError, match="2 ranks, but 4 are running"):
+        ParallelPlan(ulysses=2).check(world_size=4, num_heads=24)
+    with pytest.raises(ValueError, match="does not divide the model's 16 attention heads"):
+        ParallelPlan(ulysses=3).check(world_size=3, num_heads=16)
+    with pytest.raises(ValueError, match="cfg degree 2 does not divide the 3 ranks"):
+        ParallelPlan.auto(3, 24, cfg=2)
+
+
+def test_shard_layout_runs() -> None:
+    layout = ShardLayout(lengths=(5, 7), degree=3)  # chunks 2 and 3, local length 5
+    assert layout.local_length == 5 and layout.padded
+    assert [layout.valid(0, s) for s in range(3)] == [2, 2, 1]
+    assert [layout.valid(1, s) for s in range(3)] == [3, 3, 1]
+    assert layout.valid_runs([0, 1]) == ((0, 10),)
+    assert layout.valid_runs([2]) == ((0, 1), (2, 1))
+    assert layout.valid_runs([0, 1, 2]) == ((0, 11), (12, 1))
+    assert ShardLayout(lengths=(2,), degree=3).valid_runs([2]) == ()
+    assert not ShardLayout(lengths=(4, 8), degree=4).padded
+
+
+def test_resize_padding_mask_is_nearest() -> None:
+    mask = torch.arange(16.0).reshape(1, 1, 4, 4)
+    assert torch.equal(resize_padding_mask(mask, (2, 2)), mask[..., ::2, ::2])
+    assert resize_padding_mask(mask.bfloat16(), [8, 8]).dtype == torch.bfloat16
+
+
+def test_single_process_wrapper_is_the_model() -> None:
+    """World size 1: the wrapper runs the model unchanged (and Cosmos' padding-mask concat works
+    without torchvision through the adapter)."""
+    from engines.benchmark import Shape, make_inputs
+
+    ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
+                          control_group=None)
+    spec = SPECS["flux-tiny"]
+    model = build_random(spec, device=torch.device("cpu"), dtype=torch.float32)
+    kwargs = make_inputs(spec, Shape(height=80, width=48, text_tokens=5), batch=2, device=ctx.device,
+                         dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(parallelize_transformer(model, ctx)(**kwargs)[0], model(**kwargs)[0])
+    cosmos = SPECS["cosmos-tiny"]
+    model = build_random(cosmos, device=torch.device("cpu"), dtype=torch.float32)
+    kwargs = make_inputs(cosmos, Shape(frames=9, height=32, width=48, text_tokens=5), batch=2,
+                         device=ctx.device, dtype=torch.float32)
+    with torch.no_grad():
+        out = parallelize_transformer(model, ctx)(**kwargs)[0]
+    assert out.shape == kwargs["hidden_states"].shape and torch.isfinite(out).all()
+
+
+def test_unsupported_model() -> None:
+    ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
+                          control_group=None)
+    model = torch.nn.Linear(2, 2)
+    model.config = type("Config", (), {"num_attention_heads": 1})()
+    with pytest.raises(TypeError, match="no parallel plan for Linear"):
+        parallelize_transformer(model, ctx)
