@@ -62,7 +62,9 @@ def _ulysses_scatter_heads(
     # Leading axis = destination rank (head group); packing q, k, v makes one message per peer.
     x = torch.stack([t.reshape(B, S, degree, h, D).permute(2, 0, 1, 3, 4) for t in (q, k, v)], dim=1)
     x = all_to_all(x, group)  # (degree, 3, B, S, h, D), leading axis now = source rank = sequence shard
-    x = x.permute(1, 2, 4, 0, 3, 5).reshape(3, B, h, degree * S, D)
+    # One copy to BSHD memory (the layout flash kernels use natively), seen as BhSD through a
+    # transpose: the kernels need only a unit last stride.
+    x = x.permute(1, 2, 0, 3, 4, 5).reshape(3, B, degree * S, h, D).transpose(2, 3)
     return x[0], x[1], x[2]
 
 
@@ -70,7 +72,9 @@ def _ulysses_gather_heads(out: torch.Tensor, group: dist.ProcessGroup, degree: i
     """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
     B, h, total, D = out.shape
     S = total // degree
-    x = out.reshape(B, h, degree, S, D).permute(2, 0, 3, 1, 4).contiguous()  # leading = sequence owner
+    # (degree, B, S, h, D), leading = owner of the sequence shard; SDPA kernels write BSHD memory,
+    # so with B == 1 this is already contiguous and the all-to-all sends it without a copy.
+    x = out.transpose(1, 2).reshape(B, degree, S, h, D).permute(1, 0, 2, 3, 4)
     x = all_to_all(x, group)  # leading axis now = head group
     return x.permute(1, 2, 0, 3, 4).reshape(B, S, degree * h, D)
 
@@ -129,15 +133,13 @@ def _ring_attention(
     kv = torch.stack((k, v))  # one message per step
     out = lse = None
     for step in range(size):
-        # Issue the next transfer before computing on the current block, so they overlap (eager:
-        # the result waits on first use; compiled: the scheduler may reorder the wait).
+        kv = wait(kv)
+        # Send this block on before computing with it, so the transfer overlaps the attention.
         next_kv = ring_shift(kv, mesh.ring_group, rank, size) if step < size - 1 else None
         runs = layout.valid_runs(mesh.ring_shards((rank - step) % size))
         if runs:  # a block made only of padding adds nothing (and would give an empty softmax)
             block_out, block_lse = attention_with_lse(q, _select(kv[0], runs, 2), _select(kv[1], runs, 2))
             out, lse = _merge(out, lse, block_out, block_lse)
-        else:
-            wait(kv)  # complete the transfer even though its block is all padding
         kv = next_kv
     if out is None:
         raise ValueError("attention over an empty sequence")

@@ -175,6 +175,24 @@ def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device:
     return statistics.median(times), peak
 
 
+def profile_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
+                    group: dist.ProcessGroup | None, path: Path) -> None:
+    """Profile one call; write `path`.json (chrome trace) and `path`.txt (top ops by self time)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    if group is not None:
+        dist.barrier(group=group)
+    with torch.profiler.profile(activities=activities) as prof, torch.no_grad():
+        forward(**kwargs)
+        _sync(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(f"{path}.json")
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    Path(f"{path}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=25))
+
+
 def _gather(ctx: ParallelContext, value: Any) -> list[Any]:
     if not ctx.is_distributed:
         return [value]
@@ -228,6 +246,10 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
                 fn = torch.compile(forward, fullgraph=True) if args.compile else forward
                 ms, peak = time_forward(fn, inputs[shape.label], device=device, group=group,
                                         warmup=args.warmup, iters=args.iters)
+                if args.profile:
+                    slug = "_".join(x.replace(" ", "-") for x in (spec.name, mode, shape.label))
+                    profile_forward(fn, inputs[shape.label], device=device, group=group,
+                                    path=args.profile / f"{slug}.rank{ctx.rank}")
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
                 error = repr(exc)
         results = _gather(ctx, (ms, peak, error))
@@ -320,6 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (rank 0)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after timing each mode, profile one call per rank into this folder (trace + top-ops table)")
     args = p.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]
     for s in args.strategies:

@@ -2,8 +2,9 @@
 
 torch.distributed._functional_collectives ops are traced by torch.compile into the graph (with
 fullgraph=True), unlike the in-place torch.distributed calls. In eager mode they return an
-AsyncCollectiveTensor that waits on first use, which lets a caller overlap a transfer with
-compute by using the result late.
+AsyncCollectiveTensor; all_to_all and all_gather unwrap it at once (their callers need the data
+next, and a plain tensor avoids a subclass dispatch on every later op), ring_shift leaves it
+pending so that the caller can compute while the transfer runs, then call wait().
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ def wait(x: torch.Tensor) -> torch.Tensor:
 
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Even all-to-all along dim 0: slice i goes to peer i; slice i of the result came from peer i."""
-    return funcol.all_to_all_single(x.contiguous(), None, None, group)
+    return wait(funcol.all_to_all_single(x.contiguous(), None, None, group))
 
 
 def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every peer's `x` along `dim`, in group-rank order."""
-    return _all_gather_single(x.contiguous(), dim, group)
+    return wait(_all_gather_single(x.contiguous(), dim, group))
 
 
 def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-    """Send `x` to group rank+1 and receive the same shape from rank-1.
+    """Send `x` to group rank+1 and receive the same shape from rank-1 (pending: call wait()).
 
     An all-to-all whose only non-empty splits are those two peers: NCCL turns it into one send and
     one receive, and it traces like any functional collective (funcol.permute_tensor would too,

@@ -206,7 +206,7 @@ def parallelize_cosmos(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> P
     """Shard Cosmos' video tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
     if model.config.controlnet_block_every_n is not None:
         raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
-    mesh.plan.check(world_size=mesh.plan.world_size, num_heads=model.config.num_attention_heads)
+    mesh.plan.check(num_heads=model.config.num_attention_heads)
     replaced = []
     if mesh.plan.seq_degree > 1:
         replaced = replace_processors(

@@ -132,7 +132,7 @@ class ParallelFlux(ParallelTransformer):
 
 def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> ParallelFlux:
     """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
-    mesh.plan.check(world_size=mesh.plan.world_size, num_heads=model.config.num_attention_heads)
+    mesh.plan.check(num_heads=model.config.num_attention_heads)
     replaced = []
     if mesh.plan.seq_degree > 1:
         attentions = [b.attn for b in model.transformer_blocks] + [b.attn for b in model.single_transformer_blocks]

@@ -44,11 +44,7 @@ class ParallelMesh:
 
 def build_mesh(ctx: ParallelContext, plan: ParallelPlan) -> ParallelMesh:
     """Create the process groups of `plan` (collective: every rank must call it, in the same order)."""
-    if plan.world_size != ctx.world_size:
-        raise ValueError(
-            f"plan needs cfg*ring*ulysses = {plan.cfg}*{plan.ring}*{plan.ulysses} = {plan.world_size} ranks, "
-            f"but {ctx.world_size} are running"
-        )
+    plan.check(world_size=ctx.world_size)
     if ctx.world_size == 1:
         return ParallelMesh(
             plan=plan, device_mesh=None, ulysses_group=None, ring_group=None, cfg_group=None,

@@ -63,14 +63,14 @@ class ParallelPlan:
         """How the ring axis shares K/V: "ring" (pass chunks around) or "allgather"."""
         return "allgather" if self.strategy == "allgather" else "ring"
 
-    def check(self, *, world_size: int, num_heads: int) -> None:
-        """Raise ValueError if this plan cannot run `num_heads`-head attention on `world_size` ranks."""
-        if self.world_size != world_size:
+    def check(self, *, world_size: int | None = None, num_heads: int | None = None) -> None:
+        """Raise ValueError if this plan cannot run on `world_size` ranks or split `num_heads` heads."""
+        if world_size is not None and self.world_size != world_size:
             raise ValueError(
                 f"plan needs cfg*ring*ulysses = {self.cfg}*{self.ring}*{self.ulysses} = {self.world_size} ranks, "
                 f"but {world_size} are running"
             )
-        if num_heads % self.ulysses != 0:
+        if num_heads is not None and num_heads % self.ulysses != 0:
             raise ValueError(
                 f"ulysses degree {self.ulysses} does not divide the model's {num_heads} attention heads; "
                 f"use ParallelPlan.auto(...) or strategy 'ulysses-ring' with a ulysses degree dividing {num_heads}"

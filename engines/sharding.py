@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from engines.collectives import all_gather, wait
+from engines.collectives import all_gather
 from engines.mesh import ParallelMesh
 
 
@@ -92,8 +92,8 @@ def gather_tokens(x: torch.Tensor, mesh: ParallelMesh, *, length: int, dim: int)
     if plan.ulysses > 1:
         x = all_gather(x, dim, mesh.ulysses_group)
     if plan.ring > 1:
-        x = all_gather(wait(x), dim, mesh.ring_group)
-    return wait(x).narrow(dim, 0, length)
+        x = all_gather(x, dim, mesh.ring_group)
+    return x.narrow(dim, 0, length)
 
 
 def check_batch(batch: int, mesh: ParallelMesh) -> None:
@@ -120,4 +120,4 @@ def gather_batch(x: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """Concatenate the CFG groups' batch slices (in group order) on every rank."""
     if mesh.plan.cfg == 1:
         return x
-    return wait(all_gather(x, 0, mesh.cfg_group))
+    return all_gather(x, 0, mesh.cfg_group)
