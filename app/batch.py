@@ -1,0 +1,165 @@
+"""`ulysses-studio batch PROMPTS --out DIR`: every prompt of a file, on one rank or many, resumable.
+
+Rank 0 reads and validates the file line by line (a bad line is reported with its number; the rest
+go on), skips what the manifest says is already done, and runs the rest through the lockstep service
+with a progress bar. Each file is written under a temporary name and renamed when complete, then
+listed in DIR/manifest.jsonl. Exit status: 0 when every line is done, 1 when some line was bad or
+failed (the others are still written), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields
+from app.outputs import EXTENSIONS, settings_of
+from app.prompt_files import SUFFIXES, BadLine, BatchError, PromptLine, output_name, read_prompt_file
+from app.prompt_files import request_fields as line_fields
+from pipelines.registry import ModelSpec, resolve_model
+from pipelines.requests import GenerationRequest, MediaLimits, RequestError, make_request, read_limits
+
+__all__ = ["BatchError", "add_batch_arguments", "check_batch", "run_batch"]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A checked batch command line."""
+
+    spec: ModelSpec
+    folder: Path
+    limits: MediaLimits
+    prompts: Path
+    out_dir: Path
+    defaults: dict[str, Any]
+    """make_request fields from the command line, under each line's own values."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One line that will be generated."""
+
+    line: int
+    file: str
+    request: GenerationRequest
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", metavar="PROMPTS",
+                        help=f"prompt file: {', '.join(SUFFIXES)} (see app/prompt_files.py for the fields)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
+    add_model_arguments(parser)
+    add_request_arguments(parser, prompt_required=False)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_parallel_arguments(parser)
+
+
+def check_batch(args: argparse.Namespace) -> BatchPlan:
+    """Check the model, the prompt file, the output folder and the default settings; load nothing."""
+    spec, folder = resolve_model(args.model, args.model_path)
+    limits = read_limits(spec, folder)
+    prompts = Path(args.prompts).expanduser()
+    if not prompts.is_file():
+        raise BatchError(f"prompt file {prompts} does not exist")
+    if prompts.suffix.lower() not in SUFFIXES:
+        raise BatchError(f"{prompts}: prompt files are {', '.join(SUFFIXES)}")
+    out_dir = Path(args.out).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BatchError(f"--out {out_dir} is a file, not a folder")
+    defaults = {key: value for key, value in request_fields(args).items() if value is not None}
+    make_request(spec, limits, prompt="a check of the command line's settings", **defaults)
+    return BatchPlan(spec=spec, folder=folder, limits=limits, prompts=prompts, out_dir=out_dir, defaults=defaults)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Generate every line of the prompt file not yet done (rank 0 drives; other ranks follow)."""
+    plan = check_batch(args)
+
+    from app.runtime import start_runtime
+    from app.stopping import stop_on_signals
+
+    with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
+                                                  strategy=args.strategy, rank_timeout=args.rank_timeout,
+                                                  stop=stop) as runtime:
+        if not runtime.is_main:
+            runtime.service.follow()
+            return 0
+        return _run_lines(plan, runtime, quiet=args.quiet)
+
+
+def plan_tasks(plan: BatchPlan, manifest) -> tuple[list[Task], int, list[BadLine]]:
+    """The lines still to generate, the number already done, and the bad lines (with their reasons)."""
+    extension = EXTENSIONS[plan.spec.media]
+    tasks, done, bad = [], 0, []
+    used: dict[str, int] = {}
+    for item in read_prompt_file(plan.prompts):
+        if isinstance(item, BadLine):
+            bad.append(item)
+            continue
+        file = output_name(item, extension)
+        if file in used:
+            bad.append(BadLine(item.line, f"output name {file} is already used by line {used[file]}"))
+            continue
+        used[file] = item.line
+        try:
+            request = make_request(plan.spec, plan.limits, **line_fields(item, plan.defaults, plan.prompts.parent))
+        except RequestError as error:
+            bad.append(BadLine(item.line, str(error)))
+            continue
+        if manifest.is_done(file, settings_of(request, plan.spec)):
+            done += 1
+            continue
+        tasks.append(Task(line=item.line, file=file, request=request))
+    return tasks, done, bad
+
+
+def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
+    from tqdm import tqdm
+
+    from app.failures import JobCancelled, JobFailed
+    from app.manifest import Manifest
+    from app.outputs import write_result
+
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(plan.out_dir)
+    tasks, done, bad = plan_tasks(plan, manifest)
+    for item in bad:
+        print(f"{plan.prompts}:{item.line}: skipped: {item.message}", file=sys.stderr)
+    written, failed, interrupted = 0, [], False
+    with tqdm(total=len(tasks), desc="batch", unit="item", disable=quiet, file=sys.stderr) as bar:
+        for task in tasks:
+            bar.set_postfix_str(task.file, refresh=True)
+            try:
+                generation = runtime.service.run(plan.spec.media, task.request)
+            except JobCancelled:
+                interrupted = True
+                break
+            except JobFailed as error:
+                tqdm.write(f"{plan.prompts}:{task.line}: failed: {error}", file=sys.stderr)
+                failed.append(task.line)
+                bar.update()
+                continue
+            partial = plan.out_dir / f".partial-{task.file}"
+            write_result(generation.result, partial, task.request, plan.spec)
+            os.replace(partial, plan.out_dir / task.file)
+            manifest.append({
+                "line": task.line, "file": task.file, "prompts": str(plan.prompts),
+                "settings": settings_of(task.request, plan.spec), "seconds": round(generation.seconds, 3),
+                "step_seconds": round(generation.step_seconds, 4), "ranks": runtime.world_size,
+                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            })
+            written += 1
+            bar.update()
+    problems = sorted([item.line for item in bad] + failed)
+    print(f"batch: {written} written, {done} already done, {len(problems)} bad or failed"
+          + (f" (lines {', '.join(map(str, problems))})" if problems else "")
+          + (", interrupted: run the same command again to resume" if interrupted else "")
+          + f"; manifest: {manifest.path}", file=sys.stderr)
+    if interrupted:
+        return 130
+    return 1 if problems else 0

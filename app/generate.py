@@ -1,0 +1,65 @@
+"""`ulysses-studio generate`: one image or video from the command line, on one rank or many."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.arguments import request_fields
+from app.outputs import check_output_path
+from pipelines.registry import ModelSpec, resolve_model
+from pipelines.requests import GenerationRequest, make_request, read_limits
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """A checked `generate` command line: what to make and where to write it."""
+
+    spec: ModelSpec
+    folder: Path
+    request: GenerationRequest
+    out: Path
+
+
+def check_generate(args: argparse.Namespace) -> GenerateJob:
+    """Validate the command line without loading anything (pure, so every rank gets the same answer)."""
+    spec, folder = resolve_model(args.model, args.model_path)
+    request = make_request(spec, read_limits(spec, folder), prompt=args.prompt, condition=args.condition,
+                           **request_fields(args))
+    return GenerateJob(spec=spec, folder=folder, request=request, out=check_output_path(args.out, spec))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Generate one result and write it (rank 0); other ranks take part in the denoising."""
+    job = check_generate(args)
+
+    # Heavy imports only once the request is known to be good.
+    from tqdm import tqdm
+
+    from app.failures import JobCancelled
+    from app.outputs import write_result
+    from app.runtime import start_runtime
+    from app.stopping import stop_on_signals
+
+    started = time.perf_counter()
+    with stop_on_signals() as stop, start_runtime([(job.spec, job.folder)], device=args.device,
+                                                  strategy=args.strategy, rank_timeout=args.rank_timeout,
+                                                  stop=stop) as runtime:
+        if not runtime.is_main:
+            runtime.service.follow()
+            return 0
+        quiet = args.quiet
+        with tqdm(total=job.request.steps, desc="denoising", unit="step", disable=quiet, file=sys.stderr) as bar:
+            try:
+                generation = runtime.service.run(job.spec.media, job.request,
+                                                 on_step=lambda done, total: bar.update(done - bar.n))
+            except JobCancelled:
+                print("interrupted", file=sys.stderr)
+                return 130
+        write_result(generation.result, job.out, job.request, job.spec)
+    if not quiet:
+        print(f"wrote {job.out} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,142 @@
+"""`ulysses-studio launch [--nproc N] COMMAND ...`: run serve, batch or generate on N ranks with torchrun.
+
+    torchrun --nproc-per-node N --master-addr 127.0.0.1 --master-port <free> -m app COMMAND ...
+
+N defaults to the visible GPUs, or 2 CPU ranks (gloo) on a machine without one. The command line is
+checked here first, so a mistake is one line before any rank starts. The environment is passed on
+as it is (NCCL_*, CUDA_VISIBLE_DEVICES, ...); on CPUs OMP_NUM_THREADS defaults to cores / N.
+
+Ctrl-C: torchrun runs in its own session, so the terminal's SIGINT reaches only this launcher, which
+passes it to the ranks; they stop together at their next agreement point and exit cleanly (torchrun,
+interrupted itself, would print a traceback). A second Ctrl-C terminates torchrun and its ranks.
+When a rank dies, torchrun notices within 0.1 s and sends SIGTERM to the others (SIGKILL 30 s
+later); this launcher then reports the failure in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+LAUNCHABLE = ("serve", "batch", "generate")
+DEFAULT_CPU_RANKS = 2
+
+
+class LaunchError(ValueError):
+    """A launch command line that cannot start."""
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help=f"ranks to start (default: the visible GPUs, or {DEFAULT_CPU_RANKS} CPU ranks without one)")
+    parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                        help=f"one of {', '.join(LAUNCHABLE)} and its arguments")
+
+
+def default_nproc() -> int:
+    """The number of visible GPUs, or DEFAULT_CPU_RANKS where there is none."""
+    import torch
+
+    return torch.cuda.device_count() or DEFAULT_CPU_RANKS
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for torchrun's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_command(nproc: int, command_line: list[str], port: int) -> list[str]:
+    """The torchrun command line that starts `nproc` ranks of `python -m app COMMAND ...`."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc}", "--nnodes=1", "--max-restarts=0",
+        "--master-addr=127.0.0.1", f"--master-port={port}",
+        "-m", "app", *command_line,
+    ]
+
+
+def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the inner command line, start torchrun, relay Ctrl-C, and return torchrun's exit status."""
+    command_line = list(args.command_line)
+    if command_line[:1] == ["--"]:
+        command_line = command_line[1:]
+    if not command_line or command_line[0] not in LAUNCHABLE:
+        raise LaunchError(f"launch needs a command: one of {', '.join(LAUNCHABLE)} (e.g. `launch --nproc 2 serve`)")
+    inner = parser.parse_args(command_line)
+    inner.check(inner)  # user mistakes end here, in one line, before any rank starts
+
+    cuda = _cuda_visible()
+    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    env = dict(os.environ)
+    if not cuda:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    command = torchrun_command(nproc, command_line, free_port())
+    print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
+          f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
+    return _run_torchrun(command, env)
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
+    process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    interrupts = []
+
+    def relay(signum: int, frame: object) -> None:
+        interrupts.append(signum)
+        if len(interrupts) == 1:
+            _signal_ranks(process.pid, signal.SIGINT)
+        else:
+            os.killpg(process.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if interrupts:
+        return 130 if status == 0 else status
+    if status != 0:
+        print(f"error: the job ended because a rank failed (torchrun exit status {status}); "
+              "the messages above say which rank and why", file=sys.stderr)
+    return status
+
+
+def _signal_ranks(torchrun_pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to torchrun's children (the ranks), or to its whole session where /proc is missing."""
+    children = []
+    for task in Path(f"/proc/{torchrun_pid}/task").glob("*/children"):
+        try:
+            children += [int(pid) for pid in task.read_text().split()]
+        except OSError:
+            pass
+    if not children:
+        os.killpg(torchrun_pid, sig)
+    for pid in children:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _die_with_parent() -> None:
+    """In the torchrun child: get SIGTERM if this launcher dies (Linux), so no ranks are orphaned."""
+    try:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,246 @@
+"""The lockstep service: one request on rank 0 becomes the same call on every rank.
+
+Rank 0 owns the requests (UI queue, batch file, command line); the other ranks `follow()`. All app
+traffic goes over the context's CPU control group (gloo), one request at a time:
+
+    rank 0                                  every rank                      rank 0
+    broadcast Run(request)  ->  encode  ->  broadcast encoded | error  ->  denoise  ->  decode
+                                                agree() after each step and after the loop
+
+Requests are validated (pipelines.requests.make_request) before `run`, so nothing invalid reaches a
+collective. An agreement point is one all_reduce of [stop wanted, failed] with a time limit: a rank
+whose step raised meets the others at their next agreement point, every rank drops the request
+(JobFailed) and the service goes on. A rank that cannot be reached within `rank_timeout` seconds,
+or whose connection closes (it died), is RankLost: the run ends, because a collective left half
+done cannot be taken back. While idle, rank 0 sends a heartbeat every HEARTBEAT_SECONDS so that the
+followers' wait never hits the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from app.failures import JobCancelled, JobFailed, RankLost, describe
+from engines.distributed import ParallelContext
+from pipelines.requests import GenerationRequest
+
+HEARTBEAT_SECONDS = 5.0
+
+StepCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Control message: run `request` on the model registered under `model`."""
+
+    job: int
+    model: str
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Control message: rank 0 is alive and idle."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Control message: leave `follow()`; the run is over."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """What rank 0 gets back from `run`."""
+
+    result: Any
+    """PIL image, or uint8 frames [T, H, W, 3]."""
+    model: str
+    request: GenerationRequest
+    seconds: float
+    """Wall time of the whole request (encode, denoise, decode)."""
+    step_seconds: float
+    """Mean wall time of one denoising step, agreement included."""
+
+
+def _to_cpu(value: Any) -> Any:
+    """A dataclass of tensors with every tensor moved to the CPU (what gloo pickles and ships)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    return value
+
+
+class LockstepService:
+    """Runs requests on every rank of `ctx` in the same order; see the module docstring.
+
+    Args:
+        pipelines: model key -> pipeline with encode/denoise/decode (ranks > 0 hold ones without encoders).
+        stop: set by a signal (app.stopping); honoured at the next agreement point on every rank.
+        rank_timeout: seconds a rank waits for the others at an agreement point before RankLost.
+    """
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        pipelines: Mapping[str, Any],
+        *,
+        stop: threading.Event,
+        rank_timeout: float,
+    ) -> None:
+        self.ctx = ctx
+        self.pipelines = dict(pipelines)
+        self.stop_event = stop
+        self.rank_timeout = rank_timeout
+        self.last_step_seconds: float | None = None
+        self._jobs = 0
+        self._last_contact = time.monotonic()
+        self._stopped = False
+
+    # --- rank 0 -------------------------------------------------------------------------------
+
+    def run(self, model: str, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
+        """Run a validated request on every rank (rank 0 only); raises JobFailed, JobCancelled or RankLost."""
+        self._require_main("run")
+        if model not in self.pipelines:
+            raise KeyError(f"no model '{model}' in this service; it has {', '.join(self.pipelines)}")
+        self._jobs += 1
+        message = Run(job=self._jobs, model=model, request=request)
+        self._broadcast(message)
+        generation = self._execute(message, on_step)
+        self.last_step_seconds = generation.step_seconds
+        return generation
+
+    def keep_alive(self) -> None:
+        """Send a heartbeat if the followers have not heard from rank 0 for HEARTBEAT_SECONDS."""
+        self._require_main("keep_alive")
+        if self.ctx.is_distributed and time.monotonic() - self._last_contact >= HEARTBEAT_SECONDS:
+            self._broadcast(Heartbeat())
+
+    def stop(self) -> None:
+        """Release the followers (rank 0 only); calling it again does nothing."""
+        self._require_main("stop")
+        if not self._stopped:
+            self._stopped = True
+            self._broadcast(Stop())
+
+    # --- ranks > 0 ----------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Execute rank 0's requests until it sends Stop (ranks > 0). Raises RankLost if rank 0 is gone."""
+        if self.ctx.is_main:
+            raise RuntimeError("follow() is for ranks > 0; rank 0 calls run()")
+        while True:
+            message = self._broadcast(None)
+            if isinstance(message, Stop):
+                return
+            if isinstance(message, Run):
+                try:
+                    self._execute(message, None)
+                except JobFailed:
+                    pass  # rank 0 reports it; this rank waits for the next message
+
+    # --- every rank ---------------------------------------------------------------------------
+
+    def _execute(self, message: Run, on_step: StepCallback | None) -> Generation | None:
+        pipeline = self.pipelines[message.model]
+        request = message.request
+        started = time.perf_counter()
+
+        # 1. Rank 0 encodes; its outcome (tensors or an error) reaches every rank in one broadcast.
+        encoded, failure = None, None
+        if self.ctx.is_main:
+            try:
+                encoded = pipeline.encode(request)
+                if self.ctx.is_distributed:
+                    encoded = _to_cpu(encoded)
+            except Exception as error:  # noqa: BLE001 - any failure drops the request on every rank
+                traceback.print_exc()
+                failure = f"rank 0 (encoding): {describe(error)}"
+        encoded, failure = self._broadcast((encoded, failure))
+        if failure is not None:
+            raise JobFailed(failure)
+
+        # 2. Every rank denoises; ranks agree after every step and once more after the loop.
+        def step_done(done: int, total: int) -> None:
+            self._agree(None)
+            if on_step is not None:
+                on_step(done, total)
+
+        denoise_started = time.perf_counter()
+        try:
+            latents = pipeline.denoise(request, encoded, step_done)
+        except (JobFailed, RankLost):
+            raise
+        except Exception as error:  # noqa: BLE001 - met by the others at their next agreement point
+            traceback.print_exc()
+            self._agree(f"rank {self.ctx.rank}: {describe(error)}")
+            raise  # _agree raised JobFailed; this line is never reached
+        self._agree(None)
+        step_seconds = (time.perf_counter() - denoise_started) / request.steps
+        if not self.ctx.is_main:
+            return None
+
+        # 3. Rank 0 decodes; the followers are already waiting for the next message.
+        try:
+            result = pipeline.decode(request, latents)
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            raise JobFailed(f"rank 0 (decoding): {describe(error)}") from error
+        return Generation(result=result, model=message.model, request=request,
+                          seconds=time.perf_counter() - started, step_seconds=step_seconds)
+
+    def _agree(self, failure: str | None) -> None:
+        """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop."""
+        if not self.ctx.is_distributed:
+            if failure is not None:
+                raise JobFailed(failure)
+            if self.stop_event.is_set():
+                raise JobCancelled("stopped (interrupt or SIGTERM)")
+            return
+        flags = torch.tensor([int(self.stop_event.is_set()), int(failure is not None)], dtype=torch.int64)
+        try:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.rank_timeout))
+        except Exception as error:  # noqa: BLE001 - a timeout or a closed connection
+            raise RankLost(
+                f"rank {self.ctx.rank}: another rank did not reach the agreement point within "
+                f"{self.rank_timeout:g} s or has died ({describe(error)})"
+                + (f"; this rank had failed with {failure}" if failure else "")
+            ) from error
+        stop_wanted, failed = flags.tolist()
+        if failed:
+            reports: list[str | None] = [None] * self.ctx.world_size
+            self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
+            raise JobFailed("; ".join(dict.fromkeys(r for r in reports if r)))
+        if stop_wanted:
+            self.stop_event.set()
+            raise JobCancelled("stopped (interrupt or SIGTERM)")
+
+    def _broadcast(self, message: Any) -> Any:
+        """Rank 0's `message` on every rank (the argument is ignored on ranks > 0)."""
+        if not self.ctx.is_distributed:
+            return message
+        box = [message]
+        self._collective(dist.broadcast_object_list, box, src=0, group=self.ctx.control_group)
+        self._last_contact = time.monotonic()
+        return box[0]
+
+    def _collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError when a peer is gone
+            raise RankLost(f"rank {self.ctx.rank}: lost contact with another rank ({describe(error)})") from error
+
+    def _require_main(self, what: str) -> None:
+        if not self.ctx.is_main:
+            raise RuntimeError(f"{what}() is for rank 0; ranks > 0 call follow()")

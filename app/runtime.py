@@ -1,0 +1,154 @@
+"""One rank's start-up: join the run, load the models, parallelize their transformers, build the service.
+
+The same code runs as a single plain process (one rank, no process group, plain transformer) and as
+any rank of a torchrun job. Ranks > 0 load no text encoders and no VAE: encoding and decoding run
+once, on rank 0 (they are a small share of a request next to the transformer's steps, and splitting
+them would add a collective per stage), and the encoded prompt is broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from app.failures import RankLost, StartupError, describe
+from app.lockstep import LockstepService
+from pipelines.registry import ModelSpec
+from pipelines.requests import MediaLimits, read_limits
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedModel:
+    """A model this run serves, under its service key (its media: "image" or "video")."""
+
+    spec: ModelSpec
+    folder: Path
+    limits: MediaLimits
+
+    @property
+    def key(self) -> str:
+        return self.spec.media
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """What a command needs once its rank has started."""
+
+    service: LockstepService
+    models: dict[str, ServedModel]
+    """Service key -> model."""
+    world_size: int
+    is_main: bool
+    strategy: str
+    """How the ranks split each transformer, e.g. 'ulysses (ulysses=2)' or 'none (1 rank)'."""
+    backend: str
+    """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
+
+    def describe(self, last_step_seconds: float | None = None) -> str:
+        """Status line: models, ranks, strategy, backend and (if known) the last request's step time."""
+        models = ", ".join(f"{m.spec.name} ({m.spec.media})" for m in self.models.values())
+        step = "—" if last_step_seconds is None else f"{last_step_seconds * 1000:.0f} ms"
+        return (f"model {models} · {self.world_size} rank{'s' if self.world_size > 1 else ''} · "
+                f"strategy {self.strategy} · backend {self.backend} · last request {step}/step")
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """This machine's usable cores shared evenly between the ranks on it (at least one each)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
+
+
+@contextmanager
+def start_runtime(
+    models: list[tuple[ModelSpec, Path]],
+    *,
+    device: str | None,
+    strategy: str,
+    rank_timeout: float,
+    stop: threading.Event,
+) -> Iterator[Runtime]:
+    """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
+
+    On rank 0, leaving the block releases the followers (their `follow()` returns). A RankLost
+    leaves the process group as it is: it cannot be torn down while a collective with a dead peer
+    is pending, and the process is about to end anyway.
+    """
+    import torch
+    import transformers
+
+    # transformers warns at import that its image processors lack torchvision (we use none of them),
+    # and draws a progress bar per loaded component: noise next to our own progress bar.
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+    from engines.distributed import init_parallel, shutdown
+    from pipelines.factory import default_dtype, load_pipeline
+
+    ctx = init_parallel(device)
+    lost = False
+    try:
+        if ctx.device.type == "cpu" and ctx.is_distributed:
+            # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
+            torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
+        dtype = default_dtype(ctx.device)
+        pipelines, failure = {}, None
+        try:
+            for spec, folder in models:
+                pipelines[spec.media] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
+                                                      with_encoders=ctx.is_main)
+        except Exception as error:  # noqa: BLE001 - reported by every rank together, below
+            failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
+        _agree_on_startup(ctx, failure)
+
+        strategy_label = "none (1 rank)"
+        if ctx.is_distributed:
+            from engines.parallelize import parallelize_transformer
+            from engines.plan import ParallelPlan
+
+            labels = []
+            for key, pipeline in pipelines.items():
+                heads = pipeline.transformer_config.num_attention_heads
+                plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy)
+                pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
+                labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg})")
+            strategy_label = " / ".join(dict.fromkeys(labels))
+        backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
+        backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, eager"
+
+        service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=rank_timeout)
+        served = {spec.media: ServedModel(spec=spec, folder=folder, limits=read_limits(spec, folder))
+                  for spec, folder in models}
+        runtime = Runtime(service=service, models=served, world_size=ctx.world_size, is_main=ctx.is_main,
+                          strategy=strategy_label, backend=backend)
+        try:
+            yield runtime
+        except RankLost:
+            lost = True
+            raise
+        finally:
+            if ctx.is_main and not lost:
+                service.stop()
+    except RankLost:
+        lost = True
+        raise
+    finally:
+        if not lost:
+            shutdown(ctx)
+
+
+def _agree_on_startup(ctx, failure: str | None) -> None:
+    """Raise StartupError on every rank if any rank failed to load (no time limit: loads differ in length)."""
+    if not ctx.is_distributed:
+        if failure:
+            raise StartupError(failure)
+        return
+    import torch.distributed as dist
+
+    reports: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(reports, failure, group=ctx.control_group)
+    failures = [r for r in reports if r]
+    if failures:
+        raise StartupError("; ".join(failures))

@@ -1,0 +1,131 @@
+"""`ulysses-studio serve`: the Gradio UI on rank 0, every rank generating in lockstep.
+
+A server runs at most one image model and one video model, each on every rank: `--model` (image or
+video) and `--video-model` (a second, video, model). With neither given it serves both embedded
+tiny models, tiny-flux and tiny-cosmos, so both tabs work out of the box; with real checkpoints,
+name only what fits in memory (each rank holds every transformer it serves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.arguments import add_parallel_arguments
+from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
+
+
+class ServeError(ValueError):
+    """A serve command line that cannot start (busy port, bad --auth, two models of one media)."""
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """A checked serve command line."""
+
+    models: list[tuple[ModelSpec, Path]]
+    auth: tuple[str, str] | None
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model to serve, image or video (default: tiny-flux and tiny-cosmos together)")
+    parser.add_argument("--model-path", default=None, metavar="DIR", help="a diffusers-format folder for --model")
+    parser.add_argument("--video-model", default=None, help="a second model, for the video tab")
+    parser.add_argument("--video-model-path", default=None, metavar="DIR", help="a diffusers-format folder for --video-model")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for everyone)")
+    parser.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (needs internet)")
+    parser.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="ask for this login")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="folder for the results (default: a new temporary folder)")
+    add_parallel_arguments(parser)
+
+
+def check_serve(args: argparse.Namespace) -> ServePlan:
+    """Resolve the models and the login, and probe the port, without loading anything (the launcher's check)."""
+    plan = serve_plan(args)
+    check_port(args.host, args.port)
+    return plan
+
+
+def serve_plan(args: argparse.Namespace) -> ServePlan:
+    """Resolve the models and the login (pure: every rank gets the same answer)."""
+    if not any((args.model, args.model_path, args.video_model, args.video_model_path)):
+        models = [resolve_model(DEFAULT_IMAGE_MODEL, None), resolve_model(DEFAULT_VIDEO_MODEL, None)]
+    else:
+        models = []
+        if args.model or args.model_path:
+            models.append(resolve_model(args.model, args.model_path))
+        if args.video_model or args.video_model_path:
+            spec, folder = resolve_model(args.video_model, args.video_model_path)
+            if spec.media != "video":
+                raise ModelNotFoundError(f"--video-model '{spec.name}' makes images; pass it as --model")
+            models.append((spec, folder))
+        if len({spec.media for spec, _ in models}) < len(models):
+            raise ServeError("both models make videos; a server runs one image model and one video model at most")
+    auth = None
+    if args.auth is not None:
+        user, colon, password = args.auth.partition(":")
+        if not (user and colon and password):
+            raise ServeError("--auth must look like USER:PASSWORD")
+        auth = (user, password)
+    return ServePlan(models=models, auth=auth)
+
+
+def check_port(host: str, port: int) -> None:
+    """ServeError unless `host:port` can be listened on now."""
+    if not 0 < port < 65536:
+        raise ServeError(f"--port must be between 1 and 65535, got {port}")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except OSError as error:
+        raise ServeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C (rank 0 runs the UI and the queue; other ranks follow)."""
+    plan = serve_plan(args)
+    # Gradio's usage analytics would try the network on every start; this runs offline.
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+    from app.jobs import JobQueue, serve_jobs
+    from app.runtime import start_runtime
+    from app.stopping import stop_on_signals
+
+    with stop_on_signals() as stop, start_runtime(plan.models, device=args.device, strategy=args.strategy,
+                                                  rank_timeout=args.rank_timeout, stop=stop) as runtime:
+        if not runtime.is_main:
+            runtime.service.follow()
+            return 0
+        from app.ui import build_ui
+
+        out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ulysses-studio-"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        jobs = JobQueue()
+        demo = build_ui(runtime, jobs, out_dir)
+        try:
+            try:
+                _, local_url, share_url = demo.launch(
+                    server_name=args.host, server_port=args.port, share=args.share, auth=plan.auth,
+                    prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
+                    quiet=True,
+                )
+            except OSError as error:
+                raise ServeError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+            print(f"serving on {local_url}" + (f" and {share_url}" if share_url else "")
+                  + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
+            serve_jobs(runtime.service, jobs, stop)
+        finally:
+            jobs.close("the server is shutting down")
+            demo.close()
+    print("stopped", file=sys.stderr)
+    return 0
