@@ -103,3 +103,24 @@ def test_unsupported_model() -> None:
     model.config = type("Config", (), {"num_attention_heads": 1})()
     with pytest.raises(TypeError, match="no parallel plan for Linear"):
         parallelize_transformer(model, ctx)
+
+
+def test_shard_tokens_pads_and_batch_checks() -> None:
+    from engines.mesh import ParallelMesh
+    from engines.sharding import check_batch, shard_tokens, split_batch
+
+    layout = ShardLayout(lengths=(5,), degree=3)
+    x = torch.arange(5.0).reshape(1, 5, 1)
+    shards = [shard_tokens(x, layout, segment=0, shard=s, dim=1).flatten().tolist() for s in range(3)]
+    assert shards == [[0.0, 1.0], [2.0, 3.0], [4.0, 0.0]]
+    with pytest.raises(ValueError, match="expected 5 tokens along dim 1"):
+        shard_tokens(torch.zeros(1, 4, 1), layout, segment=0, shard=0, dim=1)
+
+    mesh = ParallelMesh(plan=ParallelPlan(cfg=2), device_mesh=None, ulysses_group=None, ring_group=None,
+                        cfg_group=None, ulysses_rank=0, ring_rank=0, cfg_rank=1)
+    with pytest.raises(ValueError, match="cfg degree 2 needs a batch divisible by 2"):
+        check_batch(3, mesh)
+    assert split_batch(torch.arange(4.0), mesh, batch=4).tolist() == [2.0, 3.0]
+    assert split_batch(torch.ones(1, 3), mesh, batch=4).shape == (1, 3)  # batch-1 tensors broadcast
+    with pytest.raises(ValueError, match="leading batch dimension of 4"):
+        split_batch(torch.ones(3), mesh, batch=4)
