@@ -238,12 +238,12 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
     flops = {s.label: count_flops(spec, s, batch) for s in shapes}
     rows: list[dict[str, Any]] = []
 
-    def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any) -> None:
+    def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
+               error: str | None = None, compile_ok: bool = True) -> None:
         ms, peak = (float("nan"), 0.0)
-        error = None
-        if forward is not None:
+        if forward is not None and error is None:
             try:
-                fn = torch.compile(forward, fullgraph=True) if args.compile else forward
+                fn = torch.compile(forward, fullgraph=True) if args.compile and compile_ok else forward
                 ms, peak = time_forward(fn, inputs[shape.label], device=device, group=group,
                                         warmup=args.warmup, iters=args.iters)
                 if args.profile:
@@ -253,7 +253,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
                 error = repr(exc)
         results = _gather(ctx, (ms, peak, error))
-        ran = [r for r in results[:gpus]]
+        ran = results[:gpus]  # the 1-GPU mode runs on rank 0 only
         errors = [r[2] for r in ran if r[2]]
         rows.append(dict(
             model=spec.name, mode=mode, shape=shape.label, tokens=tokens(spec, shape), batch=batch,
@@ -261,6 +261,9 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
             ms=max(r[0] for r in ran), peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
             error=errors[0] if errors else None,
         ))
+        if ctx.is_main:
+            print(f"[benchmark] {spec.name} {mode} {shape.label}: {rows[-1]['ms']:.1f} ms"
+                  + (f" ERROR {rows[-1]['error']}" if rows[-1]["error"] else ""), file=sys.stderr, flush=True)
 
     # 1. one GPU: rank 0 alone; the others wait at the barrier below
     for shape in shapes:
@@ -276,9 +279,15 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
     if spec.family == "flux" and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers:
         from diffusers import ContextParallelConfig
 
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ctx.world_size))
+        setup_error = None
+        try:
+            model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ctx.world_size))
+        except Exception as exc:  # same on every rank (before any collective): report it in the rows
+            setup_error = repr(exc)
         for shape in shapes:
-            record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group)
+            # never compiled: diffusers' own CLI skips torch.compile with context parallelism
+            record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group,
+                   error=setup_error, compile_ok=False)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
