@@ -1,4 +1,15 @@
-"""The DiT of one rank: sequence sharding and context-parallel attention for diffusers transformers."""
+"""The DiT of one rank: sequence sharding and context-parallel attention for diffusers transformers.
+
+Map: distributed.py (process groups: init_parallel, ParallelContext), plan.py (ParallelPlan: the
+degrees), mesh.py (one group per axis), sharding.py (ShardLayout: who holds which tokens; entry
+and exit moves), collectives.py (functional collectives), attention.py (where attention gets
+split: Ulysses, Ring, AllGather-KV, hybrid), flux.py / cosmos.py (one adapter per model),
+parallelize.py (the entry point), specs.py + benchmark.py (named architectures, GPU benchmark).
+
+    ctx = init_parallel()                                   # under torchrun, or a single process
+    transformer = parallelize_transformer(pipe.transformer, ctx, ParallelPlan.auto(ctx.world_size, heads))
+    out = transformer(**same_kwargs_as_diffusers)[0]        # full output on every rank
+"""
 
 from engines.attention import context_parallel_attention
 from engines.cosmos import ParallelCosmos, parallelize_cosmos, resize_padding_mask
