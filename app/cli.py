@@ -13,7 +13,7 @@ import sys
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
-from app.failures import RankLost, StartupError
+from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, run_launch
 from app.outputs import OutputError
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except StartupError as error:
+    except (StartupError, JobFailed) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RankLost as error:

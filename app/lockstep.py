@@ -19,6 +19,7 @@ followers' wait never hits the process group's timeout.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 import traceback
@@ -71,6 +72,12 @@ class Generation:
     """Mean wall time of one denoising step, agreement included."""
 
 
+def _short(error: BaseException) -> str:
+    """describe(error) without gloo's source location and advice, which hide the one fact that matters."""
+    text = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", describe(error))
+    return text.split(". This is typically")[0]
+
+
 def _to_cpu(value: Any) -> Any:
     """A dataclass of tensors with every tensor moved to the CPU (what gloo pickles and ships)."""
     if isinstance(value, torch.Tensor):
@@ -87,6 +94,8 @@ class LockstepService:
         pipelines: model key -> pipeline with encode/denoise/decode (ranks > 0 hold ones without encoders).
         stop: set by a signal (app.stopping); honoured at the next agreement point on every rank.
         rank_timeout: seconds a rank waits for the others at an agreement point before RankLost.
+        heartbeat_seconds: how often an idle rank 0 tells the followers it is alive (well under the
+            control group's timeout, 30 min by default).
     """
 
     def __init__(
@@ -96,11 +105,13 @@ class LockstepService:
         *,
         stop: threading.Event,
         rank_timeout: float,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
     ) -> None:
         self.ctx = ctx
         self.pipelines = dict(pipelines)
         self.stop_event = stop
         self.rank_timeout = rank_timeout
+        self.heartbeat_seconds = heartbeat_seconds
         self.last_step_seconds: float | None = None
         self._jobs = 0
         self._last_contact = time.monotonic()
@@ -121,9 +132,9 @@ class LockstepService:
         return generation
 
     def keep_alive(self) -> None:
-        """Send a heartbeat if the followers have not heard from rank 0 for HEARTBEAT_SECONDS."""
+        """Send a heartbeat if the followers have not heard from rank 0 for `heartbeat_seconds`."""
         self._require_main("keep_alive")
-        if self.ctx.is_distributed and time.monotonic() - self._last_contact >= HEARTBEAT_SECONDS:
+        if self.ctx.is_distributed and time.monotonic() - self._last_contact >= self.heartbeat_seconds:
             self._broadcast(Heartbeat())
 
     def stop(self) -> None:
@@ -165,7 +176,7 @@ class LockstepService:
                     encoded = _to_cpu(encoded)
             except Exception as error:  # noqa: BLE001 - any failure drops the request on every rank
                 traceback.print_exc()
-                failure = f"rank 0 (encoding): {describe(error)}"
+                failure = f"rank 0 (encoding): {_short(error)}"
         encoded, failure = self._broadcast((encoded, failure))
         if failure is not None:
             raise JobFailed(failure)
@@ -182,10 +193,13 @@ class LockstepService:
         except (JobFailed, RankLost):
             raise
         except Exception as error:  # noqa: BLE001 - met by the others at their next agreement point
-            traceback.print_exc()
-            self._agree(f"rank {self.ctx.rank}: {describe(error)}")
-            raise  # _agree raised JobFailed; this line is never reached
-        self._agree(None)
+            try:  # _agree always raises when given a failure: JobFailed, or RankLost
+                self._agree(f"rank {self.ctx.rank}: {_short(error)}")
+            except JobFailed:
+                # The run goes on, so the operator gets the whole story in this rank's log.
+                traceback.print_exception(error)
+                raise
+        self._agree(None)  # a failure after the last step meets the others here
         step_seconds = (time.perf_counter() - denoise_started) / request.steps
         if not self.ctx.is_main:
             return None
@@ -212,11 +226,11 @@ class LockstepService:
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.rank_timeout))
         except Exception as error:  # noqa: BLE001 - a timeout or a closed connection
-            raise RankLost(
-                f"rank {self.ctx.rank}: another rank did not reach the agreement point within "
-                f"{self.rank_timeout:g} s or has died ({describe(error)})"
-                + (f"; this rank had failed with {failure}" if failure else "")
-            ) from error
+            if "timed out" in str(error).lower():
+                reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
+            else:
+                reason = f"another rank died or closed its connection ({_short(error)})"
+            raise RankLost(f"rank {self.ctx.rank}: {reason}") from error
         stop_wanted, failed = flags.tolist()
         if failed:
             reports: list[str | None] = [None] * self.ctx.world_size
@@ -239,7 +253,7 @@ class LockstepService:
         try:
             fn(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError when a peer is gone
-            raise RankLost(f"rank {self.ctx.rank}: lost contact with another rank ({describe(error)})") from error
+            raise RankLost(f"rank {self.ctx.rank}: another rank died or closed its connection ({_short(error)})") from error
 
     def _require_main(self, what: str) -> None:
         if not self.ctx.is_main:

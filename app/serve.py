@@ -13,11 +13,16 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.arguments import add_parallel_arguments
+from app.failures import RankLost
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
+
+
+CLIENT_GRACE_SECONDS = 1.0
 
 
 class ServeError(ValueError):
@@ -124,6 +129,10 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"serving on {local_url}" + (f" and {share_url}" if share_url else "")
                   + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
             serve_jobs(runtime.service, jobs, stop)
+        except RankLost:
+            # Let the handler threads hand the failure to their pages before the server closes.
+            time.sleep(CLIENT_GRACE_SECONDS)
+            raise
         finally:
             jobs.close("the server is shutting down")
             demo.close()
