@@ -37,7 +37,8 @@ from engines.plan import STRATEGIES, ParallelPlan
 from engines.specs import SPECS, TransformerSpec, build_random
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
-VAE_TIME, VAE_SPACE = 4, 8  # latent = ((frames - 1) / 4 + 1, height / 8, width / 8)
+VAE_TIME, VAE_SPACE = 4, 8
+MODELS = ("flux-dev", "cosmos-2b", "cosmos-14b")  # latent = ((frames - 1) / 4 + 1, height / 8, width / 8)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -228,8 +229,8 @@ def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: 
     return plans
 
 
-def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespace,
-              ctx: ParallelContext) -> list[dict[str, Any]]:
+def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespace, ctx: ParallelContext,
+              *, cfg: bool) -> list[dict[str, Any]]:
     """Measure every mode of one model on every shape; rows are complete on rank 0."""
     device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
     batch = args.batch or (2 if spec.family == "cosmos" else 1)
@@ -270,7 +271,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
         forward = single_process_forward(model, device) if ctx.is_main else None
         record("1 GPU", shape, 1, forward, None)
     # 2. ours, each plan over all ranks
-    for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, args.cfg):
+    for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
         parallel = parallelize_transformer(model, ctx, plan)
         for shape in shapes:
             record(f"ours {plan_label(plan)}", shape, ctx.world_size, parallel, ctx.control_group)
@@ -318,15 +319,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_shapes(text: str, *, video: bool) -> list[Shape]:
+def parse_shapes(text: str, *, video: bool, text_tokens: int) -> list[Shape]:
     """"1024x1024,2048x2048" (images) or "93x704x1280" (videos: frames x height x width)."""
     shapes = []
     for item in text.split(","):
         dims = [int(d) for d in item.lower().split("x")]
         if video and len(dims) == 3:
-            shapes.append(Shape(frames=dims[0], height=dims[1], width=dims[2]))
+            shapes.append(Shape(frames=dims[0], height=dims[1], width=dims[2], text_tokens=text_tokens))
         elif not video and len(dims) == 2:
-            shapes.append(Shape(height=dims[0], width=dims[1]))
+            shapes.append(Shape(height=dims[0], width=dims[1], text_tokens=text_tokens))
         else:
             raise ValueError(f"bad {'video' if video else 'image'} size {item!r}")
     return shapes
@@ -354,6 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=None,
                    help="after timing each mode, profile one call per rank into this folder (trace + top-ops table)")
     args = p.parse_args(argv)
+    args.models = [m for m in args.model.split(",") if m]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     args.strategies = [s for s in args.strategies.split(",") if s]
     for s in args.strategies:
         if s not in STRATEGIES:
@@ -367,19 +372,17 @@ def main(argv: list[str] | None = None) -> None:
     ctx = init_parallel("cpu" if args.tiny else None)
     try:
         rows: list[dict[str, Any]] = []
-        for name in args.model.split(","):
-            if name not in ("flux-dev", "cosmos-2b", "cosmos-14b"):
-                raise ValueError(f"unknown model {name!r}; choose flux-dev, cosmos-2b or cosmos-14b")
-            family = "flux" if name.startswith("flux") else "cosmos"
-            spec = SPECS[f"{family}-tiny" if args.tiny else name]
+        for name in args.models:
+            family = SPECS[name].family
+            spec = SPECS[f"{family}-tiny"] if args.tiny else SPECS[name]
             if family == "flux":
-                shapes = parse_shapes(args.sizes or ("64x64,80x48" if args.tiny else "1024x1024,2048x2048"), video=False)
+                sizes = args.sizes or ("64x64,80x48" if args.tiny else "1024x1024,2048x2048")
+                shapes = parse_shapes(sizes, video=False, text_tokens=args.text_tokens)
             else:
-                shapes = parse_shapes(args.video or ("9x32x48" if args.tiny else "93x704x1280"), video=True)
-            shapes = [Shape(height=s.height, width=s.width, frames=s.frames, text_tokens=args.text_tokens)
-                      for s in shapes]
-            cfg_args = argparse.Namespace(**{**vars(args), "cfg": family == "cosmos" if args.cfg is None else args.cfg})
-            rows += run_model(spec, shapes, cfg_args, ctx)
+                sizes = args.video or ("9x32x48" if args.tiny else "93x704x1280")
+                shapes = parse_shapes(sizes, video=True, text_tokens=args.text_tokens)
+            cfg = family == "cosmos" if args.cfg is None else args.cfg  # CFG is Cosmos' guidance; FLUX-dev has none
+            rows += run_model(spec, shapes, args, ctx, cfg=cfg)
         if ctx.is_main:
             rows = finish(rows, ctx.device)
             print(table(rows), flush=True)

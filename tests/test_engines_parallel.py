@@ -119,8 +119,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             parallel = parallelize_transformer(model, ctx, plan)
             got = parallel(**kwargs)[0]
             parallel.restore()
-        results.append(dict(model=name, plan=repr(plan), shape=repr(shape),
-                            err=(got - expected).abs().max().item(), scale=expected.abs().max().item(), same_shape=got.shape == expected.shape))
+        results.append(dict(model=name, plan=repr(plan), shape=repr(shape), same_shape=got.shape == expected.shape,
+                            err=(got - expected).abs().max().item(), scale=expected.abs().max().item()))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown(ctx)
 
