@@ -37,7 +37,7 @@ def build_ui(runtime: Runtime, jobs: JobQueue, out_dir: Path) -> gr.Blocks:
 
     with gr.Blocks(title="ulysses-studio") as demo:
         gr.Markdown("## ulysses-studio")
-        status_line = gr.Markdown(status(), elem_id="status")
+        status_line = gr.Markdown(status(), label="Status", elem_id="status")
         with gr.Tab("Image", id="image"):
             image = runtime.models.get("image")
             if image is None:
@@ -133,13 +133,13 @@ def _generate(model: ServedModel, jobs: JobQueue, out_dir: Path, progress: gr.Pr
         request = make_request(model.spec, model.limits, **fields)
         job = jobs.submit(model.key, request)
     except (RequestError, ServiceClosed) as error:
-        raise gr.Error(str(error)) from None
+        raise gr.Error(str(error), print_exception=False) from None
     progress(0, desc="queued")
     for event in job.events():
         if isinstance(event, Step):
             progress((event.done, event.total), desc="denoising", unit="steps")
         elif isinstance(event, Failed):
-            raise gr.Error(event.message)
+            raise gr.Error(event.message, print_exception=False)  # the failing rank logged its traceback
         else:
             generation = event.generation
     name = f"{model.key}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"

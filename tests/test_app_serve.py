@@ -1,0 +1,246 @@
+"""`ulysses-studio launch --nproc 2 serve` driven through gradio_client: 2 gloo CPU ranks, tiny models.
+
+One server serves the module's tests in file order; the last one stops it with Ctrl-C. The dead-rank
+test starts its own server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from PIL import Image
+
+from pipelines.media import read_png_settings, read_video
+
+REPO = Path(__file__).resolve().parent.parent
+START_SECONDS = 180
+DEAD_RANK_BOUND_SECONDS = 35
+"""The stated bound: torchrun sees a dead rank within 0.1 s and gives the others 30 s before SIGKILL;
+our ranks stop at their next collective, which fails at once when its peer's connection closes."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class AppProcess:
+    """`python -m app ARGS` in its own process group, its output collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "app", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _collect(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no {text!r} in the output:\n{self.output}")
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank -> pid of the ranks below this process (read from /proc)."""
+        ranks = {}
+        for pid in descendants(self.process.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for entry in environ:
+                if entry.startswith(b"RANK="):
+                    ranks[int(entry[5:])] = pid
+        return ranks
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids = [int(child) for child in children.read_text().split()]
+        except OSError:
+            continue
+        for child in pids:
+            found += [child, *descendants(child)]
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--out", str(out))
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        app.url = f"http://127.0.0.1:{port}/"
+        yield app
+    finally:
+        app.stop()
+
+
+def image_args(prompt: str, seed: int, *, steps: int = 3, size: int = 64, random_seed: bool = False) -> tuple:
+    return (prompt, seed, random_seed, steps, 3.5, size, size)
+
+
+def test_image_equals_the_single_process_image(server):
+    from pipelines.factory import load_pipeline
+    from pipelines.registry import resolve_model
+    from pipelines.requests import make_request, read_limits
+
+    image_path, file_path, settings, status = Client(server.url, verbose=False).predict(
+        *image_args("a red circle", 7), api_name="/generate_image")
+    assert settings["seed"] == 7 and settings["model"] == "tiny-flux"
+    assert read_png_settings(file_path)["seed"] == 7
+    assert "2 ranks" in status and "ms/step" in status
+
+    spec, folder = resolve_model("tiny-flux", None)
+    request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=7, steps=3, width=64, height=64)
+    expected = np.asarray(load_pipeline(spec, folder).generate(request))
+    served = np.asarray(Image.open(file_path).convert("RGB"))
+    assert np.array_equal(served, expected)
+    assert np.array_equal(np.asarray(Image.open(image_path).convert("RGB")), expected)
+
+
+def test_video_comes_back_as_a_decodable_mp4(server):
+    video, mp4, settings, _ = Client(server.url, verbose=False).predict(
+        "a blue square moving right", "blurry", None, 5, 8, 3, False, 2, 3.0, 64, 64, api_name="/generate_video")
+    assert Path(mp4).suffix == ".mp4" and settings["frames"] == 5 and settings["seed"] == 3
+    frames, fps = read_video(mp4)
+    assert len(frames) == 5 and frames[0].shape == (64, 64, 3)
+    assert fps == pytest.approx(8)
+
+
+def test_two_clients_at_once_get_their_own_results(server):
+    def ask(seed: int):
+        return Client(server.url, verbose=False).predict(*image_args("two users", seed, steps=4),
+                                                          api_name="/generate_image")
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(ask, [11, 12])
+    assert first[2]["seed"] == 11 and second[2]["seed"] == 12
+    assert read_png_settings(first[1])["seed"] == 11 and read_png_settings(second[1])["seed"] == 12
+    assert not np.array_equal(np.asarray(Image.open(first[1])), np.asarray(Image.open(second[1])))
+
+
+def test_invalid_request_gets_an_error_and_the_next_valid_one_succeeds(server):
+    client = Client(server.url, verbose=False)
+    with pytest.raises(AppError, match="height 65 is not a multiple of 16"):
+        client.predict(*image_args("bad size", 1, size=65), api_name="/generate_image")
+    with pytest.raises(AppError, match="prompt is empty"):
+        client.predict(*image_args("   ", 1), api_name="/generate_image")
+    assert client.predict(*image_args("good size", 1), api_name="/generate_image")[2]["width"] == 64
+
+
+def test_random_seed_is_chosen_and_reported(server):
+    _, file_path, settings, _ = Client(server.url, verbose=False).predict(
+        *image_args("a random seed", 0, random_seed=True), api_name="/generate_image")
+    assert isinstance(settings["seed"], int) and f"seed{settings['seed']}" in Path(file_path).name
+    assert read_png_settings(file_path)["seed"] == settings["seed"]
+
+
+def test_progress_is_reported_per_step(server):
+    job = Client(server.url, verbose=False).submit(*image_args("progress", 5, steps=60), api_name="/generate_image")
+    seen = set()
+    while not job.done():
+        for unit in job.status().progress_data or []:
+            if unit.desc == "denoising" and unit.length == 60:
+                seen.add(unit.index)
+        time.sleep(0.02)
+    job.result()
+    assert seen, "no per-step progress was reported"
+
+
+def test_status_line_names_model_ranks_strategy_and_backend(server):
+    status = Client(server.url, verbose=False).predict(api_name="/status")
+    for part in ("tiny-flux (image)", "tiny-cosmos (video)", "2 ranks", "strategy ulysses", "backend gloo, cpu"):
+        assert part in status
+
+
+def test_ctrl_c_stops_every_rank_cleanly(server):
+    """Runs last in this module: it stops the module's server."""
+    ranks = server.rank_pids()
+    assert sorted(ranks) == [0, 1]
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
+    assert server.process.wait(timeout=30) == 130
+    assert time.monotonic() - started < 30
+    time.sleep(0.5)
+    assert "stopped" in server.output
+    assert "Traceback" not in server.output, server.output
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())
+
+
+def test_a_killed_rank_ends_the_job_within_the_bound():
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        job = Client(f"http://127.0.0.1:{port}/", verbose=False).submit(
+            *image_args("a long request", 1, steps=500), api_name="/generate_image")
+        while not any(unit.index for unit in job.status().progress_data or []):
+            assert not job.done(), job.result()
+            time.sleep(0.05)
+        started = time.monotonic()
+        os.kill(app.rank_pids()[1], signal.SIGKILL)
+        status = app.process.wait(timeout=DEAD_RANK_BOUND_SECONDS + 30)
+        elapsed = time.monotonic() - started
+        assert elapsed < DEAD_RANK_BOUND_SECONDS
+        assert status != 0
+        with pytest.raises(AppError, match="lost a rank"):
+            job.result(timeout=10)
+        time.sleep(0.5)
+        assert "error: the job ends: rank 0: another rank died" in app.output, app.output
+        assert "error: the job ended because a rank failed" in app.output
+    finally:
+        app.stop()
+
+
+def test_launch_checks_the_command_line_before_starting_ranks():
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        result = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", "2", "serve", "--port",
+                                 str(busy.getsockname()[1])], cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: cannot listen on 127.0.0.1:")
+    assert "torch.distributed.run" not in result.stderr  # no rank was started
+
+    result = subprocess.run([sys.executable, "-m", "app", "serve", "--auth", "nopassword"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "error: --auth must look like USER:PASSWORD"
