@@ -15,7 +15,7 @@ from app.arguments import add_model_arguments, add_parallel_arguments, add_reque
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
 from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
-from app.launch import LaunchError, add_launch_arguments, run_launch
+from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
 from app.outputs import OutputError
 from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from pipelines.registry import ModelNotFoundError
@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the exit status (see the module docstring, and app.launch for ranks)."""
+    return hand_over_exit_status(_run(argv))
+
+
+def _run(argv: list[str] | None) -> int:
     # Never reach for the hub by surprise: every model is a local folder. A user who wants downloads
     # can still set HF_HUB_OFFLINE=0 explicitly.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

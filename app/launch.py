@@ -9,7 +9,10 @@ as it is (NCCL_*, CUDA_VISIBLE_DEVICES, ...); on CPUs OMP_NUM_THREADS defaults t
 Ctrl-C: torchrun runs in its own session, so the terminal's SIGINT reaches only this launcher, which
 passes it to the ranks; they stop together at their next agreement point and exit cleanly (torchrun,
 interrupted itself, would print a traceback). A second Ctrl-C terminates torchrun and its ranks.
-When a rank dies, torchrun notices within 0.1 s and sends SIGTERM to the others (SIGKILL 30 s
+Exit status: torchrun treats any non-zero rank exit as a crash (and prints a traceback), so under
+this launcher rank 0 writes its command's status (0, 1 for a partly failed batch, 2 for a user error,
+130 after Ctrl-C) to the file named by $ULYSSES_STUDIO_EXIT_STATUS_FILE and exits 0; the launcher
+exits with that status. When a rank dies, torchrun notices within 0.1 s and sends SIGTERM to the others (SIGKILL 30 s
 later); this launcher then reports the failure in one line.
 """
 
@@ -22,9 +25,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 LAUNCHABLE = ("serve", "batch", "generate")
+EXIT_STATUS_ENV = "ULYSSES_STUDIO_EXIT_STATUS_FILE"
+"""Set by the launcher for its ranks: rank 0 writes its exit status there and exits 0 (see hand_over_exit_status)."""
 DEFAULT_CPU_RANKS = 2
 
 
@@ -83,7 +89,27 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     command = torchrun_command(nproc, command_line, free_port())
     print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
           f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
-    return _run_torchrun(command, env)
+    with tempfile.TemporaryDirectory(prefix="ulysses-studio-launch-") as folder:
+        status_file = Path(folder) / "exit-status"
+        env[EXIT_STATUS_ENV] = str(status_file)
+        status, interrupted = _run_torchrun(command, env)
+        if status != 0:
+            print(f"error: the job ended because a rank failed (torchrun exit status {status}); "
+                  "the messages above say which rank and why", file=sys.stderr)
+            return status
+        reported = int(status_file.read_text()) if status_file.is_file() else 0
+        return 130 if interrupted and reported == 0 else reported
+
+
+def hand_over_exit_status(status: int) -> int:
+    """The exit status a rank should end with: under the launcher, rank 0 hands `status` to it and
+    every rank returns 0, so torchrun does not report a crash; elsewhere `status` itself."""
+    status_file = os.environ.get(EXIT_STATUS_ENV)
+    if not status_file:
+        return status
+    if os.environ.get("RANK", "0") == "0":
+        Path(status_file).write_text(str(status))
+    return 0
 
 
 def _cuda_visible() -> bool:
@@ -92,7 +118,8 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
+def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
+    """torchrun's exit status, and whether this launcher relayed a Ctrl-C or SIGTERM to it."""
     process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     interrupts = []
 
@@ -109,12 +136,7 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if interrupts:
-        return 130 if status == 0 else status
-    if status != 0:
-        print(f"error: the job ended because a rank failed (torchrun exit status {status}); "
-              "the messages above say which rank and why", file=sys.stderr)
-    return status
+    return status, bool(interrupts)
 
 
 def _signal_ranks(torchrun_pid: int, sig: signal.Signals) -> None:
