@@ -5,6 +5,11 @@ collectives, then AOT autograd) without inductor's kernel fusion, so it must mat
 exactly: any graph break fails fullgraph=True, any tracing mistake shows as a difference.
 One inductor run checks the generated code; inductor reassociates float math, so it is held to
 the same error a single process sees between eager and inductor (about 7e-5 on these outputs).
+
+Compile with the default (or dynamic=False): every token count then gets its own static graph.
+With dynamic=True diffusers' CosmosLearnablePositionalEmbed (extra_pos_embed_type="learnable",
+Cosmos 1.0 only) compiles to wrong values even in a single process, a torch/diffusers issue
+outside this layer; FLUX and Cosmos-Predict2 configs are unaffected.
 """
 
 from __future__ import annotations
