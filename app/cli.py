@@ -17,6 +17,7 @@ from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
 from app.outputs import OutputError
+from app import serve as serve_module
 from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_arguments(generate)
     generate.set_defaults(func=run_generate, check=check_generate)
 
-    serve = commands.add_parser("serve", help="the web UI (Gradio) on rank 0, every rank generating")
+    serve = commands.add_parser("serve", help="the web UI (Gradio) on rank 0, every rank generating",
+                                description=serve_module.__doc__.split("\n\n")[1].replace("\n", " "))
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve, check=check_serve)
 

@@ -97,7 +97,7 @@ def _video_tab(model: ServedModel, jobs: JobQueue, out_dir: Path, status, status
     gr.Markdown(f"Text or image/video to video with **{model.spec.name}**.")
     prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
     negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
-    condition = gr.File(label="Input image or video (optional: video-to-world)", type="filepath")
+    condition = gr.File(label="Input image or video (optional: video-to-world)", type="filepath", height=120)
     with gr.Row():
         frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
                            value=model.spec.frames, precision=0)

@@ -147,3 +147,10 @@ def test_ranks_that_cannot_meet_end_the_run_within_the_rank_timeout(tmp_path):
     assert rank1["follow"].startswith("RankLost: rank 1: another rank did not reach the agreement point within 2 s")
     assert rank0["lost"].startswith("RankLost: rank 0: another rank died or closed its connection")
     assert rank0["seconds"] < RANK_TIMEOUT + 10
+
+
+def test_the_cli_offers_the_engines_strategies():
+    from app.arguments import STRATEGIES
+    from engines.plan import STRATEGIES as ENGINE_STRATEGIES
+
+    assert STRATEGIES == ENGINE_STRATEGIES

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradio_client import Client
+from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
@@ -134,13 +134,21 @@ def test_image_equals_the_single_process_image(server):
     assert np.array_equal(np.asarray(Image.open(image_path).convert("RGB")), expected)
 
 
-def test_video_comes_back_as_a_decodable_mp4(server):
-    video, mp4, settings, _ = Client(server.url, verbose=False).predict(
+def test_video_comes_back_as_a_decodable_mp4(server, tmp_path):
+    client = Client(server.url, verbose=False)
+    video, mp4, settings, _ = client.predict(
         "a blue square moving right", "blurry", None, 5, 8, 3, False, 2, 3.0, 64, 64, api_name="/generate_video")
     assert Path(mp4).suffix == ".mp4" and settings["frames"] == 5 and settings["seed"] == 3
     frames, fps = read_video(mp4)
     assert len(frames) == 5 and frames[0].shape == (64, 64, 3)
     assert fps == pytest.approx(8)
+
+    start = tmp_path / "start.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(start)
+    _, mp4, settings, _ = client.predict(
+        "the red square moves", "", handle_file(str(start)), 5, 8, 3, False, 2, 3.0, 64, 64,
+        api_name="/generate_video")
+    assert settings["condition"] is not None and len(read_video(mp4)[0]) == 5
 
 
 def test_two_clients_at_once_get_their_own_results(server):
