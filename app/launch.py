@@ -85,7 +85,9 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
     env = dict(os.environ)
     if not cuda:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+        from app.runtime import cpu_threads_per_rank
+
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(nproc)))
     command = torchrun_command(nproc, command_line, free_port())
     print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
           f"{' '.join(command[1:])}", file=sys.stderr, flush=True)

@@ -3,9 +3,9 @@
 Rank 0 owns the requests (UI queue, batch file, command line); the other ranks `follow()`. All app
 traffic goes over the context's CPU control group (gloo), one request at a time:
 
-    rank 0                                  every rank                      rank 0
-    broadcast Run(request)  ->  encode  ->  broadcast encoded | error  ->  denoise  ->  decode
-                                                agree() after each step and after the loop
+    rank 0:      broadcast Run(request); encode; broadcast the encoding (or the error it raised)
+    every rank:  denoise, with an agreement point after every step and one after the loop
+    rank 0:      decode, and hand the result back to the caller
 
 Requests are validated (pipelines.requests.make_request) before `run`, so nothing invalid reaches a
 collective. An agreement point is one all_reduce of [stop wanted, failed] with a time limit: a rank

@@ -13,7 +13,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
 from app.lockstep import LockstepService
@@ -56,9 +56,16 @@ class Runtime:
                 f"strategy {self.strategy} · backend {self.backend} · last request {step}/step")
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_threads_per_rank(local_world_size: int) -> int:
     """This machine's usable cores shared evenly between the ranks on it (at least one each)."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
+    return max(1, usable_cores() // max(1, local_world_size))
 
 
 @contextmanager
@@ -103,18 +110,7 @@ def start_runtime(
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
         _agree_on_startup(ctx, failure)
 
-        strategy_label = "none (1 rank)"
-        if ctx.is_distributed:
-            from engines.parallelize import parallelize_transformer
-            from engines.plan import ParallelPlan
-
-            labels = []
-            for key, pipeline in pipelines.items():
-                heads = pipeline.transformer_config.num_attention_heads
-                plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy)
-                pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
-                labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg})")
-            strategy_label = " / ".join(dict.fromkeys(labels))
+        strategy_label = _parallelize(pipelines.values(), ctx, strategy) if ctx.is_distributed else "none (1 rank)"
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, eager"
 
@@ -137,6 +133,20 @@ def start_runtime(
     finally:
         if not lost:
             shutdown(ctx)
+
+
+def _parallelize(pipelines: Iterable, ctx, strategy: str) -> str:
+    """Swap each pipeline's transformer for its context-parallel wrapper (collective); returns the plans' label."""
+    from engines.parallelize import parallelize_transformer
+    from engines.plan import ParallelPlan
+
+    labels = []
+    for pipeline in pipelines:
+        heads = pipeline.transformer_config.num_attention_heads
+        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy)
+        pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
+        labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg})")
+    return " / ".join(dict.fromkeys(labels))
 
 
 def _agree_on_startup(ctx, failure: str | None) -> None:
