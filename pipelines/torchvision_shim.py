@@ -15,7 +15,8 @@ import enum
 import types
 
 import torch
-import torch.nn.functional as F
+
+from engines.cosmos import resize_padding_mask
 
 
 class InterpolationMode(enum.Enum):
@@ -27,11 +28,7 @@ def resize(image: torch.Tensor, size: list[int], interpolation: InterpolationMod
     """torchvision.transforms.functional.resize for NEAREST on [..., H, W] tensors."""
     if interpolation is not InterpolationMode.NEAREST:
         raise NotImplementedError("only NEAREST resizing is provided without torchvision")
-    leading = image.shape[:-2]
-    flat = image.reshape(-1, 1, *image.shape[-2:])
-    # torchvision's NEAREST uses the floor of (dst index * scale), which is interpolate's "nearest".
-    resized = F.interpolate(flat.float(), size=list(size), mode="nearest").to(image.dtype)
-    return resized.reshape(*leading, *resized.shape[-2:])
+    return resize_padding_mask(image, size)
 
 
 def install() -> None:
