@@ -91,6 +91,15 @@ def cases(world_size: int) -> list[tuple[str, dict, tuple]]:
             ParallelPlan(strategy="ring", ring=2, cfg=2),
             ParallelPlan(strategy="allgather", ring=2, cfg=2),
         ]
+    if world_size == 8:
+        # The scaling run's layouts (issue 7): the hybrid auto picks for 6 heads (ulysses 2 x ring 4),
+        # pure ring and allgather, and cfg 2 x (ulysses 2 x ring 2).
+        plans = [
+            ParallelPlan.auto(8, 6, strategy="ulysses"),
+            ParallelPlan.auto(8, 6, strategy="ring"),
+            ParallelPlan.auto(8, 6, strategy="allgather"),
+            ParallelPlan.auto(8, 6, strategy="ulysses", cfg=2),
+        ]
     out = []
     for plan in plans:
         out += [("flux", plan, shape) for shape in FLUX_SHAPES]
@@ -131,7 +140,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_parallel_matches_single_process(world_size: int, tmp_path: Path) -> None:
     mp.spawn(_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size, join=True)
     for rank in range(world_size):
