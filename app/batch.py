@@ -21,6 +21,7 @@ from app.arguments import add_model_arguments, add_parallel_arguments, add_reque
 from app.outputs import EXTENSIONS, settings_of
 from app.prompt_files import SUFFIXES, BadLine, BatchError, PromptLine, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
+from app.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
 from pipelines.requests import GenerationRequest, MediaLimits, RequestError, make_request, read_limits
 
@@ -81,7 +82,6 @@ def run_batch(args: argparse.Namespace) -> int:
     plan = check_batch(args)
 
     from app.runtime import start_runtime
-    from app.stopping import stop_on_signals
 
     with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
                                                   strategy=args.strategy, rank_timeout=args.rank_timeout,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from app.arguments import request_fields
 from app.outputs import check_output_path
+from app.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
 from pipelines.requests import GenerationRequest, make_request, read_limits
 
@@ -42,7 +43,6 @@ def run_generate(args: argparse.Namespace) -> int:
     from app.failures import JobCancelled
     from app.outputs import write_result
     from app.runtime import start_runtime
-    from app.stopping import stop_on_signals
 
     started = time.perf_counter()
     with stop_on_signals() as stop, start_runtime([(job.spec, job.folder)], device=args.device,

@@ -8,7 +8,7 @@ as it is (NCCL_*, CUDA_VISIBLE_DEVICES, ...); on CPUs OMP_NUM_THREADS defaults t
 
 Ctrl-C: torchrun runs in its own session, so the terminal's SIGINT reaches only this launcher, which
 passes it to the ranks; they stop together at their next agreement point and exit cleanly (torchrun,
-interrupted itself, would print a traceback). A second Ctrl-C terminates torchrun and its ranks.
+interrupted itself, would print a traceback). A second Ctrl-C kills torchrun and its ranks at once.
 Exit status: torchrun treats any non-zero rank exit as a crash (and prints a traceback), so under
 this launcher rank 0 writes its command's status (0, 1 for a partly failed batch, 2 for a user error,
 130 after Ctrl-C) to the file named by $ULYSSES_STUDIO_EXIT_STATUS_FILE and exits 0; the launcher
@@ -129,8 +129,8 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
         interrupts.append(signum)
         if len(interrupts) == 1:
             _signal_ranks(process.pid, signal.SIGINT)
-        else:
-            os.killpg(process.pid, signal.SIGTERM)
+        else:  # the user insists: end torchrun and its ranks now
+            os.killpg(process.pid, signal.SIGKILL)
 
     previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -13,12 +13,14 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
-from app.lockstep import LockstepService
 from pipelines.registry import ModelSpec
 from pipelines.requests import MediaLimits, read_limits
+
+if TYPE_CHECKING:  # the module stays light to import: torch comes in with start_runtime
+    from app.lockstep import LockstepService
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +81,9 @@ def start_runtime(
 ) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
 
+    Enter it inside app.stopping.stop_on_signals, so that a Ctrl-C during the (long) imports and
+    loads is honoured at the first agreement point instead of ending one rank alone.
+
     On rank 0, leaving the block releases the followers (their `follow()` returns). A RankLost
     leaves the process group as it is: it cannot be torn down while a collective with a dead peer
     is pending, and the process is about to end anyway.
@@ -91,6 +96,7 @@ def start_runtime(
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
+    from app.lockstep import LockstepService
     from engines.distributed import init_parallel, shutdown
     from pipelines.factory import default_dtype, load_pipeline
 

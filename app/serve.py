@@ -19,6 +19,7 @@ from pathlib import Path
 
 from app.arguments import add_parallel_arguments
 from app.failures import RankLost
+from app.stopping import stop_on_signals
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 
 
@@ -102,15 +103,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # Gradio's usage analytics would try the network on every start; this runs offline.
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-    from app.jobs import JobQueue, serve_jobs
     from app.runtime import start_runtime
-    from app.stopping import stop_on_signals
 
     with stop_on_signals() as stop, start_runtime(plan.models, device=args.device, strategy=args.strategy,
                                                   rank_timeout=args.rank_timeout, stop=stop) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0
+        from app.jobs import JobQueue, serve_jobs
         from app.ui import build_ui
 
         out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ulysses-studio-"))

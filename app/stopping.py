@@ -3,6 +3,7 @@
 A KeyboardInterrupt raised between two collectives leaves the other ranks waiting for one that never
 comes. So every rank turns SIGINT/SIGTERM into an Event; the lockstep service looks at it at its
 agreement points (every denoising step and between requests) and all ranks stop there together.
+A second signal raises KeyboardInterrupt at once: the way out of a stop that takes too long (a load).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
-    """An Event set by SIGINT or SIGTERM while the block runs; the previous handlers come back after.
+    """An Event set by SIGINT or SIGTERM while the block runs (a second signal raises KeyboardInterrupt);
+    the previous handlers come back after.
 
     Only the main thread may install signal handlers; elsewhere the Event is returned unconnected.
     """
@@ -25,7 +27,13 @@ def stop_on_signals() -> Iterator[threading.Event]:
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in STOP_SIGNALS}
+
+    def request_stop(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     try:
         yield stop
     finally:
