@@ -150,6 +150,6 @@ def _allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
 ) -> torch.Tensor:
     """AllGather-KV attention (BHSD): one all-gather of packed K/V over the ring group, then local attention."""
-    kv = all_gather(torch.stack((k, v)), 3, mesh.ring_group)
+    kv = all_gather(torch.stack((k, v)), 3, mesh.ring_group, mesh.plan.ring)
     shards = [s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)]
     return _attention(q, kv[0], kv[1], layout.valid_runs(shards))

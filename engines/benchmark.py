@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from engines.compile import EngineOptions, prepare_engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
 from engines.parallelize import parallelize_transformer
 from engines.plan import STRATEGIES, ParallelPlan
@@ -230,51 +231,74 @@ def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: 
 
 
 def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespace, ctx: ParallelContext,
-              *, cfg: bool) -> list[dict[str, Any]]:
-    """Measure every mode of one model on every shape; rows are complete on rank 0."""
+              *, cfg: bool, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Measure every mode x backend of one model on every shape; rows are complete on rank 0.
+
+    `rows` (if given) receives each row as soon as it is measured (the caller may save partial
+    results); the same list is returned.
+    """
     device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
     batch = args.batch or (2 if spec.family == "cosmos" else 1)
     model = build_random(spec, device=device, dtype=dtype)
     inputs = {s.label: make_inputs(spec, s, batch=batch, device=device, dtype=dtype) for s in shapes}
     flops = {s.label: count_flops(spec, s, batch) for s in shapes}
-    rows: list[dict[str, Any]] = []
+    rows = [] if rows is None else rows
+    on_row = getattr(args, "on_row", None)
 
     def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
-               error: str | None = None, compile_ok: bool = True) -> None:
-        ms, peak = (float("nan"), 0.0)
+               options: EngineOptions, error: str | None = None) -> None:
+        ms, peak, build_s = float("nan"), 0.0, None
         if forward is not None and error is None:
+            engine = None
             try:
-                fn = torch.compile(forward, fullgraph=True) if args.compile and compile_ok else forward
-                ms, peak = time_forward(fn, inputs[shape.label], device=device, group=group,
+                engine = prepare_engine(forward, options, cache_dir=args.cache_dir,
+                                        rank=ctx.rank if gpus > 1 else 0)
+                ms, peak = time_forward(engine, inputs[shape.label], device=device, group=group,
                                         warmup=args.warmup, iters=args.iters)
+                build_s = next(iter(engine.builds.values())).seconds
                 if args.profile:
-                    slug = "_".join(x.replace(" ", "-") for x in (spec.name, mode, shape.label))
-                    profile_forward(fn, inputs[shape.label], device=device, group=group,
+                    slug = "_".join(x.replace(" ", "-") for x in (spec.name, mode, options.label, shape.label))
+                    profile_forward(engine, inputs[shape.label], device=device, group=group,
                                     path=args.profile / f"{slug}.rank{ctx.rank}")
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
-                error = repr(exc)
-        results = _gather(ctx, (ms, peak, error))
+                error = repr(exc)[:2000]
+            finally:
+                if engine is not None:
+                    engine.release()
+                torch._dynamo.reset()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        results = _gather(ctx, (ms, peak, error, build_s))
         ran = results[:gpus]  # the 1-GPU mode runs on rank 0 only
         errors = [r[2] for r in ran if r[2]]
+        builds = [r[3] for r in ran if r[3] is not None]
         rows.append(dict(
-            model=spec.name, mode=mode, shape=shape.label, tokens=tokens(spec, shape), batch=batch,
-            text_tokens=shape.text_tokens if spec.family == "flux" else None, gpus=gpus,
+            model=spec.name, mode=mode, backend=options.label, shape=shape.label, tokens=tokens(spec, shape),
+            batch=batch, text_tokens=shape.text_tokens if spec.family == "flux" else None, gpus=gpus,
             ms=max(r[0] for r in ran), peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
-            error=errors[0] if errors else None,
+            build_s=max(builds) if builds else None, error=errors[0] if errors else None,
         ))
         if ctx.is_main:
-            print(f"[benchmark] {spec.name} {mode} {shape.label}: {rows[-1]['ms']:.1f} ms"
+            print(f"[benchmark] {spec.name} {mode} [{options.label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
+                  + (f" (build {rows[-1]['build_s']:.1f} s)" if rows[-1]["build_s"] else "")
                   + (f" ERROR {rows[-1]['error']}" if rows[-1]["error"] else ""), file=sys.stderr, flush=True)
+            if on_row is not None:
+                on_row(rows)
 
-    # 1. one GPU: rank 0 alone; the others wait at the barrier below
-    for shape in shapes:
-        forward = single_process_forward(model, device) if ctx.is_main else None
-        record("1 GPU", shape, 1, forward, None)
+    backends = [EngineOptions.parse(b) for b in args.backends]
+    if not args.tiny and device.type != "cuda":
+        backends = [b for b in backends if not b.cuda_graph]
+    # 1. one GPU: rank 0 alone; the others wait at the gather in record()
+    for options in backends:
+        for shape in shapes:
+            forward = single_process_forward(model, device) if ctx.is_main else None
+            record("1 GPU", shape, 1, forward, None, options)
     # 2. ours, each plan over all ranks
     for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
         parallel = parallelize_transformer(model, ctx, plan)
-        for shape in shapes:
-            record(f"ours {plan_label(plan)}", shape, ctx.world_size, parallel, ctx.control_group)
+        for options in backends:
+            for shape in shapes:
+                record(f"ours {plan_label(plan)}", shape, ctx.world_size, parallel, ctx.control_group, options)
         parallel.restore()
     # 3. diffusers-native Ulysses (FLUX; CUDA only: it divides by the accelerator count)
     if spec.family == "flux" and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers:
@@ -286,9 +310,9 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
         except Exception as exc:  # same on every rank (before any collective): report it in the rows
             setup_error = repr(exc)
         for shape in shapes:
-            # never compiled: diffusers' own CLI skips torch.compile with context parallelism
+            # eager only: diffusers' own CLI skips torch.compile with context parallelism
             record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group,
-                   error=setup_error, compile_ok=False)
+                   EngineOptions(), error=setup_error)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -296,12 +320,12 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
 
 
 def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
-    """Add speedup vs the 1-GPU row of the same model and shape, and MFU where the peak is known."""
+    """Add speedup vs the 1-GPU row of the same model, shape and backend, and MFU where the peak is known."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-    base = {(r["model"], r["shape"]): r["ms"] for r in rows if r["mode"] == "1 GPU"}
+    base = {(r["model"], r["shape"], r["backend"]): r["ms"] for r in rows if r["mode"] == "1 GPU"}
     for r in rows:
-        b = base.get((r["model"], r["shape"]))
+        b = base.get((r["model"], r["shape"], r["backend"]))
         r["speedup"] = b / r["ms"] if b and r["ms"] == r["ms"] and r["ms"] > 0 else None
         r["mfu"] = r["flops"] / (r["ms"] / 1e3 * r["gpus"] * peak) if peak and r["flops"] and r["ms"] > 0 else None
     return rows
@@ -309,12 +333,12 @@ def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, A
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Compact text table of the rows."""
-    head = f"{'model':<11} {'mode':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
+    head = f"{'model':<11} {'mode':<22} {'backend':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mfu = f"{r['mfu']:.0%}" if r["mfu"] else "-"
-        lines.append(f"{r['model']:<11} {r['mode']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
+        lines.append(f"{r['model']:<11} {r['mode']:<22} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
                      f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
 
@@ -347,7 +371,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure CFG-parallel plans (default: on for Cosmos)")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
-    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every measured forward")
+    p.add_argument("--backends", default="eager",
+                   help="comma-separated engine labels (engines.compile.EngineOptions.label): eager, inductor, "
+                        "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
+    p.add_argument("--compile", action="store_true", help="shorthand: add 'inductor' to --backends")
+    p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")
@@ -359,6 +387,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    args.backends = [b for b in args.backends.split(",") if b]
+    if args.compile and "inductor" not in args.backends:
+        args.backends.append("inductor")
+    for b in args.backends:
+        try:
+            EngineOptions.parse(b)
+        except ValueError as error:
+            p.error(f"bad backend {b!r}: {error}")
     args.strategies = [s for s in args.strategies.split(",") if s]
     for s in args.strategies:
         if s not in STRATEGIES:
@@ -371,6 +407,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ctx = init_parallel("cpu" if args.tiny else None)
     try:
+        meta = dict(
+            command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
+            diffusers=diffusers.__version__, cuda=torch.version.cuda,
+            device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+            dtype="float32" if args.tiny else "bfloat16", backends=args.backends, warmup=args.warmup,
+            iters=args.iters,
+        )
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if args.out:  # after every row, so a run cut short still leaves its numbers
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(dict(meta=meta, rows=finish(rows, ctx.device)), indent=2))
+
+        args.on_row = save
         rows: list[dict[str, Any]] = []
         for name in args.models:
             family = SPECS[name].family
@@ -382,20 +432,11 @@ def main(argv: list[str] | None = None) -> None:
                 sizes = args.video or ("9x32x48" if args.tiny else "93x704x1280")
                 shapes = parse_shapes(sizes, video=True, text_tokens=args.text_tokens)
             cfg = family == "cosmos" if args.cfg is None else args.cfg  # CFG is Cosmos' guidance; FLUX-dev has none
-            rows += run_model(spec, shapes, args, ctx, cfg=cfg)
+            run_model(spec, shapes, args, ctx, cfg=cfg, rows=rows)
         if ctx.is_main:
             rows = finish(rows, ctx.device)
             print(table(rows), flush=True)
-            if args.out:
-                meta = dict(
-                    command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
-                    diffusers=diffusers.__version__, cuda=torch.version.cuda,
-                    device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-                    dtype="float32" if args.tiny else "bfloat16", compile=args.compile, warmup=args.warmup,
-                    iters=args.iters,
-                )
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+            save(rows)
     finally:
         shutdown(ctx)
 

@@ -28,9 +28,18 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return wait(funcol.all_to_all_single(x.contiguous(), None, None, group))
 
 
-def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every peer's `x` along `dim`, in group-rank order."""
-    return wait(_all_gather_single(x.contiguous(), dim, group))
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Concatenate every peer's `x` along `dim`, in group-rank order (`size` = group size).
+
+    The collective always gathers along dim 0 and the chunk/cat to `dim` happens here: funcol's own
+    non-zero gather_dim path calls torch._utils._maybe_view_chunk_cat, which dynamo on torch 2.11
+    refuses to trace (torch.compile fullgraph then fails). Passing `size` as a Python int keeps the
+    split static in the graph.
+    """
+    out = wait(_all_gather_single(x.contiguous(), 0, group))  # (size * x.shape[0], ...)
+    if dim == 0 or size == 1:
+        return out
+    return torch.cat(out.chunk(size, dim=0), dim=dim)
 
 
 def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:

@@ -90,9 +90,9 @@ def gather_tokens(x: torch.Tensor, mesh: ParallelMesh, *, length: int, dim: int)
     plan = mesh.plan
     # Shard s = ring_rank * ulysses + ulysses_rank: gathering the inner axis first yields shard order.
     if plan.ulysses > 1:
-        x = all_gather(x, dim, mesh.ulysses_group)
+        x = all_gather(x, dim, mesh.ulysses_group, plan.ulysses)
     if plan.ring > 1:
-        x = all_gather(x, dim, mesh.ring_group)
+        x = all_gather(x, dim, mesh.ring_group, plan.ring)
     return x.narrow(dim, 0, length)
 
 
@@ -120,4 +120,4 @@ def gather_batch(x: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """Concatenate the CFG groups' batch slices (in group order) on every rank."""
     if mesh.plan.cfg == 1:
         return x
-    return all_gather(x, 0, mesh.cfg_group)
+    return all_gather(x, 0, mesh.cfg_group, mesh.plan.cfg)

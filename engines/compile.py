@@ -1,0 +1,315 @@
+"""Compile backends of a rank's transformer (eager, inductor, tensorrt) behind one interface: Engine.
+
+    options = EngineOptions(backend="inductor", scope="whole", cuda_graph=True)
+    engine = prepare_engine(parallel_transformer, options, cache_dir=Path("~/.cache/ulysses-studio"))
+    out = engine(**same_kwargs_as_diffusers)[0]     # first call per input signature builds (or loads)
+    pipeline.use_transformer(engine)
+
+Backends:
+- "eager": the reference; nothing is compiled.
+- "inductor": torch.compile of the rank's sharded forward with the functional collectives inside
+  the graph. scope="whole" compiles the whole forward with fullgraph=True (sharding, blocks,
+  gather: one graph); scope="blocks" compiles each repeated transformer block (fullgraph=True),
+  which builds once per block class instead of once per model (regional compilation).
+- "tensorrt": torch-tensorrt's dynamo backend (torch.compile(backend="torch_tensorrt")), with its
+  distributed tracing for the NCCL collective converters (TensorRT >= 10.16). Import-gated: it is
+  written against torch-tensorrt's documented options and has NOT been run here (TensorRT's
+  native libraries cannot be installed on these machines).
+
+CUDA graphs (cuda_graph=True, any backend, CUDA only): after two warm-up calls, the whole rank
+forward (eager glue, compiled graphs and NCCL collectives) is captured into one CUDA graph per
+input signature and replayed; inputs are copied into static buffers, outputs cloned out. This
+removes the host from the loop, which is what limits small shapes (docs/benchmarks.md). It holds
+because: NCCL collectives are capturable (NCCL >= 2.9.6) once the communicator exists, and
+init_parallel creates it eagerly (device_id) and the warm-up calls run every collective once; every
+shape and split is a Python int fixed by the ShardLayout, so nothing syncs with the host. It does
+NOT hold for gloo (CPU) groups, for inputs whose non-tensor values change between calls (a new
+signature is captured), or for two engines replaying concurrently on one rank.
+
+Engine cache: with a cache_dir, the first call of each input signature (shapes, dtypes, strides,
+non-tensor values) looks for compiler artifacts under cache_dir/<key>/ where key hashes the model
+class and config, dtype, device kind, the signature, the plan and rank, the backend options and
+the library versions (engines.cache). A hit loads them before compiling (inductor: FX graph,
+AOTAutograd and autotuning caches via torch.compiler.load_cache_artifacts, so only dynamo's trace
+runs); a miss compiles and saves them. A changed component gives another key: stale artifacts are
+never loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from engines.cache import EngineCache, input_signature, use_inductor_cache_dir
+
+BACKENDS = ("eager", "inductor", "tensorrt")
+SCOPES = ("whole", "blocks")
+INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+
+# Repeated blocks per diffusers model class (regional compilation): attribute names of ModuleLists.
+REPEATED_BLOCKS = {
+    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "CosmosTransformer3DModel": ("transformer_blocks",),
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend's library is not installed here."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EngineOptions:
+    """How a rank's transformer is turned into an engine."""
+
+    backend: str = "eager"
+    """"eager", "inductor" or "tensorrt"."""
+    scope: str = "whole"
+    """"whole" (one fullgraph compile of the rank forward) or "blocks" (each repeated block)."""
+    mode: str = "default"
+    """torch.compile mode for inductor: "default", "max-autotune-no-cudagraphs" or "reduce-overhead"."""
+    cuda_graph: bool = False
+    """Capture the whole rank forward into one CUDA graph per input signature (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"unknown compile scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
+        if self.mode not in INDUCTOR_MODES:
+            raise ValueError(f"unknown inductor mode {self.mode!r}; choose one of {', '.join(INDUCTOR_MODES)}")
+        if self.mode != "default" and self.backend != "inductor":
+            raise ValueError(f"mode {self.mode!r} applies to the inductor backend only")
+        if self.mode == "reduce-overhead" and self.cuda_graph:
+            raise ValueError("mode 'reduce-overhead' already uses CUDA graphs; drop cuda_graph or pick another mode")
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. "eager", "inductor", "inductor-blocks+cudagraph"."""
+        name = self.backend
+        if self.backend != "eager":
+            name += "-blocks" if self.scope == "blocks" else ""
+        if self.mode != "default":
+            name += f"-{self.mode}"
+        return name + ("+cudagraph" if self.cuda_graph else "")
+
+    @classmethod
+    def parse(cls, text: str) -> EngineOptions:
+        """Inverse of `label`: "inductor-blocks+cudagraph" -> EngineOptions(...)."""
+        cuda_graph = text.endswith("+cudagraph")
+        name = text.removesuffix("+cudagraph")
+        backend, _, rest = name.partition("-")
+        scope = "whole"
+        if rest.startswith("blocks"):
+            scope, rest = "blocks", rest.removeprefix("blocks").removeprefix("-")
+        return cls(backend=backend, scope=scope, mode=rest or "default", cuda_graph=cuda_graph)
+
+
+@dataclass(kw_only=True)
+class BuildRecord:
+    """What the first call of one input signature did."""
+
+    key: str
+    cache_hit: bool
+    """True when compiler artifacts were found and loaded before compiling."""
+    seconds: float
+    """Wall time of the first call(s): compile (or load) plus warm-up and CUDA graph capture."""
+    saved: Path | None = None
+    """Artifacts written by this build (None on a hit, for eager, or without a cache dir)."""
+
+
+def tensorrt_available() -> bool:
+    """True when torch-tensorrt can be imported (TensorRT's native libraries present)."""
+    if importlib.util.find_spec("torch_tensorrt") is None:
+        return False
+    try:
+        import torch_tensorrt  # noqa: F401
+    except Exception:  # noqa: BLE001 - the bindings install without the native libraries
+        return False
+    return True
+
+
+def _tensorrt_compile(fn: Callable[..., Any], dtype: torch.dtype, cache: Path | None) -> Callable[..., Any]:
+    """torch-tensorrt dynamo backend with NCCL collective converters (see module docstring; not run here)."""
+    if not tensorrt_available():
+        raise BackendUnavailable(
+            "backend 'tensorrt' needs torch-tensorrt with TensorRT >= 10.16 (its NCCL collective converters); "
+            "it is not installed here. Use --backend inductor."
+        )
+    import torch_tensorrt  # noqa: F401 - registers backend="torch_tensorrt"
+
+    options: dict[str, Any] = {
+        "enabled_precisions": {dtype},
+        "min_block_size": 1,
+        "use_python_runtime": True,
+        # trace functional collectives into TensorRT's NCCL/DistCollective layers
+        "use_distributed_mode_trace": dist.is_initialized(),
+    }
+    if cache is not None:
+        options.update(cache_built_engines=True, reuse_cached_engines=True, engine_cache_dir=str(cache))
+    return torch.compile(fn, backend="torch_tensorrt", dynamic=False, options=options)
+
+
+class _Graphed:
+    """One CUDA graph of `fn` for one input signature: static inputs in, cloned outputs out."""
+
+    def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any], warmup: int = 2) -> None:
+        leaves, self._spec = pytree.tree_flatten(kwargs)
+        self._static = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        static_kwargs = pytree.tree_unflatten(self._static, self._spec)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as graph capture requires
+            for _ in range(warmup):
+                fn(**static_kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._out = fn(**static_kwargs)
+
+    def __call__(self, kwargs: dict[str, Any]) -> Any:
+        leaves = pytree.tree_leaves(kwargs)
+        for static, x in zip(self._static, leaves):
+            if isinstance(static, torch.Tensor):
+                static.copy_(x)
+        self._graph.replay()
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._out)
+
+
+@dataclass(kw_only=True, eq=False)
+class Engine:
+    """A rank's transformer turned into an engine; called exactly like the diffusers model."""
+
+    module: nn.Module
+    """The (parallel) transformer it runs."""
+    options: EngineOptions
+    cache: EngineCache | None = None
+    rank: int = 0
+    builds: dict[str, BuildRecord] = field(default_factory=dict)
+    """Input signature -> what its first call did."""
+    _forward: Callable[..., Any] | None = None
+    _graphs: dict[str, _Graphed] = field(default_factory=dict)
+    _swapped: list[tuple[nn.ModuleList, int, nn.Module]] = field(default_factory=list)
+
+    @property
+    def config(self) -> Any:
+        """The diffusers model's config (pipelines read it)."""
+        return self.module.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    def __call__(self, **kwargs: Any) -> Any:
+        signature = input_signature(kwargs)
+        if signature not in self.builds:
+            return self._build(signature, kwargs)
+        with torch.no_grad():
+            if self.options.cuda_graph:
+                return self._graphs[signature](kwargs)
+            return self._forward(**kwargs)
+
+    def _build(self, signature: str, kwargs: dict[str, Any]) -> Any:
+        """First call of a signature: load or make artifacts, compile, capture; returns the output."""
+        start = time.perf_counter()
+        key, hit, saved = "", False, None
+        compiled = self.options.backend != "eager"
+        if self.cache is not None and compiled:
+            key = self.cache.key(self.module, signature, self.options, self.rank)
+            hit = self.cache.load(key, self.rank)
+        with torch.no_grad():
+            if self.options.cuda_graph:
+                self._graphs[signature] = _Graphed(self._forward, kwargs)
+                out = self._graphs[signature](kwargs)
+            else:
+                out = self._forward(**kwargs)
+        if self.module.device.type == "cuda":
+            torch.cuda.synchronize(self.module.device)
+        if self.cache is not None and compiled and not hit:
+            saved = self.cache.save(key, self.rank, dict(signature=signature, options=asdict(self.options)))
+        self.builds[signature] = BuildRecord(key=key, cache_hit=hit, seconds=time.perf_counter() - start, saved=saved)
+        return out
+
+    def release(self) -> nn.Module:
+        """Put compiled blocks back to their plain modules and return the module."""
+        for container, index, original in self._swapped:
+            container[index] = original
+        self._swapped = []
+        self._graphs.clear()
+        return self.module
+
+
+def _inner_model(module: nn.Module) -> nn.Module:
+    """The diffusers model inside a ParallelTransformer (or the module itself)."""
+    return getattr(module, "model", module)
+
+
+def prepare_engine(
+    transformer: nn.Module,
+    options: EngineOptions,
+    *,
+    cache_dir: Path | str | None = None,
+    rank: int | None = None,
+) -> Engine:
+    """Turn a rank's transformer (a ParallelTransformer or a plain diffusers model) into an Engine.
+
+    Nothing is compiled yet: torch.compile builds at the first call of each input signature, after
+    loading that signature's artifacts from `cache_dir` if they are there (see the module
+    docstring). Call the engine once with a request's inputs to build ahead of time.
+
+    With a cache_dir and the inductor backend, TORCHINDUCTOR_CACHE_DIR (unless already set) points
+    at <cache_dir>/inductor, so that the kernels inductor builds (C++ .so on CPU, Triton on GPU)
+    live with the engine cache: on a CPU the portable artifacts alone leave the C++ compile to do.
+
+    Args:
+        rank: this process's rank, part of the cache key (default: torch.distributed's, else 0).
+    """
+    if options.cuda_graph and transformer.device.type != "cuda":
+        raise ValueError(f"cuda_graph needs a CUDA transformer, this one is on {transformer.device}")
+    if options.backend == "tensorrt" and not tensorrt_available():
+        _tensorrt_compile(transformer, transformer.dtype, None)  # raises BackendUnavailable with the reason
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    cache = None
+    if cache_dir is not None:
+        cache = EngineCache(Path(cache_dir).expanduser())
+        if options.backend == "inductor":
+            use_inductor_cache_dir(cache.root / "inductor")
+    engine = Engine(module=transformer, options=options, cache=cache, rank=rank)
+    backend = options.backend
+    if backend == "eager":
+        engine._forward = transformer
+    elif options.scope == "whole":
+        if backend == "inductor":
+            engine._forward = torch.compile(transformer, fullgraph=True, dynamic=False, mode=options.mode)
+        else:
+            trt_cache = cache.root / "tensorrt" if cache is not None else None
+            engine._forward = _tensorrt_compile(transformer, transformer.dtype, trt_cache)
+    else:
+        model = _inner_model(transformer)
+        names = REPEATED_BLOCKS.get(type(model).__name__)
+        if names is None:
+            raise ValueError(f"no repeated blocks known for {type(model).__name__}; use scope='whole'")
+        for name in names:
+            blocks: nn.ModuleList = getattr(model, name)
+            for index, block in enumerate(blocks):
+                if backend == "inductor":
+                    compiled = torch.compile(block, fullgraph=True, dynamic=False, mode=options.mode)
+                else:
+                    compiled = _tensorrt_compile(block, transformer.dtype, None)
+                engine._swapped.append((blocks, index, block))
+                blocks[index] = compiled
+        engine._forward = transformer
+    return engine
