@@ -4,7 +4,9 @@
 
 The folders have exactly the layout of real checkpoints (model_index.json, one subfolder per component,
 safetensors weights, offline tokenizers), so they load through the same code path as FLUX.1-dev or
-Cosmos-Predict2. The weights are random; the architectures are the real diffusers classes, shrunk.
+Cosmos-Predict2. The weights here are random; the architectures are the real diffusers classes, shrunk.
+Trained weights for the same architectures come from `python -m training` (training/), which builds
+its starting point with flux_components / cosmos_components and saves with save_flux / save_cosmos.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ circle square triangle rectangle star ring cross diamond ellipse dot shape shape
 left right up down top bottom center centre middle corner upper lower side
 moving moves move sliding slides growing grows shrinking shrinks rotating spinning bouncing
 background picture image photo video scene of over under near far bright dark light
+blurry static still
 """.split()
 
 
@@ -90,8 +93,8 @@ def write_model_index(folder: Path, class_name: str, components: dict[str, tuple
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def build_tiny_flux(folder: Path, seed: int) -> None:
-    """FLUX.1-dev's component set, shrunk: CLIP + T5 text encoders, 8x VAE, guidance-distilled DiT."""
+def flux_components(seed: int) -> dict:
+    """FLUX.1-dev's component set, shrunk: CLIP + T5 text encoders, 8x VAE, guidance-distilled DiT (random weights)."""
     clip_tok = clip_tokenizer()
     t5_tok = t5_tokenizer(max_length=512)
 
@@ -109,33 +112,33 @@ def build_tiny_flux(folder: Path, seed: int) -> None:
     vae = AutoencoderKL(
         in_channels=3, out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        block_out_channels=[8, 16, 32, 32], layers_per_block=1, latent_channels=4, norm_num_groups=8,
+        block_out_channels=[16, 32, 64, 64], layers_per_block=1, latent_channels=4, norm_num_groups=8,
         sample_size=256, scaling_factor=0.3611, shift_factor=0.1159,
         use_quant_conv=False, use_post_quant_conv=False,
     ).eval()
 
+    # Head dim 32 gives the rotary embedding six frequencies per image axis (16 gave three, too coarse
+    # to place a shape); 4 heads keep Ulysses degrees 2 and 4 possible.
     torch.manual_seed(seed + 3)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=32,
         num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=[4, 6, 6],
+        axes_dims_rope=[8, 12, 12],
     ).eval()
 
     scheduler = flow_scheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
+    return {
+        "tokenizer": clip_tok, "tokenizer_2": t5_tok, "text_encoder": clip, "text_encoder_2": t5,
+        "vae": vae, "transformer": transformer, "scheduler": scheduler,
+    }
 
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    clip_tok.save_pretrained(folder / "tokenizer")
-    t5_tok.save_pretrained(folder / "tokenizer_2")
-    clip.save_pretrained(folder / "text_encoder", safe_serialization=True)
-    t5.save_pretrained(folder / "text_encoder_2", safe_serialization=True)
-    vae.save_pretrained(folder / "vae", safe_serialization=True)
-    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    scheduler.save_pretrained(folder / "scheduler")
+
+def save_flux(folder: Path, parts: dict) -> None:
+    """Write flux_components' parts as a diffusers FluxPipeline folder (replacing `folder`)."""
+    _save_parts(folder, parts)
     write_model_index(
         folder,
         "FluxPipeline",
@@ -153,11 +156,12 @@ def build_tiny_flux(folder: Path, seed: int) -> None:
     )
 
 
-def build_tiny_cosmos(folder: Path, seed: int) -> None:
-    """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (4x time, 8x space), Cosmos DiT."""
+def cosmos_components(seed: int) -> dict:
+    """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (4x time, 8x space), Cosmos DiT (random)."""
     t5_tok = t5_tokenizer(max_length=512)
     t5 = t5_encoder(len(t5_tok), seed)
 
+    # base_dim 8: the Wan decoder runs 3D convolutions at full resolution, which dominates CPU time.
     z_dim = 8
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLWan(
@@ -167,22 +171,19 @@ def build_tiny_cosmos(folder: Path, seed: int) -> None:
 
     torch.manual_seed(seed + 2)
     transformer = CosmosTransformer3DModel(
-        in_channels=z_dim + 1, out_channels=z_dim, num_attention_heads=4, attention_head_dim=16, num_layers=2,
-        mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=16, max_size=(32, 64, 64), patch_size=(1, 2, 2),
+        in_channels=z_dim + 1, out_channels=z_dim, num_attention_heads=4, attention_head_dim=32, num_layers=4,
+        mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=32, max_size=(32, 64, 64), patch_size=(1, 2, 2),
         rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=True, extra_pos_embed_type=None,
     ).eval()
 
     # Cosmos-Predict2's scheduler: Karras sigmas in the EDM parameterisation, as its checkpoints ship.
     scheduler = flow_scheduler(use_karras_sigmas=True, shift=1.0, use_dynamic_shifting=False)
+    return {"tokenizer": t5_tok, "text_encoder": t5, "vae": vae, "transformer": transformer, "scheduler": scheduler}
 
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    t5_tok.save_pretrained(folder / "tokenizer")
-    t5.save_pretrained(folder / "text_encoder", safe_serialization=True)
-    vae.save_pretrained(folder / "vae", safe_serialization=True)
-    transformer.save_pretrained(folder / "transformer", safe_serialization=True)
-    scheduler.save_pretrained(folder / "scheduler")
+
+def save_cosmos(folder: Path, parts: dict) -> None:
+    """Write cosmos_components' parts as a diffusers Cosmos2VideoToWorldPipeline folder (replacing `folder`)."""
+    _save_parts(folder, parts)
     write_model_index(
         folder,
         "Cosmos2VideoToWorldPipeline",
@@ -197,13 +198,24 @@ def build_tiny_cosmos(folder: Path, seed: int) -> None:
     )
 
 
+def _save_parts(folder: Path, parts: dict) -> None:
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    for name, part in parts.items():
+        if isinstance(part, torch.nn.Module):
+            part.save_pretrained(folder / name, safe_serialization=True)
+        else:
+            part.save_pretrained(folder / name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "assets", help="folder that receives tiny-flux/ and tiny-cosmos/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    build_tiny_flux(args.out / "tiny-flux", args.seed)
-    build_tiny_cosmos(args.out / "tiny-cosmos", args.seed + 100)
+    save_flux(args.out / "tiny-flux", flux_components(args.seed))
+    save_cosmos(args.out / "tiny-cosmos", cosmos_components(args.seed + 100))
     for name in ("tiny-flux", "tiny-cosmos"):
         size = sum(p.stat().st_size for p in (args.out / name).rglob("*") if p.is_file())
         print(f"{name}: {size / 1e6:.2f} MB")

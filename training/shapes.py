@@ -1,0 +1,242 @@
+"""Procedural scenes with captions: one coloured shape on a plain background, still or moving.
+
+Everything is drawn from a seed with torch on the training device (no files, no downloads), so a
+batch costs microseconds and the data set is endless. A scene is a handful of numbers (shape,
+colour, centre, half-size, background); `render` turns scenes into antialiased RGB in [-1, 1].
+
+Captions use only words that the tiny models' T5 tokenizer keeps whole (scripts/make_tiny_models.py
+CAPTION_WORDS), e.g. "a big red circle at the top left on a white background" or
+"a blue square moving right on a black background". A fixed set of (colour, shape, background)
+and (colour, shape, motion) combinations is never drawn in training: the quality tests prompt for
+those, so they measure composition, not recall.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SHAPES = ("circle", "square", "triangle", "diamond", "star")
+COLOURS = {
+    "red": (220, 30, 30),
+    "orange": (245, 135, 20),
+    "yellow": (245, 220, 30),
+    "green": (30, 165, 50),
+    "blue": (30, 70, 225),
+    "purple": (135, 45, 190),
+}
+"""Shape colours, also allowed as backgrounds (never the shape's own colour)."""
+NEUTRALS = {"white": (245, 245, 245), "black": (15, 15, 15), "gray": (128, 128, 128)}
+BACKGROUNDS = {**NEUTRALS, **COLOURS}
+SIZES = {"small": (0.10, 0.14), "big": (0.20, 0.26)}
+"""Half-size of a shape as a fraction of the image width."""
+POSITIONS = {
+    "at the top left": (0.25, 0.25), "at the top": (0.5, 0.25), "at the top right": (0.75, 0.25),
+    "at the left": (0.25, 0.5), "in the center": (0.5, 0.5), "at the right": (0.75, 0.5),
+    "at the bottom left": (0.25, 0.75), "at the bottom": (0.5, 0.75), "at the bottom right": (0.75, 0.75),
+}
+"""Centre (x, y) of a position phrase, as fractions of width and height (y down)."""
+MOTIONS = ("left", "right", "up", "down", "growing", "shrinking")
+MOTION_PHRASES = {"left": "moving left", "right": "moving right", "up": "moving up", "down": "moving down",
+                  "growing": "growing", "shrinking": "shrinking"}
+NEGATIVE_CAPTIONS = ("", "blurry, static")
+"""What caption dropout substitutes: the empty prompt and tiny-cosmos' default negative prompt."""
+
+
+def _held_out(seed: int, n: int, third: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    rng = np.random.default_rng(seed)
+    combos = [(c, s, t) for c in COLOURS for s in SHAPES for t in third if t != c]
+    picks = rng.choice(len(combos), size=n, replace=False)
+    return tuple(combos[i] for i in sorted(picks))
+
+
+HELD_OUT_IMAGES = _held_out(2026, 24, tuple(BACKGROUNDS))
+"""(colour, shape, background) never drawn for training images."""
+HELD_OUT_VIDEOS = _held_out(2027, 24, MOTIONS)
+"""(colour, shape, motion) never drawn for training videos."""
+
+
+@dataclass(kw_only=True)
+class Scenes:
+    """A batch of B scenes over T frames (T = 1 for images); tensors are [B, T] unless noted."""
+
+    shape: torch.Tensor
+    """Index into SHAPES, [B]."""
+    colour: torch.Tensor
+    """RGB in 0..255, [B, 3]."""
+    background: torch.Tensor
+    """RGB in 0..255, [B, 3]."""
+    cx: torch.Tensor
+    cy: torch.Tensor
+    """Centre as fractions of width / height (y down)."""
+    half: torch.Tensor
+    """Half-size as a fraction of the width."""
+    captions: list[str]
+
+
+def _shape_distance(kind: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Signed distance (in half-sizes, <0 inside) of points (x, y up) to each scene's unit shape."""
+    rho = torch.sqrt(x * x + y * y)
+    theta = torch.atan2(y, x)
+
+    def polygon(n: int, normal_angle: float, apothem: float) -> torch.Tensor:
+        # Regular n-gon: fold the angle into one edge's sector and measure along that edge's normal.
+        sector = 2 * math.pi / n
+        folded = torch.remainder(theta - normal_angle + sector / 2, sector) - sector / 2
+        return rho * torch.cos(folded) - apothem
+
+    circle = rho - 1.0
+    square = polygon(4, 0.0, 0.82)
+    triangle = polygon(3, -math.pi / 2, 0.5)  # pointing up, circumradius 1
+    diamond = polygon(4, math.pi / 4, 1.0 / math.sqrt(2.0))
+    # Five-pointed star pointing up: fold into half a point's sector, distance to the outer edge line.
+    sector = 2 * math.pi / 5
+    folded = torch.abs(torch.remainder(theta - math.pi / 2 + sector / 2, sector) - sector / 2)
+    px, py = rho * torch.cos(folded), rho * torch.sin(folded)
+    inner = 0.45
+    ax, ay = 1.0, 0.0
+    bx, by = inner * math.cos(sector / 2), inner * math.sin(sector / 2)
+    nx, ny = by - ay, ax - bx  # outward normal of edge A->B
+    norm = math.hypot(nx, ny)
+    star = ((px - ax) * nx + (py - ay) * ny) / norm
+    table = torch.stack([circle, square, triangle, diamond, star])  # [S, ...]
+    return torch.gather(table, 0, kind.expand_as(circle).unsqueeze(0)).squeeze(0)
+
+
+def render(scenes: Scenes, height: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Scenes -> RGB frames in [-1, 1], [B, 3, T, H, W] (float32)."""
+    batch, frames = scenes.cx.shape
+    ys = (torch.arange(height, device=device, dtype=torch.float32) + 0.5) / width
+    xs = (torch.arange(width, device=device, dtype=torch.float32) + 0.5) / width
+    cx = scenes.cx.to(device).view(batch, frames, 1, 1)
+    cy = (scenes.cy.to(device) * height / width).view(batch, frames, 1, 1)
+    half = scenes.half.to(device).view(batch, frames, 1, 1)
+    x = (xs.view(1, 1, 1, width) - cx) / half
+    y = -(ys.view(1, 1, height, 1) - cy) / half
+    kind = scenes.shape.to(device).view(batch, 1, 1, 1)
+    distance = _shape_distance(kind, x, y) * half * width  # in pixels
+    coverage = (0.5 - distance).clamp(0.0, 1.0).unsqueeze(1)  # [B, 1, T, H, W], one-pixel antialiasing
+    colour = scenes.colour.to(device).float().view(batch, 3, 1, 1, 1) / 127.5 - 1
+    background = scenes.background.to(device).float().view(batch, 3, 1, 1, 1) / 127.5 - 1
+    return background + coverage * (colour - background)
+
+
+def to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """[B, 3, T, H, W] in [-1, 1] -> uint8 [B, T, H, W, 3]."""
+    return ((frames.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 4, 1).cpu().numpy()
+
+
+def _pick(generator: torch.Generator, options: int) -> int:
+    return int(torch.randint(options, (1,), generator=generator))
+
+
+def _uniform(generator: torch.Generator, low: float, high: float) -> float:
+    return low + (high - low) * float(torch.rand((), generator=generator))
+
+
+def image_scenes(batch: int, generator: torch.Generator, *, held_out: bool = False) -> Scenes:
+    """Random still scenes with captions; held_out=True draws only from HELD_OUT_IMAGES."""
+    rows = []
+    for _ in range(batch):
+        if held_out:
+            colour, shape, background = HELD_OUT_IMAGES[_pick(generator, len(HELD_OUT_IMAGES))]
+        while not held_out:
+            colour = list(COLOURS)[_pick(generator, len(COLOURS))]
+            shape = SHAPES[_pick(generator, len(SHAPES))]
+            background = list(BACKGROUNDS)[_pick(generator, len(BACKGROUNDS))]
+            if background != colour and (colour, shape, background) not in HELD_OUT_IMAGES:
+                break
+        size = list(SIZES)[_pick(generator, len(SIZES))]
+        half = _uniform(generator, *SIZES[size])
+        position = list(POSITIONS)[_pick(generator, len(POSITIONS))]
+        cx, cy = POSITIONS[position]
+        margin = half + 0.03
+        cx = min(max(cx + _uniform(generator, -0.06, 0.06), margin), 1 - margin)
+        cy = min(max(cy + _uniform(generator, -0.06, 0.06), margin), 1 - margin)
+        # Captions leave out size, position or background now and then, so short prompts work too.
+        words = ["a"]
+        if held_out or _uniform(generator, 0, 1) < 0.8:
+            words.append(size)
+        words += [colour, shape]
+        if held_out or _uniform(generator, 0, 1) < 0.7:
+            words.append(position)
+        if held_out or _uniform(generator, 0, 1) < 0.8:
+            words.append(_on_background(background))
+        rows.append((shape, colour, background, cx, cy, half, " ".join(words)))
+    return _scenes(rows, frames=1)
+
+
+def video_scenes(batch: int, frames: int, generator: torch.Generator, *, held_out: bool = False) -> Scenes:
+    """Random moving scenes with captions; held_out=True draws only from HELD_OUT_VIDEOS."""
+    rows = []
+    for _ in range(batch):
+        if held_out:
+            colour, shape, motion = HELD_OUT_VIDEOS[_pick(generator, len(HELD_OUT_VIDEOS))]
+        while not held_out:
+            colour = list(COLOURS)[_pick(generator, len(COLOURS))]
+            shape = SHAPES[_pick(generator, len(SHAPES))]
+            motion = MOTIONS[_pick(generator, len(MOTIONS))]
+            if (colour, shape, motion) not in HELD_OUT_VIDEOS:
+                break
+        while True:
+            background = list(BACKGROUNDS)[_pick(generator, len(BACKGROUNDS))]
+            if background != colour:
+                break
+        t = torch.linspace(0, 1, frames).tolist()
+        if motion in ("growing", "shrinking"):
+            small, big = _uniform(generator, 0.07, 0.10), _uniform(generator, 0.22, 0.27)
+            start, end = (small, big) if motion == "growing" else (big, small)
+            half = [start + (end - start) * s for s in t]
+            cx0, cy0 = _uniform(generator, 0.4, 0.6), _uniform(generator, 0.4, 0.6)
+            cx, cy = [cx0] * frames, [cy0] * frames
+        else:
+            h = _uniform(generator, 0.10, 0.16)
+            half = [h] * frames
+            margin = h + 0.03
+            start, end = _uniform(generator, margin, 0.35), _uniform(generator, 0.65, 1 - margin)
+            if motion in ("left", "up"):
+                start, end = end, start
+            across = [start + (end - start) * s for s in t]
+            other = [_uniform(generator, margin, 1 - margin)] * frames
+            cx, cy = (across, other) if motion in ("left", "right") else (other, across)
+        words = ["a", colour, shape, MOTION_PHRASES[motion]]
+        if held_out or _uniform(generator, 0, 1) < 0.8:
+            words.append(_on_background(background))
+        rows.append((shape, colour, background, cx, cy, half, " ".join(words)))
+    return _scenes(rows, frames=frames)
+
+
+def _on_background(colour: str) -> str:
+    return f"on {'an' if colour == 'orange' else 'a'} {colour} background"
+
+
+def _scenes(rows: list[tuple], frames: int) -> Scenes:
+    def per_frame(values) -> list[float]:
+        return list(values) if isinstance(values, list) else [values] * frames
+
+    return Scenes(
+        shape=torch.tensor([SHAPES.index(r[0]) for r in rows]),
+        colour=torch.tensor([COLOURS[r[1]] for r in rows]),
+        background=torch.tensor([BACKGROUNDS[r[2]] for r in rows]),
+        cx=torch.tensor([per_frame(r[3]) for r in rows]),
+        cy=torch.tensor([per_frame(r[4]) for r in rows]),
+        half=torch.tensor([per_frame(r[5]) for r in rows]),
+        captions=[r[6] for r in rows],
+    )
+
+
+def held_out_image_prompts() -> list[tuple[str, str, str]]:
+    """(prompt, colour, shape) for every held-out image combination: a big shape in the centre."""
+    return [(f"a big {c} {s} in the center {_on_background(b)}", c, s) for c, s, b in HELD_OUT_IMAGES]
+
+
+def held_out_video_prompts() -> list[tuple[str, str, str, str]]:
+    """(prompt, colour, shape, motion) for every held-out video combination, on a black or white background."""
+    prompts = []
+    for i, (c, s, m) in enumerate(HELD_OUT_VIDEOS):
+        background = "white" if i % 2 else "black"
+        prompts.append((f"a {c} {s} {MOTION_PHRASES[m]} on a {background} background", c, s, m))
+    return prompts
