@@ -129,103 +129,104 @@ def to_uint8(frames: torch.Tensor) -> np.ndarray:
     return ((frames.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 4, 1).cpu().numpy()
 
 
-def _pick(generator: torch.Generator, options: int) -> int:
-    return int(torch.randint(options, (1,), generator=generator))
+def _combos(third: tuple[str, ...], held_out: tuple[tuple[str, str, str], ...], want_held_out: bool) -> torch.Tensor:
+    """[N, 3] index table of the (colour, shape, third) combinations one split may draw."""
+    rows = [(ci, si, ti) for ci, c in enumerate(COLOURS) for si, s in enumerate(SHAPES) for ti, t in enumerate(third)
+            if t != c and ((c, s, t) in held_out) == want_held_out]
+    return torch.tensor(rows)
 
 
-def _uniform(generator: torch.Generator, low: float, high: float) -> float:
-    return low + (high - low) * float(torch.rand((), generator=generator))
+_IMAGE_COMBOS = {split: _combos(tuple(BACKGROUNDS), HELD_OUT_IMAGES, split) for split in (False, True)}
+_VIDEO_COMBOS = {split: _combos(MOTIONS, HELD_OUT_VIDEOS, split) for split in (False, True)}
+
+
+def _uniform(generator: torch.Generator, shape: tuple[int, ...], low, high) -> torch.Tensor:
+    return low + (high - low) * torch.rand(shape, generator=generator)
 
 
 def image_scenes(batch: int, generator: torch.Generator, *, held_out: bool = False) -> Scenes:
     """Random still scenes with captions; held_out=True draws only from HELD_OUT_IMAGES."""
-    rows = []
-    for _ in range(batch):
-        if held_out:
-            colour, shape, background = HELD_OUT_IMAGES[_pick(generator, len(HELD_OUT_IMAGES))]
-        while not held_out:
-            colour = list(COLOURS)[_pick(generator, len(COLOURS))]
-            shape = SHAPES[_pick(generator, len(SHAPES))]
-            background = list(BACKGROUNDS)[_pick(generator, len(BACKGROUNDS))]
-            if background != colour and (colour, shape, background) not in HELD_OUT_IMAGES:
-                break
-        size = list(SIZES)[_pick(generator, len(SIZES))]
-        half = _uniform(generator, *SIZES[size])
-        position = list(POSITIONS)[_pick(generator, len(POSITIONS))]
-        cx, cy = POSITIONS[position]
-        margin = half + 0.03
-        cx = min(max(cx + _uniform(generator, -0.06, 0.06), margin), 1 - margin)
-        cy = min(max(cy + _uniform(generator, -0.06, 0.06), margin), 1 - margin)
-        # Captions leave out size, position or background now and then, so short prompts work too.
-        words = ["a"]
-        if held_out or _uniform(generator, 0, 1) < 0.8:
-            words.append(size)
-        words += [colour, shape]
-        if held_out or _uniform(generator, 0, 1) < 0.7:
-            words.append(position)
-        if held_out or _uniform(generator, 0, 1) < 0.8:
-            words.append(_on_background(background))
-        rows.append((shape, colour, background, cx, cy, half, " ".join(words)))
-    return _scenes(rows, frames=1)
+    table = _IMAGE_COMBOS[held_out]
+    colour, shape, background = table[torch.randint(len(table), (batch,), generator=generator)].unbind(1)
+    size = torch.randint(len(SIZES), (batch,), generator=generator)
+    limits = torch.tensor(list(SIZES.values()))[size]
+    half = _uniform(generator, (batch,), limits[:, 0], limits[:, 1])
+    position = torch.randint(len(POSITIONS), (batch,), generator=generator)
+    centre = torch.tensor(list(POSITIONS.values()))[position] + _uniform(generator, (batch, 2), -0.06, 0.06)
+    margin = (half + 0.03).unsqueeze(1)
+    centre = torch.minimum(torch.maximum(centre, margin), 1 - margin)
+    # Captions leave out size, position or background now and then, so short prompts work too.
+    keep = torch.rand((batch, 3), generator=generator) < torch.tensor([0.8, 0.7, 0.8])
+    keep = (keep | held_out).tolist()
+    colours, backgrounds, sizes, positions = list(COLOURS), list(BACKGROUNDS), list(SIZES), list(POSITIONS)
+    captions = []
+    for i, (c, s, b, z, p) in enumerate(zip(colour.tolist(), shape.tolist(), background.tolist(), size.tolist(),
+                                            position.tolist())):
+        words = [sizes[z]] if keep[i][0] else []
+        words += [colours[c], SHAPES[s]]
+        words.insert(0, _article(words[0]))
+        if keep[i][1]:
+            words.append(positions[p])
+        if keep[i][2]:
+            words.append(_on_background(backgrounds[b]))
+        captions.append(" ".join(words))
+    return Scenes(
+        shape=shape, colour=_rgb(COLOURS, colour), background=_rgb(BACKGROUNDS, background),
+        cx=centre[:, :1], cy=centre[:, 1:], half=half.unsqueeze(1), captions=captions,
+    )
 
 
 def video_scenes(batch: int, frames: int, generator: torch.Generator, *, held_out: bool = False) -> Scenes:
     """Random moving scenes with captions; held_out=True draws only from HELD_OUT_VIDEOS."""
-    rows = []
-    for _ in range(batch):
-        if held_out:
-            colour, shape, motion = HELD_OUT_VIDEOS[_pick(generator, len(HELD_OUT_VIDEOS))]
-        while not held_out:
-            colour = list(COLOURS)[_pick(generator, len(COLOURS))]
-            shape = SHAPES[_pick(generator, len(SHAPES))]
-            motion = MOTIONS[_pick(generator, len(MOTIONS))]
-            if (colour, shape, motion) not in HELD_OUT_VIDEOS:
-                break
-        while True:
-            background = list(BACKGROUNDS)[_pick(generator, len(BACKGROUNDS))]
-            if background != colour:
-                break
-        t = torch.linspace(0, 1, frames).tolist()
-        if motion in ("growing", "shrinking"):
-            small, big = _uniform(generator, 0.07, 0.10), _uniform(generator, 0.22, 0.27)
-            start, end = (small, big) if motion == "growing" else (big, small)
-            half = [start + (end - start) * s for s in t]
-            cx0, cy0 = _uniform(generator, 0.4, 0.6), _uniform(generator, 0.4, 0.6)
-            cx, cy = [cx0] * frames, [cy0] * frames
-        else:
-            h = _uniform(generator, 0.10, 0.16)
-            half = [h] * frames
-            margin = h + 0.03
-            start, end = _uniform(generator, margin, 0.35), _uniform(generator, 0.65, 1 - margin)
-            if motion in ("left", "up"):
-                start, end = end, start
-            across = [start + (end - start) * s for s in t]
-            other = [_uniform(generator, margin, 1 - margin)] * frames
-            cx, cy = (across, other) if motion in ("left", "right") else (other, across)
-        words = ["a", colour, shape, MOTION_PHRASES[motion]]
-        if held_out or _uniform(generator, 0, 1) < 0.8:
-            words.append(_on_background(background))
-        rows.append((shape, colour, background, cx, cy, half, " ".join(words)))
-    return _scenes(rows, frames=frames)
+    table = _VIDEO_COMBOS[held_out]
+    colour, shape, motion = table[torch.randint(len(table), (batch,), generator=generator)].unbind(1)
+    # Any background but the shape's own colour (BACKGROUNDS lists the neutrals, then COLOURS in order).
+    background = torch.randint(len(BACKGROUNDS) - 1, (batch,), generator=generator)
+    background += (background >= len(NEUTRALS) + colour).long()
+    t = torch.linspace(0, 1, frames).unsqueeze(0)
+
+    # Growing / shrinking: still centre, half-size from small to big (or back).
+    small, big = _uniform(generator, (batch, 1), 0.07, 0.10), _uniform(generator, (batch, 1), 0.22, 0.27)
+    grows = (motion == MOTIONS.index("growing")).unsqueeze(1)
+    scaling = torch.where(grows, small + (big - small) * t, big + (small - big) * t)
+    centre = _uniform(generator, (batch, 2), 0.4, 0.6)
+
+    # Moving: fixed half-size, travel from one side to the other along one axis.
+    half = _uniform(generator, (batch, 1), 0.10, 0.16)
+    margin = half + 0.03
+    start, end = _uniform(generator, (batch, 1), margin, 0.35), _uniform(generator, (batch, 1), 0.65, 1 - margin)
+    backwards = ((motion == MOTIONS.index("left")) | (motion == MOTIONS.index("up"))).unsqueeze(1)
+    start, end = torch.where(backwards, end, start), torch.where(backwards, start, end)
+    across = start + (end - start) * t
+    other = _uniform(generator, (batch, 1), margin, 1 - margin).expand(-1, frames)
+    horizontal = ((motion == MOTIONS.index("left")) | (motion == MOTIONS.index("right"))).unsqueeze(1)
+    moving = (motion < MOTIONS.index("growing")).unsqueeze(1)
+    cx = torch.where(moving, torch.where(horizontal, across, other), centre[:, :1].expand(-1, frames))
+    cy = torch.where(moving, torch.where(horizontal, other, across), centre[:, 1:].expand(-1, frames))
+    half = torch.where(moving, half.expand(-1, frames), scaling)
+
+    keep = ((torch.rand((batch,), generator=generator) < 0.8) | held_out).tolist()
+    colours, backgrounds = list(COLOURS), list(BACKGROUNDS)
+    captions = []
+    for i, (c, s, m, b) in enumerate(zip(colour.tolist(), shape.tolist(), motion.tolist(), background.tolist())):
+        words = [_article(colours[c]), colours[c], SHAPES[s], MOTION_PHRASES[MOTIONS[m]]]
+        if keep[i]:
+            words.append(_on_background(backgrounds[b]))
+        captions.append(" ".join(words))
+    return Scenes(shape=shape, colour=_rgb(COLOURS, colour), background=_rgb(BACKGROUNDS, background),
+                  cx=cx, cy=cy, half=half, captions=captions)
+
+
+def _rgb(palette: dict[str, tuple[int, int, int]], index: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(palette.values()))[index]
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
 
 
 def _on_background(colour: str) -> str:
-    return f"on {'an' if colour == 'orange' else 'a'} {colour} background"
-
-
-def _scenes(rows: list[tuple], frames: int) -> Scenes:
-    def per_frame(values) -> list[float]:
-        return list(values) if isinstance(values, list) else [values] * frames
-
-    return Scenes(
-        shape=torch.tensor([SHAPES.index(r[0]) for r in rows]),
-        colour=torch.tensor([COLOURS[r[1]] for r in rows]),
-        background=torch.tensor([BACKGROUNDS[r[2]] for r in rows]),
-        cx=torch.tensor([per_frame(r[3]) for r in rows]),
-        cy=torch.tensor([per_frame(r[4]) for r in rows]),
-        half=torch.tensor([per_frame(r[5]) for r in rows]),
-        captions=[r[6] for r in rows],
-    )
+    return f"on {_article(colour)} {colour} background"
 
 
 def held_out_image_prompts() -> list[tuple[str, str, str]]:
@@ -238,5 +239,5 @@ def held_out_video_prompts() -> list[tuple[str, str, str, str]]:
     prompts = []
     for i, (c, s, m) in enumerate(HELD_OUT_VIDEOS):
         background = "white" if i % 2 else "black"
-        prompts.append((f"a {c} {s} {MOTION_PHRASES[m]} on a {background} background", c, s, m))
+        prompts.append((f"{_article(c)} {c} {s} {MOTION_PHRASES[m]} {_on_background(background)}", c, s, m))
     return prompts

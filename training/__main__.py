@@ -1,0 +1,130 @@
+"""Train the embedded tiny models on procedural shapes and write them as diffusers folders with model cards.
+
+    python -m training --device cuda --minutes 7 --out assets        # both models, ~7 minutes of training
+    python -m training --device cpu --minutes 1 --out /tmp/tiny --small --eval-prompts 0   # smoke run
+
+The budget is wall-clock training time, split over the four phases (each VAE, then each transformer);
+loading, saving and the final held-out evaluation come on top. Same seed and same --max-steps give the
+same weights; with a time budget the step count depends on the machine and is written in the model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from scripts.make_tiny_models import cosmos_components, flux_components, save_cosmos, save_flux
+from training.card import write_card
+from training.cosmos import CosmosSettings, train_cosmos
+from training.flux import FluxSettings, train_flux
+
+PHASE_SHARES = {"flux-vae": 0.12, "flux-dit": 0.38, "cosmos-vae": 0.12, "cosmos-dit": 0.38}
+"""Share of the budget per phase; a model trained alone (--only) gets its two shares scaled to the whole."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder that receives tiny-flux/ and tiny-cosmos/")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--minutes", type=float, default=7.0, help="wall-clock training budget for all phases")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("flux", "cosmos"), help="train one model only")
+    parser.add_argument("--max-steps", type=int, help="stop every phase after this many steps (tests, replays)")
+    parser.add_argument("--batch-scale", type=float, default=1.0, help="multiply every batch size")
+    parser.add_argument("--small", action="store_true",
+                        help="64-px images and 64-px 9-frame clips, for CPU smoke runs (the saved model still "
+                             "defaults to the registry's sizes)")
+    parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts to score at the end (0: none)")
+    parser.add_argument("--examples", action="store_true", help="also write examples-*.png grids into --out")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    flux_settings, cosmos_settings = _settings(args)
+    models = [args.only] if args.only else ["flux", "cosmos"]
+    shares = {k: v for k, v in PHASE_SHARES.items() if k.split("-")[0] in models}
+    budget = args.minutes * 60
+    seconds = {k: budget * v / sum(shares.values()) for k, v in shares.items()}
+    command = "python -m training " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    run = {"command": command, "seed": args.seed, "device": _device_name(device), "torch": torch.__version__}
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "flux" in models:
+        parts = flux_components(args.seed)
+        results = train_flux(parts, device=device, generator=generator, settings=flux_settings,
+                             vae_seconds=seconds["flux-vae"], dit_seconds=seconds["flux-dit"],
+                             vae_steps=args.max_steps, dit_steps=args.max_steps)
+        folder = args.out / "tiny-flux"
+        save_flux(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
+        write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run)
+        del parts
+    if "cosmos" in models:
+        parts = cosmos_components(args.seed + 100)
+        results = train_cosmos(parts, device=device, generator=generator, settings=cosmos_settings,
+                               vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
+                               vae_steps=args.max_steps, dit_steps=args.max_steps)
+        folder = args.out / "tiny-cosmos"
+        save_cosmos(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
+        write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run)
+        del parts
+    print(f"training done in {time.perf_counter() - start:.0f}s", flush=True)
+
+    if args.eval_prompts:
+        _evaluate(args.out, models, args.eval_prompts, args.device)
+    if args.examples:
+        from training.evaluate import save_examples
+
+        save_examples(args.out, args.out, device=args.device)
+    for name in ("tiny-flux", "tiny-cosmos"):
+        folder = args.out / name
+        if folder.is_dir():
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            print(f"{folder}: {size / 1e6:.2f} MB", flush=True)
+    print(f"all done in {time.perf_counter() - start:.0f}s", flush=True)
+
+
+def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
+    flux, cosmos = FluxSettings(), CosmosSettings()
+    if args.small:
+        flux.sizes = (64,)
+        cosmos.size, cosmos.frames = 64, 9
+    for settings in (flux, cosmos):
+        for field in ("vae_batch", "dit_batch"):
+            setattr(settings, field, max(1, round(getattr(settings, field) * args.batch_scale)))
+    return flux, cosmos
+
+
+def _evaluate(out: Path, models: list[str], count: int, device: str) -> None:
+    """Score the saved folders on held-out prompts and add the scores to their model cards."""
+    from training.card import append_scores
+    from training.evaluate import score_images, score_videos
+
+    if "flux" in models:
+        scores = score_images(out / "tiny-flux", count=count, device=device)
+        print(f"tiny-flux held-out: colour {scores.colour:.0%} shape {scores.shape:.0%}", flush=True)
+        append_scores(out / "tiny-flux", scores, count)
+    if "cosmos" in models:
+        scores = score_videos(out / "tiny-cosmos", count=count, device=device)
+        print(f"tiny-cosmos held-out: colour {scores.colour:.0%} shape {scores.shape:.0%} "
+              f"motion {scores.motion:.0%}", flush=True)
+        append_scores(out / "tiny-cosmos", scores, count)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+if __name__ == "__main__":
+    main()

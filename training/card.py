@@ -1,0 +1,102 @@
+"""Model cards (README.md) for the trained tiny models: data, training, size, limits, held-out scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from training import shapes
+from training.loop import PhaseResult
+
+LIMITS = """\
+## Limits
+
+- It draws one flat-coloured shape on a plain background, nothing else: no textures, no scenes, no
+  people, no text. Prompts outside the caption grammar below fall back to character-level T5 tokens and
+  give some shape in some colour.
+- Sizes far from the training sizes (below) place and scale shapes less reliably.
+- It is a test fixture and a demonstration of the code path, not a generative model of the world.
+"""
+
+
+def _parameters(parts: dict) -> str:
+    rows = []
+    for name, part in parts.items():
+        if isinstance(part, torch.nn.Module):
+            rows.append(f"| {name} | {type(part).__name__} | {sum(p.numel() for p in part.parameters()):,} |")
+    return "| component | class | parameters |\n| --- | --- | --- |\n" + "\n".join(rows)
+
+
+def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult], settings: dict, run: dict) -> None:
+    """Write folder/README.md for a freshly trained model."""
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    video = name == "tiny-cosmos"
+    example = shapes.held_out_video_prompts()[0][0] if video else shapes.held_out_image_prompts()[0][0]
+    phases = "\n".join(
+        f"| {r.name} | {r.steps} | {r.samples:,} | {r.seconds:.0f} s | {r.first_loss:.4f} -> {r.last_loss:.4f} |"
+        for r in results
+    )
+    if video:
+        data = (f"Clips of one shape ({', '.join(shapes.SHAPES)}) in one colour ({', '.join(shapes.COLOURS)}) on a "
+                f"plain background ({', '.join(shapes.BACKGROUNDS)}, never the shape's colour), "
+                f"{' / '.join(shapes.MOTION_PHRASES.values())}, e.g. \"{example}\". "
+                f"{len(shapes.HELD_OUT_VIDEOS)} (colour, shape, motion) combinations are never shown in "
+                "training; the held-out scores below prompt for exactly those.")
+        method = ("AutoencoderKLWan fitted first (L1 + MSE with 4x weight on shape pixels, KL 1e-4), its per-channel "
+                  "latent mean/std written to its config; then CosmosTransformer3DModel and the T5 encoder trained "
+                  "together on the EDM-preconditioned rectified-flow objective that pipelines/cosmos.py inverts "
+                  "(transformer input (1-t) x0 + t noise, t = sigma/(sigma+1), target noise - x0), sigma half "
+                  "log-uniform on [0.002, 80], half log-normal; 0/1/2 clean conditioning latent frames "
+                  "(50/35/15%) for video-to-world; 15% of prompts replaced by \"\" or the negative prompt "
+                  "for classifier-free guidance. EMA 0.999 weights saved.")
+    else:
+        data = (f"Images of one shape ({', '.join(shapes.SHAPES)}) in one colour ({', '.join(shapes.COLOURS)}), "
+                f"small or big, at one of nine positions, on a plain background ({', '.join(shapes.BACKGROUNDS)}, "
+                f"never the shape's colour), e.g. \"{example}\"; captions drop size, position or background at "
+                f"random. {len(shapes.HELD_OUT_IMAGES)} (colour, shape, background) combinations are never shown "
+                "in training; the held-out scores below prompt for exactly those.")
+        method = ("AutoencoderKL fitted first (L1 + MSE with 4x weight on shape pixels, KL 1e-4), latent "
+                  "shift/scale written to its config; then FluxTransformer2DModel and the T5 encoder trained "
+                  "together by rectified flow on packed latents (x_s = (1-s) x0 + s noise, target noise - x0, "
+                  "s logit-normal with the pipeline's resolution shift), random guidance input in [1, 5] "
+                  "(guidance-distilled in form only: the value has no effect). CLIP stays at its random "
+                  "initialisation (frozen). EMA 0.999 weights saved.")
+    text = f"""# {name}
+
+Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural
+shapes in a few minutes. Regenerate with `{run['command']}`.
+
+## Data
+
+Procedural, generated on the fly from the seed by `training/shapes.py` (no downloads). {data}
+
+## Training
+
+{method}
+
+Seed {run['seed']}, {run['device']}, torch {run['torch']}, settings `{settings}`.
+
+| phase | steps | samples | time | loss (first -> last) |
+| --- | --- | --- | --- | --- |
+{phases}
+
+## Size
+
+{size / 1e6:.2f} MB on disk (float32 safetensors).
+
+{_parameters(parts)}
+
+{LIMITS}"""
+    (folder / "README.md").write_text(text)
+
+
+def append_scores(folder: Path, scores, count: int) -> None:
+    """Add the held-out evaluation (training/evaluate.py) to folder/README.md."""
+    lines = [f"\n## Held-out scores ({count} prompts, registry defaults, seed = prompt index)\n",
+             f"colour {scores.colour:.0%}, shape {scores.shape:.0%}"
+             + ("" if scores.motion != scores.motion else f", motion {scores.motion:.0%}") + "\n",
+             "| prompt | judged |", "| --- | --- |"]
+    lines += [f"| {prompt} | {seen} |" for prompt, seen in scores.seen]
+    with open(folder / "README.md", "a") as card:
+        card.write("\n".join(lines) + "\n")

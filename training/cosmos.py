@@ -1,0 +1,136 @@
+"""Training tiny-cosmos: its AutoencoderKLWan, then its CosmosTransformer3DModel as pipelines/cosmos.py runs it.
+
+pipelines/cosmos.py's loop holds x = x0 + sigma * noise (EDM form, sigma up to 80), feeds the
+transformer c_in * x = (1 - t) x0 + t noise with t = sigma / (sigma + 1) as the timestep, and reads
+x0 = c_skip * x + c_out * out with c_skip = 1 - t, c_out = -t. So the output that gives the true
+x0 is out = noise - x0: rectified-flow velocity on the same interpolation. That is what is trained,
+with sigma drawn half log-uniform over [sigma_min, sigma_max] (every step of the Karras schedule is
+seen) and half log-normal around 1. Video-to-world: the first 0, 1 or 2 latent frames are given
+clean, with indicator 1 in the condition-mask channel, timestep t(sigma_conditioning), and no loss.
+The T5 encoder trains with the transformer (prompts in 15% of samples are replaced by the empty
+prompt or the registry's negative prompt, so classifier-free guidance has an unconditional branch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pipelines import torchvision_shim
+from pipelines.cosmos import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
+from training import shapes
+from training.autoencoder import latent_statistics, reconstruction_loss
+from training.loop import PhaseResult, autocast, frozen, run_phase
+
+
+@dataclass(kw_only=True, slots=True)
+class CosmosSettings:
+    """Batch sizes, clip shape and learning rates of the two tiny-cosmos phases."""
+
+    size: int = 128
+    """Square frame size (tiny-cosmos' registry default)."""
+    frames: int = 17
+    """Frames per clip (tiny-cosmos' registry default: 5 latent frames)."""
+    fps: int = 8
+    vae_batch: int = 8
+    dit_batch: int = 64
+    vae_lr: float = 5e-4
+    dit_lr: float = 5e-4
+    max_sequence_length: int = 64
+    prompt_dropout: float = 0.15
+    condition_frames: tuple[float, float, float] = (0.5, 0.35, 0.15)
+    """Probabilities of giving 0, 1 or 2 clean latent frames (text2world, image2world, video2world)."""
+
+
+def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generator, settings: CosmosSettings,
+                 vae_seconds: float, dit_seconds: float, vae_steps: int | None = None,
+                 dit_steps: int | None = None) -> list[PhaseResult]:
+    """Fit parts['vae'], set its per-channel latent statistics, then train the transformer and T5, in place."""
+    torchvision_shim.install()
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module):
+            frozen(part).to(device)
+    vae = parts["vae"]
+    results = [_train_vae(vae, device, generator, settings, vae_seconds, vae_steps)]
+    frozen(vae)
+    scenes = shapes.video_scenes(16, settings.frames, generator)
+    with torch.no_grad(), autocast(device):
+        latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
+    mean, std = latent_statistics(latents, per_channel=True)
+    vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
+                           latents_std=[round(v, 4) for v in std.tolist()])
+    print(f"[cosmos-vae] latents mean {vae.config.latents_mean} std {vae.config.latents_std}", flush=True)
+    results.append(_train_transformer(parts, device, generator, settings, dit_seconds, dit_steps))
+    return results
+
+
+def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    vae.requires_grad_(True)
+
+    def step() -> torch.Tensor:
+        scenes = shapes.video_scenes(settings.vae_batch, settings.frames, generator)
+        with autocast(device):
+            return reconstruction_loss(vae, shapes.render(scenes, settings.size, settings.size, device))
+
+    return run_phase("cosmos-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
+                     batch=settings.vae_batch, ema_decay=0.999)
+
+
+def encode_prompts(parts: dict, captions: list[str], device: torch.device, max_length: int) -> torch.Tensor:
+    """T5 embeddings with padding zeroed, as CosmosPipeline._t5 computes them."""
+    inputs = parts["tokenizer"](captions, padding="max_length", max_length=max_length, truncation=True,
+                                return_tensors="pt")
+    mask = inputs.attention_mask.bool().to(device)
+    embeds = parts["text_encoder"](inputs.input_ids.to(device), attention_mask=mask).last_hidden_state
+    return embeds * mask[..., None].to(embeds.dtype)
+
+
+def _train_transformer(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    vae, transformer, t5 = parts["vae"], parts["transformer"], parts["text_encoder"]
+    transformer.requires_grad_(True)
+    t5.requires_grad_(True)
+    mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+    t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
+    padding_mask = torch.zeros(1, 1, settings.size, settings.size, device=device)
+
+    def step() -> torch.Tensor:
+        batch = settings.dit_batch
+        scenes = shapes.video_scenes(batch, settings.frames, generator)
+        captions = list(scenes.captions)
+        dropped = torch.rand(batch, generator=generator) < settings.prompt_dropout
+        for i in torch.nonzero(dropped).flatten().tolist():
+            captions[i] = shapes.NEGATIVE_CAPTIONS[i % len(shapes.NEGATIVE_CAPTIONS)]
+        with torch.no_grad(), autocast(device):
+            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.sample()
+        x0 = (latents.float() - mean) / std * SIGMA_DATA
+        latent_frames = x0.shape[2]
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        sigma = _cosmos_sigmas(batch, generator).to(device).view(-1, 1, 1, 1, 1)
+        t = sigma / (sigma + 1)
+        given = torch.multinomial(torch.tensor(settings.condition_frames), batch, replacement=True,
+                                  generator=generator).to(device)
+        indicator = (torch.arange(latent_frames, device=device).view(1, 1, -1, 1, 1) < given.view(-1, 1, 1, 1, 1)).float()
+        model_in = indicator * x0 + (1 - indicator) * ((1 - t) * x0 + t * noise)
+        timestep = indicator * t_conditioning + (1 - indicator) * t  # [B, 1, T, 1, 1]
+        condition_mask = indicator.expand(-1, -1, -1, *x0.shape[3:])
+        with autocast(device):
+            text = encode_prompts(parts, captions, device, settings.max_sequence_length)
+            out = transformer(
+                hidden_states=model_in, timestep=timestep, encoder_hidden_states=text, fps=settings.fps,
+                condition_mask=condition_mask, padding_mask=padding_mask, return_dict=False,
+            )[0]
+        error = (out.float() - (noise - x0)).square() * (1 - indicator)
+        return error.sum() / ((1 - indicator).sum().clamp(min=1) * x0.shape[1] * x0.shape[3] * x0.shape[4])
+
+    return run_phase("cosmos-dit", step, [transformer, t5], seconds=seconds, max_steps=max_steps,
+                     lr=settings.dit_lr, batch=settings.dit_batch, ema_decay=0.999)
+
+
+def _cosmos_sigmas(batch: int, generator: torch.Generator) -> torch.Tensor:
+    log_uniform = math.log(SIGMA_MIN) + (math.log(SIGMA_MAX) - math.log(SIGMA_MIN)) * torch.rand(batch, generator=generator)
+    log_normal = (1.2 * torch.randn(batch, generator=generator)).clamp(math.log(SIGMA_MIN), math.log(SIGMA_MAX))
+    pick = torch.rand(batch, generator=generator) < 0.5
+    return torch.where(pick, log_uniform, log_normal).exp()

@@ -1,0 +1,87 @@
+"""Score a model folder on the held-out prompts with the pixel judges (training/judge.py).
+
+The quality tests (tests/test_tiny_quality.py) and the training command's final report both call
+these, so the numbers in a model card are the numbers the tests check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipelines.factory import load_pipeline
+from pipelines.registry import get_spec
+from pipelines.requests import make_request, read_limits
+from training import judge, shapes
+
+
+@dataclass(kw_only=True, slots=True)
+class Scores:
+    """Fractions of held-out prompts whose output the judges accept, and what they saw."""
+
+    colour: float
+    shape: float
+    motion: float
+    seen: list[tuple[str, str]]
+    """(prompt, what the judges saw) per prompt."""
+
+
+def score_images(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-flux") -> Scores:
+    """Generate `count` held-out image prompts (seed = index, registry defaults) and judge colour and shape."""
+    spec = get_spec(name)
+    pipe = load_pipeline(spec, folder, device=device)
+    limits = read_limits(spec, folder)
+    colour = shape = 0
+    seen = []
+    for i, (prompt, want_colour, want_shape) in enumerate(shapes.held_out_image_prompts()[:count]):
+        image = np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
+        verdict = judge.judge_image(image)
+        colour += verdict.colour == want_colour
+        shape += verdict.shape == want_shape
+        seen.append((prompt, f"{verdict.colour} {verdict.shape}"))
+    count = max(len(seen), 1)
+    return Scores(colour=colour / count, shape=shape / count, motion=float("nan"), seen=seen)
+
+
+def score_videos(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-cosmos") -> Scores:
+    """Generate `count` held-out video prompts (seed = index, registry defaults) and judge colour, shape, motion.
+
+    Colour and shape are judged on the middle frame.
+    """
+    spec = get_spec(name)
+    pipe = load_pipeline(spec, folder, device=device)
+    limits = read_limits(spec, folder)
+    colour = shape = motion = 0
+    seen = []
+    for i, (prompt, want_colour, want_shape, want_motion) in enumerate(shapes.held_out_video_prompts()[:count]):
+        frames = pipe.generate(make_request(spec, limits, prompt=prompt, seed=i))
+        verdict = judge.judge_image(frames[len(frames) // 2])
+        moved = judge.judge_motion(frames)
+        colour += verdict.colour == want_colour
+        shape += verdict.shape == want_shape
+        motion += moved == want_motion
+        seen.append((prompt, f"{verdict.colour} {verdict.shape} {moved}"))
+    count = max(len(seen), 1)
+    return Scores(colour=colour / count, shape=shape / count, motion=motion / count, seen=seen)
+
+
+def save_examples(folder: Path, out: Path, *, device: str = "cpu") -> None:
+    """A 4x2 grid PNG of held-out images and a strip of video frames, for a person to look at."""
+    from PIL import Image
+
+    flux_spec, cosmos_spec = get_spec("tiny-flux"), get_spec("tiny-cosmos")
+    flux = load_pipeline(flux_spec, folder / "tiny-flux", device=device)
+    limits = read_limits(flux_spec, folder / "tiny-flux")
+    images = [np.asarray(flux.generate(make_request(flux_spec, limits, prompt=p, seed=i)))
+              for i, (p, _, _) in enumerate(shapes.held_out_image_prompts()[:8])]
+    grid = np.concatenate([np.concatenate(images[:4], 1), np.concatenate(images[4:], 1)], 0)
+    Image.fromarray(grid).save(out / "examples-tiny-flux.png")
+    cosmos = load_pipeline(cosmos_spec, folder / "tiny-cosmos", device=device)
+    limits = read_limits(cosmos_spec, folder / "tiny-cosmos")
+    rows = []
+    for i, (p, _, _, _) in enumerate(shapes.held_out_video_prompts()[:6]):
+        frames = cosmos.generate(make_request(cosmos_spec, limits, prompt=p, seed=i))
+        rows.append(np.concatenate(list(frames[::4]), 1))
+    Image.fromarray(np.concatenate(rows, 0)).save(out / "examples-tiny-cosmos.png")

@@ -1,0 +1,130 @@
+"""Training tiny-flux: its AutoencoderKL, then its FluxTransformer2DModel by rectified flow, as FLUX is trained.
+
+The transformer learns what pipelines/flux.py's loop asks of it: packed latents
+x_s = (1 - s) x0 + s noise, the timestep s in [0, 1] (the loop passes scheduler timesteps / 1000),
+and the velocity noise - x0, which FlowMatchEulerDiscreteScheduler integrates. Training s is drawn
+logit-normal and moved by the same resolution-dependent shift (mu) the loop applies to its sigmas.
+The T5 encoder trains with the transformer: FLUX gives text tokens no positions (txt_ids are zero),
+so which colour belongs to the shape and which to the background must come from T5's context
+mixing, which a random T5 does only faintly. CLIP stays frozen: its pooled vector is a global
+caption code for the modulation, which a random CLIP already provides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
+
+from training import shapes
+from training.autoencoder import latent_statistics, reconstruction_loss
+from training.loop import PhaseResult, autocast, frozen, run_phase
+
+
+@dataclass(kw_only=True, slots=True)
+class FluxSettings:
+    """Batch sizes, resolutions and learning rates of the two tiny-flux phases."""
+
+    sizes: tuple[int, ...] = (256, 128)
+    """Square training resolutions, used in turn; the first is the registry's default size."""
+    vae_batch: int = 32
+    dit_batch: int = 128
+    vae_lr: float = 5e-4
+    dit_lr: float = 5e-4
+    max_sequence_length: int = 64
+    """T5 tokens, as tiny-flux's registry spec encodes prompts."""
+    guidance_range: tuple[float, float] = (1.0, 5.0)
+    """The transformer is guidance-distilled in form only: it sees random guidance values and learns to ignore them."""
+
+
+def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator, settings: FluxSettings,
+               vae_seconds: float, dit_seconds: float, vae_steps: int | None = None,
+               dit_steps: int | None = None) -> list[PhaseResult]:
+    """Fit parts['vae'], set its latent shift and scale, then train parts['transformer'] and T5, in place."""
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module):
+            frozen(part).to(device)
+    vae = parts["vae"]
+    results = [_train_vae(vae, device, generator, settings, vae_seconds, vae_steps)]
+    frozen(vae)
+    scenes = shapes.image_scenes(64, generator)
+    with torch.no_grad(), autocast(device):
+        latents = vae.encode(shapes.render(scenes, settings.sizes[0], settings.sizes[0], device)[:, :, 0]).latent_dist.mode()
+    mean, std = latent_statistics(latents, per_channel=False)
+    vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
+    print(f"[flux-vae] latent shift {vae.config.shift_factor} scale {vae.config.scaling_factor}", flush=True)
+    results.append(_train_transformer(parts, device, generator, settings, dit_seconds, dit_steps))
+    return results
+
+
+def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    vae.requires_grad_(True)
+    counter = iter(range(1 << 62))
+
+    def step() -> torch.Tensor:
+        size = settings.sizes[next(counter) % len(settings.sizes)]
+        x = shapes.render(shapes.image_scenes(settings.vae_batch, generator), size, size, device)[:, :, 0]
+        with autocast(device):
+            return reconstruction_loss(vae, x)
+
+    return run_phase("flux-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
+                     batch=settings.vae_batch, ema_decay=0.999)
+
+
+def encode_prompts(parts: dict, captions: list[str], device: torch.device, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T5 token embeddings, CLIP pooled embedding) exactly as FluxImagePipeline.encode computes them."""
+    clip_ids = parts["tokenizer"](captions, padding="max_length", max_length=parts["tokenizer"].model_max_length,
+                                  truncation=True, return_tensors="pt").input_ids.to(device)
+    with torch.no_grad():
+        pooled = parts["text_encoder"](clip_ids, output_hidden_states=False).pooler_output
+    t5_ids = parts["tokenizer_2"](captions, padding="max_length", max_length=max_length, truncation=True,
+                                  return_tensors="pt").input_ids.to(device)
+    return parts["text_encoder_2"](t5_ids, output_hidden_states=False)[0], pooled
+
+
+def _train_transformer(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    vae, transformer, t5 = parts["vae"], parts["transformer"], parts["text_encoder_2"]
+    transformer.requires_grad_(True)
+    t5.requires_grad_(True)
+    config = parts["scheduler"].config
+    counter = iter(range(1 << 62))
+
+    def step() -> torch.Tensor:
+        size = settings.sizes[next(counter) % len(settings.sizes)]
+        batch = settings.dit_batch
+        scenes = shapes.image_scenes(batch, generator)
+        x = shapes.render(scenes, size, size, device)[:, :, 0]
+        with torch.no_grad(), autocast(device):
+            latents = vae.encode(x).latent_dist.sample()
+        x0 = ((latents.float() - vae.config.shift_factor) * vae.config.scaling_factor)
+        _, channels, height, width = x0.shape
+        x0 = FluxPipeline._pack_latents(x0, batch, channels, height, width)
+        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, x0.dtype)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        sigma = _flux_sigmas(batch, x0.shape[1], config, generator).to(device)
+        noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
+        low, high = settings.guidance_range
+        guidance = (low + (high - low) * torch.rand(batch, generator=generator)).to(device)
+        with autocast(device):
+            text, pooled = encode_prompts(parts, scenes.captions, device, settings.max_sequence_length)
+            velocity = transformer(
+                hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+                encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
+                img_ids=image_ids, return_dict=False,
+            )[0]
+        return (velocity.float() - (noise - x0)).square().mean()
+
+    return run_phase("flux-dit", step, [transformer, t5], seconds=seconds, max_steps=max_steps, lr=settings.dit_lr,
+                     batch=settings.dit_batch, ema_decay=0.999)
+
+
+def _flux_sigmas(batch: int, image_seq_len: int, config, generator: torch.Generator) -> torch.Tensor:
+    """Logit-normal times (a fifth uniform, so both ends are seen), shifted as the pipeline shifts its sigmas."""
+    u = torch.sigmoid(torch.randn(batch, generator=generator))
+    uniform = torch.rand(batch, generator=generator)
+    u = torch.where(torch.rand(batch, generator=generator) < 0.2, uniform, u).clamp(1e-4, 1.0)
+    mu = calculate_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    return math.exp(mu) / (math.exp(mu) + (1 / u - 1))

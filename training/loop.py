@@ -1,0 +1,124 @@
+"""The optimisation loop every training phase shares: a wall-clock budget, AdamW, warm-up and cosine decay.
+
+A phase ends when its seconds run out (or at max_steps, for reproducible and test runs). Its learning
+rate decays with the fraction of the budget used, so a slow machine takes fewer steps but still
+finishes at a low learning rate. Exponential moving averages of the weights are what gets saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class PhaseResult:
+    """What one phase did, for the log and the model card."""
+
+    name: str
+    steps: int
+    seconds: float
+    first_loss: float
+    last_loss: float
+    """Mean loss over the last tenth of the steps."""
+    samples: int
+
+
+class Ema:
+    """Exponential moving average of a module's parameters (decay ramps up over the first steps)."""
+
+    def __init__(self, module: torch.nn.Module, decay: float) -> None:
+        self.module = module
+        self.decay = decay
+        self.shadow = [p.detach().clone().float() for p in module.parameters()]
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for shadow, param in zip(self.shadow, self.module.parameters()):
+            shadow.lerp_(param.detach().float(), 1 - decay)
+
+    @torch.no_grad()
+    def copy_to_module(self) -> None:
+        for shadow, param in zip(self.shadow, self.module.parameters()):
+            param.copy_(shadow.to(param.dtype))
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast on CUDA, nothing on CPU (float32 there is exact and not slower)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def run_phase(
+    name: str,
+    step: Callable[[], torch.Tensor],
+    modules: list[torch.nn.Module],
+    *,
+    seconds: float,
+    max_steps: int | None,
+    lr: float,
+    batch: int,
+    warmup: int = 100,
+    ema_decay: float | None = None,
+    log_every: int = 50,
+) -> PhaseResult:
+    """Minimise `step()`'s loss over `modules`' parameters until `seconds` pass or `max_steps` are done."""
+    if max_steps is not None:
+        warmup = min(warmup, max(1, max_steps // 5))
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    emas = [Ema(m, ema_decay) for m in modules] if ema_decay else []
+    for module in modules:
+        module.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    steps = 0
+    while True:
+        elapsed = time.perf_counter() - start
+        progress = elapsed / seconds if seconds > 0 else 1.0
+        if max_steps is not None:
+            progress = max(progress, steps / max_steps) if seconds > 0 else steps / max_steps
+        if progress >= 1.0 and steps > 0:
+            break
+        # Warm-up by steps, then cosine decay to a tenth by the share of the budget used.
+        scale = min(1.0, (steps + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * scale
+        loss = step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        for ema in emas:
+            ema.update()
+        steps += 1
+        if steps == 1 or steps % 5 == 0:  # reading the loss waits for the GPU: not every step
+            losses.append(float(loss.detach()))
+        if steps == 1 or steps % log_every == 0:
+            rate = steps / max(time.perf_counter() - start, 1e-9)
+            print(f"[{name}] step {steps} loss {losses[-1]:.4f} lr {lr * scale:.2e} {rate:.1f} steps/s "
+                  f"{time.perf_counter() - start:.0f}s", flush=True)
+    for ema in emas:
+        ema.copy_to_module()
+    for module in modules:
+        module.eval()
+    tail = losses[-max(1, len(losses) // 10):]
+    result = PhaseResult(name=name, steps=steps, seconds=time.perf_counter() - start, first_loss=losses[0],
+                         last_loss=sum(tail) / len(tail), samples=steps * batch)
+    print(f"[{name}] done: {result.steps} steps in {result.seconds:.0f}s, loss {result.first_loss:.4f} -> "
+          f"{result.last_loss:.4f}", flush=True)
+    return result
+
+
+def frozen(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` in eval mode with gradients off (returned for chaining)."""
+    return module.eval().requires_grad_(False)
