@@ -3,8 +3,11 @@
 "aot_eager" traces exactly what inductor would receive (Dynamo graph with the functional
 collectives, then AOT autograd) without inductor's kernel fusion, so it must match eager
 exactly: any graph break fails fullgraph=True, any tracing mistake shows as a difference.
-One inductor run checks the generated code; inductor reassociates float math, so it is held to
-the same error a single process sees between eager and inductor (about 7e-5 on these outputs).
+Inductor itself is checked in test_engines_engine.py (compiled engines and their cache).
+
+torch 2.11 (the GPU image) refuses to trace torch._utils._maybe_view_chunk_cat, which funcol's
+all-gather calls for a non-zero gather dim; torch 2.13 (here) traces it. The workers make it raise,
+so the CPU test fails if the parallel layer ever reaches it again.
 
 Compile with the default (or dynamic=False): every token count then gets its own static graph.
 With dynamic=True diffusers' CosmosLearnablePositionalEmbed (extra_pos_embed_type="learnable",
@@ -31,15 +34,19 @@ CASES = [
     ("cosmos", "ulysses", "aot_eager"),
     ("cosmos", "ring", "aot_eager"),
     ("cosmos", "cfg", "aot_eager"),
-    ("flux", "ulysses", "inductor"),
 ]
-INDUCTOR_TOLERANCE = 2e-4
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    import torch.distributed._functional_collectives as funcol
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("_maybe_view_chunk_cat reached: torch 2.11's dynamo cannot trace it")
+
+    funcol._maybe_view_chunk_cat = refuse  # test-only: stand in for torch 2.11's graph break
     from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
 
     ctx = init_parallel("cpu")
@@ -67,5 +74,4 @@ def test_compiled_fullgraph_matches_eager(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
-            limit = 0.0 if r["backend"] == "aot_eager" else INDUCTOR_TOLERANCE
-            assert r["err"] <= limit, r
+            assert r["err"] == 0.0, r
