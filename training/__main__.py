@@ -22,12 +22,14 @@ from scripts.make_tiny_models import cosmos_components, flux_components, save_co
 from training.card import write_card
 from training.cosmos import CosmosSettings, train_cosmos
 from training.flux import FluxSettings, train_flux
+from training.loop import PhaseResult
 
 PHASE_SHARES = {"flux-vae": 0.12, "flux-dit": 0.38, "cosmos-vae": 0.12, "cosmos-dit": 0.38}
 """Share of the budget per phase; a model trained alone (--only) gets its two shares scaled to the whole."""
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
+    """Run the command; returns each trained model's phase results."""
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder that receives tiny-flux/ and tiny-cosmos/")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     run = {"command": command, "seed": args.seed, "device": _device_name(device), "torch": torch.__version__}
 
     args.out.mkdir(parents=True, exist_ok=True)
+    trained: dict[str, list[PhaseResult]] = {}
     if "flux" in models:
         parts = flux_components(args.seed)
         results = train_flux(parts, device=device, generator=generator, settings=flux_settings,
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = args.out / "tiny-flux"
         save_flux(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
         write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run)
+        trained["tiny-flux"] = results
         del parts
     if "cosmos" in models:
         parts = cosmos_components(args.seed + 100)
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = args.out / "tiny-cosmos"
         save_cosmos(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
         write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run)
+        trained["tiny-cosmos"] = results
         del parts
     print(f"training done in {time.perf_counter() - start:.0f}s", flush=True)
 
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
             print(f"{folder}: {size / 1e6:.2f} MB", flush=True)
     print(f"all done in {time.perf_counter() - start:.0f}s", flush=True)
+    return trained
 
 
 def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:

@@ -104,7 +104,7 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
         for i in torch.nonzero(dropped).flatten().tolist():
             captions[i] = shapes.NEGATIVE_CAPTIONS[i % len(shapes.NEGATIVE_CAPTIONS)]
         with torch.no_grad(), autocast(device):
-            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.sample()
+            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
         x0 = (latents.float() - mean) / std * SIGMA_DATA
         latent_frames = x0.shape[2]
         noise = torch.randn(x0.shape, generator=generator).to(device)

@@ -97,7 +97,7 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
         scenes = shapes.image_scenes(batch, generator)
         x = shapes.render(scenes, size, size, device)[:, :, 0]
         with torch.no_grad(), autocast(device):
-            latents = vae.encode(x).latent_dist.sample()
+            latents = vae.encode(x).latent_dist.mode()
         x0 = ((latents.float() - vae.config.shift_factor) * vae.config.scaling_factor)
         _, channels, height, width = x0.shape
         x0 = FluxPipeline._pack_latents(x0, batch, channels, height, width)

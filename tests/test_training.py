@@ -1,0 +1,88 @@
+"""The shapes data set, the pixel judges on its ground truth, and a tiny CPU training run end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.factory import load_pipeline
+from pipelines.registry import get_spec
+from pipelines.requests import make_request, read_limits
+from scripts.make_tiny_models import CAPTION_WORDS, t5_tokenizer
+from training import judge, shapes
+
+
+def _truth_colour(scenes: shapes.Scenes, i: int) -> str:
+    return list(shapes.COLOURS)[list(shapes.COLOURS.values()).index(tuple(scenes.colour[i].tolist()))]
+
+
+@pytest.mark.parametrize("size", [64, 256])
+def test_judges_read_colour_and_shape_of_ground_truth_images(size):
+    scenes = shapes.image_scenes(60, torch.Generator().manual_seed(size))
+    images = shapes.to_uint8(shapes.render(scenes, size, size))[:, 0]
+    verdicts = [judge.judge_image(image) for image in images]
+    colours = [v.colour == _truth_colour(scenes, i) for i, v in enumerate(verdicts)]
+    kinds = [v.shape == shapes.SHAPES[scenes.shape[i]] for i, v in enumerate(verdicts)]
+    assert np.mean(colours) == 1.0
+    assert np.mean(kinds) >= 0.98
+
+
+def test_judges_read_motion_of_ground_truth_videos():
+    scenes = shapes.video_scenes(36, 17, torch.Generator().manual_seed(1))
+    videos = shapes.to_uint8(shapes.render(scenes, 64, 64))
+    truth = [next(m for m in shapes.MOTIONS if shapes.MOTION_PHRASES[m] in c) for c in scenes.captions]
+    assert [judge.judge_motion(v) for v in videos] == truth
+
+
+def test_judges_see_no_object_on_a_plain_image():
+    plain = np.full((64, 64, 3), 128, dtype=np.uint8)
+    assert judge.judge_image(plain).shape is None
+    assert judge.judge_motion(np.stack([plain] * 5)) == "still"
+
+
+def test_data_is_seeded_and_never_shows_held_out_combinations():
+    first = shapes.image_scenes(500, torch.Generator().manual_seed(3))
+    again = shapes.image_scenes(500, torch.Generator().manual_seed(3))
+    assert first.captions == again.captions and torch.equal(first.cx, again.cx)
+    backgrounds = list(shapes.BACKGROUNDS.values())
+    seen = {(_truth_colour(first, i), shapes.SHAPES[first.shape[i]],
+             list(shapes.BACKGROUNDS)[backgrounds.index(tuple(first.background[i].tolist()))]) for i in range(500)}
+    assert not seen & set(shapes.HELD_OUT_IMAGES)
+    assert all(c != b for c, _, b in seen)
+    videos = shapes.video_scenes(500, 5, torch.Generator().manual_seed(3))
+    seen = {(_truth_colour(videos, i), shapes.SHAPES[videos.shape[i]],
+             next(m for m in shapes.MOTIONS if shapes.MOTION_PHRASES[m] in videos.captions[i])) for i in range(500)}
+    assert not seen & set(shapes.HELD_OUT_VIDEOS)
+
+
+def test_captions_are_whole_t5_pieces():
+    tokenizer = t5_tokenizer(max_length=64)
+    captions = shapes.image_scenes(200, torch.Generator().manual_seed(0)).captions
+    captions += shapes.video_scenes(200, 5, torch.Generator().manual_seed(0)).captions
+    captions += [p[0] for p in shapes.held_out_image_prompts() + shapes.held_out_video_prompts()]
+    words = set(CAPTION_WORDS)
+    for caption in captions:
+        pieces = tokenizer.tokenize(caption)
+        assert [p.lstrip("\u2581") for p in pieces] == caption.split(), caption
+        assert set(caption.split()) <= words
+
+
+def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
+    from training.__main__ import main
+
+    results = main(["--device", "cpu", "--minutes", "0", "--max-steps", "8", "--small", "--batch-scale", "0.0625",
+                    "--out", str(tmp_path), "--eval-prompts", "0"])
+    for phases in results.values():
+        for phase in phases:
+            assert phase.steps == 8
+        dit = phases[-1]
+        assert dit.last_loss < dit.first_loss, dit
+    for name, extra in (("tiny-flux", {}), ("tiny-cosmos", {"frames": 5})):
+        spec, folder = get_spec(name), tmp_path / name
+        assert "## Training" in (folder / "README.md").read_text()
+        pipe = load_pipeline(spec, folder)
+        request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=0, steps=2,
+                               height=64, width=64, **extra)
+        out = np.asarray(pipe.generate(request))
+        assert out.shape[-3:] == (64, 64, 3)
