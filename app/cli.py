@@ -13,6 +13,7 @@ import sys
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
+from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
@@ -22,7 +23,7 @@ from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 
-USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError)
+USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError)
 
 __all__ = ["USER_ERRORS", "build_parser", "main", "parse_size"]
 
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch = commands.add_parser("batch", help="every prompt of a .txt, .jsonl or .csv file, resumable")
     add_batch_arguments(batch)
     batch.set_defaults(func=run_batch, check=check_batch)
+
+    build = commands.add_parser("build", help="compile transformer engines ahead of time into the engine cache")
+    add_build_arguments(build)
+    build.set_defaults(func=run_build, check=None)
 
     launch = commands.add_parser(
         "launch", help="run serve, batch or generate on several ranks with torchrun",
