@@ -13,6 +13,7 @@ import sys
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
+from app.bench import BenchError, add_bench_arguments, run_bench
 from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
@@ -23,7 +24,7 @@ from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 
-USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError)
+USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError, BenchError)
 
 __all__ = ["USER_ERRORS", "build_parser", "main", "parse_size"]
 
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build", help="compile transformer engines ahead of time into the engine cache")
     add_build_arguments(build)
     build.set_defaults(func=run_build, check=None)
+
+    bench = commands.add_parser("bench", help="benchmark transformer engines (1 GPU, ours, diffusers-native) under torchrun")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench, check=None)
 
     launch = commands.add_parser(
         "launch", help="run serve, batch or generate on several ranks with torchrun",

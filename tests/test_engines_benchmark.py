@@ -29,3 +29,14 @@ def test_benchmark_tiny_two_ranks(tmp_path: Path) -> None:
     assert ("cosmos-tiny", "ours cfg-2") in modes
     assert all(r["error"] is None and r["ms"] > 0 and r["speedup"] for r in rows), rows
     assert "ours ulysses-2" in proc.stdout  # the table is printed on rank 0
+
+
+def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "app", "bench", "--ranks", "2", "--tiny", "--out", str(tmp_path), "--",
+           "--model", "flux-dev", "--sizes", "64x64", "--strategies", "ulysses", "--warmup", "1", "--iters", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {(r["mode"], r["backend"]) for r in rows} == {("1 GPU", "eager"), ("ours ulysses-2", "eager")}
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
