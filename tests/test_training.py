@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipelines.factory import load_pipeline
-from pipelines.registry import get_spec
+from pipelines.registry import default_folder, get_spec
 from pipelines.requests import make_request, read_limits
 from scripts.make_tiny_models import CAPTION_WORDS, t5_tokenizer
 from training import judge, shapes
@@ -86,3 +86,62 @@ def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
                                height=64, width=64, **extra)
         out = np.asarray(pipe.generate(request))
         assert out.shape[-3:] == (64, 64, 3)
+
+
+def test_flux_training_target_is_what_the_pipeline_integrates():
+    """A transformer that answers with training's target (noise - x0) for a fixed x0 makes the loop land on x0."""
+    spec, folder = get_spec("tiny-flux"), default_folder(get_spec("tiny-flux"))
+    pipe = load_pipeline(spec, folder)
+    request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=0, steps=8, height=64, width=64)
+    x0 = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def oracle(*, hidden_states, timestep, **_):
+        # training: hidden_states = (1 - s) x0 + s noise at timestep s, target noise - x0
+        s = timestep.view(-1, 1, 1)
+        return ((hidden_states - x0) / s,)
+
+    pipe.use_transformer(oracle)
+    latents = pipe.denoise(request, pipe.encode(request))
+    torch.testing.assert_close(latents, x0, atol=1e-4, rtol=1e-4)
+
+
+def test_cosmos_training_target_is_what_the_pipeline_inverts():
+    """Same for Cosmos' EDM-preconditioned loop: input (1-t) x0 + t noise at timestep t, target noise - x0."""
+    from pipelines import torchvision_shim
+
+    torchvision_shim.install()
+    spec, folder = get_spec("tiny-cosmos"), default_folder(get_spec("tiny-cosmos"))
+    pipe = load_pipeline(spec, folder)
+    request = make_request(spec, read_limits(spec, folder), prompt="a red circle moving left", seed=0, steps=8,
+                           frames=9, height=64, width=64)
+    x0 = torch.randn(1, 8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def oracle(*, hidden_states, timestep, **_):
+        t = timestep.float()
+        return ((hidden_states.float() - x0) / t,)
+
+    pipe.use_transformer(oracle)
+    latents = pipe.denoise(request, pipe.encode(request))
+    # The loop stops at sigma_min = 0.002, so 0.002 x noise (noise ~ N(0, 1)) is left.
+    assert (latents - x0).abs().max() < 0.02
+
+
+def test_training_encodes_prompts_as_the_pipelines_do():
+    from training import cosmos as cosmos_training
+    from training import flux as flux_training
+    from training.loop import TokenCache
+
+    spec = get_spec("tiny-flux")
+    pipe = load_pipeline(spec, default_folder(spec))
+    request = make_request(spec, read_limits(spec, default_folder(spec)), prompt="a big red circle", seed=0)
+    ours = flux_training.PromptEncoder(vars(pipe), torch.device("cpu"), spec.max_sequence_length)
+    text, pooled = ours([request.prompt])
+    theirs = pipe.encode(request)
+    torch.testing.assert_close(text, theirs.prompt_embeds)
+    torch.testing.assert_close(pooled, theirs.pooled_prompt_embeds)
+
+    spec = get_spec("tiny-cosmos")
+    pipe = load_pipeline(spec, default_folder(spec))
+    tokens = TokenCache(pipe.tokenizer, spec.max_sequence_length)
+    text = cosmos_training.encode_prompts(pipe.text_encoder, tokens, ["a red circle moving left"], torch.device("cpu"))
+    torch.testing.assert_close(text, pipe._t5("a red circle moving left"))

@@ -1,7 +1,7 @@
 """Train the embedded tiny models on procedural shapes and write them as diffusers folders with model cards.
 
     python -m training --device cuda --minutes 7 --out assets        # both models, ~7 minutes of training
-    python -m training --device cpu --minutes 1 --out /tmp/tiny --small --eval-prompts 0   # smoke run
+    python -m training --device cpu --minutes 1 --out /tmp/tiny --small --eval-prompts 0   # CPU smoke run
 
 The budget is wall-clock training time, split over the four phases (each VAE, then each transformer);
 loading, saving and the final held-out evaluation come on top. Same seed and same --max-steps give the
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                         help="64-px images and 64-px 9-frame clips, for CPU smoke runs (the saved model still "
                              "defaults to the registry's sizes)")
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts to score at the end (0: none)")
-    parser.add_argument("--examples", action="store_true", help="also write examples-*.png grids into --out")
+    parser.add_argument("--examples", type=Path, help="also write examples-tiny-flux.png / examples-tiny-cosmos.png here")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -86,10 +86,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
 
     if args.eval_prompts:
         _evaluate(args.out, models, args.eval_prompts, args.device)
-    if args.examples:
+    if args.examples and len(models) == 2:
         from training.evaluate import save_examples
 
-        save_examples(args.out, args.out, device=args.device)
+        args.examples.mkdir(parents=True, exist_ok=True)
+        save_examples(args.out, args.examples, device=args.device)
     for name in ("tiny-flux", "tiny-cosmos"):
         folder = args.out / name
         if folder.is_dir():

@@ -22,7 +22,7 @@ from pipelines import torchvision_shim
 from pipelines.cosmos import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import PhaseResult, autocast, frozen, run_phase
+from training.loop import PhaseResult, TokenCache, autocast, frozen, run_phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,12 +78,11 @@ def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseRes
                      batch=settings.vae_batch, ema_decay=0.999)
 
 
-def encode_prompts(parts: dict, captions: list[str], device: torch.device, max_length: int) -> torch.Tensor:
+def encode_prompts(t5: torch.nn.Module, tokens: TokenCache, captions: list[str], device: torch.device) -> torch.Tensor:
     """T5 embeddings with padding zeroed, as CosmosPipeline._t5 computes them."""
-    inputs = parts["tokenizer"](captions, padding="max_length", max_length=max_length, truncation=True,
-                                return_tensors="pt")
-    mask = inputs.attention_mask.bool().to(device)
-    embeds = parts["text_encoder"](inputs.input_ids.to(device), attention_mask=mask).last_hidden_state
+    ids, mask = tokens(captions, device)
+    mask = mask.bool()
+    embeds = t5(ids, attention_mask=mask).last_hidden_state
     return embeds * mask[..., None].to(embeds.dtype)
 
 
@@ -95,6 +94,7 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
     std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
     t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
     padding_mask = torch.zeros(1, 1, settings.size, settings.size, device=device)
+    tokens = TokenCache(parts["tokenizer"], settings.max_sequence_length)
 
     def step() -> torch.Tensor:
         batch = settings.dit_batch
@@ -117,7 +117,7 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
         timestep = indicator * t_conditioning + (1 - indicator) * t  # [B, 1, T, 1, 1]
         condition_mask = indicator.expand(-1, -1, -1, *x0.shape[3:])
         with autocast(device):
-            text = encode_prompts(parts, captions, device, settings.max_sequence_length)
+            text = encode_prompts(t5, tokens, captions, device)
             out = transformer(
                 hidden_states=model_in, timestep=timestep, encoder_hidden_states=text, fps=settings.fps,
                 condition_mask=condition_mask, padding_mask=padding_mask, return_dict=False,

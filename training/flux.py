@@ -20,7 +20,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import PhaseResult, autocast, frozen, run_phase
+from training.loop import PhaseResult, TokenCache, autocast, frozen, run_phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,15 +73,28 @@ def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseRes
                      batch=settings.vae_batch, ema_decay=0.999)
 
 
-def encode_prompts(parts: dict, captions: list[str], device: torch.device, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T5 token embeddings, CLIP pooled embedding) exactly as FluxImagePipeline.encode computes them."""
-    clip_ids = parts["tokenizer"](captions, padding="max_length", max_length=parts["tokenizer"].model_max_length,
-                                  truncation=True, return_tensors="pt").input_ids.to(device)
-    with torch.no_grad():
-        pooled = parts["text_encoder"](clip_ids, output_hidden_states=False).pooler_output
-    t5_ids = parts["tokenizer_2"](captions, padding="max_length", max_length=max_length, truncation=True,
-                                  return_tensors="pt").input_ids.to(device)
-    return parts["text_encoder_2"](t5_ids, output_hidden_states=False)[0], pooled
+class PromptEncoder:
+    """(T5 token embeddings, CLIP pooled embedding) as FluxImagePipeline.encode computes them.
+
+    The frozen CLIP's pooled vector is cached per caption; T5 (trained) runs on every batch.
+    """
+
+    def __init__(self, parts: dict, device: torch.device, max_length: int) -> None:
+        self.parts, self.device = parts, device
+        self.clip_tokens = TokenCache(parts["tokenizer"], parts["tokenizer"].model_max_length)
+        self.t5_tokens = TokenCache(parts["tokenizer_2"], max_length)
+        self.pooled: dict[str, torch.Tensor] = {}
+
+    def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = list(dict.fromkeys(c for c in captions if c not in self.pooled))
+        if missing:
+            clip_ids, _ = self.clip_tokens(missing, self.device)
+            with torch.no_grad():
+                pooled = self.parts["text_encoder"](clip_ids, output_hidden_states=False).pooler_output.float()
+            self.pooled.update(zip(missing, pooled))
+        t5_ids, _ = self.t5_tokens(captions, self.device)
+        text = self.parts["text_encoder_2"](t5_ids, output_hidden_states=False)[0]
+        return text, torch.stack([self.pooled[c] for c in captions])
 
 
 def _train_transformer(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
@@ -90,6 +103,7 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
     t5.requires_grad_(True)
     config = parts["scheduler"].config
     counter = iter(range(1 << 62))
+    encode_prompts = PromptEncoder(parts, device, settings.max_sequence_length)
 
     def step() -> torch.Tensor:
         size = settings.sizes[next(counter) % len(settings.sizes)]
@@ -108,7 +122,7 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
         low, high = settings.guidance_range
         guidance = (low + (high - low) * torch.rand(batch, generator=generator)).to(device)
         with autocast(device):
-            text, pooled = encode_prompts(parts, scenes.captions, device, settings.max_sequence_length)
+            text, pooled = encode_prompts(scenes.captions)
             velocity = transformer(
                 hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
                 encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),

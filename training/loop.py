@@ -122,3 +122,28 @@ def run_phase(
 def frozen(module: torch.nn.Module) -> torch.nn.Module:
     """`module` in eval mode with gradients off (returned for chaining)."""
     return module.eval().requires_grad_(False)
+
+
+class TokenCache:
+    """Token ids and attention masks per caption, computed once.
+
+    Captions repeat (a few thousand distinct ones), and tokenizing a batch on the CPU costs more than a
+    tiny model's training step on a GPU.
+    """
+
+    def __init__(self, tokenizer, max_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, captions: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask), [B, max_length] each, on `device`."""
+        missing = list(dict.fromkeys(c for c in captions if c not in self.rows))
+        if missing:
+            inputs = self.tokenizer(missing, padding="max_length", max_length=self.max_length, truncation=True,
+                                    return_tensors="pt")
+            for caption, ids, mask in zip(missing, inputs.input_ids, inputs.attention_mask):
+                self.rows[caption] = (ids, mask)
+        ids = torch.stack([self.rows[c][0] for c in captions]).to(device)
+        mask = torch.stack([self.rows[c][1] for c in captions]).to(device)
+        return ids, mask
