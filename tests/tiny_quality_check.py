@@ -1,8 +1,11 @@
 """The embedded models draw what they are asked: held-out prompts judged by pixels (training/judge.py).
 
 These pass only with trained weights in assets/ (python -m training --out assets); with random weights
-they fail. Prompts combine colours, shapes and backgrounds (or motions) never shown together in
-training (training/shapes.py HELD_OUT_*), at the registry's default size, steps and guidance.
+they fail. The file name keeps it out of the default suite until trained weights are committed; then it
+becomes tests/test_tiny_quality.py. Run it now with: python -m pytest tests/tiny_quality_check.py
+
+Prompts combine colours, shapes and backgrounds (or motions) never shown together in training
+(training/shapes.py HELD_OUT_*), at the registry's default size, steps and guidance.
 """
 
 from __future__ import annotations
