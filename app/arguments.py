@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from pathlib import Path
 
 from pipelines.registry import MODELS, MODELS_ENV
 from pipelines.requests import RequestError
@@ -10,7 +13,13 @@ from pipelines.requests import RequestError
 STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
 """The sequence strategies of engines.plan (repeated here so that `--help` needs no torch import)."""
 
+BACKEND_PATTERN = re.compile(
+    r"(eager|inductor|tensorrt)(-blocks)?(-(default|max-autotune-no-cudagraphs|reduce-overhead))?(\+cudagraph)?"
+)
+"""Engine labels of engines.compile.EngineOptions (repeated here so that `--help` needs no torch import)."""
+
 DEFAULT_RANK_TIMEOUT = 30.0
+ENGINE_CACHE_ENV = "ULYSSES_STUDIO_ENGINE_CACHE"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +51,12 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES,
                         help="how ranks split the transformer's token sequence when several run (default ulysses)")
+    parser.add_argument("--backend", default=None, type=backend_label,
+                        help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
+                             "compile), any of them +cudagraph (CUDA only), tensorrt (where installed); default "
+                             "inductor-blocks on GPUs, eager on CPUs")
+    parser.add_argument("--engine-cache", type=Path, default=None, metavar="DIR",
+                        help=f"compiled-engine cache (default ${ENGINE_CACHE_ENV} or ~/.cache/ulysses-studio/engines)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -67,3 +82,20 @@ def request_fields(args: argparse.Namespace) -> dict:
         width=args.width if args.width is not None else width,
         frames=args.frames, fps=args.fps,
     )
+
+
+def engine_cache_dir(given: Path | None) -> Path:
+    """--engine-cache, else $ULYSSES_STUDIO_ENGINE_CACHE, else ~/.cache/ulysses-studio/engines."""
+    if given is not None:
+        return Path(given).expanduser()
+    return Path(os.environ.get(ENGINE_CACHE_ENV, "~/.cache/ulysses-studio/engines")).expanduser()
+
+
+def backend_label(text: str) -> str:
+    """argparse type of --backend: a valid engine label, or a usage error naming the choices."""
+    if not BACKEND_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an engine; use eager, inductor or tensorrt, optionally with -blocks and +cudagraph "
+            "(e.g. inductor-blocks+cudagraph)"
+        )
+    return text

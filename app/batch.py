@@ -85,7 +85,8 @@ def run_batch(args: argparse.Namespace) -> int:
 
     with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
                                                   strategy=args.strategy, rank_timeout=args.rank_timeout,
-                                                  stop=stop) as runtime:
+                                                  stop=stop,
+                                                  backend=args.backend, engine_cache=args.engine_cache) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

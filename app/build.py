@@ -13,25 +13,26 @@ torchrun around, the command starts torchrun itself.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from app.arguments import STRATEGIES, add_model_arguments, request_fields
+from app.arguments import (
+    DEFAULT_RANK_TIMEOUT,
+    ENGINE_CACHE_ENV,
+    STRATEGIES,
+    add_model_arguments,
+    backend_label,
+    request_fields,
+)
 
 DEFAULT_BACKEND = "inductor-blocks"
 
 
 class BuildError(ValueError):
     """A build command line that cannot run."""
-
-
-def default_cache_dir() -> Path:
-    """$ULYSSES_STUDIO_ENGINE_CACHE, or ~/.cache/ulysses-studio/engines."""
-    return Path(os.environ.get("ULYSSES_STUDIO_ENGINE_CACHE", "~/.cache/ulysses-studio/engines")).expanduser()
 
 
 def add_build_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,12 +43,14 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks the engines are built for (default 1)")
     parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES)
-    parser.add_argument("--backend", default=DEFAULT_BACKEND,
+    parser.add_argument("--backend", default=DEFAULT_BACKEND, type=backend_label,
                         help="engine: eager, inductor, inductor-blocks, ...+cudagraph, tensorrt "
                              f"(default {DEFAULT_BACKEND})")
     parser.add_argument("--steps", type=int, default=2, help="denoising steps run while building (default 2)")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="engine cache folder (default $ULYSSES_STUDIO_ENGINE_CACHE or ~/.cache/ulysses-studio/engines)")
+    parser.add_argument("--engine-cache", "--cache-dir", dest="engine_cache", type=Path, default=None, metavar="DIR",
+                        help=f"engine cache folder (default ${ENGINE_CACHE_ENV} or ~/.cache/ulysses-studio/engines)")
+    parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
+                        help="how long a rank waits for the others after each step before it ends the job")
 
 
 def check_build(args: argparse.Namespace):
@@ -79,61 +82,43 @@ def _progress(ctx_rank: int, text: str) -> None:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    """Build (or find) the engines; with --ranks > 1 outside torchrun, start torchrun first."""
+    """Build (or find) the engines; with --ranks > 1 outside torchrun, start torchrun first.
+
+    The build is one request through the same runtime as serve and batch (start_runtime), so the
+    engines it compiles are called with exactly the inputs theirs will be, and land under the keys
+    they will look up.
+    """
     spec, folder, request, options = check_build(args)
     if args.ranks > 1 and "WORLD_SIZE" not in os.environ:
         from app.launch import free_port, torchrun_command
 
-        argv = [a for a in sys.argv[1:]]
-        return subprocess.call(torchrun_command(args.ranks, argv, free_port()))
+        return subprocess.call(torchrun_command(args.ranks, sys.argv[1:], free_port()))
+    if int(os.environ.get("WORLD_SIZE", "1")) != args.ranks:
+        raise BuildError(f"--ranks {args.ranks} but {os.environ.get('WORLD_SIZE', '1')} ranks are running")
 
-    import torch
-    import torch.distributed as dist
+    from app.arguments import engine_cache_dir
+    from app.runtime import start_runtime
+    from app.stopping import stop_on_signals
 
-    from engines.compile import prepare_engine
-    from engines.distributed import init_parallel, shutdown
-    from engines.parallelize import parallelize_transformer
-    from engines.plan import ParallelPlan
-    from pipelines.factory import default_dtype, load_pipeline
-
-    ctx = init_parallel(args.device)
-    if ctx.world_size != args.ranks:
-        raise BuildError(f"--ranks {args.ranks} but {ctx.world_size} ranks are running")
-    cache_dir = args.cache_dir or default_cache_dir()
-    try:
-        started = time.perf_counter()
-        _progress(ctx.rank, f"loading {spec.name} from {folder} on {ctx.world_size} rank(s)")
-        pipeline = load_pipeline(spec, folder, device=ctx.device, dtype=default_dtype(ctx.device),
-                                 with_encoders=ctx.is_main)
-        cond = [_to_cpu(pipeline.encode(request)) if ctx.is_main else None]
-        if ctx.is_distributed:
-            dist.broadcast_object_list(cond, src=0, group=ctx.control_group)
-        transformer = pipeline.transformer
-        if ctx.is_distributed:
-            plan = ParallelPlan.auto(ctx.world_size, pipeline.transformer_config.num_attention_heads,
-                                     strategy=args.strategy)
-            transformer = parallelize_transformer(transformer, ctx, plan)
-        engine = prepare_engine(transformer, options, cache_dir=cache_dir, rank=ctx.rank)
-        pipeline.use_transformer(engine)
-        _progress(ctx.rank, f"building {options.label} engine for {request.width}x{request.height}"
-                            f"{f'x{request.frames}' if spec.media == 'video' else ''} (first step compiles)")
-        with torch.no_grad():
-            pipeline.denoise(request, cond[0],
-                             on_step=lambda done, total: _progress(ctx.rank, f"step {done}/{total}"))
-        for record in engine.builds.values():
-            state = "cache hit" if record.cache_hit else ("built" if record.key else "nothing to build (eager)")
-            _progress(ctx.rank, f"{state} in {record.seconds:.1f} s, key {record.key or '-'} under {cache_dir}")
-        _progress(ctx.rank, f"done in {time.perf_counter() - started:.1f} s")
-    finally:
-        shutdown(ctx)
+    started = time.perf_counter()
+    cache_dir = engine_cache_dir(args.engine_cache)
+    with stop_on_signals() as stop, start_runtime([(spec, folder)], device=args.device, strategy=args.strategy,
+                                                  rank_timeout=args.rank_timeout, stop=stop, backend=args.backend,
+                                                  engine_cache=cache_dir) as runtime:
+        if not runtime.is_main:
+            runtime.service.follow()
+            return 0
+        shape = f"{request.width}x{request.height}" + (f"x{request.frames}" if spec.media == "video" else "")
+        _progress(f"building {options.label} engine of {spec.name} for {shape} on {runtime.world_size} "
+                  "rank(s); the first step compiles")
+        runtime.service.run(spec.media, request, on_step=lambda done, total: _progress(f"step {done}/{total}"))
+        engine = runtime.service.pipelines[spec.media].transformer
+        for record in getattr(engine, "builds", {}).values():
+            state = "cache hit" if record.cache_hit else "built"
+            _progress(f"rank 0: {state} in {record.seconds:.1f} s, key {record.key} under {cache_dir}")
+    _progress(f"done in {time.perf_counter() - started:.1f} s")
     return 0
 
 
-def _to_cpu(conditioning):
-    """A copy of an encode() result whose tensors are on the CPU (for broadcast_object_list)."""
-    import torch
-
-    return dataclasses.replace(conditioning, **{
-        f.name: getattr(conditioning, f.name).cpu()
-        for f in dataclasses.fields(conditioning) if isinstance(getattr(conditioning, f.name), torch.Tensor)
-    })
+def _progress(text: str) -> None:
+    print(f"[build] {text}", file=sys.stderr, flush=True)

@@ -78,6 +78,8 @@ def start_runtime(
     strategy: str,
     rank_timeout: float,
     stop: threading.Event,
+    backend: str | None = None,
+    engine_cache: Path | None = None,
 ) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
 
@@ -117,8 +119,9 @@ def start_runtime(
         _agree_on_startup(ctx, failure)
 
         strategy_label = _parallelize(pipelines.values(), ctx, strategy) if ctx.is_distributed else "none (1 rank)"
+        engine_label = _build_engines(pipelines.values(), ctx, backend, engine_cache)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
-        backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, eager"
+        backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
 
         service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=rank_timeout)
         served = {spec.media: ServedModel(spec=spec, folder=folder, limits=read_limits(spec, folder))
@@ -153,6 +156,29 @@ def _parallelize(pipelines: Iterable, ctx, strategy: str) -> str:
         pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
         labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg})")
     return " / ".join(dict.fromkeys(labels))
+
+
+def default_backend(device_type: str) -> str:
+    """Per-block compiled engines on GPUs (compile is seconds, steps are faster); eager on CPUs."""
+    return "inductor-blocks" if device_type == "cuda" else "eager"
+
+
+def _build_engines(pipelines: Iterable, ctx, backend: str | None, engine_cache: Path | None) -> str:
+    """Turn each pipeline's (parallel) transformer into an engine of `backend`; returns its label.
+
+    Compilation itself happens at the first call of each input shape, from the engine cache when
+    `ulysses-studio build` (or an earlier request) left artifacts for it there.
+    """
+    from app.arguments import engine_cache_dir
+    from engines.compile import EngineOptions, prepare_engine
+
+    options = EngineOptions.parse(backend or default_backend(ctx.device.type))
+    if options.backend == "eager" and not options.cuda_graph:
+        return options.label
+    for pipeline in pipelines:
+        pipeline.use_transformer(prepare_engine(pipeline.transformer, options, cache_dir=engine_cache_dir(engine_cache),
+                                                rank=ctx.rank))
+    return options.label
 
 
 def _agree_on_startup(ctx, failure: str | None) -> None:

@@ -106,7 +106,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from app.runtime import start_runtime
 
     with stop_on_signals() as stop, start_runtime(plan.models, device=args.device, strategy=args.strategy,
-                                                  rank_timeout=args.rank_timeout, stop=stop) as runtime:
+                                                  rank_timeout=args.rank_timeout, stop=stop,
+                                                  backend=args.backend, engine_cache=args.engine_cache) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -1,0 +1,47 @@
+"""`ulysses-studio build` fills the engine cache that `generate` (like serve and batch) then reuses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_build_then_reuse_in_generate(tmp_path):
+    cache = tmp_path / "engines"
+    common = ["--model", "tiny-flux", "--size", "64x64", "--backend", "inductor-blocks", "--engine-cache", str(cache)]
+
+    cold = cli("build", *common, "--steps", "2")
+    assert cold.returncode == 0, cold.stderr
+    assert "rank 0: built in" in cold.stderr
+    warm = cli("build", *common, "--steps", "2")
+    assert warm.returncode == 0, warm.stderr
+    assert "rank 0: cache hit in" in warm.stderr
+
+    compiled, eager = tmp_path / "compiled.png", tmp_path / "eager.png"
+    request = ["--prompt", "a red circle", "--seed", "3", "--steps", "2", "--quiet"]
+    result = cli("generate", *common, *request, "--out", str(compiled))
+    assert result.returncode == 0, result.stderr
+    result = cli("generate", "--model", "tiny-flux", "--size", "64x64", "--backend", "eager", *request,
+                 "--out", str(eager))
+    assert result.returncode == 0, result.stderr
+    a = np.asarray(Image.open(compiled)).astype(np.int16)
+    b = np.asarray(Image.open(eager)).astype(np.int16)
+    assert np.abs(a - b).max() <= 1
+
+
+def test_bad_backend_is_a_usage_error():
+    result = cli("build", "--model", "tiny-flux", "--backend", "warp-drive")
+    assert result.returncode == 2
+    assert "is not an engine" in result.stderr and "Traceback" not in result.stderr
