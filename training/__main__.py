@@ -24,7 +24,7 @@ from training.cosmos import CosmosSettings, train_cosmos
 from training.flux import FluxSettings, train_flux
 from training.loop import PhaseResult
 
-PHASE_SHARES = {"flux-vae": 0.12, "flux-dit": 0.38, "cosmos-vae": 0.12, "cosmos-dit": 0.38}
+PHASE_SHARES = {"flux-vae": 0.15, "flux-dit": 0.35, "cosmos-vae": 0.15, "cosmos-dit": 0.35}
 """Share of the budget per phase; a model trained alone (--only) gets its two shares scaled to the whole."""
 
 
