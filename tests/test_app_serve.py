@@ -128,10 +128,12 @@ def test_image_equals_the_single_process_image(server):
 
     spec, folder = resolve_model("tiny-flux", None)
     request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=7, steps=3, width=64, height=64)
-    expected = np.asarray(load_pipeline(spec, folder).generate(request))
-    served = np.asarray(Image.open(file_path).convert("RGB"))
-    assert np.array_equal(served, expected)
-    assert np.array_equal(np.asarray(Image.open(image_path).convert("RGB")), expected)
+    expected = np.asarray(load_pipeline(spec, folder).generate(request)).astype(np.int16)
+    # Two ranks sum attention in another order than one: float32 rounding may move a pixel by one level.
+    served = np.asarray(Image.open(file_path).convert("RGB")).astype(np.int16)
+    shown = np.asarray(Image.open(image_path).convert("RGB")).astype(np.int16)
+    assert np.abs(served - expected).max() <= 1
+    assert np.abs(shown - expected).max() <= 1
 
 
 def test_video_comes_back_as_a_decodable_mp4(server, tmp_path):

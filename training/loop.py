@@ -52,9 +52,14 @@ class Ema:
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bfloat16 autocast on CUDA, nothing on CPU (float32 there is exact and not slower)."""
+    """No mixed precision: float32 everywhere (TF32 matmuls on CUDA).
+
+    bfloat16 autocast on an H100 (torch 2.11+cu130, 2026-11-22) failed in the tiny-flux DiT's backward
+    with CUBLAS_STATUS_EXECUTION_FAILED, and the models are small enough that float32 costs little.
+    """
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     return contextlib.nullcontext()
 
 
