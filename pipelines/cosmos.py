@@ -26,7 +26,7 @@ from diffusers.video_processor import VideoProcessor
 
 from pipelines import torchvision_shim
 from pipelines.guardrail import Guardrail
-from pipelines.loading import load_component
+from pipelines.loading import load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, MediaLimits, read_limits
@@ -101,15 +101,9 @@ class CosmosPipeline:
         with_encoders: bool = True,
     ) -> CosmosPipeline:
         """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 and VAE (ranks > 0)."""
-        parts = {name: load_component(folder, name, dtype) for name in ("transformer", "scheduler")}
-        if with_encoders:
-            for name in ("text_encoder", "tokenizer"):
-                parts[name] = load_component(folder, name, dtype)
-            # The Wan VAE runs in float32 in diffusers' Cosmos examples; bf16 costs visible banding.
-            parts["vae"] = load_component(folder, "vae", torch.float32)
-        for part in parts.values():
-            if isinstance(part, torch.nn.Module):
-                part.to(device)
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
+        # The Wan VAE runs in float32 in diffusers' Cosmos examples; bf16 costs visible banding.
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes={"vae": torch.float32})
         return cls(spec=spec, folder=folder, device=device, **parts)
 
     @property

@@ -21,7 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from pipelines.loading import load_component
+from pipelines.loading import load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, MediaLimits, read_limits
 
@@ -83,14 +83,10 @@ class FluxImagePipeline:
         with_encoders: bool = True,
     ) -> FluxImagePipeline:
         """Load from a diffusers FLUX folder; `with_encoders=False` skips text encoders and VAE (ranks > 0)."""
-        parts = {name: load_component(folder, name, dtype) for name in ("transformer", "scheduler")}
+        names = ["transformer", "scheduler"]
         if with_encoders:
-            for name in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae"):
-                parts[name] = load_component(folder, name, dtype)
-        for part in parts.values():
-            if isinstance(part, torch.nn.Module):
-                part.to(device)
-        return cls(spec=spec, folder=folder, device=device, **parts)
+            names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae"]
+        return cls(spec=spec, folder=folder, device=device, **load_parts(folder, names, dtype=dtype, device=device))
 
     def limits(self) -> MediaLimits:
         return read_limits(self.spec, self.folder)

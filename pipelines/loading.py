@@ -41,7 +41,22 @@ def load_component(folder: Path, name: str, dtype: torch.dtype | None = None, in
     return cls.from_pretrained(subfolder, local_files_only=True)
 
 
-def load_components(folder: Path, names: list[str], dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Load several components of one folder; see load_component."""
+def load_parts(
+    folder: Path,
+    names: list[str],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    dtypes: dict[str, torch.dtype] | None = None,
+) -> dict[str, Any]:
+    """Load components `names` of `folder` and move the models to `device`.
+
+    Args:
+        dtypes: per-component dtype where it differs from `dtype` (e.g. a VAE kept in float32).
+    """
     index = read_model_index(folder)
-    return {name: load_component(folder, name, dtype, index) for name in names}
+    parts = {name: load_component(folder, name, (dtypes or {}).get(name, dtype), index) for name in names}
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module):
+            part.to(device)
+    return parts
