@@ -1,3 +1,3 @@
-from app.cli import main
+from app.cli import exit_with, main
 
-raise SystemExit(main())
+exit_with(main())

@@ -8,6 +8,7 @@ is lost mid-run ends the process with one line and exit status 1. Bugs keep thei
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -26,7 +27,7 @@ from pipelines.requests import RequestError
 
 USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError, BenchError)
 
-__all__ = ["USER_ERRORS", "build_parser", "main", "parse_size"]
+__all__ = ["USER_ERRORS", "build_parser", "exit_with", "main", "parse_size"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; the exit status (see the module docstring, and app.launch for ranks)."""
     return hand_over_exit_status(_run(argv))
+
+
+def exit_with(status: int) -> None:
+    """End the process (the console script and `python -m app`) with `status`, quickly.
+
+    A plain exit walks every object that torch, transformers and diffusers created in one last
+    garbage collection: 0.9 s of a 5 s `generate` on a 2-core CPU, measured. Frozen objects are
+    skipped by it and freed with the process all the same. Only for a process that is ending:
+    frozen objects are never collected.
+    """
+    gc.freeze()
+    raise SystemExit(status)
+
+
+def console_main() -> None:
+    """The `ulysses-studio` console script."""
+    exit_with(main())
 
 
 def _run(argv: list[str] | None) -> int:
