@@ -71,10 +71,14 @@ def t5_tokenizer(max_length: int) -> T5TokenizerFast:
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
-def t5_encoder(vocab_size: int, seed: int) -> T5EncoderModel:
+TEXT_WIDTH = 32
+"""Width of the tiny T5 encoders (d_model), which is also the transformers' text input width."""
+
+
+def t5_encoder(vocab_size: int, seed: int, width: int = TEXT_WIDTH) -> T5EncoderModel:
     torch.manual_seed(seed)
     config = T5Config(
-        vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        vocab_size=vocab_size, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
@@ -93,7 +97,7 @@ def write_model_index(folder: Path, class_name: str, components: dict[str, tuple
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def flux_components(seed: int) -> dict:
+def flux_components(seed: int, text_width: int = TEXT_WIDTH) -> dict:
     """FLUX.1-dev's component set, shrunk: CLIP + T5 text encoders, 8x VAE, guidance-distilled DiT (random weights)."""
     clip_tok = clip_tokenizer()
     t5_tok = t5_tokenizer(max_length=512)
@@ -106,7 +110,7 @@ def flux_components(seed: int) -> dict:
             bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id,
         )
     ).eval()
-    t5 = t5_encoder(len(t5_tok), seed + 1)
+    t5 = t5_encoder(len(t5_tok), seed + 1, text_width)
 
     torch.manual_seed(seed + 2)
     vae = AutoencoderKL(
@@ -122,7 +126,7 @@ def flux_components(seed: int) -> dict:
     torch.manual_seed(seed + 3)
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=32,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        num_attention_heads=4, joint_attention_dim=text_width, pooled_projection_dim=32, guidance_embeds=True,
         axes_dims_rope=[8, 12, 12],
     ).eval()
 
@@ -156,10 +160,10 @@ def save_flux(folder: Path, parts: dict) -> None:
     )
 
 
-def cosmos_components(seed: int) -> dict:
+def cosmos_components(seed: int, text_width: int = TEXT_WIDTH) -> dict:
     """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (4x time, 8x space), Cosmos DiT (random)."""
     t5_tok = t5_tokenizer(max_length=512)
-    t5 = t5_encoder(len(t5_tok), seed)
+    t5 = t5_encoder(len(t5_tok), seed, text_width)
 
     # base_dim 8: the Wan decoder runs 3D convolutions at full resolution, which dominates CPU time.
     z_dim = 8
@@ -172,7 +176,7 @@ def cosmos_components(seed: int) -> dict:
     torch.manual_seed(seed + 2)
     transformer = CosmosTransformer3DModel(
         in_channels=z_dim + 1, out_channels=z_dim, num_attention_heads=4, attention_head_dim=32, num_layers=4,
-        mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=32, max_size=(32, 64, 64), patch_size=(1, 2, 2),
+        mlp_ratio=2.0, text_embed_dim=text_width, adaln_lora_dim=32, max_size=(32, 64, 64), patch_size=(1, 2, 2),
         rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=True, extra_pos_embed_type=None,
     ).eval()
 

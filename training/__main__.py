@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 
-from scripts.make_tiny_models import cosmos_components, flux_components, save_cosmos, save_flux
+from scripts.make_tiny_models import TEXT_WIDTH, cosmos_components, flux_components, save_cosmos, save_flux
 from training.card import write_card
 from training.cosmos import CosmosSettings, train_cosmos
 from training.flux import FluxSettings, train_flux
 from training.loop import PhaseResult
 
-PHASE_SHARES = {"flux-vae": 0.15, "flux-dit": 0.35, "cosmos-vae": 0.15, "cosmos-dit": 0.35}
-"""Share of the budget per phase; a model trained alone (--only) gets its two shares scaled to the whole."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
@@ -38,6 +36,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     parser.add_argument("--only", choices=("flux", "cosmos"), help="train one model only")
     parser.add_argument("--max-steps", type=int, help="stop every phase after this many steps (tests, replays)")
     parser.add_argument("--batch-scale", type=float, default=1.0, help="multiply every batch size")
+    parser.add_argument("--vae-share", type=float, default=0.3,
+                        help="share of each model's budget that fits its VAE (the rest trains its transformer)")
+    parser.add_argument("--text-width", type=int, default=TEXT_WIDTH,
+                        help=f"width of the T5 encoders and the transformers' text input (default {TEXT_WIDTH})")
+    parser.add_argument("--guidance-distill", type=float, default=0.0, metavar="SHARE",
+                        help="tiny-flux: spend this share of its transformer budget on guidance distillation "
+                             "(captions are then dropped 10%% of the time in the first phase)")
     parser.add_argument("--small", action="store_true",
                         help="64-px images and 64-px 9-frame clips, for CPU smoke runs (the saved model still "
                              "defaults to the registry's sizes)")
@@ -54,16 +59,18 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     generator = torch.Generator().manual_seed(args.seed)
     flux_settings, cosmos_settings = _settings(args)
     models = [args.only] if args.only else ["flux", "cosmos"]
-    shares = {k: v for k, v in PHASE_SHARES.items() if k.split("-")[0] in models}
-    budget = args.minutes * 60
-    seconds = {k: budget * v / sum(shares.values()) for k, v in shares.items()}
+    per_model = args.minutes * 60 / len(models)
+    seconds = {}
+    for model in models:
+        seconds[f"{model}-vae"] = per_model * args.vae_share
+        seconds[f"{model}-dit"] = per_model * (1 - args.vae_share)
     command = "python -m training " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     run = {"command": command, "seed": args.seed, "device": _device_name(device), "torch": torch.__version__}
 
     args.out.mkdir(parents=True, exist_ok=True)
     trained: dict[str, list[PhaseResult]] = {}
     if "flux" in models:
-        parts = flux_components(args.seed)
+        parts = flux_components(args.seed, args.text_width)
         results = train_flux(parts, device=device, generator=generator, settings=flux_settings,
                              vae_seconds=seconds["flux-vae"], dit_seconds=seconds["flux-dit"],
                              vae_steps=args.max_steps, dit_steps=args.max_steps)
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
         trained["tiny-flux"] = results
         del parts
     if "cosmos" in models:
-        parts = cosmos_components(args.seed + 100)
+        parts = cosmos_components(args.seed + 100, args.text_width)
         results = train_cosmos(parts, device=device, generator=generator, settings=cosmos_settings,
                                vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
                                vae_steps=args.max_steps, dit_steps=args.max_steps)
@@ -105,6 +112,8 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
     if args.small:
         flux.sizes = (64,)
         cosmos.size, cosmos.frames = 64, 9
+    if args.guidance_distill > 0:
+        flux.distill_share, flux.prompt_dropout = args.guidance_distill, 0.1
     for settings in (flux, cosmos):
         for field in ("vae_batch", "dit_batch"):
             setattr(settings, field, max(1, round(getattr(settings, field) * args.batch_scale)))

@@ -59,9 +59,18 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
         method = ("AutoencoderKL fitted first (L1 + MSE with 4x weight on shape pixels, KL 1e-4), latent "
                   "shift/scale written to its config; then FluxTransformer2DModel and the T5 encoder trained "
                   "together by rectified flow on packed latents (x_s = (1-s) x0 + s noise, target noise - x0, "
-                  "s logit-normal with the pipeline's resolution shift), random guidance input in [1, 5] "
-                  "(guidance-distilled in form only: the value has no effect). CLIP stays at its random "
+                  "s logit-normal with the pipeline's resolution shift). CLIP stays at its random "
                   "initialisation (frozen). EMA 0.999 weights saved.")
+        if settings.get("distill_share"):
+            method += (f" Guidance-distilled as FLUX.1-dev is: {settings['prompt_dropout']:.0%} of captions were "
+                       "empty in that phase; then, for the last "
+                       f"{settings['distill_share']:.0%} of the transformer's time, a frozen copy was the teacher "
+                       "and the transformer learned to output, for a guidance value g in [1, 5] fed to its "
+                       "guidance embedding, the teacher's classifier-free guidance v_uncond + g (v_cond - "
+                       "v_uncond) (T5 frozen in that phase). One transformer call per step, as in FLUX.1-dev.")
+        else:
+            method += (" Random guidance input in [1, 5] (guidance-distilled in form only: the value has no "
+                       "effect).")
     text = f"""# {name}
 
 Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural

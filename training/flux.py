@@ -8,10 +8,17 @@ The T5 encoder trains with the transformer: FLUX gives text tokens no positions 
 so which colour belongs to the shape and which to the background must come from T5's context
 mixing, which a random T5 does only faintly. CLIP stays frozen: its pooled vector is a global
 caption code for the modulation, which a random CLIP already provides.
+
+Guidance distillation (optional, `distill_share` > 0), as FLUX.1-dev is guidance-distilled: the
+first phase also learns the empty prompt (`prompt_dropout`); a frozen copy of the result is then
+the teacher, and the transformer learns to output, for a guidance value g fed to its guidance
+embedding, what classifier-free guidance of the teacher gives: v_uncond + g (v_cond - v_uncond).
+So one transformer call per step buys what CFG buys with two.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -36,7 +43,12 @@ class FluxSettings:
     max_sequence_length: int = 64
     """T5 tokens, as tiny-flux's registry spec encodes prompts."""
     guidance_range: tuple[float, float] = (1.0, 5.0)
-    """The transformer is guidance-distilled in form only: it sees random guidance values and learns to ignore them."""
+    """Guidance values drawn in training (the registry's default, 3.5, lies inside)."""
+    prompt_dropout: float = 0.0
+    """Share of captions replaced by the empty prompt (the unconditional branch distillation needs)."""
+    distill_share: float = 0.0
+    """Share of the transformer's budget spent on guidance distillation (0: the guidance input is
+    trained with random values and learns to ignore them)."""
 
 
 def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator, settings: FluxSettings,
@@ -55,7 +67,10 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
     mean, std = latent_statistics(latents, per_channel=False)
     vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
     print(f"[flux-vae] latent shift {vae.config.shift_factor} scale {vae.config.scaling_factor}", flush=True)
-    results.append(_train_transformer(parts, device, generator, settings, dit_seconds, dit_steps))
+    share = settings.distill_share
+    results.append(_train_transformer(parts, device, generator, settings, dit_seconds * (1 - share), dit_steps))
+    if share > 0:
+        results.append(_distill_guidance(parts, device, generator, settings, dit_seconds * share, dit_steps))
     return results
 
 
@@ -108,21 +123,12 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
     def step() -> torch.Tensor:
         size = settings.sizes[next(counter) % len(settings.sizes)]
         batch = settings.dit_batch
-        scenes = shapes.image_scenes(batch, generator)
-        x = shapes.render(scenes, size, size, device)[:, :, 0]
-        with torch.no_grad(), autocast(device):
-            latents = vae.encode(x).latent_dist.mode()
-        x0 = ((latents.float() - vae.config.shift_factor) * vae.config.scaling_factor)
-        _, channels, height, width = x0.shape
-        x0 = FluxPipeline._pack_latents(x0, batch, channels, height, width)
-        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, x0.dtype)
-        noise = torch.randn(x0.shape, generator=generator).to(device)
-        sigma = _flux_sigmas(batch, x0.shape[1], config, generator).to(device)
-        noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
-        low, high = settings.guidance_range
-        guidance = (low + (high - low) * torch.rand(batch, generator=generator)).to(device)
+        scenes, x0, image_ids, noise, sigma, noisy, guidance = _noisy_batch(vae, device, generator, settings, size,
+                                                                            config)
+        captions = [c if keep else "" for c, keep in
+                    zip(scenes.captions, (torch.rand(batch, generator=generator) >= settings.prompt_dropout).tolist())]
         with autocast(device):
-            text, pooled = encode_prompts(scenes.captions)
+            text, pooled = encode_prompts(captions)
             velocity = transformer(
                 hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
                 encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
@@ -132,6 +138,61 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
 
     return run_phase("flux-dit", step, [transformer, t5], seconds=seconds, max_steps=max_steps, lr=settings.dit_lr,
                      batch=settings.dit_batch, ema_decay=0.999)
+
+
+def _noisy_batch(vae, device, generator, settings, size, config):
+    """A batch of scenes, their packed latents x0, image ids, noise, times s, x_s and guidance values."""
+    batch = settings.dit_batch
+    scenes = shapes.image_scenes(batch, generator)
+    x = shapes.render(scenes, size, size, device)[:, :, 0]
+    with torch.no_grad(), autocast(device):
+        latents = vae.encode(x).latent_dist.mode()
+    x0 = ((latents.float() - vae.config.shift_factor) * vae.config.scaling_factor)
+    _, channels, height, width = x0.shape
+    x0 = FluxPipeline._pack_latents(x0, batch, channels, height, width)
+    image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, x0.dtype)
+    noise = torch.randn(x0.shape, generator=generator).to(device)
+    sigma = _flux_sigmas(batch, x0.shape[1], config, generator).to(device)
+    noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
+    low, high = settings.guidance_range
+    guidance = (low + (high - low) * torch.rand(batch, generator=generator)).to(device)
+    return scenes, x0, image_ids, noise, sigma, noisy, guidance
+
+
+def _distill_guidance(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    """Teach the guidance input what classifier-free guidance of a frozen copy (the teacher) does."""
+    vae, transformer = parts["vae"], parts["transformer"]
+    teacher = frozen(copy.deepcopy(transformer))
+    frozen(parts["text_encoder_2"])  # the teacher's text encoder: both read the same embeddings
+    transformer.requires_grad_(True)
+    config = parts["scheduler"].config
+    counter = iter(range(1 << 62))
+    encode_prompts = PromptEncoder(parts, device, settings.max_sequence_length)
+
+    def step() -> torch.Tensor:
+        size = settings.sizes[next(counter) % len(settings.sizes)]
+        scenes, _, image_ids, _, sigma, noisy, guidance = _noisy_batch(vae, device, generator, settings, size,
+                                                                       config)
+        batch = noisy.shape[0]
+        with torch.no_grad(), autocast(device):
+            text, pooled = encode_prompts(scenes.captions)
+            empty_text, empty_pooled = encode_prompts([""] * batch)
+            inputs = dict(timestep=sigma.repeat(2), guidance=guidance.repeat(2), img_ids=image_ids,
+                          txt_ids=torch.zeros(text.shape[1], 3, device=device), return_dict=False)
+            both = teacher(hidden_states=noisy.repeat(2, 1, 1), encoder_hidden_states=torch.cat([text, empty_text]),
+                           pooled_projections=torch.cat([pooled, empty_pooled]), **inputs)[0].float()
+            conditional, unconditional = both.chunk(2)
+            target = unconditional + guidance.view(-1, 1, 1) * (conditional - unconditional)
+        with autocast(device):
+            velocity = transformer(
+                hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+                encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
+                img_ids=image_ids, return_dict=False,
+            )[0]
+        return (velocity.float() - target).square().mean()
+
+    return run_phase("flux-distill", step, [transformer], seconds=seconds, max_steps=max_steps,
+                     lr=settings.dit_lr * 0.5, batch=settings.dit_batch, ema_decay=0.999)
 
 
 def _flux_sigmas(batch: int, image_seq_len: int, config, generator: torch.Generator) -> torch.Tensor:
