@@ -4,8 +4,6 @@
 #
 #     scripts/train_sweep.sh OUT [MINUTES]
 #
-# The tiny models are too small to keep a GPU busy (each step is a few milliseconds of kernels behind
-# Python), so three runs share GPU 0 (tiny-flux recipes) and two share GPU 1 (tiny-cosmos recipes).
 # Each run is an ordinary `python -m training --only ...` command, written into its model card, so the
 # kept model is reproducible on its own. OUT receives one log per run and best-tiny-flux.tar /
 # best-tiny-cosmos.tar (the winners' diffusers folders, model cards included).
@@ -15,12 +13,12 @@ minutes=${2:-7}
 mkdir -p "$out"
 work=$(mktemp -d)
 
+# name -> "GPU|flags". The first sweep (three tiny-flux recipes sharing GPU 0, two tiny-cosmos recipes
+# sharing GPU 1, 7 minutes) showed that sharing a GPU divides each run's steps: the runs are GPU-bound
+# once their batches are large. So one run per GPU now; add lines to compare recipes.
 declare -A recipes=(
-    [flux-w64]="0|--only flux --text-width 64 --vae-share 0.15 --batch-scale 2"
-    [flux-w64-distill]="0|--only flux --text-width 64 --vae-share 0.15 --batch-scale 2 --guidance-distill 0.3"
-    [flux-w32-distill]="0|--only flux --text-width 32 --vae-share 0.15 --batch-scale 2 --guidance-distill 0.3"
-    [cosmos-w64]="1|--only cosmos --text-width 64 --vae-share 0.45 --batch-scale 3"
-    [cosmos-w64-vae60]="1|--only cosmos --text-width 64 --vae-share 0.6 --batch-scale 3"
+    [flux-w64]="0|--only flux --text-width 64 --vae-share 0.12 --batch-scale 2"
+    [cosmos-w64]="1|--only cosmos --text-width 64 --vae-share 0.4 --batch-scale 2"
 )
 
 for name in "${!recipes[@]}"; do

@@ -43,13 +43,16 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
                 f"{' / '.join(shapes.MOTION_PHRASES.values())}, e.g. \"{example}\". "
                 f"{len(shapes.HELD_OUT_VIDEOS)} (colour, shape, motion) combinations are never shown in "
                 "training; the held-out scores below prompt for exactly those.")
-        method = ("AutoencoderKLWan fitted first (L1 + MSE with 4x weight on shape pixels, KL 1e-4), its per-channel "
-                  "latent mean/std written to its config; then CosmosTransformer3DModel and the T5 encoder trained "
+        method = ("AutoencoderKLWan fitted first on "
+                  f"{settings['vae_frames']}-frame {settings['vae_size']}x{settings['vae_size']} clips (L1 + MSE "
+                  "with 4x weight on shape pixels, KL 1e-4), its per-channel latent mean/std written to its "
+                  "config; then CosmosTransformer3DModel and the T5 encoder trained "
                   "together on the EDM-preconditioned rectified-flow objective that pipelines/cosmos.py inverts "
                   "(transformer input (1-t) x0 + t noise, t = sigma/(sigma+1), target noise - x0), sigma half "
                   "log-uniform on [0.002, 80], half log-normal; 0/1/2 clean conditioning latent frames "
                   "(50/35/15%) for video-to-world; 15% of prompts replaced by \"\" or the negative prompt "
-                  "for classifier-free guidance. EMA 0.999 weights saved.")
+                  "for classifier-free guidance. The transformer phase draws clips from a pool encoded once "
+                  "by the frozen VAE. EMA 0.999 weights saved.")
     else:
         data = (f"Images of one shape ({', '.join(shapes.SHAPES)}) in one colour ({', '.join(shapes.COLOURS)}), "
                 f"small or big, at one of nine positions, on a plain background ({', '.join(shapes.BACKGROUNDS)}, "
@@ -59,7 +62,8 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
         method = ("AutoencoderKL fitted first (L1 + MSE with 4x weight on shape pixels, KL 1e-4), latent "
                   "shift/scale written to its config; then FluxTransformer2DModel and the T5 encoder trained "
                   "together by rectified flow on packed latents (x_s = (1-s) x0 + s noise, target noise - x0, "
-                  "s logit-normal with the pipeline's resolution shift). CLIP stays at its random "
+                  "s logit-normal with the pipeline's resolution shift; scenes drawn from a pool encoded once "
+                  "per training size by the frozen VAE). CLIP stays at its random "
                   "initialisation (frozen). EMA 0.999 weights saved.")
         if settings.get("distill_share"):
             method += (f" Guidance-distilled as FLUX.1-dev is: {settings['prompt_dropout']:.0%} of captions were "

@@ -22,7 +22,7 @@ from pipelines import torchvision_shim
 from pipelines.cosmos import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import PhaseResult, TokenCache, autocast, frozen, run_phase
+from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, autocast, frozen, run_phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,8 +34,14 @@ class CosmosSettings:
     frames: int = 17
     """Frames per clip (tiny-cosmos' registry default: 5 latent frames)."""
     fps: int = 8
-    vae_batch: int = 8
+    vae_size: int = 64
+    vae_frames: int = 9
+    """The VAE is fitted on smaller clips (1 + 4 + 4 frames exercise its first-frame and 4-frame chunk paths;
+    its convolutions do not care about the frame size): many more steps for the same time."""
+    vae_batch: int = 32
     dit_batch: int = 64
+    pool_batches: int = 96
+    """Batches encoded once into the transformer phase's latent pool (training.loop.LatentPool)."""
     vae_lr: float = 5e-4
     dit_lr: float = 5e-4
     max_sequence_length: int = 64
@@ -62,17 +68,36 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
     vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
                            latents_std=[round(v, 4) for v in std.tolist()])
     print(f"[cosmos-vae] latents mean {vae.config.latents_mean} std {vae.config.latents_std}", flush=True)
-    results.append(_train_transformer(parts, device, generator, settings, dit_seconds, dit_steps))
+    pool = _latent_pool(vae, device, generator, settings, dit_steps, POOL_SHARE * dit_seconds)
+    results.append(_train_transformer(parts, pool, device, generator, settings,
+                                      max(dit_seconds - pool.seconds, 0.0), dit_steps))
     return results
+
+
+def _latent_pool(vae, device, generator, settings, max_steps, max_seconds) -> LatentPool:
+    """Clips with their normalised latents (x0 of the transformer's objective)."""
+    mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+
+    def make() -> tuple[list[str], torch.Tensor]:
+        scenes = shapes.video_scenes(settings.dit_batch, settings.frames, generator)
+        with autocast(device):
+            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
+        return scenes.captions, (latents.float() - mean) / std * SIGMA_DATA
+
+    pool = LatentPool(make, settings.pool_batches if max_steps is None else min(settings.pool_batches, max_steps),
+                      max_seconds)
+    print(f"[cosmos-dit] latent pool: {len(pool)} clips in {pool.seconds:.0f}s", flush=True)
+    return pool
 
 
 def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseResult:
     vae.requires_grad_(True)
 
     def step() -> torch.Tensor:
-        scenes = shapes.video_scenes(settings.vae_batch, settings.frames, generator)
+        scenes = shapes.video_scenes(settings.vae_batch, settings.vae_frames, generator)
         with autocast(device):
-            return reconstruction_loss(vae, shapes.render(scenes, settings.size, settings.size, device))
+            return reconstruction_loss(vae, shapes.render(scenes, settings.vae_size, settings.vae_size, device))
 
     return run_phase("cosmos-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
                      batch=settings.vae_batch, ema_decay=0.999)
@@ -86,26 +111,20 @@ def encode_prompts(t5: torch.nn.Module, tokens: TokenCache, captions: list[str],
     return embeds * mask[..., None].to(embeds.dtype)
 
 
-def _train_transformer(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
-    vae, transformer, t5 = parts["vae"], parts["transformer"], parts["text_encoder"]
+def _train_transformer(parts, pool, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    transformer, t5 = parts["transformer"], parts["text_encoder"]
     transformer.requires_grad_(True)
     t5.requires_grad_(True)
-    mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
     t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
     padding_mask = torch.zeros(1, 1, settings.size, settings.size, device=device)
     tokens = TokenCache(parts["tokenizer"], settings.max_sequence_length)
 
     def step() -> torch.Tensor:
         batch = settings.dit_batch
-        scenes = shapes.video_scenes(batch, settings.frames, generator)
-        captions = list(scenes.captions)
+        captions, x0 = pool.sample(batch, generator)
         dropped = torch.rand(batch, generator=generator) < settings.prompt_dropout
         for i in torch.nonzero(dropped).flatten().tolist():
             captions[i] = shapes.NEGATIVE_CAPTIONS[i % len(shapes.NEGATIVE_CAPTIONS)]
-        with torch.no_grad(), autocast(device):
-            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
-        x0 = (latents.float() - mean) / std * SIGMA_DATA
         latent_frames = x0.shape[2]
         noise = torch.randn(x0.shape, generator=generator).to(device)
         sigma = _cosmos_sigmas(batch, generator).to(device).view(-1, 1, 1, 1, 1)

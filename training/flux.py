@@ -27,7 +27,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import PhaseResult, TokenCache, autocast, frozen, run_phase
+from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, autocast, frozen, run_phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +42,8 @@ class FluxSettings:
     dit_lr: float = 5e-4
     max_sequence_length: int = 64
     """T5 tokens, as tiny-flux's registry spec encodes prompts."""
+    pool_batches: int = 256
+    """Batches per training size encoded once into the transformer phases' latent pool (training.loop.LatentPool)."""
     guidance_range: tuple[float, float] = (1.0, 5.0)
     """Guidance values drawn in training (the registry's default, 3.5, lies inside)."""
     prompt_dropout: float = 0.0
@@ -67,11 +69,34 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
     mean, std = latent_statistics(latents, per_channel=False)
     vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
     print(f"[flux-vae] latent shift {vae.config.shift_factor} scale {vae.config.scaling_factor}", flush=True)
+    pools, pool_seconds = _latent_pools(vae, device, generator, settings, dit_steps, POOL_SHARE * dit_seconds)
+    dit_seconds = max(dit_seconds - pool_seconds, 0.0)
     share = settings.distill_share
-    results.append(_train_transformer(parts, device, generator, settings, dit_seconds * (1 - share), dit_steps))
+    results.append(_train_transformer(parts, pools, device, generator, settings, dit_seconds * (1 - share), dit_steps))
     if share > 0:
-        results.append(_distill_guidance(parts, device, generator, settings, dit_seconds * share, dit_steps))
+        results.append(_distill_guidance(parts, pools, device, generator, settings, dit_seconds * share, dit_steps))
     return results
+
+
+def _latent_pools(vae, device, generator, settings, max_steps, max_seconds) -> tuple[dict[int, LatentPool], float]:
+    """Per training size, a pool of scenes with their packed, normalised latents."""
+    batches = settings.pool_batches if max_steps is None else min(settings.pool_batches, max_steps)
+
+    def encoder(size: int):
+        def make() -> tuple[list[str], torch.Tensor]:
+            scenes = shapes.image_scenes(settings.dit_batch, generator)
+            with autocast(device):
+                latents = vae.encode(shapes.render(scenes, size, size, device)[:, :, 0]).latent_dist.mode()
+            x0 = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
+            batch, channels, height, width = x0.shape
+            return scenes.captions, FluxPipeline._pack_latents(x0, batch, channels, height, width)
+        return make
+
+    pools = {size: LatentPool(encoder(size), batches, max_seconds / len(settings.sizes)) for size in settings.sizes}
+    seconds = sum(pool.seconds for pool in pools.values())
+    print(f"[flux-dit] latent pools: {', '.join(f'{len(p)} scenes at {s}px' for s, p in pools.items())} "
+          f"in {seconds:.0f}s", flush=True)
+    return pools, seconds
 
 
 def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseResult:
@@ -112,8 +137,8 @@ class PromptEncoder:
         return text, torch.stack([self.pooled[c] for c in captions])
 
 
-def _train_transformer(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
-    vae, transformer, t5 = parts["vae"], parts["transformer"], parts["text_encoder_2"]
+def _train_transformer(parts, pools, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    transformer, t5 = parts["transformer"], parts["text_encoder_2"]
     transformer.requires_grad_(True)
     t5.requires_grad_(True)
     config = parts["scheduler"].config
@@ -123,10 +148,10 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
     def step() -> torch.Tensor:
         size = settings.sizes[next(counter) % len(settings.sizes)]
         batch = settings.dit_batch
-        scenes, x0, image_ids, noise, sigma, noisy, guidance = _noisy_batch(vae, device, generator, settings, size,
-                                                                            config)
+        captions, x0, image_ids, noise, sigma, noisy, guidance = _noisy_batch(pools[size], device, generator,
+                                                                              settings, config)
         captions = [c if keep else "" for c, keep in
-                    zip(scenes.captions, (torch.rand(batch, generator=generator) >= settings.prompt_dropout).tolist())]
+                    zip(captions, (torch.rand(batch, generator=generator) >= settings.prompt_dropout).tolist())]
         with autocast(device):
             text, pooled = encode_prompts(captions)
             velocity = transformer(
@@ -140,28 +165,23 @@ def _train_transformer(parts, device, generator, settings, seconds, max_steps) -
                      batch=settings.dit_batch, ema_decay=0.999)
 
 
-def _noisy_batch(vae, device, generator, settings, size, config):
-    """A batch of scenes, their packed latents x0, image ids, noise, times s, x_s and guidance values."""
+def _noisy_batch(pool: LatentPool, device, generator, settings, config):
+    """A batch from the pool: captions, packed latents x0, image ids, noise, times s, x_s and guidance values."""
     batch = settings.dit_batch
-    scenes = shapes.image_scenes(batch, generator)
-    x = shapes.render(scenes, size, size, device)[:, :, 0]
-    with torch.no_grad(), autocast(device):
-        latents = vae.encode(x).latent_dist.mode()
-    x0 = ((latents.float() - vae.config.shift_factor) * vae.config.scaling_factor)
-    _, channels, height, width = x0.shape
-    x0 = FluxPipeline._pack_latents(x0, batch, channels, height, width)
-    image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, device, x0.dtype)
+    captions, x0 = pool.sample(batch, generator)
+    side = math.isqrt(x0.shape[1])  # square training sizes: side x side packed tokens
+    image_ids = FluxPipeline._prepare_latent_image_ids(batch, side, side, device, x0.dtype)
     noise = torch.randn(x0.shape, generator=generator).to(device)
     sigma = _flux_sigmas(batch, x0.shape[1], config, generator).to(device)
     noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
     low, high = settings.guidance_range
     guidance = (low + (high - low) * torch.rand(batch, generator=generator)).to(device)
-    return scenes, x0, image_ids, noise, sigma, noisy, guidance
+    return captions, x0, image_ids, noise, sigma, noisy, guidance
 
 
-def _distill_guidance(parts, device, generator, settings, seconds, max_steps) -> PhaseResult:
+def _distill_guidance(parts, pools, device, generator, settings, seconds, max_steps) -> PhaseResult:
     """Teach the guidance input what classifier-free guidance of a frozen copy (the teacher) does."""
-    vae, transformer = parts["vae"], parts["transformer"]
+    transformer = parts["transformer"]
     teacher = frozen(copy.deepcopy(transformer))
     frozen(parts["text_encoder_2"])  # the teacher's text encoder: both read the same embeddings
     transformer.requires_grad_(True)
@@ -171,11 +191,11 @@ def _distill_guidance(parts, device, generator, settings, seconds, max_steps) ->
 
     def step() -> torch.Tensor:
         size = settings.sizes[next(counter) % len(settings.sizes)]
-        scenes, _, image_ids, _, sigma, noisy, guidance = _noisy_batch(vae, device, generator, settings, size,
-                                                                       config)
+        captions, _, image_ids, _, sigma, noisy, guidance = _noisy_batch(pools[size], device, generator,
+                                                                         settings, config)
         batch = noisy.shape[0]
         with torch.no_grad(), autocast(device):
-            text, pooled = encode_prompts(scenes.captions)
+            text, pooled = encode_prompts(captions)
             empty_text, empty_pooled = encode_prompts([""] * batch)
             inputs = dict(timestep=sigma.repeat(2), guidance=guidance.repeat(2), img_ids=image_ids,
                           txt_ids=torch.zeros(text.shape[1], 3, device=device), return_dict=False)

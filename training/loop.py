@@ -152,3 +152,41 @@ class TokenCache:
         ids = torch.stack([self.rows[c][0] for c in captions]).to(device)
         mask = torch.stack([self.rows[c][1] for c in captions]).to(device)
         return ids, mask
+
+
+POOL_SHARE = 0.25
+"""At most this share of a transformer phase's budget goes to encoding its latent pool."""
+
+
+class LatentPool:
+    """Scenes encoded once by the frozen VAE; a transformer phase draws its batches from here.
+
+    Encoding a batch through the VAE costs about as much as the transformer's whole training step,
+    so encoding every batch afresh halves the steps a budget buys. The pool is large next to what a
+    phase can memorise (tens of thousands of scenes, each seen with fresh noise and time every visit).
+    """
+
+    def __init__(self, make: Callable[[], tuple[list[str], torch.Tensor]], batches: int, max_seconds: float) -> None:
+        """`make()` returns one batch: (captions, latents [B, ...]); it is called `batches` times, or fewer
+        (at least once) when that would take more than `max_seconds`."""
+        captions: list[str] = []
+        latents = []
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(batches):
+                if latents and time.perf_counter() - start > max_seconds:
+                    break
+                batch_captions, batch_latents = make()
+                captions += batch_captions
+                latents.append(batch_latents)
+        self.captions = captions
+        self.latents = torch.cat(latents)
+        self.seconds = time.perf_counter() - start
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def sample(self, batch: int, generator: torch.Generator) -> tuple[list[str], torch.Tensor]:
+        """`batch` random entries: (captions, latents)."""
+        index = torch.randint(len(self.captions), (batch,), generator=generator)
+        return [self.captions[i] for i in index.tolist()], self.latents[index.to(self.latents.device)]
