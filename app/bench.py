@@ -1,11 +1,22 @@
-"""`ulysses-studio bench`: the engines benchmark (engines/benchmark.py) under torchrun, plus a PNG chart.
+"""`ulysses-studio bench`: the engines benchmark or the end-to-end benchmark under torchrun, plus a PNG chart.
 
     ulysses-studio bench --ranks 2 --model flux-dev --backends eager,inductor-blocks+cudagraph --out bench/
+    ulysses-studio bench --ranks 2 --out bench/ -- --strategies "" --no-diffusers --peers xdit,cache-dit
+    ulysses-studio bench --ranks 2 --end-to-end --out bench/ -- --model flux-dev --backends inductor-blocks+cudagraph
     ulysses-studio bench --ranks 2 --tiny --out bench/          # CPU smoke test, seconds
 
-Writes bench/bench.json (rows: per-step ms median, speedup vs 1 GPU of the same backend, MFU,
-peak GiB, build seconds) and bench/bench.png (ms per mode and backend). Peers beyond
-diffusers-native Ulysses (xDiT, cache-dit) are not wired in yet: see docs/benchmarks.md.
+Modes of the default benchmark (engines/benchmark.py: one transformer forward): 1 GPU, ours per
+strategy (+ CFG), diffusers-native Ulysses, and with --peers the peers xDiT and cache-dit (their
+context parallelism on the same FLUX weights, eager and compiled as each advises; a peer that is not
+installed or fails gets rows saying why). Writes bench/bench.json (rows: per-step ms median, speedup
+vs 1 GPU of the same backend, MFU, peak GiB, build seconds) and bench/bench.png (ms per mode and
+backend).
+
+--end-to-end (app/bench_e2e.py): whole generations through our pipelines (text encoding, denoising,
+VAE decode) at the model's real size and steps (FLUX.1-dev 1024x1024 x 28; Cosmos-Predict2 720p-class
+x 35), random weights of the real architectures, 1 GPU and every plan on all ranks, parallelized and
+compiled as serve and batch do. Writes bench/e2e.json (median total seconds, seconds per stage, ms per
+step, speedup vs 1 GPU of the same backend, peak GiB per rank) and bench/e2e.png (seconds per mode).
 """
 
 from __future__ import annotations
@@ -22,10 +33,16 @@ class BenchError(ValueError):
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks (GPUs) for the parallel modes (default 2)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for bench.json and bench.png")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder for bench.json and bench.png (e2e.json and e2e.png with --end-to-end)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU (gloo): a smoke test")
+    parser.add_argument("--end-to-end", action="store_true",
+                        help="whole generations (encode, denoise, decode) through our pipelines instead of one "
+                             "transformer forward: app.bench_e2e (--model, --steps, --backends, --strategies, --cfg, "
+                             "--runs, ...)")
     parser.add_argument("benchmark_args", nargs=argparse.REMAINDER, metavar="...",
-                        help="passed to engines.benchmark (--model, --sizes, --video, --backends, --strategies, ...)")
+                        help="passed to engines.benchmark (--model, --sizes, --video, --backends, --strategies, "
+                             "--peers xdit,cache-dit, ...) or, with --end-to-end, to app.bench_e2e")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -37,23 +54,29 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise BenchError(f"--ranks must be >= 1, got {args.ranks}")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = args.out / "bench.json"
+    name, module = ("e2e", "app.bench_e2e") if args.end_to_end else ("bench", "engines.benchmark")
+    result = args.out / f"{name}.json"
     extra = [a for a in args.benchmark_args if a != "--"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "engines.benchmark",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module,
            *(["--tiny"] if args.tiny else []), *extra, "--out", str(result)]
     status = subprocess.call(cmd)
     if status != 0 or not result.is_file():
         print(f"error: the benchmark exited with status {status}", file=sys.stderr)
         return status or 1
-    chart(json.loads(result.read_text())["rows"], args.out / "bench.png")
+    rows = json.loads(result.read_text())["rows"]
+    if args.end_to_end:
+        chart(rows, args.out / f"{name}.png", key="total_s", unit="s", axis="seconds per generation (median)")
+    else:
+        chart(rows, args.out / f"{name}.png")
     return 0
 
 
-def chart(rows: list[dict], path: Path) -> None:
-    """Horizontal bars of ms per row (matplotlib if installed, else PIL)."""
+def chart(rows: list[dict], path: Path, *, key: str = "ms", unit: str = "ms",
+          axis: str = "ms per step (median)") -> None:
+    """Horizontal bars of each row's `key` (matplotlib if installed, else PIL); rows without a value draw none."""
     labels = [f"{r['model']} {r['shape']} {r['mode']} [{r['backend']}]" for r in rows]
-    values = [r["ms"] if r["ms"] == r["ms"] else 0.0 for r in rows]
+    values = [r[key] if r[key] is not None and r[key] == r[key] else 0.0 for r in rows]
     try:
         import matplotlib
 
@@ -63,7 +86,7 @@ def chart(rows: list[dict], path: Path) -> None:
         fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1))
         ax.barh(labels, values)
         ax.invert_yaxis()
-        ax.set_xlabel("ms per step (median)")
+        ax.set_xlabel(axis)
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
@@ -76,9 +99,9 @@ def chart(rows: list[dict], path: Path) -> None:
     image = Image.new("RGB", (label_w + bar_w + 90, row_h * len(rows) + 10), "white")
     draw = ImageDraw.Draw(image)
     top = max(values) or 1.0
-    for i, (label, ms) in enumerate(zip(labels, values)):
+    for i, (label, value) in enumerate(zip(labels, values)):
         y = 5 + i * row_h
         draw.text((5, y), label[:80], fill="black")
-        draw.rectangle([label_w, y + 2, label_w + int(bar_w * ms / top), y + row_h - 4], fill=(70, 110, 200))
-        draw.text((label_w + int(bar_w * ms / top) + 4, y), f"{ms:.1f} ms", fill="black")
+        draw.rectangle([label_w, y + 2, label_w + int(bar_w * value / top), y + row_h - 4], fill=(70, 110, 200))
+        draw.text((label_w + int(bar_w * value / top) + 4, y), f"{value:.1f} {unit}", fill="black")
     image.save(path)

@@ -20,6 +20,7 @@ from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
 from app.outputs import OutputError
+from app import bench as bench_module
 from app import serve as serve_module
 from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from pipelines.registry import ModelNotFoundError
@@ -55,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_build_arguments(build)
     build.set_defaults(func=run_build, check=None)
 
-    bench = commands.add_parser("bench", help="benchmark transformer engines (1 GPU, ours, diffusers-native) under torchrun")
+    bench = commands.add_parser("bench", help="benchmark transformer engines (1 GPU, ours, diffusers-native, peers) or "
+                                              "whole generations (--end-to-end) under torchrun",
+                                description=bench_module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench, check=None)
 

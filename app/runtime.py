@@ -118,8 +118,8 @@ def start_runtime(
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
         _agree_on_startup(ctx, failure)
 
-        strategy_label = _parallelize(pipelines.values(), ctx, strategy) if ctx.is_distributed else "none (1 rank)"
-        engine_label = _build_engines(pipelines.values(), ctx, backend, engine_cache)
+        strategy_label = parallelize_pipelines(pipelines.values(), ctx, strategy) if ctx.is_distributed else "none (1 rank)"
+        engine_label = build_engines(pipelines.values(), ctx, backend, engine_cache)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
 
@@ -144,15 +144,19 @@ def start_runtime(
             shutdown(ctx)
 
 
-def _parallelize(pipelines: Iterable, ctx, strategy: str) -> str:
-    """Swap each pipeline's transformer for its context-parallel wrapper (collective); returns the plans' label."""
+def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1) -> str:
+    """Swap each pipeline's transformer for its context-parallel wrapper (collective); returns the plans' label.
+
+    Args:
+        cfg: rank groups that each run one classifier-free-guidance branch (Cosmos), 1 for none.
+    """
     from engines.parallelize import parallelize_transformer
     from engines.plan import ParallelPlan
 
     labels = []
     for pipeline in pipelines:
         heads = pipeline.transformer_config.num_attention_heads
-        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy)
+        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy, cfg=cfg)
         pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
         labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg})")
     return " / ".join(dict.fromkeys(labels))
@@ -163,7 +167,7 @@ def default_backend(device_type: str) -> str:
     return "inductor-blocks" if device_type == "cuda" else "eager"
 
 
-def _build_engines(pipelines: Iterable, ctx, backend: str | None, engine_cache: Path | None) -> str:
+def build_engines(pipelines: Iterable, ctx, backend: str | None, engine_cache: Path | None) -> str:
     """Turn each pipeline's (parallel) transformer into an engine of `backend`; returns its label.
 
     Compilation itself happens at the first call of each input shape, from the engine cache when

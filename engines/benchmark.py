@@ -1,16 +1,21 @@
-"""Time one transformer forward: 1 GPU, diffusers-native Ulysses (FLUX), and ours per strategy (+CFG).
+"""Time one transformer forward: 1 GPU, ours per strategy (+CFG), diffusers-native Ulysses and peers (FLUX).
 
 One launch measures every mode: the 1-GPU baseline runs on rank 0 alone while the other ranks
 wait at a barrier, then all ranks run each parallel mode, then diffusers' own context
-parallelism (last, because enable_parallelism cannot be undone).
+parallelism (last of ours, because enable_parallelism cannot be undone), then the peers asked
+for with --peers (xDiT, cache-dit: engines/peers.py), each eager and compiled as it advises.
 
     torchrun --nproc-per-node 2 -m engines.benchmark --model flux-dev --out flux.json
     torchrun --nproc-per-node 2 -m engines.benchmark --model cosmos-2b --out cosmos.json
+    torchrun --nproc-per-node 2 -m engines.benchmark --strategies "" --no-diffusers --peers xdit --out xdit.json
     python -m engines.benchmark --model flux-dev                    # 1 GPU only
+    torchrun --nproc-per-node 1 -m engines.benchmark --strategies "" --peers xdit   # xDiT on 1 GPU
     torchrun --nproc-per-node 2 -m engines.benchmark --tiny         # CPU, gloo, tiny configs
 
 Weights are random bf16 (no download); timings are of the forward only: CUDA events around
-each call, warmup first, median of the timed calls, the slowest rank's median.
+each call, warmup first (at least 3 calls for peers: CUDA graphs of mode="reduce-overhead" are
+recorded at the second), median of the timed calls, the slowest rank's median. A peer that cannot
+run gets rows whose "error" says why; its compiled rows carry a "note" with its exact recipe.
 """
 
 from __future__ import annotations
@@ -34,12 +39,24 @@ from torch.utils.flop_counter import FlopCounterMode
 from engines.compile import EngineOptions, prepare_engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
 from engines.parallelize import parallelize_transformer
+from engines.peers import (
+    PEERS,
+    Peer,
+    compile_peer,
+    compiler_settings_restored,
+    import_peer,
+    parallelize_peer,
+    peer_mode,
+    set_input_shape,
+    unavailable_reason,
+)
 from engines.plan import STRATEGIES, ParallelPlan
 from engines.specs import SPECS, TransformerSpec, build_random
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
 VAE_TIME, VAE_SPACE = 4, 8
 MODELS = ("flux-dev", "cosmos-2b", "cosmos-14b")  # latent = ((frames - 1) / 4 + 1, height / 8, width / 8)
+PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -246,18 +263,21 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
     on_row = getattr(args, "on_row", None)
 
     def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
-               options: EngineOptions, error: str | None = None) -> None:
+               options: EngineOptions, error: str | None = None, *, backend: str | None = None,
+               note: str | None = None, warmup: int | None = None) -> None:
+        """Time one row (`backend` names it when `forward` is compiled by someone else than `options`)."""
         ms, peak, build_s = float("nan"), 0.0, None
+        label = backend or options.label
         if forward is not None and error is None:
             engine = None
             try:
                 engine = prepare_engine(forward, options, cache_dir=args.cache_dir,
                                         rank=ctx.rank if gpus > 1 else 0)
                 ms, peak = time_forward(engine, inputs[shape.label], device=device, group=group,
-                                        warmup=args.warmup, iters=args.iters)
+                                        warmup=args.warmup if warmup is None else warmup, iters=args.iters)
                 build_s = next(iter(engine.builds.values())).seconds
                 if args.profile:
-                    slug = "_".join(x.replace(" ", "-") for x in (spec.name, mode, options.label, shape.label))
+                    slug = "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label))
                     profile_forward(engine, inputs[shape.label], device=device, group=group,
                                     path=args.profile / f"{slug}.rank{ctx.rank}")
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
@@ -273,13 +293,13 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
         errors = [r[2] for r in ran if r[2]]
         builds = [r[3] for r in ran if r[3] is not None]
         rows.append(dict(
-            model=spec.name, mode=mode, backend=options.label, shape=shape.label, tokens=tokens(spec, shape),
+            model=spec.name, mode=mode, backend=label, shape=shape.label, tokens=tokens(spec, shape),
             batch=batch, text_tokens=shape.text_tokens if spec.family == "flux" else None, gpus=gpus,
             ms=max(r[0] for r in ran), peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
-            build_s=max(builds) if builds else None, error=errors[0] if errors else None,
+            build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
         ))
         if ctx.is_main:
-            print(f"[benchmark] {spec.name} {mode} [{options.label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
+            print(f"[benchmark] {spec.name} {mode} [{label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
                   + (f" (build {rows[-1]['build_s']:.1f} s)" if rows[-1]["build_s"] else "")
                   + (f" ERROR {rows[-1]['error']}" if rows[-1]["error"] else ""), file=sys.stderr, flush=True)
             if on_row is not None:
@@ -313,10 +333,70 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
             # eager only: diffusers' own CLI skips torch.compile with context parallelism
             record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group,
                    EngineOptions(), error=setup_error)
+    # 4. peers (xDiT, cache-dit), last of all: they change process-wide state (compiler settings,
+    # xDiT's process groups) and are the likeliest to fail.
+    for name in args.peers:
+        measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
+    """Every rank's errors joined (None when no rank failed): the same answer on every rank."""
+    errors = [e for e in _gather(ctx, error) if e]
+    return "; ".join(dict.fromkeys(errors)) or None
+
+
+def measure_peer(peer: Peer, spec: TransformerSpec, model: torch.nn.Module, shapes: list[Shape],
+                 ctx: ParallelContext, record: Callable[..., None], *, warmup: int) -> None:
+    """Rows of one peer on every shape: eager, then compiled as the peer advises (engines/peers.py).
+
+    A peer that cannot run (not installed, no CUDA, import or set-up error) gets rows that say why.
+    All ranks agree on each stage's outcome (import, set-up, compile) before the next one, so a
+    failure on one rank never leaves another waiting in a collective the first will not join.
+    """
+    mode = peer_mode(peer, ctx.world_size)
+    error = _agreed_error(ctx, unavailable_reason(peer, ctx, spec))
+    if error is None:
+        error = _agreed_error(ctx, _attempt(import_peer, peer))
+    with compiler_settings_restored():
+        transformer = None
+        if error is None:
+            first = shapes[0]
+            try:
+                transformer = parallelize_peer(peer, spec, model, ctx, height=first.height, width=first.width,
+                                               text_tokens=first.text_tokens)
+            except Exception as exc:  # noqa: BLE001 - recorded in the rows, agreed below
+                error = repr(exc)[:2000]
+            error = _agreed_error(ctx, error)
+        for backend in ("eager", peer.compiled_backend):
+            forward, note = transformer, None
+            if backend != "eager":
+                note = peer.compile_note
+                if error is None:
+                    try:
+                        forward = compile_peer(peer, transformer)
+                    except Exception as exc:  # noqa: BLE001
+                        forward, error = None, repr(exc)[:2000]
+                    error = _agreed_error(ctx, error)
+            for shape in shapes:
+                shape_error = error
+                if error is None:
+                    shape_error = _agreed_error(ctx, _attempt(set_input_shape, peer, height=shape.height,
+                                                              width=shape.width, text_tokens=shape.text_tokens))
+                record(mode, shape, ctx.world_size, forward, ctx.control_group, EngineOptions(), error=shape_error,
+                       backend=backend, note=note, warmup=warmup)
+
+
+def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """None if fn(*args, **kwargs) returns, else its exception's repr."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - e.g. a peer's missing dependency
+        return repr(exc)[:2000]
+    return None
 
 
 def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
@@ -371,6 +451,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure CFG-parallel plans (default: on for Cosmos)")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
+    p.add_argument("--peers", default="",
+                   help=f"comma-separated peers to measure last, on FLUX: {', '.join(PEERS)} (default none); each "
+                        "is timed eager and compiled as it advises (engines/peers.py); one that cannot run "
+                        "gets rows with the reason")
     p.add_argument("--backends", default="eager",
                    help="comma-separated engine labels (engines.compile.EngineOptions.label): eager, inductor, "
                         "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
@@ -395,6 +479,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             EngineOptions.parse(b)
         except ValueError as error:
             p.error(f"bad backend {b!r}: {error}")
+    args.peers = [name for name in args.peers.split(",") if name]
+    for name in args.peers:
+        if name not in PEERS:
+            p.error(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
     args.strategies = [s for s in args.strategies.split(",") if s]
     for s in args.strategies:
         if s not in STRATEGIES:

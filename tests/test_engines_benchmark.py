@@ -40,3 +40,31 @@ def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
     assert {(r["mode"], r["backend"]) for r in rows} == {("1 GPU", "eager"), ("ours ulysses-2", "eager")}
     assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_benchmark_tiny_peers_rows_say_why_they_did_not_run(tmp_path: Path) -> None:
+    import importlib.util
+
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "engines.benchmark", "--tiny", "--model", "flux-dev", "--sizes", "64x64", "--strategies", "",
+        "--no-diffusers", "--peers", "xdit,cache-dit", "--warmup", "1", "--iters", "1", "--out", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {(r["mode"], r["backend"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("1 GPU", "eager"), ("xDiT ulysses-2", "eager"),
+                         ("xDiT ulysses-2", "inductor-reduce-overhead"), ("cache-dit ulysses-2", "eager"),
+                         ("cache-dit ulysses-2", "inductor-blocks")}
+    assert rows[("1 GPU", "eager")]["error"] is None  # a peer that cannot run does not stop the others
+    for backend in ("eager", "inductor-reduce-overhead"):  # no CUDA here
+        assert rows[("xDiT ulysses-2", backend)]["error"] in (
+            "xDiT is not installed (no module 'xfuser')", "xDiT needs CUDA (xfuser raises at import without a GPU)")
+    for backend in ("eager", "inductor-blocks"):  # cache-dit runs on gloo ranks where it is installed
+        row = rows[("cache-dit ulysses-2", backend)]
+        if importlib.util.find_spec("cache_dit") is None:
+            assert row["error"] == "cache-dit is not installed (no module 'cache_dit')"
+        else:
+            assert row["error"] is None and row["ms"] > 0
+    assert "compile_repeated_blocks" in rows[("cache-dit ulysses-2", "inductor-blocks")]["note"]

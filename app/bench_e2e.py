@@ -1,0 +1,526 @@
+"""End-to-end seconds of whole generations through our pipelines: encode -> denoise -> decode.
+
+    torchrun --nproc-per-node 2 -m app.bench_e2e --model flux-dev --backends eager,inductor-blocks+cudagraph \\
+        --out e2e.json
+    python -m app.bench_e2e --model cosmos-2b --runs 1 --out cosmos-1gpu.json               # 1 GPU only
+    torchrun --nproc-per-node 2 -m app.bench_e2e --model cosmos-2b --no-single --cfg --runs 1 \\
+        --baseline cosmos-1gpu.json --out cosmos-2gpu.json
+    torchrun --nproc-per-node 2 -m app.bench_e2e --tiny --out tiny.json                     # CPU, gloo
+
+What runs is what `generate`, `serve` and `batch` run: FluxImagePipeline / CosmosPipeline
+(pipelines/), the transformer parallelized and turned into an engine by app.runtime's
+parallelize_pipelines and build_engines, and every request through the LockstepService (rank 0
+encodes and decodes, every rank denoises, the ranks agree after every step). Only the weights
+differ: each component is the real architecture, built in code below (FLUX.1-dev: CLIP-L,
+T5-v1.1-XXL, the FLUX transformer and VAE; Cosmos-Predict2: the T5-11B encoder, the Cosmos
+transformer and the Wan 2.1 VAE), with random weights created on the device in its dtype (a 4.7B
+T5 in seconds). Tokenizers and schedulers are the embedded tiny models' (assets/): their token ids
+are valid in the large vocabularies and the sequence lengths (CLIP 77, T5 512) are the real ones.
+
+Modes: "1 GPU" (rank 0 alone, as `generate` on one GPU; the other ranks wait), then "ours <plan>"
+on all ranks for each --strategies plan (and cfg-2 with --cfg), each with every --backends engine.
+Per mode: one warm-up generation of --warmup-steps steps (it compiles and captures the engine and
+runs every stage once), then --runs timed generations. Reported: medians of total seconds (rank 0's
+wall time of one request), seconds in encode / denoise / decode (device-synchronised), ms per
+step (denoise / steps, agreement points included), peak GiB per rank over the timed runs, and the
+speedup of total and of denoise against the 1 GPU mode of the same backend (this run's, else
+--baseline's). --tiny: the embedded tiny models' configs, random float32 weights, CPU gloo ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+from diffusers import AutoencoderKL, AutoencoderKLWan
+from torch import nn
+from transformers import CLIPTextConfig, CLIPTextModel, PretrainedConfig, T5Config, T5EncoderModel
+
+from app.failures import JobFailed, describe
+from app.lockstep import LockstepService
+from app.runtime import build_engines, cpu_threads_per_rank, default_backend, parallelize_pipelines
+from engines.benchmark import our_plans, plan_label
+from engines.compile import Engine, EngineOptions
+from engines.distributed import ParallelContext, init_parallel, shutdown
+from engines.plan import STRATEGIES, ParallelPlan
+from engines.specs import SPECS, TransformerSpec, build_random
+from engines.wrapper import ParallelTransformer
+from pipelines.factory import default_dtype
+from pipelines.loading import component_class, load_component
+from pipelines.registry import ASSETS_DIR, ModelSpec, get_spec, read_model_index
+from pipelines.requests import GenerationRequest, make_request, read_limits
+
+PROMPT = "a lighthouse on a cliff at dusk, waves breaking below, warm light in the window"
+MODELS = ("flux-dev", "cosmos-2b", "cosmos-14b")
+
+# Published configs of the text encoders and VAEs (diffusers-format checkpoints of FLUX.1-dev and
+# Cosmos-Predict2); the transformers are engines.specs' FLUX.1-dev / Cosmos-Predict2 configs.
+CLIP_L = dict(  # text_encoder of FLUX.1-dev: CLIP ViT-L/14's text tower
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
+    num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+    bos_token_id=0, eos_token_id=2, pad_token_id=1,
+)
+T5_V1_1_XXL = dict(  # text_encoder_2 of FLUX.1-dev (4.8B as an encoder)
+    vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6, dropout_rate=0.0, tie_word_embeddings=False, is_encoder_decoder=False,
+    use_cache=False,
+)
+T5_11B = dict(  # text_encoder of Cosmos-Predict2 (google-t5/t5-11b's encoder, 4.8B): d_model 1024 = text_embed_dim
+    vocab_size=32128, d_model=1024, d_kv=128, d_ff=65536, num_layers=24, num_heads=128,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="relu",
+    layer_norm_epsilon=1e-6, dropout_rate=0.0, is_encoder_decoder=False, use_cache=False,
+)
+FLUX_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+    act_fn="silu", latent_channels=16, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611,
+    shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True,
+    force_upcast=True,
+)
+# AutoencoderKLWan's defaults are the Wan 2.1 VAE (base_dim 96, z_dim 16) that Cosmos-Predict2 uses.
+WAN_VAE: dict[str, Any] = {}
+
+
+@dataclass(kw_only=True, frozen=True)
+class Architecture:
+    """Every component of one model as configs: enough to build it with random weights."""
+
+    registry_name: str
+    """pipelines.registry name: request defaults and checks."""
+    transformer: TransformerSpec
+    vae_class: type[nn.Module]
+    vae: dict[str, Any]
+    """Keyword arguments of vae_class (its defaults fill the rest)."""
+    text_encoders: dict[str, tuple[type[nn.Module], PretrainedConfig]]
+    """Component name -> (transformers model class, its config)."""
+    assets: Path
+    """Embedded model whose tokenizers and scheduler config are used."""
+
+    @property
+    def vae_config(self) -> dict[str, Any]:
+        """The VAE's complete config (what a checkpoint's vae/config.json holds)."""
+        params = inspect.signature(self.vae_class.__init__).parameters
+        defaults = {k: p.default for k, p in params.items() if k != "self" and p.default is not inspect.Parameter.empty}
+        return {**defaults, **self.vae}
+
+
+def real_architecture(name: str) -> Architecture:
+    """FLUX.1-dev, Cosmos-Predict2-2B or -14B (Video2World), as published."""
+    if name == "flux-dev":
+        return Architecture(
+            registry_name="flux-dev", transformer=SPECS["flux-dev"], vae_class=AutoencoderKL, vae=FLUX_VAE,
+            text_encoders={"text_encoder": (CLIPTextModel, CLIPTextConfig(**CLIP_L)),
+                           "text_encoder_2": (T5EncoderModel, T5Config(**T5_V1_1_XXL))},
+            assets=ASSETS_DIR / "tiny-flux",
+        )
+    size = name.removeprefix("cosmos-")
+    return Architecture(
+        registry_name=f"cosmos-predict2-{size}-video2world", transformer=SPECS[name], vae_class=AutoencoderKLWan,
+        vae=WAN_VAE, text_encoders={"text_encoder": (T5EncoderModel, T5Config(**T5_11B))},
+        assets=ASSETS_DIR / "tiny-cosmos",
+    )
+
+
+def tiny_architecture(name: str) -> Architecture:
+    """The embedded tiny model of `name`'s family, every config read from its folder in assets/."""
+    registry_name = "tiny-flux" if name.startswith("flux") else "tiny-cosmos"
+    folder = ASSETS_DIR / registry_name
+    index = read_model_index(folder)
+    transformer = json.loads((folder / "transformer" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    encoders = {}
+    for component in ("text_encoder", "text_encoder_2"):
+        if component in index:
+            cls = component_class(index, component)
+            encoders[component] = (cls, cls.config_class.from_pretrained(folder / component))
+    return Architecture(
+        registry_name=registry_name,
+        transformer=TransformerSpec(name=registry_name, family=get_spec(registry_name).family,
+                                    config={k: v for k, v in transformer.items() if not k.startswith("_")}),
+        vae_class=component_class(index, "vae"), vae={k: v for k, v in vae.items() if not k.startswith("_")},
+        text_encoders=encoders, assets=folder,
+    )
+
+
+def write_config_folder(arch: Architecture, folder: Path) -> Path:
+    """A checkpoint folder without weights: the configs the pipelines and request checks read."""
+    for name, config in (("vae", {"_class_name": arch.vae_class.__name__, **arch.vae_config}),
+                         ("transformer", {"_class_name": arch.transformer.model_class.__name__,
+                                          **arch.transformer.config})):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def construct(make: Callable[..., nn.Module], *args: Any, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`make(*args)` with its weights created on `device` in `dtype` (the module's own random init)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            module = make(*args)
+    finally:
+        torch.set_default_dtype(previous)
+    return module.eval().requires_grad_(False)
+
+
+def build_pipeline(arch: Architecture, spec: ModelSpec, folder: Path, *, device: torch.device,
+                   with_encoders: bool) -> Any:
+    """`spec`'s pipeline (FluxImagePipeline or CosmosPipeline) with random weights; ranks > 0 build no encoders."""
+    dtype = default_dtype(device)
+    torch.manual_seed(0)
+    parts: dict[str, Any] = {
+        "transformer": build_random(arch.transformer, device=device, dtype=dtype),
+        "scheduler": load_component(arch.assets, "scheduler"),
+    }
+    if with_encoders:
+        for name, (cls, config) in arch.text_encoders.items():
+            tokenizer = name.replace("text_encoder", "tokenizer")
+            parts[name] = construct(cls, config, device=device, dtype=dtype)
+            parts[tokenizer] = load_component(arch.assets, tokenizer)
+        # As the pipelines load checkpoints: the Wan VAE in float32 (CosmosPipeline.from_folder), FLUX's in `dtype`.
+        vae_dtype = torch.float32 if spec.family == "cosmos" else dtype
+        parts["vae"] = construct(arch.vae_class.from_config, arch.vae_config, device=device, dtype=vae_dtype)
+    if spec.family == "flux":
+        from pipelines.flux import FluxImagePipeline as cls
+    else:
+        from pipelines.cosmos import CosmosPipeline as cls
+    return cls(spec=spec, folder=folder, device=device, **parts)
+
+
+class StageTimer:
+    """A pipeline whose encode, denoise and decode are timed (device-synchronised); the last times in `seconds`."""
+
+    def __init__(self, pipeline: Any, device: torch.device) -> None:
+        self.pipeline = pipeline
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def encode(self, request: GenerationRequest) -> Any:
+        return self._timed("encode", self.pipeline.encode, request)
+
+    def denoise(self, request: GenerationRequest, encoded: Any,
+                on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        return self._timed("denoise", self.pipeline.denoise, request, encoded, on_step)
+
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> Any:
+        return self._timed("decode", self.pipeline.decode, request, latents)
+
+    def _timed(self, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+        _sync(self.device)
+        start = time.perf_counter()
+        out = fn(*args)
+        _sync(self.device)
+        self.seconds[stage] = time.perf_counter() - start
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_requests(ctx: ParallelContext, timer: StageTimer, requests: list[GenerationRequest],
+                 rank_timeout: float) -> list[tuple[float, dict[str, float], Any]]:
+    """Run `requests` on every rank of `ctx` through one LockstepService, as serve and batch do.
+
+    Rank 0 gets (wall seconds, stage seconds, result) per request; the other ranks follow and get [].
+    A phase with no requests only starts and releases the followers.
+    """
+    service = LockstepService(ctx, {"bench": timer}, stop=threading.Event(), rank_timeout=rank_timeout)
+    if not ctx.is_main:
+        service.follow()
+        return []
+    done = []
+    try:
+        for request in requests:
+            start = time.perf_counter()
+            generation = service.run("bench", request)
+            done.append((time.perf_counter() - start, dict(timer.seconds), generation.result))
+    finally:
+        service.stop()
+    return done
+
+
+def single_context(ctx: ParallelContext) -> ParallelContext:
+    """This rank alone, as a one-process run sees itself."""
+    return ParallelContext(rank=0, world_size=1, local_rank=ctx.local_rank, device=ctx.device, group=None,
+                           control_group=None)
+
+
+def restore_transformer(pipeline: Any, model: nn.Module) -> None:
+    """Undo build_engines and parallelize_pipelines: the pipeline calls the plain `model` again."""
+    current = pipeline.transformer
+    if isinstance(current, Engine):  # compiled blocks back to plain ones
+        current = current.release()
+    if isinstance(current, ParallelTransformer):  # attention processors back
+        current.restore()
+    pipeline.use_transformer(model)
+
+
+def _gather(ctx: ParallelContext, value: Any) -> list[Any]:
+    if not ctx.is_distributed:
+        return [value]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, value, group=ctx.control_group)
+    return out
+
+
+def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend: str, *, ctx: ParallelContext,
+                 timer: StageTimer, model: nn.Module, request: GenerationRequest,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """One mode x backend: warm-up generation, timed generations; the row (complete on rank 0).
+
+    plan None is the 1 GPU mode: rank 0 alone, the other ranks wait at the final gather.
+    """
+    gpus = 1 if plan is None else ctx.world_size
+    runs, warmup_s, peak, error, media = [], None, 0.0, None, None
+    if plan is not None or ctx.is_main:
+        mode_ctx = single_context(ctx) if plan is None else ctx
+        pipeline = timer.pipeline
+        try:
+            if plan is not None:
+                parallelize_pipelines([pipeline], ctx, plan.strategy, cfg=plan.cfg)
+            build_engines([pipeline], mode_ctx, backend, args.engine_cache)
+        except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
+            error = describe(exc)
+        error = _agreed_error(mode_ctx, error)
+        if error is None:
+            try:
+                runs, warmup_s, peak = _time_generations(mode_ctx, timer, request, args)
+            except JobFailed as exc:
+                error = str(exc)
+        restore_transformer(pipeline, model)
+        torch._dynamo.reset()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if runs and args.media_dir is not None:
+            media = str(save_media(runs[-1][2], args.media_dir, f"{model_name}_{mode}_{backend}"))
+    results = _gather(ctx, (peak, error))[:gpus]
+    errors = [r[1] for r in results if r[1]]
+    row: dict[str, Any] = dict(
+        model=model_name, mode=mode, backend=backend, gpus=gpus, shape=shape_label(request),
+        steps=request.steps, guidance=request.guidance, runs=len(runs), warmup_s=warmup_s,
+        peak_gib=[r[0] for r in results], error=errors[0] if errors else None, media=media,
+    )
+    for key in ("total", "encode", "denoise", "decode"):
+        values = [run[0] if key == "total" else run[1][key] for run in runs]
+        row[f"{key}_s"] = statistics.median(values) if values else None
+    row["step_ms"] = row["denoise_s"] / request.steps * 1e3 if runs else None
+    return row
+
+
+def _time_generations(ctx: ParallelContext, timer: StageTimer, request: GenerationRequest,
+                      args: argparse.Namespace) -> tuple[list, float | None, float]:
+    """Warm-up generation, then the timed ones; (rank 0's runs, warm-up seconds, this rank's peak GiB)."""
+    warmup, failure = [], None
+    try:
+        warmup = run_requests(ctx, timer, [replace(request, steps=args.warmup_steps)], args.rank_timeout)
+    except JobFailed as exc:  # rank 0 only; the followers are released by the empty phase below
+        failure = exc
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    runs = run_requests(ctx, timer, [] if failure else [request] * args.runs, args.rank_timeout)
+    if failure is not None:
+        raise failure
+    peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else 0.0
+    return runs, (warmup[0][0] if warmup else None), peak
+
+
+def _agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
+    errors = [e for e in _gather(ctx, error) if e]
+    return "; ".join(dict.fromkeys(errors)) or None
+
+
+def save_media(result: Any, folder: Path, name: str) -> Path:
+    """The image or frames as a uint8 array file, for comparing modes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (name.replace(" ", "-") + ".npy")
+    np.save(path, np.asarray(result))
+    return path
+
+
+def shape_label(request: GenerationRequest) -> str:
+    """HxW for images, FxHxW for videos."""
+    size = f"{request.height}x{request.width}"
+    return size if request.frames == 1 else f"{request.frames}x{size}"
+
+
+def finish(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add the speedups of total and denoise seconds against the 1 GPU row of the same model, shape and backend."""
+    base = {(r["model"], r["shape"], r["backend"]): r for r in baseline + rows
+            if r["mode"] == "1 GPU" and r["total_s"]}
+    for r in rows:
+        b = base.get((r["model"], r["shape"], r["backend"]))
+        done = b is not None and r["total_s"]
+        r["speedup"] = b["total_s"] / r["total_s"] if done else None
+        r["denoise_speedup"] = b["denoise_s"] / r["denoise_s"] if done else None
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Compact text table of the rows."""
+    head = (f"{'model':<11} {'mode':<16} {'backend':<26} {'total s':>8} {'encode':>7} {'denoise':>8} {'decode':>7} "
+            f"{'ms/step':>8} {'speedup':>8} {'peak GiB/rank':>14}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("total_s", "encode_s", "denoise_s", "decode_s")]
+        step = f"{r['step_ms']:.1f}" if r["step_ms"] else "-"
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        peak = "/".join(f"{p:.1f}" for p in r["peak_gib"])
+        lines.append(f"{r['model']:<11} {r['mode']:<16} {r['backend']:<26} {cells[0]:>8} {cells[1]:>7} {cells[2]:>8} "
+                     f"{cells[3]:>7} {step:>8} {speed:>8} {peak:>14}" + (f"  ERROR {r['error']}" if r["error"] else ""))
+    return "\n".join(lines)
+
+
+def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: list[dict[str, Any]],
+              meta: dict[str, Any], save: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Every mode x backend of one model; rows are appended (complete on rank 0) and saved after each."""
+    arch = tiny_architecture(name) if args.tiny else real_architecture(name)
+    spec = get_spec(arch.registry_name)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_config_folder(arch, Path(tmp))
+        request = make_request(spec, read_limits(spec, folder), prompt=args.prompt, seed=0, steps=args.steps,
+                               height=args.height, width=args.width, frames=args.frames)
+        start = time.perf_counter()
+        pipeline = build_pipeline(arch, spec, folder, device=ctx.device, with_encoders=ctx.is_main)
+        _sync(ctx.device)
+        if ctx.is_main:
+            meta.setdefault("models", {})[arch.registry_name] = dict(
+                request=request.to_dict(), build_s=time.perf_counter() - start,
+                parameters={k: sum(p.numel() for p in v.parameters()) for k, v in vars(pipeline).items()
+                            if isinstance(v, nn.Module)},
+            )
+        model = pipeline.transformer
+        timer = StageTimer(pipeline, ctx.device)
+        modes: list[tuple[str, ParallelPlan | None]] = [] if args.no_single else [("1 GPU", None)]
+        heads = pipeline.transformer_config.num_attention_heads
+        modes += [(f"ours {plan_label(plan)}", plan) for plan in our_plans(ctx, heads, args.strategies, args.cfg)]
+        for mode, plan in modes:
+            for backend in args.backends:
+                rows.append(measure_mode(arch.registry_name, mode, plan, backend, ctx=ctx, timer=timer, model=model,
+                                         request=request, args=args))
+                if ctx.is_main:
+                    r = rows[-1]
+                    print(f"[bench_e2e] {r['model']} {mode} [{backend}] {r['shape']} x{r['steps']} steps: "
+                          + (f"{r['total_s']:.2f} s" if r["total_s"] else "-")
+                          + (f" ERROR {r['error']}" if r["error"] else ""), file=sys.stderr, flush=True)
+                    save(rows)
+        del pipeline, model, timer
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="flux-dev", help=f"comma-separated: {', '.join(MODELS)} (default flux-dev)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="denoising steps (default: the model's, 28 FLUX / 35 Cosmos)")
+    p.add_argument("--height", type=int, default=None, help="default: the model's (1024 FLUX, 704 Cosmos)")
+    p.add_argument("--width", type=int, default=None, help="default: the model's (1024 FLUX, 1280 Cosmos)")
+    p.add_argument("--frames", type=int, default=None, help="video frames (default: the model's, 93 Cosmos)")
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--backends", default=None,
+                   help="comma-separated engine labels (engines.compile.EngineOptions), e.g. "
+                        "eager,inductor-blocks+cudagraph (default: what serve uses: inductor-blocks on GPUs, eager "
+                        "on CPUs)")
+    p.add_argument("--strategies", default="ulysses",
+                   help=f"comma-separated parallel modes on all ranks, of {', '.join(STRATEGIES)} (default ulysses; "
+                        "'' for none)")
+    p.add_argument("--cfg", action="store_true", help="also the cfg-2 plan: each half of the ranks runs one "
+                                                      "guidance branch (Cosmos)")
+    p.add_argument("--no-single", action="store_true", help="skip the 1 GPU mode (see --baseline)")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="an earlier JSON of this benchmark whose 1 GPU rows give the speedups")
+    p.add_argument("--runs", type=int, default=3, help="timed generations per mode (median; default 3)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="steps of the warm-up generation before the timed ones (default 2)")
+    p.add_argument("--engine-cache", type=Path, default=None,
+                   help="compiled-engine cache (default: serve's, $ULYSSES_STUDIO_ENGINE_CACHE or "
+                        "~/.cache/ulysses-studio/engines)")
+    p.add_argument("--rank-timeout", type=float, default=600.0,
+                   help="seconds a rank waits for the others at an agreement point (default 600)")
+    p.add_argument("--tiny", action="store_true", help="embedded tiny models' configs, float32, CPU gloo ranks")
+    p.add_argument("--media-dir", type=Path, default=None,
+                   help="save each mode's last image or frames here as .npy (rank 0)")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (rank 0)")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.model.split(",") if m]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    args.backends = [b for b in (args.backends or "").split(",") if b]
+    for b in args.backends:
+        try:
+            EngineOptions.parse(b)
+        except ValueError as error:
+            p.error(f"bad backend {b!r}: {error}")
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    for s in args.strategies:
+        if s not in STRATEGIES:
+            p.error(f"unknown strategy {s!r}")
+    if args.runs < 1 or args.warmup_steps < 1:
+        p.error("--runs and --warmup-steps must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Benchmark entry point (see the module docstring)."""
+    args = parse_args(argv)
+    transformers.logging.set_verbosity_error()
+    ctx = init_parallel("cpu" if args.tiny else None)
+    try:
+        if ctx.device.type == "cpu" and ctx.is_distributed:
+            torch.set_num_threads(cpu_threads_per_rank(ctx.world_size))
+        args.backends = args.backends or [default_backend(ctx.device.type)]
+        launcher = f"torchrun --nproc-per-node {ctx.world_size}" if ctx.is_distributed else "python"
+        cuda = ctx.device.type == "cuda"
+        devices = _gather(ctx, torch.cuda.get_device_name(ctx.device) if cuda else platform.processor() or "cpu")
+        meta: dict[str, Any] = dict(
+            command=f"{launcher} -m app.bench_e2e {' '.join(sys.argv[1:] if argv is None else argv)}",
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            world_size=ctx.world_size, devices=devices, python=platform.python_version(), torch=torch.__version__,
+            cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            diffusers=diffusers.__version__, transformers=transformers.__version__,
+            dtype=str(default_dtype(ctx.device)).removeprefix("torch."), backends=args.backends, runs=args.runs,
+            warmup_steps=args.warmup_steps,
+            weights="random, tiny configs" if args.tiny else "random, real architectures",
+        )
+        baseline = json.loads(args.baseline.read_text())["rows"] if args.baseline else []
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if args.out:  # after every row, so a run cut short still leaves its numbers
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(dict(meta=meta, rows=finish(rows, baseline)), indent=2))
+
+        rows: list[dict[str, Any]] = []
+        for name in args.models:
+            run_model(name, args, ctx, rows, meta, save)
+        if ctx.is_main:
+            print(table(finish(rows, baseline)), flush=True)
+            save(rows)
+    finally:
+        shutdown(ctx)
+
+
+if __name__ == "__main__":
+    main()
