@@ -378,7 +378,7 @@ def finish(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> list[d
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Compact text table of the rows."""
-    head = (f"{'model':<11} {'mode':<16} {'backend':<26} {'total s':>8} {'encode':>7} {'denoise':>8} {'decode':>7} "
+    head = (f"{'model':<30} {'mode':<16} {'backend':<26} {'total s':>8} {'encode':>7} {'denoise':>8} {'decode':>7} "
             f"{'ms/step':>8} {'speedup':>8} {'peak GiB/rank':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -386,7 +386,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         step = f"{r['step_ms']:.1f}" if r["step_ms"] else "-"
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         peak = "/".join(f"{p:.1f}" for p in r["peak_gib"])
-        lines.append(f"{r['model']:<11} {r['mode']:<16} {r['backend']:<26} {cells[0]:>8} {cells[1]:>7} {cells[2]:>8} "
+        lines.append(f"{r['model']:<30} {r['mode']:<16} {r['backend']:<26} {cells[0]:>8} {cells[1]:>7} {cells[2]:>8} "
                      f"{cells[3]:>7} {step:>8} {speed:>8} {peak:>14}" + (f"  ERROR {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
 
