@@ -11,6 +11,7 @@ same weights; with a time budget the step count depends on the machine and is wr
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
 from dataclasses import asdict
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pipelines.loading import load_parts
 from scripts.make_tiny_models import TEXT_WIDTH, cosmos_components, flux_components, save_cosmos, save_flux
 from training.card import write_card
 from training.cosmos import CosmosSettings, train_cosmos
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     parser.add_argument("--only", choices=("flux", "cosmos"), help="train one model only")
     parser.add_argument("--max-steps", type=int, help="stop every phase after this many steps (tests, replays)")
     parser.add_argument("--batch-scale", type=float, default=1.0, help="multiply every batch size")
+    parser.add_argument("--init", type=Path, metavar="FOLDER",
+                        help="start from the models in FOLDER/tiny-flux, FOLDER/tiny-cosmos (e.g. assets) instead of "
+                             "random weights; their training history is carried into the new model cards")
     parser.add_argument("--vae-share", type=float, default=0.3,
                         help="share of each model's budget that fits its VAE (the rest trains its transformer)")
     parser.add_argument("--text-width", type=int, default=TEXT_WIDTH,
@@ -70,23 +75,23 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     args.out.mkdir(parents=True, exist_ok=True)
     trained: dict[str, list[PhaseResult]] = {}
     if "flux" in models:
-        parts = flux_components(args.seed, args.text_width)
+        parts, history = _start(args, "tiny-flux", lambda: flux_components(args.seed, args.text_width))
         results = train_flux(parts, device=device, generator=generator, settings=flux_settings,
                              vae_seconds=seconds["flux-vae"], dit_seconds=seconds["flux-dit"],
                              vae_steps=args.max_steps, dit_steps=args.max_steps)
         folder = args.out / "tiny-flux"
         save_flux(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
-        write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run)
+        write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run, history)
         trained["tiny-flux"] = results
         del parts
     if "cosmos" in models:
-        parts = cosmos_components(args.seed + 100, args.text_width)
+        parts, history = _start(args, "tiny-cosmos", lambda: cosmos_components(args.seed + 100, args.text_width))
         results = train_cosmos(parts, device=device, generator=generator, settings=cosmos_settings,
                                vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
                                vae_steps=args.max_steps, dit_steps=args.max_steps)
         folder = args.out / "tiny-cosmos"
         save_cosmos(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
-        write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run)
+        write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run, history)
         trained["tiny-cosmos"] = results
         del parts
     print(f"training done in {time.perf_counter() - start:.0f}s", flush=True)
@@ -105,6 +110,22 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
             print(f"{folder}: {size / 1e6:.2f} MB", flush=True)
     print(f"all done in {time.perf_counter() - start:.0f}s", flush=True)
     return trained
+
+
+def _start(args: argparse.Namespace, name: str, fresh) -> tuple[dict, list[dict]]:
+    """The components to train (fresh ones, or --init's) and the training history they carry."""
+    if args.init is None:
+        return fresh(), []
+    folder = args.init / name
+    names = ["tokenizer", "text_encoder", "vae", "transformer", "scheduler"]
+    if name == "tiny-flux":
+        names += ["tokenizer_2", "text_encoder_2"]
+    parts = load_parts(folder, names, dtype=torch.float32, device="cpu")
+    history_file = folder / "training.json"
+    history = json.loads(history_file.read_text()) if history_file.is_file() else [
+        {"command": "(unrecorded)", "seed": None, "device": None, "torch": None, "settings": {}, "phases": []}]
+    print(f"[{name}] starting from {folder} ({len(history)} earlier run(s))", flush=True)
+    return parts, history
 
 
 def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,15 +30,25 @@ def _parameters(parts: dict) -> str:
     return "| component | class | parameters |\n| --- | --- | --- |\n" + "\n".join(rows)
 
 
-def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult], settings: dict, run: dict) -> None:
-    """Write folder/README.md for a freshly trained model."""
+def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult], settings: dict, run: dict,
+               history: list[dict] | None = None) -> None:
+    """Write folder/README.md and folder/training.json for a freshly trained model.
+
+    `history`: the training.json runs of the weights this run started from (--init), oldest first.
+    """
+    runs = [*(history or []), {**run, "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+                               "phases": [asdict(r) for r in results]}]
+    (folder / "training.json").write_text(json.dumps(runs, indent=2) + "\n")
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     video = name == "tiny-cosmos"
     example = shapes.held_out_video_prompts()[0][0] if video else shapes.held_out_image_prompts()[0][0]
     phases = "\n".join(
-        f"| {r.name} | {r.steps} | {r.samples:,} | {r.seconds:.0f} s | {r.first_loss:.4f} -> {r.last_loss:.4f} |"
-        for r in results
+        f"| {i} | {r['name']} | {r['steps']} | {r['samples']:,} | {r['seconds']:.0f} s | "
+        f"{r['first_loss']:.4f} -> {r['last_loss']:.4f} |"
+        for i, past in enumerate(runs, 1) for r in past["phases"]
     )
+    commands = "\n".join(f"{i}. `{past['command']}` ({past['device']}, torch {past['torch']}, seed {past['seed']}, "
+                         f"settings `{past['settings']}`)" for i, past in enumerate(runs, 1))
     if video:
         data = (f"Clips of one shape ({', '.join(shapes.SHAPES)}) in one colour ({', '.join(shapes.COLOURS)}) on a "
                 f"plain background ({', '.join(shapes.BACKGROUNDS)}, never the shape's colour), "
@@ -78,7 +90,10 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
     text = f"""# {name}
 
 Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural
-shapes in a few minutes. Regenerate with `{run['command']}`.
+shapes in a few minutes. Regenerate with {"this command" if len(runs) == 1 else "these commands, in order"}
+(each run after the first starts from the previous one's weights, `--init`):
+
+{commands}
 
 ## Data
 
@@ -88,10 +103,8 @@ Procedural, generated on the fly from the seed by `training/shapes.py` (no downl
 
 {method}
 
-Seed {run['seed']}, {run['device']}, torch {run['torch']}, settings `{settings}`.
-
-| phase | steps | samples | time | loss (first -> last) |
-| --- | --- | --- | --- | --- |
+| run | phase | steps | samples | time | loss (first -> last) |
+| --- | --- | --- | --- | --- | --- |
 {phases}
 
 ## Size

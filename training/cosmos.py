@@ -59,14 +59,16 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
         if isinstance(part, torch.nn.Module):
             frozen(part).to(device)
     vae = parts["vae"]
-    results = [_train_vae(vae, device, generator, settings, vae_seconds, vae_steps)]
-    frozen(vae)
-    scenes = shapes.video_scenes(16, settings.frames, generator)
-    with torch.no_grad(), autocast(device):
-        latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
-    mean, std = latent_statistics(latents, per_channel=True)
-    vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
-                           latents_std=[round(v, 4) for v in std.tolist()])
+    results = []
+    if vae_seconds > 0:  # else (a run that starts from trained weights) the VAE and its normalisation stay
+        results.append(_train_vae(vae, device, generator, settings, vae_seconds, vae_steps))
+        frozen(vae)
+        scenes = shapes.video_scenes(16, settings.frames, generator)
+        with torch.no_grad(), autocast(device):
+            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
+        mean, std = latent_statistics(latents, per_channel=True)
+        vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
+                               latents_std=[round(v, 4) for v in std.tolist()])
     print(f"[cosmos-vae] latents mean {vae.config.latents_mean} std {vae.config.latents_std}", flush=True)
     pool = _latent_pool(vae, device, generator, settings, dit_steps, POOL_SHARE * dit_seconds)
     results.append(_train_transformer(parts, pool, device, generator, settings,

@@ -61,13 +61,15 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
         if isinstance(part, torch.nn.Module):
             frozen(part).to(device)
     vae = parts["vae"]
-    results = [_train_vae(vae, device, generator, settings, vae_seconds, vae_steps)]
-    frozen(vae)
-    scenes = shapes.image_scenes(64, generator)
-    with torch.no_grad(), autocast(device):
-        latents = vae.encode(shapes.render(scenes, settings.sizes[0], settings.sizes[0], device)[:, :, 0]).latent_dist.mode()
-    mean, std = latent_statistics(latents, per_channel=False)
-    vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
+    results = []
+    if vae_seconds > 0:  # else (a run that starts from trained weights) the VAE and its normalisation stay
+        results.append(_train_vae(vae, device, generator, settings, vae_seconds, vae_steps))
+        frozen(vae)
+        scenes = shapes.image_scenes(64, generator)
+        with torch.no_grad(), autocast(device):
+            latents = vae.encode(shapes.render(scenes, settings.sizes[0], settings.sizes[0], device)[:, :, 0]).latent_dist.mode()
+        mean, std = latent_statistics(latents, per_channel=False)
+        vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
     print(f"[flux-vae] latent shift {vae.config.shift_factor} scale {vae.config.scaling_factor}", flush=True)
     pools, pool_seconds = _latent_pools(vae, device, generator, settings, dit_steps, POOL_SHARE * dit_seconds)
     dit_seconds = max(dit_seconds - pool_seconds, 0.0)
