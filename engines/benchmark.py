@@ -460,6 +460,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
     p.add_argument("--compile", action="store_true", help="shorthand: add 'inductor' to --backends")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
+    p.add_argument("--sdpa", choices=("default", "cudnn"), default="default",
+                   help="attention kernel for every mode (1 GPU, ours, peers alike): torch's default choice "
+                        "(flash on Hopper), or cuDNN's (flash and memory-efficient turned off)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")
@@ -494,8 +497,13 @@ def main(argv: list[str] | None = None) -> None:
     """Benchmark entry point (see the module docstring)."""
     args = parse_args(argv)
     ctx = init_parallel("cpu" if args.tiny else None)
+    if args.sdpa == "cudnn":
+        # Leaves cuDNN as the fused kernel SDPA may choose on CUDA (math remains the fallback).
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        meta = dict(
+        meta = dict(sdpa=args.sdpa,
             command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
             diffusers=diffusers.__version__, cuda=torch.version.cuda,
             device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",

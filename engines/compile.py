@@ -78,6 +78,10 @@ class EngineOptions:
     """torch.compile mode for inductor: "default", "max-autotune-no-cudagraphs" or "reduce-overhead"."""
     cuda_graph: bool = False
     """Capture the whole rank forward into one CUDA graph per input signature (CUDA only)."""
+    overlap: bool = False
+    """inductor only: let inductor move each collective's start earlier and its wait later around
+    independent compute (its reorder_for_compute_comm_overlap passes), so that e.g. a FLUX single
+    block's MLP projection runs while the attention's all-to-all is in flight."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -90,27 +94,33 @@ class EngineOptions:
             raise ValueError(f"mode {self.mode!r} applies to the inductor backend only")
         if self.mode == "reduce-overhead" and self.cuda_graph:
             raise ValueError("mode 'reduce-overhead' already uses CUDA graphs; drop cuda_graph or pick another mode")
+        if self.overlap and (self.backend != "inductor" or self.mode != "default"):
+            raise ValueError("overlap applies to the inductor backend in its default mode only")
 
     @property
     def label(self) -> str:
-        """Short name, e.g. "eager", "inductor", "inductor-blocks+cudagraph"."""
+        """Short name, e.g. "eager", "inductor", "inductor-blocks+overlap+cudagraph"."""
         name = self.backend
         if self.backend != "eager":
             name += "-blocks" if self.scope == "blocks" else ""
         if self.mode != "default":
             name += f"-{self.mode}"
-        return name + ("+cudagraph" if self.cuda_graph else "")
+        return name + ("+overlap" if self.overlap else "") + ("+cudagraph" if self.cuda_graph else "")
 
     @classmethod
     def parse(cls, text: str) -> EngineOptions:
-        """Inverse of `label`: "inductor-blocks+cudagraph" -> EngineOptions(...)."""
-        cuda_graph = text.endswith("+cudagraph")
-        name = text.removesuffix("+cudagraph")
+        """Inverse of `label`: "inductor-blocks+overlap+cudagraph" -> EngineOptions(...)."""
+        name, *flags = text.split("+")
+        unknown = set(flags) - {"overlap", "cudagraph"}
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(sorted(unknown))} in {text!r}; "
+                             "options are +overlap and +cudagraph")
         backend, _, rest = name.partition("-")
         scope = "whole"
         if rest.startswith("blocks"):
             scope, rest = "blocks", rest.removeprefix("blocks").removeprefix("-")
-        return cls(backend=backend, scope=scope, mode=rest or "default", cuda_graph=cuda_graph)
+        return cls(backend=backend, scope=scope, mode=rest or "default", cuda_graph="cudagraph" in flags,
+                   overlap="overlap" in flags)
 
 
 @dataclass(kw_only=True)
@@ -251,6 +261,17 @@ class Engine:
         return self.module
 
 
+def _inductor_compile(module: nn.Module, options: EngineOptions) -> Callable[..., Any]:
+    """torch.compile with inductor, fullgraph and static shapes, in `options`' mode (or with overlap)."""
+    if options.overlap:
+        # torch.compile takes a mode or an options dict, not both; overlap is refused outside "default".
+        return torch.compile(module, fullgraph=True, dynamic=False, options={
+            "reorder_for_compute_comm_overlap": True,
+            "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"],
+        })
+    return torch.compile(module, fullgraph=True, dynamic=False, mode=options.mode)
+
+
 def _inner_model(module: nn.Module) -> nn.Module:
     """The diffusers model inside a ParallelTransformer (or the module itself)."""
     return getattr(module, "model", module)
@@ -293,7 +314,7 @@ def prepare_engine(
         engine._forward = transformer
     elif options.scope == "whole":
         if backend == "inductor":
-            engine._forward = torch.compile(transformer, fullgraph=True, dynamic=False, mode=options.mode)
+            engine._forward = _inductor_compile(transformer, options)
         else:
             trt_cache = cache.root / "tensorrt" if cache is not None else None
             engine._forward = _tensorrt_compile(transformer, transformer.dtype, trt_cache)
@@ -306,7 +327,7 @@ def prepare_engine(
             blocks: nn.ModuleList = getattr(model, name)
             for index, block in enumerate(blocks):
                 if backend == "inductor":
-                    compiled = torch.compile(block, fullgraph=True, dynamic=False, mode=options.mode)
+                    compiled = _inductor_compile(block, options)
                 else:
                     compiled = _tensorrt_compile(block, transformer.dtype, None)
                 engine._swapped.append((blocks, index, block))

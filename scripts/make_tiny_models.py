@@ -71,7 +71,7 @@ def t5_tokenizer(max_length: int) -> T5TokenizerFast:
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
-TEXT_WIDTH = 32
+TEXT_WIDTH = 64
 """Width of the tiny T5 encoders (d_model), which is also the transformers' text input width."""
 
 
@@ -211,6 +211,14 @@ def _save_parts(folder: Path, parts: dict) -> None:
             part.save_pretrained(folder / name, safe_serialization=True)
         else:
             part.save_pretrained(folder / name)
+    # Parts loaded from a folder (training --init) remember where they came from; that is not the model.
+    for config in folder.rglob("*config.json"):
+        data = json.loads(config.read_text())
+        if any(key in data for key in LOAD_TIME_KEYS):
+            config.write_text(json.dumps({k: v for k, v in data.items() if k not in LOAD_TIME_KEYS}, indent=2) + "\n")
+
+
+LOAD_TIME_KEYS = ("_name_or_path", "is_local", "local_files_only")
 
 
 def main() -> None:

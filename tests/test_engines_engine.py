@@ -1,8 +1,8 @@
 """Compiled engines (engines.compile) on 2 gloo ranks: inductor == eager, and the engine cache.
 
 Run 1 (cold): tiny FLUX and Cosmos, sharded over 2 ranks (ulysses), compiled per block by inductor
-into an empty cache folder; outputs match eager within inductor's float reassociation error, and
-each rank writes its artifacts. Run 2 (fresh processes, same folder): the same FLUX engine finds
+into an empty cache folder (Cosmos with the +overlap reordering); outputs match eager within
+inductor's float reassociation error, and each rank writes its artifacts. Run 2 (fresh processes, same folder): the same FLUX engine finds
 them (cache hit: inductor's FX graph cache hits, no miss) and builds faster than run 1.
 """
 
@@ -42,7 +42,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, cache_dir: str,
         counters.clear()
         with torch.no_grad():
             eager = parallel(**kwargs)[0]
-            engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks"), cache_dir=cache_dir)
+            # Cosmos with inductor's compute/collective reordering (overlap): same numbers, other graphs.
+            options = EngineOptions(backend="inductor", scope="blocks", overlap=name == "cosmos")
+            engine = prepare_engine(parallel, options, cache_dir=cache_dir)
             first = engine(**kwargs)[0]
             second = engine(**kwargs)[0]
         build = next(iter(engine.builds.values()))
@@ -102,6 +104,7 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
         "stride": store.key(model, input_signature({**kwargs, "timestep": kwargs["timestep"][:1].expand(2)}), opts, 0),
         "backend": store.key(model, sig, EngineOptions(backend="inductor", scope="blocks"), 0),
         "cudagraph": store.key(model, sig, EngineOptions(backend="eager", cuda_graph=True), 0),
+        "overlap": store.key(model, sig, EngineOptions(backend="inductor", overlap=True), 0),
         "rank": store.key(model, sig, opts, 1),
     }
 
@@ -128,10 +131,14 @@ def test_engine_options_validate_and_round_trip() -> None:
     from engines.compile import EngineOptions, prepare_engine
 
     for label in ("eager", "inductor", "inductor-blocks", "inductor+cudagraph", "inductor-blocks-max-autotune-no-cudagraphs",
-                  "eager+cudagraph", "tensorrt"):
+                  "eager+cudagraph", "tensorrt", "inductor-blocks+overlap+cudagraph"):
         assert EngineOptions.parse(label).label == label
     with pytest.raises(ValueError, match="unknown backend"):
         EngineOptions(backend="xla")
+    with pytest.raises(ValueError, match="overlap applies"):
+        EngineOptions.parse("eager+overlap")
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineOptions.parse("inductor+fast")
     with pytest.raises(ValueError, match="reduce-overhead"):
         EngineOptions(backend="inductor", mode="reduce-overhead", cuda_graph=True)
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA"):

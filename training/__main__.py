@@ -133,6 +133,7 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
     if args.small:
         flux.sizes = (64,)
         cosmos.size, cosmos.frames = 64, 9
+        cosmos.vae_size, cosmos.vae_frames = 32, 9
     if args.guidance_distill > 0:
         flux.distill_share, flux.prompt_dropout = args.guidance_distill, 0.1
     for settings in (flux, cosmos):

@@ -35,9 +35,11 @@ class CosmosSettings:
     """Frames per clip (tiny-cosmos' registry default: 5 latent frames)."""
     fps: int = 8
     vae_size: int = 64
-    vae_frames: int = 9
-    """The VAE is fitted on smaller clips (1 + 4 + 4 frames exercise its first-frame and 4-frame chunk paths;
-    its convolutions do not care about the frame size): many more steps for the same time."""
+    vae_frames: int = 17
+    """The VAE is fitted on clips of a smaller frame size (its convolutions do not care about it): four
+    times the steps for the same time. Not of fewer frames: fitted on 9-frame clips (2026-11-22), it
+    decoded the first 9 frames of a 17-frame clip and garbage after them (its causal caches carry
+    state from chunk to chunk, and chunks it never saw drifted)."""
     vae_batch: int = 32
     dit_batch: int = 64
     pool_batches: int = 96

@@ -1,0 +1,67 @@
+"""The embedded tiny-flux draws what it is asked: held-out prompts judged by pixels (training/judge.py).
+
+The prompts combine colours, shapes and backgrounds never shown together in training
+(training/shapes.py HELD_OUT_IMAGES), at the registry's default size, steps and guidance, seed = prompt
+index. The same prompts run again on 2 gloo ranks through `ulysses-studio launch --nproc 2 batch`, as a
+user would run them: the images equal the one-process images within one level, so the scores hold there.
+(tiny-cosmos' check is tests/tiny_cosmos_quality_check.py, out of the suite until its bars hold.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipelines.factory import load_pipeline
+from pipelines.registry import default_folder, get_spec
+from pipelines.requests import make_request, read_limits
+from training import judge, shapes
+
+PROMPTS = shapes.held_out_image_prompts()  # 24
+
+
+@pytest.fixture(scope="module")
+def one_process_images() -> list[np.ndarray]:
+    spec = get_spec("tiny-flux")
+    folder = default_folder(spec)
+    pipe = load_pipeline(spec, folder)
+    limits = read_limits(spec, folder)
+    return [np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
+            for i, (prompt, _, _) in enumerate(PROMPTS)]
+
+
+def _scores(images: list[np.ndarray]) -> tuple[float, float, str]:
+    verdicts = [judge.judge_image(image) for image in images]
+    colour = sum(v.colour == c for v, (_, c, _) in zip(verdicts, PROMPTS)) / len(PROMPTS)
+    shape = sum(v.shape == s for v, (_, _, s) in zip(verdicts, PROMPTS)) / len(PROMPTS)
+    table = "\n".join(f"{p!r}: saw {v.colour} {v.shape}" for v, (p, _, _) in zip(verdicts, PROMPTS))
+    return colour, shape, table
+
+
+def test_tiny_flux_draws_the_asked_colour_and_shape(one_process_images):
+    assert len(PROMPTS) >= 20
+    colour, shape, table = _scores(one_process_images)
+    assert colour >= 0.9 and shape >= 0.8, f"colour {colour:.0%} (need 90%), shape {shape:.0%} (need 80%)\n{table}"
+
+
+def test_tiny_flux_draws_the_same_on_two_ranks(one_process_images, tmp_path: Path):
+    prompts = tmp_path / "held-out.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "seed": i, "name": f"p{i:02d}"}) + "\n"
+                               for i, (p, _, _) in enumerate(PROMPTS)))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", "2", "batch", str(prompts),
+                           "--out", str(out), "--model", "tiny-flux"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(json.loads(line)["ranks"] == 2 for line in (out / "manifest.jsonl").read_text().splitlines())
+    images = [np.asarray(Image.open(out / f"p{i:02d}.png").convert("RGB")) for i in range(len(PROMPTS))]
+    for i, (parallel, single) in enumerate(zip(images, one_process_images)):
+        difference = np.abs(parallel.astype(np.int16) - single.astype(np.int16)).max()
+        assert difference <= 1, f"prompt {i}: 2-rank image differs from 1-process image by {difference} levels"
+    colour, shape, table = _scores(images)
+    assert colour >= 0.9 and shape >= 0.8, f"colour {colour:.0%} (need 90%), shape {shape:.0%} (need 80%)\n{table}"
