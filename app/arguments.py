@@ -51,6 +51,11 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES,
                         help="how ranks split the transformer's token sequence when several run (default ulysses)")
+    parser.add_argument("--cfg-parallel", action="store_true",
+                        help="video (Cosmos-style) models: run classifier-free guidance's two branches on two halves "
+                             "of the ranks, each half splitting the sequence (needs an even number of ranks; "
+                             "requests then need guidance above 1). Image (FLUX-style) models have one branch "
+                             "and are unaffected")
     parser.add_argument("--backend", default=None, type=backend_label,
                         help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
                              "compile), any of them +cudagraph (CUDA only), tensorrt (where installed); default "

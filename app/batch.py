@@ -63,7 +63,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def check_batch(args: argparse.Namespace) -> BatchPlan:
     """Check the model, the prompt file, the output folder and the default settings; load nothing."""
     spec, folder = resolve_model(args.model, args.model_path)
-    limits = read_limits(spec, folder)
+    limits = read_limits(spec, folder, cfg_parallel=args.cfg_parallel)
     prompts = Path(args.prompts).expanduser()
     if not prompts.is_file():
         raise BatchError(f"prompt file {prompts} does not exist")
@@ -85,8 +85,8 @@ def run_batch(args: argparse.Namespace) -> int:
 
     with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
                                                   strategy=args.strategy, rank_timeout=args.rank_timeout,
-                                                  stop=stop,
-                                                  backend=args.backend, engine_cache=args.engine_cache) as runtime:
+                                                  stop=stop, backend=args.backend, engine_cache=args.engine_cache,
+                                                  cfg_parallel=args.cfg_parallel) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -43,6 +43,9 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks the engines are built for (default 1)")
     parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES)
+    parser.add_argument("--cfg-parallel", action="store_true",
+                        help="build for serve/batch/generate --cfg-parallel (video models: guidance branches on "
+                             "two halves of the ranks)")
     parser.add_argument("--backend", default=DEFAULT_BACKEND, type=backend_label,
                         help="engine: eager, inductor, inductor-blocks, ...+cudagraph, tensorrt "
                              f"(default {DEFAULT_BACKEND})")
@@ -67,7 +70,7 @@ def check_build(args: argparse.Namespace):
         raise BuildError(f"--backend {args.backend!r}: {error}") from None
     spec, folder = resolve_model(args.model, args.model_path)
     fields = {k: v for k, v in request_fields(_request_namespace(args)).items() if k in ("height", "width", "frames")}
-    request = make_request(spec, read_limits(spec, folder), prompt="engine build", steps=args.steps, **fields)
+    request = make_request(spec, read_limits(spec, folder, cfg_parallel=args.cfg_parallel), prompt="engine build", steps=args.steps, **fields)
     return spec, folder, request, options
 
 
@@ -104,7 +107,7 @@ def run_build(args: argparse.Namespace) -> int:
     cache_dir = engine_cache_dir(args.engine_cache)
     with stop_on_signals() as stop, start_runtime([(spec, folder)], device=args.device, strategy=args.strategy,
                                                   rank_timeout=args.rank_timeout, stop=stop, backend=args.backend,
-                                                  engine_cache=cache_dir) as runtime:
+                                                  engine_cache=cache_dir, cfg_parallel=args.cfg_parallel) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

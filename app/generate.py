@@ -28,7 +28,7 @@ class GenerateJob:
 def check_generate(args: argparse.Namespace) -> GenerateJob:
     """Validate the command line without loading anything (pure, so every rank gets the same answer)."""
     spec, folder = resolve_model(args.model, args.model_path)
-    request = make_request(spec, read_limits(spec, folder), prompt=args.prompt, condition=args.condition,
+    request = make_request(spec, read_limits(spec, folder, cfg_parallel=args.cfg_parallel), prompt=args.prompt, condition=args.condition,
                            **request_fields(args))
     return GenerateJob(spec=spec, folder=folder, request=request, out=check_output_path(args.out, spec))
 
@@ -47,8 +47,8 @@ def run_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with stop_on_signals() as stop, start_runtime([(job.spec, job.folder)], device=args.device,
                                                   strategy=args.strategy, rank_timeout=args.rank_timeout,
-                                                  stop=stop, backend=args.backend,
-                                                  engine_cache=args.engine_cache) as runtime:
+                                                  stop=stop, backend=args.backend, engine_cache=args.engine_cache,
+                                                  cfg_parallel=args.cfg_parallel) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
 from pipelines.registry import ModelSpec
-from pipelines.requests import MediaLimits, read_limits
+from pipelines.requests import MediaLimits, read_limits, uses_guidance_batch
 
 if TYPE_CHECKING:  # the module stays light to import: torch comes in with start_runtime
     from app.lockstep import LockstepService
@@ -80,6 +80,7 @@ def start_runtime(
     stop: threading.Event,
     backend: str | None = None,
     engine_cache: Path | None = None,
+    cfg_parallel: bool = False,
 ) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
 
@@ -105,6 +106,10 @@ def start_runtime(
     ctx = init_parallel(device)
     lost = False
     try:
+        if cfg_parallel and (ctx.world_size < 2 or ctx.world_size % 2):
+            # Every rank sees the same world size: all of them stop here, before any collective.
+            raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it needs "
+                               f"an even number of ranks, this run has {ctx.world_size}")
         if ctx.device.type == "cpu" and ctx.is_distributed:
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
@@ -118,13 +123,19 @@ def start_runtime(
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
         _agree_on_startup(ctx, failure)
 
-        strategy_label = parallelize_pipelines(pipelines.values(), ctx, strategy) if ctx.is_distributed else "none (1 rank)"
+        strategy_label = "none (1 rank)"
+        if ctx.is_distributed:
+            strategy_label = " / ".join(dict.fromkeys(
+                parallelize_pipelines([pipeline], ctx, strategy,
+                                      cfg=2 if cfg_parallel and uses_guidance_batch(pipeline.spec) else 1)
+                for pipeline in pipelines.values()))
         engine_label = build_engines(pipelines.values(), ctx, backend, engine_cache)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
 
         service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=rank_timeout)
-        served = {spec.media: ServedModel(spec=spec, folder=folder, limits=read_limits(spec, folder))
+        served = {spec.media: ServedModel(spec=spec, folder=folder,
+                                          limits=read_limits(spec, folder, cfg_parallel=cfg_parallel))
                   for spec, folder in models}
         runtime = Runtime(service=service, models=served, world_size=ctx.world_size, is_main=ctx.is_main,
                           strategy=strategy_label, backend=backend)

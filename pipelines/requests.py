@@ -36,6 +36,9 @@ class MediaLimits:
     frame_multiple: int = 1
     """Video frame counts must be 1 + k * frame_multiple (the VAE's temporal compression)."""
     max_frames: int = 1
+    guidance_split: bool = False
+    """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
+    request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,8 +64,17 @@ class GenerationRequest:
         return replace(self, seed=seed)
 
 
-def read_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """What `folder`'s model accepts, from its VAE and transformer configs (no weights are loaded)."""
+def uses_guidance_batch(spec: ModelSpec) -> bool:
+    """True for models whose transformer call batches classifier-free guidance's two branches (Cosmos);
+    FLUX-style models are guidance-distilled: one branch."""
+    return spec.family == "cosmos"
+
+
+def read_limits(spec: ModelSpec, folder: Path, *, cfg_parallel: bool = False) -> MediaLimits:
+    """What `folder`'s model accepts, from its VAE and transformer configs (no weights are loaded).
+
+    cfg_parallel: the run splits guidance branches across ranks (it applies to uses_guidance_batch models).
+    """
     vae = read_component_config(folder, "vae")
     if spec.family == "flux":
         # VAE downsampling x the 2x2 latent packing. FLUX's rotary ids have no table limit; 4096 px is
@@ -80,6 +92,7 @@ def read_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
         max_width=max_w * patch_w * spatial,
         frame_multiple=temporal,
         max_frames=(max_t - 1) * temporal + 1 if spec.media == "video" else 1,
+        guidance_split=cfg_parallel and uses_guidance_batch(spec),
     )
 
 
@@ -156,6 +169,9 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
     guidance = _as_float("guidance", given.get("guidance", spec.guidance))
     if not 0.0 <= guidance <= 100.0:
         raise RequestError(f"guidance must be between 0 and 100, got {guidance}")
+    if limits.guidance_split and guidance <= 1.0:
+        raise RequestError(f"guidance must be above 1 here (got {guidance:g}): this run splits classifier-free "
+                           "guidance's two branches across ranks (--cfg-parallel), and without guidance there is one")
 
     seed = _as_int("seed", given.get("seed", 0))
     if not 0 <= seed <= MAX_SEED:
