@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                         help="start from the models in FOLDER/tiny-flux, FOLDER/tiny-cosmos (e.g. assets) instead of "
                              "random weights; their training history is carried into the new model cards")
     parser.add_argument("--vae-share", type=float, default=0.3,
-                        help="share of each model's budget that fits its VAE (the rest trains its transformer)")
+                        help="share of each model's budget that fits its VAE (the rest trains its transformer); "
+                             "0 keeps the VAE as it is, for runs that continue trained weights (--init)")
     parser.add_argument("--text-width", type=int, default=TEXT_WIDTH,
-                        help=f"width of the T5 encoders and the transformers' text input (default {TEXT_WIDTH})")
+                        help=f"width of the T5 encoders and the transformers' text input (default {TEXT_WIDTH}; "
+                             "with --init the loaded models keep theirs)")
     parser.add_argument("--guidance-distill", type=float, default=0.0, metavar="SHARE",
                         help="tiny-flux: spend this share of its transformer budget on guidance distillation "
                              "(captions are then dropped 10%% of the time in the first phase)")
