@@ -21,7 +21,8 @@ from PIL import Image
 from pipelines.factory import load_pipeline
 from pipelines.registry import default_folder, get_spec
 from pipelines.requests import make_request, read_limits
-from training import judge, shapes
+from training import shapes
+from training.evaluate import judge_images
 
 PROMPTS = shapes.held_out_image_prompts()  # 24
 
@@ -37,11 +38,8 @@ def one_process_images() -> list[np.ndarray]:
 
 
 def _scores(images: list[np.ndarray]) -> tuple[float, float, str]:
-    verdicts = [judge.judge_image(image) for image in images]
-    colour = sum(v.colour == c for v, (_, c, _) in zip(verdicts, PROMPTS)) / len(PROMPTS)
-    shape = sum(v.shape == s for v, (_, _, s) in zip(verdicts, PROMPTS)) / len(PROMPTS)
-    table = "\n".join(f"{p!r}: saw {v.colour} {v.shape}" for v, (p, _, _) in zip(verdicts, PROMPTS))
-    return colour, shape, table
+    scores = judge_images(images, PROMPTS)
+    return scores.colour, scores.shape, "\n".join(f"{prompt!r}: saw {seen}" for prompt, seen in scores.seen)
 
 
 def test_tiny_flux_draws_the_asked_colour_and_shape(one_process_images):

@@ -33,10 +33,16 @@ def score_images(folder: Path, *, count: int = 24, device: str = "cpu", name: st
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
     limits = read_limits(spec, folder)
+    prompts = shapes.held_out_image_prompts()[:count]
+    return judge_images([np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
+                         for i, (prompt, _, _) in enumerate(prompts)], prompts)
+
+
+def judge_images(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) -> Scores:
+    """Judge colour and shape of `images`, made for `prompts` ((prompt, colour, shape) each), in order."""
     colour = shape = 0
     seen = []
-    for i, (prompt, want_colour, want_shape) in enumerate(shapes.held_out_image_prompts()[:count]):
-        image = np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
+    for image, (prompt, want_colour, want_shape) in zip(images, prompts, strict=True):
         verdict = judge.judge_image(image)
         colour += verdict.colour == want_colour
         shape += verdict.shape == want_shape

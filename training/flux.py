@@ -190,6 +190,8 @@ def _distill_guidance(parts, pools, device, generator, settings, seconds, max_st
     config = parts["scheduler"].config
     counter = iter(range(1 << 62))
     encode_prompts = PromptEncoder(parts, device, settings.max_sequence_length)
+    with torch.no_grad(), autocast(device):
+        empty_text, empty_pooled = encode_prompts([""])  # the unconditional branch: T5 is frozen here
 
     def step() -> torch.Tensor:
         size = settings.sizes[next(counter) % len(settings.sizes)]
@@ -198,11 +200,11 @@ def _distill_guidance(parts, pools, device, generator, settings, seconds, max_st
         batch = noisy.shape[0]
         with torch.no_grad(), autocast(device):
             text, pooled = encode_prompts(captions)
-            empty_text, empty_pooled = encode_prompts([""] * batch)
             inputs = dict(timestep=sigma.repeat(2), guidance=guidance.repeat(2), img_ids=image_ids,
                           txt_ids=torch.zeros(text.shape[1], 3, device=device), return_dict=False)
-            both = teacher(hidden_states=noisy.repeat(2, 1, 1), encoder_hidden_states=torch.cat([text, empty_text]),
-                           pooled_projections=torch.cat([pooled, empty_pooled]), **inputs)[0].float()
+            both = teacher(hidden_states=noisy.repeat(2, 1, 1), encoder_hidden_states=torch.cat([text, empty_text.expand(batch, -1, -1)]),
+                           pooled_projections=torch.cat([pooled, empty_pooled.expand(batch, -1)]),
+                           **inputs)[0].float()
             conditional, unconditional = both.chunk(2)
             target = unconditional + guidance.view(-1, 1, 1) * (conditional - unconditional)
         with autocast(device):
