@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engines.collectives import all_gather, all_to_all, ring_shift, wait
+from engines.collectives import all_gather, all_to_all, finish, ring_shift, start_all_to_all, wait
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout
 
@@ -57,26 +57,73 @@ def _ulysses_scatter_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, degree: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BSHD sequence shards -> BhSD head shards over degree*S tokens, with ONE all-to-all for q, k, v."""
+    return _unpack_heads(all_to_all(_pack_heads(q, k, v, degree), group))
+
+
+def _ulysses_gather_heads(out: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+    """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
+    return _unpack_tokens(all_to_all(_pack_tokens(out, degree), group))
+
+
+def _pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int) -> torch.Tensor:
+    """BSHD q, k, v -> (degree, 3, B, S, h, D): leading axis = destination rank (head group), q, k
+    and v packed so that each peer gets one message."""
     B, S, H, D = q.shape
     h = H // degree
-    # Leading axis = destination rank (head group); packing q, k, v makes one message per peer.
-    x = torch.stack([t.reshape(B, S, degree, h, D).permute(2, 0, 1, 3, 4) for t in (q, k, v)], dim=1)
-    x = all_to_all(x, group)  # (degree, 3, B, S, h, D), leading axis now = source rank = sequence shard
+    return torch.stack([t.reshape(B, S, degree, h, D).permute(2, 0, 1, 3, 4) for t in (q, k, v)], dim=1)
+
+
+def _unpack_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(degree, 3, B, S, h, D) after the all-to-all (leading axis = source rank = sequence shard) ->
+    q, k, v as BhSD over degree*S tokens."""
+    degree, _, B, S, h, D = x.shape
     # One copy to BSHD memory (the layout flash kernels use natively), seen as BhSD through a
     # transpose: the kernels need only a unit last stride.
     x = x.permute(1, 2, 0, 3, 4, 5).reshape(3, B, degree * S, h, D).transpose(2, 3)
     return x[0], x[1], x[2]
 
 
-def _ulysses_gather_heads(out: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
-    """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
+def _pack_tokens(out: torch.Tensor, degree: int) -> torch.Tensor:
+    """BhSD attention output over degree*S tokens -> (degree, B, S, h, D), leading = owner of the
+    sequence shard. SDPA kernels write BSHD memory, so with B == 1 this needs no copy."""
     B, h, total, D = out.shape
-    S = total // degree
-    # (degree, B, S, h, D), leading = owner of the sequence shard; SDPA kernels write BSHD memory,
-    # so with B == 1 this is already contiguous and the all-to-all sends it without a copy.
-    x = out.transpose(1, 2).reshape(B, degree, S, h, D).permute(1, 0, 2, 3, 4)
-    x = all_to_all(x, group)  # leading axis now = head group
+    return out.transpose(1, 2).reshape(B, degree, total // degree, h, D).permute(1, 0, 2, 3, 4)
+
+
+def _unpack_tokens(x: torch.Tensor) -> torch.Tensor:
+    """(degree, B, S, h, D) after the all-to-all (leading axis = head group) -> BSHD with all heads."""
+    degree, B, S, h, D = x.shape
     return x.permute(1, 2, 0, 3, 4).reshape(B, S, degree * h, D)
+
+
+class UlyssesAttention:
+    """Ulysses attention in three calls, so that a caller can compute while each all-to-all travels.
+
+        pending = ulysses.start(q, k, v)        # head-scatter all-to-all issued
+        ...independent compute...                # runs during the transfer
+        pending = ulysses.attend(pending)        # wait, attention, token-gather all-to-all issued
+        ...independent compute...
+        out = ulysses.finish(pending)            # wait: BSHD, like context_parallel_attention
+
+    Same result as context_parallel_attention for a Ulysses-only plan (ring == 1). The waits are
+    explicit ops (engines.collectives.start_all_to_all), so the overlap survives torch.compile.
+    `group_name` is mesh.ulysses_group.group_name, read once outside traced code.
+    """
+
+    def __init__(self, *, degree: int, group_name: str, layout: ShardLayout) -> None:
+        self.degree = degree
+        self.group_name = group_name
+        self.runs = layout.valid_runs(list(range(degree)))
+
+    def start(self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor) -> torch.Tensor:
+        return start_all_to_all(_pack_heads(q_BSHD, k_BSHD, v_BSHD, self.degree), self.group_name, self.degree)
+
+    def attend(self, pending: torch.Tensor) -> torch.Tensor:
+        out = _attention(*_unpack_heads(finish(pending)), self.runs)
+        return start_all_to_all(_pack_tokens(out, self.degree), self.group_name, self.degree)
+
+    def finish(self, pending: torch.Tensor) -> torch.Tensor:
+        return _unpack_tokens(finish(pending))
 
 
 def _select(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:

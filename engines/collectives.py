@@ -5,6 +5,11 @@ fullgraph=True), unlike the in-place torch.distributed calls. In eager mode they
 AsyncCollectiveTensor; all_to_all and all_gather unwrap it at once (their callers need the data
 next, and a plain tensor avoids a subclass dispatch on every later op), ring_shift leaves it
 pending so that the caller can compute while the transfer runs, then call wait().
+
+Under torch.compile, though, funcol places each wait right after its collective (the traced code
+cannot see where an AsyncCollectiveTensor is first used), so a compiled graph overlaps nothing.
+start_all_to_all / finish call the collective and its wait as two ops where the caller puts them,
+so compute written between them overlaps the transfer in eager and compiled code alike.
 """
 
 from __future__ import annotations
@@ -54,3 +59,19 @@ def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) 
     send[(rank + 1) % size] = 1
     recv[(rank - 1) % size] = 1
     return funcol.all_to_all_single(x.unsqueeze(0).contiguous(), recv, send, group).squeeze(0)
+
+
+def start_all_to_all(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """all_to_all (as above) issued without waiting: pass the result to finish() before using it.
+
+    `group_name` is the process group's `group_name` and `size` its size, both read outside any
+    traced code. Until finish() the result's memory is not written yet; work issued in between runs
+    while the transfer does (NCCL runs collectives on its own stream).
+    """
+    splits = [x.shape[0] // size] * size
+    return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
+
+
+def finish(x: torch.Tensor) -> torch.Tensor:
+    """Wait for a collective issued by start_all_to_all; returns its result, ready to use."""
+    return torch.ops._c10d_functional.wait_tensor(x)

@@ -55,6 +55,11 @@ BACKENDS = ("eager", "inductor", "tensorrt")
 SCOPES = ("whole", "blocks")
 INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 
+OVERLAP_INDUCTOR_OPTIONS = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
+"""Inductor settings of EngineOptions.overlap: its scheduler then keeps the traced order of independent
+nodes. (Its reorder_for_compute_comm_overlap passes were tried first: on a FLUX single block they
+moved the MLP into the output all-to-all's window but never into the q/k/v all-to-all's.)"""
+
 # Repeated blocks per diffusers model class (regional compilation): attribute names of ModuleLists.
 REPEATED_BLOCKS = {
     "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
@@ -79,9 +84,10 @@ class EngineOptions:
     cuda_graph: bool = False
     """Capture the whole rank forward into one CUDA graph per input signature (CUDA only)."""
     overlap: bool = False
-    """inductor only: let inductor move each collective's start earlier and its wait later around
-    independent compute (its reorder_for_compute_comm_overlap passes), so that e.g. a FLUX single
-    block's MLP projection runs while the attention's all-to-all is in flight."""
+    """inductor only: keep the program's order of collectives and compute (inductor's locality and
+    peak-memory reorderings off). Blocks that write their compute between a collective's start and
+    its wait (engines.flux.OverlappedSingleBlock) then run it during the transfer; with the default
+    reorderings inductor moves that compute after the wait (tests/test_engines_flux_overlap.py)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -265,10 +271,7 @@ def _inductor_compile(module: nn.Module, options: EngineOptions) -> Callable[...
     """torch.compile with inductor, fullgraph and static shapes, in `options`' mode (or with overlap)."""
     if options.overlap:
         # torch.compile takes a mode or an options dict, not both; overlap is refused outside "default".
-        return torch.compile(module, fullgraph=True, dynamic=False, options={
-            "reorder_for_compute_comm_overlap": True,
-            "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"],
-        })
+        return torch.compile(module, fullgraph=True, dynamic=False, options=OVERLAP_INDUCTOR_OPTIONS)
     return torch.compile(module, fullgraph=True, dynamic=False, mode=options.mode)
 
 

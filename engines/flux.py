@@ -4,8 +4,12 @@ Both token streams are sharded, each padded to a multiple of the sequence degree
 text chunk s and image chunk s, with their position ids. Diffusers' own FLUX forward then runs
 unchanged on the shards: it computes the rotary embedding from the sharded ids, so rope and
 tokens stay aligned, and the double- and single-stream blocks both see the local sequence
-[text chunk, image chunk]. Only the attention processor is replaced; the shard layout reaches it
+[text chunk, image chunk]. The attention processor is replaced; the shard layout reaches it
 through `joint_attention_kwargs`, the channel FLUX already forwards to every attention call.
+
+With a Ulysses-only plan the 38 single-stream blocks are also replaced, by OverlappedSingleBlock:
+same parameters and math, ordered so that the MLP branch computes while the attention's two
+all-to-alls travel (diffusers' order leaves every all-to-all exposed; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,11 +17,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
-from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel, _get_qkv_projections
+from diffusers.models.transformers.transformer_flux import (
+    FluxSingleTransformerBlock,
+    FluxTransformer2DModel,
+    _get_qkv_projections,
+)
+from torch import nn
 
-from engines.attention import context_parallel_attention
+from engines.attention import UlyssesAttention, context_parallel_attention
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
@@ -75,6 +85,68 @@ class FluxContextParallelProcessor:
         return hidden_states, encoder_hidden_states
 
 
+class OverlappedSingleBlock(nn.Module):
+    """diffusers' FluxSingleTransformerBlock for Ulysses plans, with its all-to-alls overlapped.
+
+    The block computes mlp = GELU(proj_mlp(x)) and attention(x) side by side, then
+    proj_out(cat(attention, mlp)). diffusers runs the MLP first and the attention after, so each
+    all-to-all of the attention waits with nothing to do. Here (UlyssesAttention):
+    1. q/k/v are projected and their head-scatter all-to-all is issued;
+    2. the MLP runs while it travels (4x the FLOPs of the q/k/v projections);
+    3. attention, then its token-gather all-to-all is issued;
+    4. the MLP's share of proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b,
+       W_a and W_m being column slices of proj_out's weight (views: no copy);
+    5. the attention's share is added. Residual and gate as in diffusers.
+    Same parameters (the original block is a child; ParallelFlux.restore puts it back) and the same
+    result up to float rounding (tests/test_engines_flux_overlap.py). The waits are explicit ops,
+    so torch.compile keeps the order.
+    """
+
+    def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh) -> None:
+        super().__init__()
+        self.block = block
+        self.degree = mesh.plan.ulysses
+        self.group_name = mesh.ulysses_group.group_name  # read here, outside any traced code
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block, attn = self.block, self.block.attn
+        layout = (joint_attention_kwargs or {}).get("cp_layout")
+        if layout is None:
+            raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
+        ulysses = UlyssesAttention(degree=self.degree, group_name=self.group_name, layout=layout)
+        text_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
+
+        query, key, value, _, _, _ = _get_qkv_projections(attn, norm_hidden_states)
+        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        pending = ulysses.start(query, key, value)
+        mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
+        pending = ulysses.attend(pending)
+        weight = block.proj_out.weight
+        width = weight.shape[1] - block.mlp_hidden_dim  # attention output width
+        out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
+        attention = ulysses.finish(pending).flatten(2, 3).to(query.dtype)
+        out = out + F.linear(attention, weight[:, :width])
+
+        hidden_states = hidden_states + gate.unsqueeze(1) * out
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states[:, :text_len], hidden_states[:, text_len:]
+
+
 class ParallelFlux(ParallelTransformer):
     """FluxTransformer2DModel across ranks; same call as the model, full output on every rank."""
 
@@ -129,12 +201,27 @@ class ParallelFlux(ParallelTransformer):
         output = gather_batch(output, mesh)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
+    def restore(self) -> nn.Module:
+        """Put the original single-stream blocks and attention processors back; return the model."""
+        blocks = self.model.single_transformer_blocks
+        for index, block in enumerate(blocks):
+            if isinstance(block, OverlappedSingleBlock):
+                blocks[index] = block.block
+        return super().restore()
+
 
 def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> ParallelFlux:
-    """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
+    """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups).
+
+    With a Ulysses-only plan the single-stream blocks become OverlappedSingleBlocks (restore() undoes it).
+    """
     mesh.plan.check(num_heads=model.config.num_attention_heads)
     replaced = []
     if mesh.plan.seq_degree > 1:
         attentions = [b.attn for b in model.transformer_blocks] + [b.attn for b in model.single_transformer_blocks]
         replaced = replace_processors(attentions, FluxContextParallelProcessor(mesh))
+    if mesh.plan.ulysses > 1 and mesh.plan.ring == 1:
+        blocks = model.single_transformer_blocks
+        for index, block in enumerate(blocks):
+            blocks[index] = OverlappedSingleBlock(block, mesh)
     return ParallelFlux(model, mesh, replaced)
