@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -277,7 +278,8 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
                                         warmup=args.warmup if warmup is None else warmup, iters=args.iters)
                 build_s = next(iter(engine.builds.values())).seconds
                 if args.profile:
-                    slug = "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label))
+                    # plain file names (labels hold "+", which some file transfers refuse)
+                    slug = re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label)))
                     profile_forward(engine, inputs[shape.label], device=device, group=group,
                                     path=args.profile / f"{slug}.rank{ctx.rank}")
             except Exception as exc:  # keep the other modes' numbers; this row says what failed

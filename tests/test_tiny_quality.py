@@ -4,7 +4,7 @@ The prompts combine colours, shapes and backgrounds never shown together in trai
 (training/shapes.py HELD_OUT_IMAGES), at the registry's default size, steps and guidance, seed = prompt
 index. The same prompts run again on 2 gloo ranks through `ulysses-studio launch --nproc 2 batch`, as a
 user would run them: the images equal the one-process images within one level, so the scores hold there.
-(tiny-cosmos' check is tests/tiny_cosmos_quality_check.py, out of the suite until its bars hold.)
+(tiny-cosmos' check is tests/test_tiny_cosmos_quality.py.)
 """
 
 from __future__ import annotations

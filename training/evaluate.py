@@ -1,7 +1,8 @@
 """Score a model folder on the held-out prompts with the pixel judges (training/judge.py).
 
-The quality tests (tests/test_tiny_quality.py) and the training command's final report both call
-these, so the numbers in a model card are the numbers the tests check.
+The quality tests (tests/test_tiny_quality.py, tests/test_tiny_cosmos_quality.py) and the training
+command's final report both call these (judge_images, judge_videos), so the numbers in a model card are
+the numbers the tests check.
 """
 
 from __future__ import annotations
@@ -52,17 +53,21 @@ def judge_images(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) 
 
 
 def score_videos(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-cosmos") -> Scores:
-    """Generate `count` held-out video prompts (seed = index, registry defaults) and judge colour, shape, motion.
-
-    Colour and shape are judged on the middle frame.
-    """
+    """Generate `count` held-out video prompts (seed = index, registry defaults) and judge colour, shape, motion."""
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
     limits = read_limits(spec, folder)
+    prompts = shapes.held_out_video_prompts()[:count]
+    return judge_videos([np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
+                         for i, (prompt, _, _, _) in enumerate(prompts)], prompts)
+
+
+def judge_videos(videos: list[np.ndarray], prompts: list[tuple[str, str, str, str]]) -> Scores:
+    """Judge colour, shape and motion of `videos` ([T, H, W, 3] uint8 each), made for `prompts`
+    ((prompt, colour, shape, motion) each), in order. Colour and shape are judged on the middle frame."""
     colour = shape = motion = 0
     seen = []
-    for i, (prompt, want_colour, want_shape, want_motion) in enumerate(shapes.held_out_video_prompts()[:count]):
-        frames = pipe.generate(make_request(spec, limits, prompt=prompt, seed=i))
+    for frames, (prompt, want_colour, want_shape, want_motion) in zip(videos, prompts, strict=True):
         verdict = judge.judge_image(frames[len(frames) // 2])
         moved = judge.judge_motion(frames)
         colour += verdict.colour == want_colour

@@ -1,0 +1,68 @@
+"""Summarise a torch.profiler Chrome trace of one parallel forward: compute vs NCCL time, and overlap.
+
+    python scripts/trace_overlap.py docs/bench/profile-2026-11-22-compiled/*.json.gz
+
+For each trace: the window from the end of the longest NCCL kernel (the ranks' start skew: the
+first collective waits for the later rank) to the last kernel; in it, the time some compute
+kernel runs (union over streams), the time some NCCL kernel runs, their overlap, and the time no
+compute kernel runs. Kernels inside CUDA graphs are listed by CUPTI like any other.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, end - start)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarise(path: str) -> str:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    nccl = [e for e in events if "nccl" in e["name"].lower()]
+    start = min(e["ts"] for e in events)
+    if nccl:
+        longest = max(nccl, key=lambda e: e["dur"])
+        start = longest["ts"] + longest["dur"]
+    end = max(e["ts"] + e["dur"] for e in events)
+
+    def spans(kernels: list[dict]) -> list[tuple[float, float]]:
+        return _union([(max(e["ts"], start), e["ts"] + e["dur"]) for e in kernels if e["ts"] + e["dur"] > start])
+
+    compute = spans([e for e in events if "nccl" not in e["name"].lower()])
+    comm = spans(nccl)
+    window = end - start
+    return (f"{path}: window {window / 1e3:.1f} ms, compute {_length(compute) / 1e3:.1f} ms, "
+            f"NCCL {_length(comm) / 1e3:.1f} ms, overlapped {_intersection(compute, comm) / 1e3:.1f} ms, "
+            f"no compute {(window - _length(compute)) / 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        print(summarise(name))
