@@ -14,7 +14,7 @@ STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
 """The sequence strategies of engines.plan (repeated here so that `--help` needs no torch import)."""
 
 BACKEND_PATTERN = re.compile(
-    r"(eager|inductor|tensorrt)(-blocks)?(-(default|max-autotune-no-cudagraphs|reduce-overhead))?(\+cudagraph)?"
+    r"(eager|inductor|tensorrt)(-blocks)?(-(default|max-autotune-no-cudagraphs|reduce-overhead))?(\+overlap)?(\+cudagraph)?"
 )
 """Engine labels of engines.compile.EngineOptions (repeated here so that `--help` needs no torch import)."""
 
@@ -58,7 +58,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                              "and are unaffected")
     parser.add_argument("--backend", default=None, type=backend_label,
                         help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
-                             "compile), any of them +cudagraph (CUDA only), tensorrt (where installed); default "
+                             "compile), inductor...+overlap (keeps FLUX's all-to-all overlap through compilation), any "
+                             "of them +cudagraph (CUDA only), tensorrt (where installed); default "
                              "inductor-blocks on GPUs, eager on CPUs")
     parser.add_argument("--engine-cache", type=Path, default=None, metavar="DIR",
                         help=f"compiled-engine cache (default ${ENGINE_CACHE_ENV} or ~/.cache/ulysses-studio/engines)")
@@ -100,7 +101,7 @@ def backend_label(text: str) -> str:
     """argparse type of --backend: a valid engine label, or a usage error naming the choices."""
     if not BACKEND_PATTERN.fullmatch(text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an engine; use eager, inductor or tensorrt, optionally with -blocks and +cudagraph "
-            "(e.g. inductor-blocks+cudagraph)"
+            f"{text!r} is not an engine; use eager, inductor or tensorrt, optionally with -blocks, +overlap "
+            "(inductor) and +cudagraph (e.g. inductor-blocks+cudagraph)"
         )
     return text

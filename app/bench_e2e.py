@@ -47,7 +47,6 @@ from typing import Any
 import diffusers
 import numpy as np
 import torch
-import torch.distributed as dist
 import transformers
 from diffusers import AutoencoderKL, AutoencoderKLWan
 from torch import nn
@@ -56,8 +55,17 @@ from transformers import CLIPTextConfig, CLIPTextModel, PretrainedConfig, T5Conf
 from app.failures import JobFailed, describe
 from app.lockstep import LockstepService
 from app.runtime import build_engines, cpu_threads_per_rank, default_backend, parallelize_pipelines
-from engines.benchmark import our_plans, plan_label
-from engines.compile import Engine, EngineOptions
+from engines.benchmark import (
+    MODELS,
+    agreed_error,
+    comma_list,
+    engine_labels,
+    gather_objects,
+    our_plans,
+    plan_label,
+    sync,
+)
+from engines.compile import Engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
 from engines.plan import STRATEGIES, ParallelPlan
 from engines.specs import SPECS, TransformerSpec, build_random
@@ -68,7 +76,6 @@ from pipelines.registry import ASSETS_DIR, ModelSpec, get_spec, read_model_index
 from pipelines.requests import GenerationRequest, make_request, read_limits
 
 PROMPT = "a lighthouse on a cliff at dusk, waves breaking below, warm light in the window"
-MODELS = ("flux-dev", "cosmos-2b", "cosmos-14b")
 
 # Published configs of the text encoders and VAEs (diffusers-format checkpoints of FLUX.1-dev and
 # Cosmos-Predict2); the transformers are engines.specs' FLUX.1-dev / Cosmos-Predict2 configs.
@@ -225,17 +232,12 @@ class StageTimer:
         return self._timed("decode", self.pipeline.decode, request, latents)
 
     def _timed(self, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         out = fn(*args)
-        _sync(self.device)
+        sync(self.device)
         self.seconds[stage] = time.perf_counter() - start
         return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_requests(ctx: ParallelContext, timer: StageTimer, requests: list[GenerationRequest],
@@ -276,14 +278,6 @@ def restore_transformer(pipeline: Any, model: nn.Module) -> None:
     pipeline.use_transformer(model)
 
 
-def _gather(ctx: ParallelContext, value: Any) -> list[Any]:
-    if not ctx.is_distributed:
-        return [value]
-    out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, value, group=ctx.control_group)
-    return out
-
-
 def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend: str, *, ctx: ParallelContext,
                  timer: StageTimer, model: nn.Module, request: GenerationRequest,
                  args: argparse.Namespace) -> dict[str, Any]:
@@ -302,7 +296,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
             build_engines([pipeline], mode_ctx, backend, args.engine_cache)
         except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
             error = describe(exc)
-        error = _agreed_error(mode_ctx, error)
+        error = agreed_error(mode_ctx, error)
         if error is None:
             try:
                 runs, warmup_s, peak = _time_generations(mode_ctx, timer, request, args)
@@ -314,7 +308,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
             torch.cuda.empty_cache()
         if runs and args.media_dir is not None:
             media = str(save_media(runs[-1][2], args.media_dir, f"{model_name}_{mode}_{backend}"))
-    results = _gather(ctx, (peak, error))[:gpus]
+    results = gather_objects(ctx, (peak, error))[:gpus]
     errors = [r[1] for r in results if r[1]]
     row: dict[str, Any] = dict(
         model=model_name, mode=mode, backend=backend, gpus=gpus, shape=shape_label(request),
@@ -343,11 +337,6 @@ def _time_generations(ctx: ParallelContext, timer: StageTimer, request: Generati
         raise failure
     peak = torch.cuda.max_memory_allocated(ctx.device) / 2**30 if ctx.device.type == "cuda" else 0.0
     return runs, (warmup[0][0] if warmup else None), peak
-
-
-def _agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
-    errors = [e for e in _gather(ctx, error) if e]
-    return "; ".join(dict.fromkeys(errors)) or None
 
 
 def save_media(result: Any, folder: Path, name: str) -> Path:
@@ -402,7 +391,7 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
                                height=args.height, width=args.width, frames=args.frames)
         start = time.perf_counter()
         pipeline = build_pipeline(arch, spec, folder, device=ctx.device, with_encoders=ctx.is_main)
-        _sync(ctx.device)
+        sync(ctx.device)
         if ctx.is_main:
             meta.setdefault("models", {})[arch.registry_name] = dict(
                 request=request.to_dict(), build_s=time.perf_counter() - start,
@@ -464,20 +453,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="save each mode's last image or frames here as .npy (rank 0)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (rank 0)")
     args = p.parse_args(argv)
-    args.models = [m for m in args.model.split(",") if m]
-    for m in args.models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    args.backends = [b for b in (args.backends or "").split(",") if b]
-    for b in args.backends:
-        try:
-            EngineOptions.parse(b)
-        except ValueError as error:
-            p.error(f"bad backend {b!r}: {error}")
-    args.strategies = [s for s in args.strategies.split(",") if s]
-    for s in args.strategies:
-        if s not in STRATEGIES:
-            p.error(f"unknown strategy {s!r}")
+    args.models = comma_list(p, args.model, "model", MODELS)
+    args.backends = engine_labels(p, args.backends or "")
+    args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
     if args.runs < 1 or args.warmup_steps < 1:
         p.error("--runs and --warmup-steps must be >= 1")
     return args
@@ -494,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         args.backends = args.backends or [default_backend(ctx.device.type)]
         launcher = f"torchrun --nproc-per-node {ctx.world_size}" if ctx.is_distributed else "python"
         cuda = ctx.device.type == "cuda"
-        devices = _gather(ctx, torch.cuda.get_device_name(ctx.device) if cuda else platform.processor() or "cpu")
+        devices = gather_objects(ctx, torch.cuda.get_device_name(ctx.device) if cuda else platform.processor() or "cpu")
         meta: dict[str, Any] = dict(
             command=f"{launcher} -m app.bench_e2e {' '.join(sys.argv[1:] if argv is None else argv)}",
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -158,7 +158,8 @@ def single_process_forward(model: torch.nn.Module, device: torch.device) -> Call
     return parallelize_transformer(model, local)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (CUDA; nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -175,7 +176,7 @@ def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device:
     times = []
     with torch.no_grad():
         for i in range(warmup + iters):
-            _sync(device)
+            sync(device)
             if group is not None:
                 dist.barrier(group=group)
             if device.type == "cuda":
@@ -201,19 +202,20 @@ def profile_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, devi
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(device)
+    sync(device)
     if group is not None:
         dist.barrier(group=group)
     with torch.profiler.profile(activities=activities) as prof, torch.no_grad():
         forward(**kwargs)
-        _sync(device)
+        sync(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(f"{path}.json")
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     Path(f"{path}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=25))
 
 
-def _gather(ctx: ParallelContext, value: Any) -> list[Any]:
+def gather_objects(ctx: ParallelContext, value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (over the control group; [value] in one process)."""
     if not ctx.is_distributed:
         return [value]
     out: list[Any] = [None] * ctx.world_size
@@ -290,7 +292,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
                 torch._dynamo.reset()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        results = _gather(ctx, (ms, peak, error, build_s))
+        results = gather_objects(ctx, (ms, peak, error, build_s))
         ran = results[:gpus]  # the 1-GPU mode runs on rank 0 only
         errors = [r[2] for r in ran if r[2]]
         builds = [r[3] for r in ran if r[3] is not None]
@@ -345,9 +347,9 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
     return rows
 
 
-def _agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
+def agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
     """Every rank's errors joined (None when no rank failed): the same answer on every rank."""
-    errors = [e for e in _gather(ctx, error) if e]
+    errors = [e for e in gather_objects(ctx, error) if e]
     return "; ".join(dict.fromkeys(errors)) or None
 
 
@@ -360,9 +362,9 @@ def measure_peer(peer: Peer, spec: TransformerSpec, model: torch.nn.Module, shap
     failure on one rank never leaves another waiting in a collective the first will not join.
     """
     mode = peer_mode(peer, ctx.world_size)
-    error = _agreed_error(ctx, unavailable_reason(peer, ctx, spec))
+    error = agreed_error(ctx, unavailable_reason(peer, ctx, spec))
     if error is None:
-        error = _agreed_error(ctx, _attempt(import_peer, peer))
+        error = agreed_error(ctx, _attempt(import_peer, peer))
     with compiler_settings_restored():
         transformer = None
         if error is None:
@@ -372,7 +374,7 @@ def measure_peer(peer: Peer, spec: TransformerSpec, model: torch.nn.Module, shap
                                                text_tokens=first.text_tokens)
             except Exception as exc:  # noqa: BLE001 - recorded in the rows, agreed below
                 error = repr(exc)[:2000]
-            error = _agreed_error(ctx, error)
+            error = agreed_error(ctx, error)
         for backend in ("eager", peer.compiled_backend):
             forward, note = transformer, None
             if backend != "eager":
@@ -382,11 +384,11 @@ def measure_peer(peer: Peer, spec: TransformerSpec, model: torch.nn.Module, shap
                         forward = compile_peer(peer, transformer)
                     except Exception as exc:  # noqa: BLE001
                         forward, error = None, repr(exc)[:2000]
-                    error = _agreed_error(ctx, error)
+                    error = agreed_error(ctx, error)
             for shape in shapes:
                 shape_error = error
                 if error is None:
-                    shape_error = _agreed_error(ctx, _attempt(set_input_shape, peer, height=shape.height,
+                    shape_error = agreed_error(ctx, _attempt(set_input_shape, peer, height=shape.height,
                                                               width=shape.width, text_tokens=shape.text_tokens))
                 record(mode, shape, ctx.world_size, forward, ctx.control_group, EngineOptions(), error=shape_error,
                        backend=backend, note=note, warmup=warmup)
@@ -439,6 +441,26 @@ def parse_shapes(text: str, *, video: bool, text_tokens: int) -> list[Shape]:
     return shapes
 
 
+def comma_list(parser: argparse.ArgumentParser, text: str, what: str, choices: tuple[str, ...]) -> list[str]:
+    """The items of a comma-separated option; parser.error (exit 2) names the first one not in `choices`."""
+    items = [item for item in text.split(",") if item]
+    for item in items:
+        if item not in choices:
+            parser.error(f"unknown {what} {item!r}; choose from {', '.join(choices)}")
+    return items
+
+
+def engine_labels(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The engine labels of a comma-separated --backends; parser.error names the first bad one and why."""
+    labels = [label for label in text.split(",") if label]
+    for label in labels:
+        try:
+            EngineOptions.parse(label)
+        except ValueError as error:
+            parser.error(f"bad backend {label!r}: {error}")
+    return labels
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -472,26 +494,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=None,
                    help="after timing each mode, profile one call per rank into this folder (trace + top-ops table)")
     args = p.parse_args(argv)
-    args.models = [m for m in args.model.split(",") if m]
-    for m in args.models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    args.backends = [b for b in args.backends.split(",") if b]
+    args.models = comma_list(p, args.model, "model", MODELS)
+    args.backends = engine_labels(p, args.backends)
     if args.compile and "inductor" not in args.backends:
         args.backends.append("inductor")
-    for b in args.backends:
-        try:
-            EngineOptions.parse(b)
-        except ValueError as error:
-            p.error(f"bad backend {b!r}: {error}")
-    args.peers = [name for name in args.peers.split(",") if name]
-    for name in args.peers:
-        if name not in PEERS:
-            p.error(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
-    args.strategies = [s for s in args.strategies.split(",") if s]
-    for s in args.strategies:
-        if s not in STRATEGIES:
-            p.error(f"unknown strategy {s!r}")
+    args.peers = comma_list(p, args.peers, "peer", tuple(PEERS))
+    args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
     return args
 
 

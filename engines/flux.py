@@ -35,6 +35,33 @@ from engines.wrapper import ParallelTransformer, replace_processors
 TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
 
 
+def _query_key_value(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (BSHD) as diffusers' FluxAttnProcessor makes them: projections, q/k norms, the text
+    stream's in front (double-stream blocks), rotary embedding."""
+    query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+        attn, hidden_states, encoder_hidden_states
+    )
+    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+    if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+        encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
+        encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
+        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+        query = torch.cat([encoder_query, query], dim=1)
+        key = torch.cat([encoder_key, key], dim=1)
+        value = torch.cat([encoder_value, value], dim=1)
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key, value
+
+
 class FluxContextParallelProcessor:
     """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope)."""
 
@@ -54,23 +81,7 @@ class FluxContextParallelProcessor:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
         if attention_mask is not None:
             raise ValueError("FLUX attention masks are not supported with context parallelism")
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-        if attn.added_kv_proj_dim is not None:
-            encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-            encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
-            value = torch.cat([encoder_value, value], dim=1)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
+        query, key, value = _query_key_value(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         hidden_states = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
@@ -128,13 +139,7 @@ class OverlappedSingleBlock(nn.Module):
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
 
-        query, key, value, _, _, _ = _get_qkv_projections(attn, norm_hidden_states)
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value = _query_key_value(attn, norm_hidden_states, None, image_rotary_emb)
         pending = ulysses.start(query, key, value)
         mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
         pending = ulysses.attend(pending)

@@ -20,24 +20,18 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from pipelines.factory import load_pipeline
 from pipelines.registry import default_folder, get_spec
-from pipelines.requests import make_request, read_limits
+from pipelines.requests import make_request
 from test_parallel_pipelines import free_port
 from training import shapes
-from training.evaluate import judge_videos
+from training.evaluate import generate, judge_videos
 
 PROMPTS = shapes.held_out_video_prompts()[:20]
 
 
 @pytest.fixture(scope="module")
 def one_process_videos() -> list[np.ndarray]:
-    spec = get_spec("tiny-cosmos")
-    folder = default_folder(spec)
-    pipe = load_pipeline(spec, folder)
-    limits = read_limits(spec, folder)
-    return [np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
-            for i, (prompt, _, _, _) in enumerate(PROMPTS)]
+    return generate("tiny-cosmos", default_folder(get_spec("tiny-cosmos")), PROMPTS)
 
 
 def _check_motion(videos: list[np.ndarray]) -> None:

@@ -18,23 +18,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines.factory import load_pipeline
 from pipelines.registry import default_folder, get_spec
-from pipelines.requests import make_request, read_limits
 from training import shapes
-from training.evaluate import judge_images
+from training.evaluate import generate, judge_images
 
 PROMPTS = shapes.held_out_image_prompts()  # 24
 
 
 @pytest.fixture(scope="module")
 def one_process_images() -> list[np.ndarray]:
-    spec = get_spec("tiny-flux")
-    folder = default_folder(spec)
-    pipe = load_pipeline(spec, folder)
-    limits = read_limits(spec, folder)
-    return [np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
-            for i, (prompt, _, _) in enumerate(PROMPTS)]
+    return generate("tiny-flux", default_folder(get_spec("tiny-flux")), PROMPTS)
 
 
 def _scores(images: list[np.ndarray]) -> tuple[float, float, str]:

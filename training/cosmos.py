@@ -22,7 +22,7 @@ from pipelines import torchvision_shim
 from pipelines.cosmos import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, autocast, frozen, run_phase
+from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, run_phase, use_tf32
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +57,7 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
                  dit_steps: int | None = None) -> list[PhaseResult]:
     """Fit parts['vae'], set its per-channel latent statistics, then train the transformer and T5, in place."""
     torchvision_shim.install()
+    use_tf32(device)
     for part in parts.values():
         if isinstance(part, torch.nn.Module):
             frozen(part).to(device)
@@ -66,7 +67,7 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
         results.append(_train_vae(vae, device, generator, settings, vae_seconds, vae_steps))
         frozen(vae)
         scenes = shapes.video_scenes(16, settings.frames, generator)
-        with torch.no_grad(), autocast(device):
+        with torch.no_grad():
             latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
         mean, std = latent_statistics(latents, per_channel=True)
         vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
@@ -85,8 +86,7 @@ def _latent_pool(vae, device, generator, settings, max_steps, max_seconds) -> La
 
     def make() -> tuple[list[str], torch.Tensor]:
         scenes = shapes.video_scenes(settings.dit_batch, settings.frames, generator)
-        with autocast(device):
-            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
+        latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
         return scenes.captions, (latents.float() - mean) / std * SIGMA_DATA
 
     pool = LatentPool(make, settings.pool_batches if max_steps is None else min(settings.pool_batches, max_steps),
@@ -100,8 +100,7 @@ def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseRes
 
     def step() -> torch.Tensor:
         scenes = shapes.video_scenes(settings.vae_batch, settings.vae_frames, generator)
-        with autocast(device):
-            return reconstruction_loss(vae, shapes.render(scenes, settings.vae_size, settings.vae_size, device))
+        return reconstruction_loss(vae, shapes.render(scenes, settings.vae_size, settings.vae_size, device))
 
     return run_phase("cosmos-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
                      batch=settings.vae_batch, ema_decay=0.999)
@@ -139,12 +138,11 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
         model_in = indicator * x0 + (1 - indicator) * ((1 - t) * x0 + t * noise)
         timestep = indicator * t_conditioning + (1 - indicator) * t  # [B, 1, T, 1, 1]
         condition_mask = indicator.expand(-1, -1, -1, *x0.shape[3:])
-        with autocast(device):
-            text = encode_prompts(t5, tokens, captions, device)
-            out = transformer(
-                hidden_states=model_in, timestep=timestep, encoder_hidden_states=text, fps=settings.fps,
-                condition_mask=condition_mask, padding_mask=padding_mask, return_dict=False,
-            )[0]
+        text = encode_prompts(t5, tokens, captions, device)
+        out = transformer(
+            hidden_states=model_in, timestep=timestep, encoder_hidden_states=text, fps=settings.fps,
+            condition_mask=condition_mask, padding_mask=padding_mask, return_dict=False,
+        )[0]
         error = (out.float() - (noise - x0)).square() * (1 - indicator)
         return error.sum() / ((1 - indicator).sum().clamp(min=1) * x0.shape[1] * x0.shape[3] * x0.shape[4])
 

@@ -29,14 +29,20 @@ class Scores:
     """(prompt, what the judges saw) per prompt."""
 
 
-def score_images(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-flux") -> Scores:
-    """Generate `count` held-out image prompts (seed = index, registry defaults) and judge colour and shape."""
+def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device: str = "cpu") -> list[np.ndarray]:
+    """What model `name` (a registry name) in `folder` makes for each of `prompts` (the prompt text first
+    in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3]."""
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
     limits = read_limits(spec, folder)
+    return [np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i)))
+            for i, prompt in enumerate(prompts)]
+
+
+def score_images(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-flux") -> Scores:
+    """Generate `count` held-out image prompts (seed = index, registry defaults) and judge colour and shape."""
     prompts = shapes.held_out_image_prompts()[:count]
-    return judge_images([np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
-                         for i, (prompt, _, _) in enumerate(prompts)], prompts)
+    return judge_images(generate(name, folder, prompts, device=device), prompts)
 
 
 def judge_images(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) -> Scores:
@@ -54,12 +60,8 @@ def judge_images(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) 
 
 def score_videos(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-cosmos") -> Scores:
     """Generate `count` held-out video prompts (seed = index, registry defaults) and judge colour, shape, motion."""
-    spec = get_spec(name)
-    pipe = load_pipeline(spec, folder, device=device)
-    limits = read_limits(spec, folder)
     prompts = shapes.held_out_video_prompts()[:count]
-    return judge_videos([np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt, seed=i)))
-                         for i, (prompt, _, _, _) in enumerate(prompts)], prompts)
+    return judge_videos(generate(name, folder, prompts, device=device), prompts)
 
 
 def judge_videos(videos: list[np.ndarray], prompts: list[tuple[str, str, str, str]]) -> Scores:
@@ -82,17 +84,9 @@ def save_examples(folder: Path, out: Path, *, device: str = "cpu") -> None:
     """A 4x2 grid PNG of held-out images and a strip of video frames, for a person to look at."""
     from PIL import Image
 
-    flux_spec, cosmos_spec = get_spec("tiny-flux"), get_spec("tiny-cosmos")
-    flux = load_pipeline(flux_spec, folder / "tiny-flux", device=device)
-    limits = read_limits(flux_spec, folder / "tiny-flux")
-    images = [np.asarray(flux.generate(make_request(flux_spec, limits, prompt=p, seed=i)))
-              for i, (p, _, _) in enumerate(shapes.held_out_image_prompts()[:8])]
+    images = generate("tiny-flux", folder / "tiny-flux", shapes.held_out_image_prompts()[:8], device=device)
     grid = np.concatenate([np.concatenate(images[:4], 1), np.concatenate(images[4:], 1)], 0)
     Image.fromarray(grid).save(out / "examples-tiny-flux.png")
-    cosmos = load_pipeline(cosmos_spec, folder / "tiny-cosmos", device=device)
-    limits = read_limits(cosmos_spec, folder / "tiny-cosmos")
-    rows = []
-    for i, (p, _, _, _) in enumerate(shapes.held_out_video_prompts()[:6]):
-        frames = cosmos.generate(make_request(cosmos_spec, limits, prompt=p, seed=i))
-        rows.append(np.concatenate(list(frames[::4]), 1))
+    videos = generate("tiny-cosmos", folder / "tiny-cosmos", shapes.held_out_video_prompts()[:6], device=device)
+    rows = [np.concatenate(list(frames[::4]), 1) for frames in videos]
     Image.fromarray(np.concatenate(rows, 0)).save(out / "examples-tiny-cosmos.png")

@@ -27,7 +27,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, autocast, frozen, run_phase
+from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, run_phase, use_tf32
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +57,7 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
                vae_seconds: float, dit_seconds: float, vae_steps: int | None = None,
                dit_steps: int | None = None) -> list[PhaseResult]:
     """Fit parts['vae'], set its latent shift and scale, then train parts['transformer'] and T5, in place."""
+    use_tf32(device)
     for part in parts.values():
         if isinstance(part, torch.nn.Module):
             frozen(part).to(device)
@@ -66,7 +67,7 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
         results.append(_train_vae(vae, device, generator, settings, vae_seconds, vae_steps))
         frozen(vae)
         scenes = shapes.image_scenes(64, generator)
-        with torch.no_grad(), autocast(device):
+        with torch.no_grad():
             latents = vae.encode(shapes.render(scenes, settings.sizes[0], settings.sizes[0], device)[:, :, 0]).latent_dist.mode()
         mean, std = latent_statistics(latents, per_channel=False)
         vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
@@ -87,8 +88,7 @@ def _latent_pools(vae, device, generator, settings, max_steps, max_seconds) -> t
     def encoder(size: int):
         def make() -> tuple[list[str], torch.Tensor]:
             scenes = shapes.image_scenes(settings.dit_batch, generator)
-            with autocast(device):
-                latents = vae.encode(shapes.render(scenes, size, size, device)[:, :, 0]).latent_dist.mode()
+            latents = vae.encode(shapes.render(scenes, size, size, device)[:, :, 0]).latent_dist.mode()
             x0 = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
             batch, channels, height, width = x0.shape
             return scenes.captions, FluxPipeline._pack_latents(x0, batch, channels, height, width)
@@ -108,8 +108,7 @@ def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseRes
     def step() -> torch.Tensor:
         size = settings.sizes[next(counter) % len(settings.sizes)]
         x = shapes.render(shapes.image_scenes(settings.vae_batch, generator), size, size, device)[:, :, 0]
-        with autocast(device):
-            return reconstruction_loss(vae, x)
+        return reconstruction_loss(vae, x)
 
     return run_phase("flux-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
                      batch=settings.vae_batch, ema_decay=0.999)
@@ -154,13 +153,12 @@ def _train_transformer(parts, pools, device, generator, settings, seconds, max_s
                                                                               settings, config)
         captions = [c if keep else "" for c, keep in
                     zip(captions, (torch.rand(batch, generator=generator) >= settings.prompt_dropout).tolist())]
-        with autocast(device):
-            text, pooled = encode_prompts(captions)
-            velocity = transformer(
-                hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
-                encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
-                img_ids=image_ids, return_dict=False,
-            )[0]
+        text, pooled = encode_prompts(captions)
+        velocity = transformer(
+            hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+            encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
+            img_ids=image_ids, return_dict=False,
+        )[0]
         return (velocity.float() - (noise - x0)).square().mean()
 
     return run_phase("flux-dit", step, [transformer, t5], seconds=seconds, max_steps=max_steps, lr=settings.dit_lr,
@@ -190,7 +188,7 @@ def _distill_guidance(parts, pools, device, generator, settings, seconds, max_st
     config = parts["scheduler"].config
     counter = iter(range(1 << 62))
     encode_prompts = PromptEncoder(parts, device, settings.max_sequence_length)
-    with torch.no_grad(), autocast(device):
+    with torch.no_grad():
         empty_text, empty_pooled = encode_prompts([""])  # the unconditional branch: T5 is frozen here
 
     def step() -> torch.Tensor:
@@ -198,7 +196,7 @@ def _distill_guidance(parts, pools, device, generator, settings, seconds, max_st
         captions, _, image_ids, _, sigma, noisy, guidance = _noisy_batch(pools[size], device, generator,
                                                                          settings, config)
         batch = noisy.shape[0]
-        with torch.no_grad(), autocast(device):
+        with torch.no_grad():
             text, pooled = encode_prompts(captions)
             inputs = dict(timestep=sigma.repeat(2), guidance=guidance.repeat(2), img_ids=image_ids,
                           txt_ids=torch.zeros(text.shape[1], 3, device=device), return_dict=False)
@@ -207,12 +205,11 @@ def _distill_guidance(parts, pools, device, generator, settings, seconds, max_st
                            **inputs)[0].float()
             conditional, unconditional = both.chunk(2)
             target = unconditional + guidance.view(-1, 1, 1) * (conditional - unconditional)
-        with autocast(device):
-            velocity = transformer(
-                hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
-                encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
-                img_ids=image_ids, return_dict=False,
-            )[0]
+        velocity = transformer(
+            hidden_states=noisy, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+            encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=device),
+            img_ids=image_ids, return_dict=False,
+        )[0]
         return (velocity.float() - target).square().mean()
 
     return run_phase("flux-distill", step, [transformer], seconds=seconds, max_steps=max_steps,

@@ -7,7 +7,6 @@ finishes at a low learning rate. Exponential moving averages of the weights are 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -51,8 +50,8 @@ class Ema:
             param.copy_(shadow.to(param.dtype))
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """No mixed precision: float32 everywhere (TF32 matmuls on CUDA).
+def use_tf32(device: torch.device) -> None:
+    """No mixed precision: the models train in float32, with TF32 matmuls on CUDA.
 
     bfloat16 autocast on an H100 (torch 2.11+cu130, 2026-11-22) failed in the tiny-flux DiT's backward
     with CUBLAS_STATUS_EXECUTION_FAILED, and the models are small enough that float32 costs little.
@@ -60,7 +59,6 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return contextlib.nullcontext()
 
 
 def run_phase(
