@@ -11,7 +11,6 @@ diffusers layout of q/k/v at the attention call, "BHSD" the layout of the SDPA k
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.collectives import all_gather, all_to_all, finish, ring_shift, start_all_to_all, wait
@@ -37,7 +36,7 @@ def context_parallel_attention(
     """
     plan = mesh.plan
     if plan.ulysses > 1:
-        q, k, v = _ulysses_scatter_heads(q_BSHD, k_BSHD, v_BSHD, mesh.ulysses_group, plan.ulysses)
+        q, k, v = _ulysses_scatter_heads(q_BSHD, k_BSHD, v_BSHD, mesh)
     else:
         q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD))
 
@@ -49,20 +48,27 @@ def context_parallel_attention(
         out = _ring_attention(q, k, v, mesh, layout)
 
     if plan.ulysses > 1:
-        return _ulysses_gather_heads(out, mesh.ulysses_group, plan.ulysses)
+        return _ulysses_gather_heads(out, mesh)
     return out.transpose(1, 2)
 
 
+def _ulysses_all_to_all(x: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """all_to_all over the Ulysses group, by the mesh's transport."""
+    if mesh.all_to_all == "nccl":
+        return all_to_all(x, mesh.ulysses_group)
+    return finish(start_all_to_all(x, mesh.ulysses_group_name, mesh.plan.ulysses, mesh.all_to_all))
+
+
 def _ulysses_scatter_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, degree: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BSHD sequence shards -> BhSD head shards over degree*S tokens, with ONE all-to-all for q, k, v."""
-    return _unpack_heads(all_to_all(_pack_heads(q, k, v, degree), group))
+    return _unpack_heads(_ulysses_all_to_all(_pack_heads(q, k, v, mesh.plan.ulysses), mesh))
 
 
-def _ulysses_gather_heads(out: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+def _ulysses_gather_heads(out: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
-    return _unpack_tokens(all_to_all(_pack_tokens(out, degree), group))
+    return _unpack_tokens(_ulysses_all_to_all(_pack_tokens(out, mesh.plan.ulysses), mesh))
 
 
 def _pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int) -> torch.Tensor:
@@ -107,20 +113,22 @@ class UlyssesAttention:
 
     Same result as context_parallel_attention for a Ulysses-only plan (ring == 1). The waits are
     explicit ops (engines.collectives.start_all_to_all), so the overlap survives torch.compile.
-    `group_name` is mesh.ulysses_group.group_name, read once outside traced code.
+    `group_name` is mesh.ulysses_group_name; `transport` mesh.all_to_all.
     """
 
-    def __init__(self, *, degree: int, group_name: str, layout: ShardLayout) -> None:
+    def __init__(self, *, degree: int, group_name: str, layout: ShardLayout, transport: str = "nccl") -> None:
         self.degree = degree
         self.group_name = group_name
+        self.transport = transport
         self.runs = layout.valid_runs(list(range(degree)))
 
     def start(self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor) -> torch.Tensor:
-        return start_all_to_all(_pack_heads(q_BSHD, k_BSHD, v_BSHD, self.degree), self.group_name, self.degree)
+        packed = _pack_heads(q_BSHD, k_BSHD, v_BSHD, self.degree)
+        return start_all_to_all(packed, self.group_name, self.degree, self.transport)
 
     def attend(self, pending: torch.Tensor) -> torch.Tensor:
         out = _attention(*_unpack_heads(finish(pending)), self.runs)
-        return start_all_to_all(_pack_tokens(out, self.degree), self.group_name, self.degree)
+        return start_all_to_all(_pack_tokens(out, self.degree), self.group_name, self.degree, self.transport)
 
     def finish(self, pending: torch.Tensor) -> torch.Tensor:
         return _unpack_tokens(finish(pending))

@@ -7,6 +7,7 @@ for with --peers (xDiT, cache-dit: engines/peers.py), each eager and compiled as
 
     torchrun --nproc-per-node 2 -m engines.benchmark --model flux-dev --out flux.json
     torchrun --nproc-per-node 2 -m engines.benchmark --model cosmos-2b --out cosmos.json
+    torchrun --nproc-per-node 2 -m engines.benchmark --all-to-all nccl,copy-engine --out transports.json
     torchrun --nproc-per-node 2 -m engines.benchmark --strategies "" --no-diffusers --peers xdit --out xdit.json
     python -m engines.benchmark --model flux-dev                    # 1 GPU only
     torchrun --nproc-per-node 1 -m engines.benchmark --strategies "" --peers xdit   # xDiT on 1 GPU
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from engines.compile import EngineOptions, prepare_engine
+from engines.copy_engine import TRANSPORTS
 from engines.distributed import ParallelContext, init_parallel, shutdown
 from engines.parallelize import parallelize_transformer
 from engines.peers import (
@@ -317,13 +319,15 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
         for shape in shapes:
             forward = single_process_forward(model, device) if ctx.is_main else None
             record("1 GPU", shape, 1, forward, None, options)
-    # 2. ours, each plan over all ranks
+    # 2. ours, each plan over all ranks, with each all-to-all transport (Ulysses plans)
     for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
-        parallel = parallelize_transformer(model, ctx, plan)
-        for options in backends:
-            for shape in shapes:
-                record(f"ours {plan_label(plan)}", shape, ctx.world_size, parallel, ctx.control_group, options)
-        parallel.restore()
+        for transport in (args.all_to_all if plan.ulysses > 1 else ["nccl"]):
+            parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
+            mode = f"ours {plan_label(plan)}" + ("" if transport == "nccl" else f" {transport}")
+            for options in backends:
+                for shape in shapes:
+                    record(mode, shape, ctx.world_size, parallel, ctx.control_group, options)
+            parallel.restore()
     # 3. diffusers-native Ulysses (FLUX; CUDA only: it divides by the accelerator count)
     if spec.family == "flux" and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers:
         from diffusers import ContextParallelConfig
@@ -417,12 +421,12 @@ def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, A
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Compact text table of the rows."""
-    head = f"{'model':<11} {'mode':<22} {'backend':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
+    head = f"{'model':<11} {'mode':<34} {'backend':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mfu = f"{r['mfu']:.0%}" if r["mfu"] else "-"
-        lines.append(f"{r['model']:<11} {r['mode']:<22} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
+        lines.append(f"{r['model']:<11} {r['mode']:<34} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
                      f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
 
@@ -474,6 +478,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, of {', '.join(STRATEGIES)}")
     p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure CFG-parallel plans (default: on for Cosmos)")
+    p.add_argument("--all-to-all", default="nccl",
+                   help=f"comma-separated Ulysses all-to-all transports to measure: {', '.join(TRANSPORTS)} "
+                        "(default nccl; engines/copy_engine.py)")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
     p.add_argument("--peers", default="",
                    help=f"comma-separated peers to measure last, on FLUX: {', '.join(PEERS)} (default none); each "
@@ -500,6 +507,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.backends.append("inductor")
     args.peers = comma_list(p, args.peers, "peer", tuple(PEERS))
     args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
+    args.all_to_all = comma_list(p, args.all_to_all, "all-to-all transport", TRANSPORTS)
     return args
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from engines import copy_engine
+
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same arguments) and deprecated the
 # old name; the GPU image runs 2.11, so take whichever this torch has.
 _all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -61,17 +63,20 @@ def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) 
     return funcol.all_to_all_single(x.unsqueeze(0).contiguous(), recv, send, group).squeeze(0)
 
 
-def start_all_to_all(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+def start_all_to_all(x: torch.Tensor, group_name: str, size: int, transport: str = "nccl") -> torch.Tensor:
     """all_to_all (as above) issued without waiting: pass the result to finish() before using it.
 
     `group_name` is the process group's `group_name` and `size` its size, both read outside any
     traced code. Until finish() the result's memory is not written yet; work issued in between runs
-    while the transfer does (NCCL runs collectives on its own stream).
+    while the transfer does (NCCL runs collectives on its own stream). `transport` "copy-engine"
+    moves the data with the GPUs' copy engines instead (engines/copy_engine.py).
     """
+    if transport == "copy-engine":
+        return copy_engine.start(x, group_name)
     splits = [x.shape[0] // size] * size
     return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
 
 
 def finish(x: torch.Tensor) -> torch.Tensor:
-    """Wait for a collective issued by start_all_to_all; returns its result, ready to use."""
+    """Wait for a collective issued by start_all_to_all (either transport); returns its result, ready to use."""
     return torch.ops._c10d_functional.wait_tensor(x)

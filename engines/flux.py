@@ -120,7 +120,8 @@ class OverlappedSingleBlock(nn.Module):
         super().__init__()
         self.block = block
         self.degree = mesh.plan.ulysses
-        self.group_name = mesh.ulysses_group.group_name  # read here, outside any traced code
+        self.group_name = mesh.ulysses_group_name
+        self.transport = mesh.all_to_all
 
     def forward(
         self,
@@ -134,7 +135,8 @@ class OverlappedSingleBlock(nn.Module):
         layout = (joint_attention_kwargs or {}).get("cp_layout")
         if layout is None:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
-        ulysses = UlyssesAttention(degree=self.degree, group_name=self.group_name, layout=layout)
+        ulysses = UlyssesAttention(degree=self.degree, group_name=self.group_name, layout=layout,
+                                   transport=self.transport)
         text_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = block.norm(hidden_states, emb=temb)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from engines.copy_engine import check_transport, prepare
 from engines.distributed import ParallelContext
 from engines.plan import ParallelPlan
 
@@ -30,6 +31,11 @@ class ParallelMesh:
     ulysses_rank: int
     ring_rank: int
     cfg_rank: int
+    all_to_all: str = "nccl"
+    """How the Ulysses all-to-alls travel: "nccl" (the group's collective) or "copy-engine"
+    (engines/copy_engine.py)."""
+    ulysses_group_name: str = ""
+    """ulysses_group.group_name, read here once (traced code takes a plain string)."""
 
     @property
     def seq_rank(self) -> int:
@@ -42,16 +48,21 @@ class ParallelMesh:
         return list(range(ring_rank * u, (ring_rank + 1) * u))
 
 
-def build_mesh(ctx: ParallelContext, plan: ParallelPlan) -> ParallelMesh:
-    """Create the process groups of `plan` (collective: every rank must call it, in the same order)."""
+def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl") -> ParallelMesh:
+    """Create the process groups of `plan` (collective: every rank must call it, in the same order).
+
+    `all_to_all`: the Ulysses all-to-all transport, "nccl" or "copy-engine" (checked here, before
+    any collective).
+    """
     plan.check(world_size=ctx.world_size)
+    check_transport(all_to_all, ctx.group, ctx.device)
     if ctx.world_size == 1:
         return ParallelMesh(
             plan=plan, device_mesh=None, ulysses_group=None, ring_group=None, cfg_group=None,
             ulysses_rank=0, ring_rank=0, cfg_rank=0,
         )
     mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses), mesh_dim_names=AXES)
-    return ParallelMesh(
+    parallel = ParallelMesh(
         plan=plan,
         device_mesh=mesh,
         ulysses_group=mesh.get_group("ulysses"),
@@ -60,4 +71,9 @@ def build_mesh(ctx: ParallelContext, plan: ParallelPlan) -> ParallelMesh:
         ulysses_rank=mesh.get_local_rank("ulysses"),
         ring_rank=mesh.get_local_rank("ring"),
         cfg_rank=mesh.get_local_rank("cfg"),
+        all_to_all=all_to_all,
+        ulysses_group_name=mesh.get_group("ulysses").group_name,
     )
+    if all_to_all == "copy-engine" and plan.ulysses > 1:
+        prepare(parallel.ulysses_group)
+    return parallel
