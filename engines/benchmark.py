@@ -262,6 +262,8 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
     device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
     batch = args.batch or (2 if spec.family == "cosmos" else 1)
     model = build_random(spec, device=device, dtype=dtype)
+    if args.fuse_qkv:
+        model.fuse_qkv_projections()  # one q/k/v GEMM per stream, for every mode alike
     inputs = {s.label: make_inputs(spec, s, batch=batch, device=device, dtype=dtype) for s in shapes}
     flops = {s.label: count_flops(spec, s, batch) for s in shapes}
     rows = [] if rows is None else rows
@@ -481,6 +483,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--all-to-all", default="nccl",
                    help=f"comma-separated Ulysses all-to-all transports to measure: {', '.join(TRANSPORTS)} "
                         "(default nccl; engines/copy_engine.py)")
+    p.add_argument("--fuse-qkv", action="store_true",
+                   help="fuse each attention's q/k/v projections into one GEMM (diffusers' fuse_qkv_projections) "
+                        "before measuring; applies to every mode")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
     p.add_argument("--peers", default="",
                    help=f"comma-separated peers to measure last, on FLUX: {', '.join(PEERS)} (default none); each "
@@ -521,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(True)
     try:
-        meta = dict(sdpa=args.sdpa,
+        meta = dict(sdpa=args.sdpa, fuse_qkv=args.fuse_qkv, all_to_all=args.all_to_all,
             command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
             diffusers=diffusers.__version__, cuda=torch.version.cuda,
             device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",

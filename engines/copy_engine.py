@@ -6,17 +6,19 @@ hide it; the GEMM's CTAs take every SM, so NCCL's kernel waits for the GEMM to f
 overlaps (and when they do share SMs, both slow down). A copy engine is a DMA unit beside the SMs:
 a peer copy over NVLink runs while a GEMM has every SM, and does not slow it.
 
-How (the pattern of torch's own low-contention all-gather, torch.distributed._symmetric_memory):
-every rank of the group maps one workspace buffer of every other rank (symmetric memory, CUDA
-IPC), then for `x` of shape (size, ...), slice p going to peer p:
-1. on the caller's stream: copy `x` into this rank's workspace;
-2. on a side stream: barrier (every rank's workspace holds its `x`), pull slice `rank` of every
-   peer's workspace into the output with plain tensor copies (cudaMemcpyAsync: copy engines),
-   barrier (every rank has pulled: workspaces may be refilled), record an event;
+How: every rank of the group maps one buffer of every other rank (torch symmetric memory, CUDA
+IPC); the buffer starts with flags, then data. For `x` of shape (size, ...), slice p going to peer p:
+1. caller's stream: wait until every peer has pulled the previous exchange out of this rank's
+   buffer (its "done" flag), then copy `x` into it;
+2. side stream: set "ready" in every peer's flags, wait for every peer's "ready", pull slice
+   `rank` of every peer's data into the output, set "done" in every peer's flags, record an event;
 3. funcol's wait_tensor (engines.collectives.finish) makes the caller's stream wait for that event.
-Only the two barriers are kernels, one CTA each, on a high-priority stream. Exchanges on one group
-share its workspace, so a new one starts after the last one ended (free in the usual start,
-finish, start order).
+Copies are plain tensor copies (cudaMemcpyAsync: copy engines; flags are 4-byte copies too) and
+waits are cuStreamWaitValue32 (the GPU's front end polls memory): nothing runs on an SM. That
+matters: torch's own low-contention collectives synchronize with one-CTA barrier kernels, and
+measured here a barrier queued beside a GEMM waits for the whole GEMM, which ends the overlap.
+Everything is stream-ordered, so it records into CUDA graphs; the flags end every exchange as they
+began it, so graphs replay.
 
 Needs: CUDA, and every rank of the group on one host with peer access (NVLink or PCIe P2P).
 On CPU the op runs the group's own all-to-all (gloo) at once: there are no copy engines, but the
@@ -25,6 +27,7 @@ compiled graphs and the waits are the same, so CPU tests cover everything but th
 
 from __future__ import annotations
 
+import ctypes
 import os
 import warnings
 from datetime import timedelta
@@ -41,32 +44,97 @@ CPU); "copy-engine" = this module."""
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 
+FLAGS_BYTES = 4096
+"""Head of each rank's symmetric buffer: uint32 flags "ready[peer]" at 0 and "done[peer]" at
+FLAGS_BYTES // 2 (8-GPU hosts use 64 bytes of each); the exchanged data follows."""
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+
 _side_streams: dict[int, torch.cuda.Stream] = {}
-_last_exchange: dict[str, torch.cuda.Event] = {}
+_exchanges: dict[str, _Exchange] = {}
+_stream_wait_value32 = None
 
 
 class _Done(Work):
     """The work handle funcol's wait_tensor waits on: an event on the side stream."""
 
-    def __init__(self, group_name: str, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None) -> None:
         super().__init__()
-        self.group_name = group_name
         self.event = event
 
     def wait(self, timeout: timedelta = timedelta(seconds=0)) -> bool:
         if self.event is not None:
             self.event.wait()  # the current stream waits; the host does not
-            if _last_exchange.get(self.group_name) is self.event:
-                del _last_exchange[self.group_name]  # ordered now: the next start need not wait
         return True
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _side_streams:
-        # high priority: the barrier CTAs get the next free SM before a queued GEMM's CTAs
         _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
     return _side_streams[index]
+
+
+def _wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """`stream` waits until the uint32 at `address` equals `value` (cuStreamWaitValue32: the GPU's
+    front end polls; no kernel, no SM)."""
+    global _stream_wait_value32
+    if _stream_wait_value32 is None:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        function = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
+        function.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        function.restype = ctypes.c_int
+        _stream_wait_value32 = function
+    result = _stream_wait_value32(stream.cuda_stream, address, value, CU_STREAM_WAIT_VALUE_EQ)
+    if result != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {result}")
+
+
+class _Exchange:
+    """One group's symmetric buffer (flags + data) and the tensors that name its parts."""
+
+    def __init__(self, group_name: str, data_bytes: int, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group_name = group_name
+        group = c10d._resolve_process_group(group_name)
+        self.buffer = symm_mem.empty(FLAGS_BYTES + data_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group_name)  # collective
+        self.rank, self.size, self.data_bytes = self.handle.rank, self.handle.world_size, data_bytes
+        if self.size * 4 > FLAGS_BYTES // 2:
+            raise ValueError(f"copy-engine all-to-all supports up to {FLAGS_BYTES // 8} ranks per group")
+        flags = self.buffer[:FLAGS_BYTES].view(torch.int32)
+        flags.zero_()
+        flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # done[peer] = 1: nothing to wait for
+        self.one = torch.ones(1, dtype=torch.int32, device=device)
+        self.zero = torch.zeros(1, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's flags are set before anyone signals
+
+    def flag(self, rank: int, kind: str, peer: int) -> torch.Tensor:
+        """rank's flag `kind` ("ready" or "done") about `peer`, as a 1-element tensor (maybe remote)."""
+        offset = (0 if kind == "ready" else FLAGS_BYTES // 2) + 4 * peer
+        return self.handle.get_buffer(rank, (1,), torch.int32, offset // 4)
+
+    def data(self, rank: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """rank's data area seen as `shape`/`dtype` (maybe remote)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.handle.get_buffer(rank, shape, dtype, FLAGS_BYTES // itemsize)
+
+    def release(self) -> None:
+        torch.cuda.synchronize(self.buffer.device)
+        dist.barrier(group=c10d._resolve_process_group(self.group_name))
+
+
+def _exchange(group_name: str, nbytes: int, device: torch.device) -> _Exchange:
+    exchange = _exchanges.get(group_name)
+    if exchange is None or exchange.data_bytes < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("copy-engine all-to-all: its buffer must grow, which cannot happen during "
+                               "CUDA graph capture; run the shape once before capturing")
+        if exchange is not None:
+            exchange.release()  # every rank is past its last use of the old buffer
+        exchange = _exchanges[group_name] = _Exchange(group_name, max(nbytes, exchange.data_bytes if exchange else 0), device)
+    return exchange
 
 
 @torch.library.impl(_lib, "copy_engine_all_to_all", "Meta")
@@ -76,34 +144,40 @@ def _all_to_all_meta(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CUDA")
 def _all_to_all_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    from torch.distributed import _symmetric_memory as symm_mem
-
     x = x.contiguous()
-    previous = _last_exchange.get(group_name)
-    if previous is not None:
-        # The workspace is refilled below: the last exchange on it must be over (its result was
-        # not waited for, or the wait would have cleared this).
-        torch.cuda.current_stream().wait_event(previous)
-    # Allocated when first needed (the warm-up call, never inside a CUDA graph capture) and
-    # grown if a later call is bigger: every rank makes the same calls, so they stay in step.
-    workspace = symm_mem.get_symm_mem_workspace(group_name, min_size=x.numel() * x.element_size())
-    rank, size = workspace.rank, workspace.world_size
-    local = workspace.get_buffer(rank, x.shape, x.dtype)
-    local.copy_(x)  # caller's stream: x may be freed or reused as soon as this op returns
-    out = torch.empty_like(x)  # caller's stream: its memory belongs to the caller's stream
+    # Allocated at the first call (the warm-up, never inside a CUDA graph capture), grown if a later
+    # call is bigger: every rank makes the same calls, so they stay in step.
+    ex = _exchange(group_name, x.numel() * x.element_size(), x.device)
+    rank, size = ex.rank, ex.size
+    compute = torch.cuda.current_stream()
+    peers = [p for p in range(size) if p != rank]
+    # 1. (caller's stream) every peer has pulled the last exchange out of this buffer; refill it.
+    for p in peers:
+        mine = ex.flag(rank, "done", p)
+        _wait_value(compute, mine.data_ptr(), 1)
+        mine.copy_(ex.zero)
+    local = ex.data(rank, x.shape, x.dtype)
+    local.copy_(x)  # on the caller's stream: x may be freed or reused as soon as this op returns
+    out = torch.empty_like(x)  # on the caller's stream: its memory belongs to that stream
+    # 2. (side stream) tell every peer the data is there, wait for theirs, pull, tell them we are done.
     stream = _side_stream(x.device)
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(compute)
     with torch.cuda.stream(stream):
-        workspace.barrier(channel=0)
+        for p in peers:
+            ex.flag(p, "ready", rank).copy_(ex.one)
+        for p in peers:
+            mine = ex.flag(rank, "ready", p)
+            _wait_value(stream, mine.data_ptr(), 1)
+            mine.copy_(ex.zero)
         for step in range(size):
             peer = (rank + step) % size
-            source = local if peer == rank else workspace.get_buffer(peer, x.shape, x.dtype)
+            source = local if peer == rank else ex.data(peer, x.shape, x.dtype)
             out[peer].copy_(source[rank])
-        workspace.barrier(channel=1)
+        for p in peers:
+            ex.flag(p, "done", rank).copy_(ex.one)
         event = torch.cuda.Event()
         event.record(stream)
-    _last_exchange[group_name] = event
-    torch._C._distributed_c10d._register_work(out, _Done(group_name, event))
+    torch._C._distributed_c10d._register_work(out, _Done(event))
     return out
 
 
@@ -112,7 +186,7 @@ def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=c10d._resolve_process_group(group_name))
-    torch._C._distributed_c10d._register_work(out, _Done(group_name, None))
+    torch._C._distributed_c10d._register_work(out, _Done(None))
     return out
 
 
