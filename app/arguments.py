@@ -13,6 +13,9 @@ from pipelines.requests import RequestError
 STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
 """The sequence strategies of engines.plan (repeated here so that `--help` needs no torch import)."""
 
+TRANSPORTS = ("nccl", "copy-engine")
+"""The all-to-all transports of engines.copy_engine (repeated for the same reason)."""
+
 BACKEND_PATTERN = re.compile(
     r"(eager|inductor|tensorrt)(-blocks)?(-(default|max-autotune-no-cudagraphs|reduce-overhead))?(\+overlap)?(\+cudagraph)?"
 )
@@ -51,6 +54,10 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES,
                         help="how ranks split the transformer's token sequence when several run (default ulysses)")
+    parser.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
+                        help="how Ulysses all-to-alls travel between GPUs: nccl (default), or copy-engine (peer "
+                             "copies through symmetric memory, no SM kernels; all ranks on one host; measured "
+                             "0-2%% faster on 2x H200, docs/benchmarks.md)")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="video (Cosmos-style) models: run classifier-free guidance's two branches on two halves "
                              "of the ranks, each half splitting the sequence (needs an even number of ranks; "

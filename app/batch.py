@@ -19,7 +19,7 @@ from typing import Any
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields
 from app.outputs import EXTENSIONS, settings_of
-from app.prompt_files import SUFFIXES, BadLine, BatchError, PromptLine, output_name, read_prompt_file
+from app.prompt_files import SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
 from app.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
@@ -86,7 +86,7 @@ def run_batch(args: argparse.Namespace) -> int:
     with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
                                                   strategy=args.strategy, rank_timeout=args.rank_timeout,
                                                   stop=stop, backend=args.backend, engine_cache=args.engine_cache,
-                                                  cfg_parallel=args.cfg_parallel) as runtime:
+                                                  cfg_parallel=args.cfg_parallel, all_to_all=args.all_to_all) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -66,6 +66,7 @@ from engines.benchmark import (
     sync,
 )
 from engines.compile import Engine
+from engines.copy_engine import TRANSPORTS
 from engines.distributed import ParallelContext, init_parallel, shutdown
 from engines.plan import STRATEGIES, ParallelPlan
 from engines.specs import SPECS, TransformerSpec, build_random
@@ -292,7 +293,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
         pipeline = timer.pipeline
         try:
             if plan is not None:
-                parallelize_pipelines([pipeline], ctx, plan.strategy, cfg=plan.cfg)
+                parallelize_pipelines([pipeline], ctx, plan.strategy, cfg=plan.cfg, all_to_all=args.all_to_all)
             build_engines([pipeline], mode_ctx, backend, args.engine_cache)
         except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
             error = describe(exc)
@@ -435,6 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", default="ulysses",
                    help=f"comma-separated parallel modes on all ranks, of {', '.join(STRATEGIES)} (default ulysses; "
                         "'' for none)")
+    p.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
+                   help="Ulysses all-to-all transport of the parallel modes (default nccl)")
     p.add_argument("--cfg", action="store_true", help="also the cfg-2 plan: each half of the ranks runs one "
                                                       "guidance branch (Cosmos)")
     p.add_argument("--no-single", action="store_true", help="skip the 1 GPU mode (see --baseline)")

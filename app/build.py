@@ -23,6 +23,7 @@ from app.arguments import (
     DEFAULT_RANK_TIMEOUT,
     ENGINE_CACHE_ENV,
     STRATEGIES,
+    TRANSPORTS,
     add_model_arguments,
     backend_label,
     request_fields,
@@ -46,6 +47,8 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="build for serve/batch/generate --cfg-parallel (video models: guidance branches on "
                              "two halves of the ranks)")
+    parser.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
+                        help="build for serve/batch/generate --all-to-all (default nccl)")
     parser.add_argument("--backend", default=DEFAULT_BACKEND, type=backend_label,
                         help="engine: eager, inductor, inductor-blocks, ...+cudagraph, tensorrt "
                              f"(default {DEFAULT_BACKEND})")
@@ -79,11 +82,6 @@ def _request_namespace(args: argparse.Namespace) -> argparse.Namespace:
                               width=args.width, size=args.size, frames=args.frames, fps=None)
 
 
-def _progress(ctx_rank: int, text: str) -> None:
-    if ctx_rank == 0:
-        print(f"[build] {text}", file=sys.stderr, flush=True)
-
-
 def run_build(args: argparse.Namespace) -> int:
     """Build (or find) the engines; with --ranks > 1 outside torchrun, start torchrun first.
 
@@ -107,7 +105,7 @@ def run_build(args: argparse.Namespace) -> int:
     cache_dir = engine_cache_dir(args.engine_cache)
     with stop_on_signals() as stop, start_runtime([(spec, folder)], device=args.device, strategy=args.strategy,
                                                   rank_timeout=args.rank_timeout, stop=stop, backend=args.backend,
-                                                  engine_cache=cache_dir, cfg_parallel=args.cfg_parallel) as runtime:
+                                                  engine_cache=cache_dir, cfg_parallel=args.cfg_parallel, all_to_all=args.all_to_all) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

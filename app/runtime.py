@@ -81,6 +81,7 @@ def start_runtime(
     backend: str | None = None,
     engine_cache: Path | None = None,
     cfg_parallel: bool = False,
+    all_to_all: str = "nccl",
 ) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
 
@@ -127,7 +128,8 @@ def start_runtime(
         if ctx.is_distributed:
             strategy_label = " / ".join(dict.fromkeys(
                 parallelize_pipelines([pipeline], ctx, strategy,
-                                      cfg=2 if cfg_parallel and uses_guidance_batch(pipeline.spec) else 1)
+                                      cfg=2 if cfg_parallel and uses_guidance_batch(pipeline.spec) else 1,
+                                      all_to_all=all_to_all)
                 for pipeline in pipelines.values()))
         engine_label = build_engines(pipelines.values(), ctx, backend, engine_cache)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
@@ -155,11 +157,12 @@ def start_runtime(
             shutdown(ctx)
 
 
-def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1) -> str:
+def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1, all_to_all: str = "nccl") -> str:
     """Swap each pipeline's transformer for its context-parallel wrapper (collective); returns the plans' label.
 
     Args:
         cfg: rank groups that each run one classifier-free-guidance branch (Cosmos), 1 for none.
+        all_to_all: Ulysses all-to-all transport, "nccl" or "copy-engine" (engines/copy_engine.py).
     """
     from engines.parallelize import parallelize_transformer
     from engines.plan import ParallelPlan
@@ -168,8 +171,9 @@ def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1)
     for pipeline in pipelines:
         heads = pipeline.transformer_config.num_attention_heads
         plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy, cfg=cfg)
-        pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
-        labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg})")
+        pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, all_to_all=all_to_all))
+        transport = f", all-to-all {all_to_all}" if plan.ulysses > 1 and all_to_all != "nccl" else ""
+        labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg}{transport})")
     return " / ".join(dict.fromkeys(labels))
 
 

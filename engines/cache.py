@@ -101,6 +101,7 @@ def key_document(module: nn.Module, signature: str, options: Any, rank: int) -> 
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "signature": signature,
         "plan": _plain(dataclasses.asdict(plan)) if plan is not None else None,
+        "all_to_all": getattr(mesh, "all_to_all", None),
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "rank": rank,
         "options": _plain(dataclasses.asdict(options)),

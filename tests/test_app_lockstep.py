@@ -149,8 +149,10 @@ def test_ranks_that_cannot_meet_end_the_run_within_the_rank_timeout(tmp_path):
     assert rank0["seconds"] < RANK_TIMEOUT + 10
 
 
-def test_the_cli_offers_the_engines_strategies():
-    from app.arguments import STRATEGIES
+def test_the_cli_offers_the_engines_strategies_and_transports():
+    from app.arguments import STRATEGIES, TRANSPORTS
+    from engines.copy_engine import TRANSPORTS as ENGINE_TRANSPORTS
     from engines.plan import STRATEGIES as ENGINE_STRATEGIES
 
     assert STRATEGIES == ENGINE_STRATEGIES
+    assert TRANSPORTS == ENGINE_TRANSPORTS

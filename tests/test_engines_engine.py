@@ -120,6 +120,9 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
             self.device, self.dtype = model.device, model.dtype
 
     variants["plan"] = store.key(Wrapped(), sig, opts, 0)
+    copy_engine = Wrapped()
+    copy_engine.mesh = type("CopyEngineMesh", (FakeMesh,), {"all_to_all": "copy-engine"})()
+    variants["all_to_all"] = store.key(copy_engine, sig, opts, 0)
     versions = cache_module.library_versions()
     monkeypatch.setattr(cache_module, "library_versions", lambda: {**versions, "torch": "0.0.0"})
     variants["versions"] = store.key(model, sig, opts, 0)
