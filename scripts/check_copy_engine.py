@@ -56,6 +56,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, group, *, repeat: int = 20) -> float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, default=None, help="also write profiler traces of the GEMM runs here")
     args = parser.parse_args()
     ctx = init_parallel()
     prepare(ctx.group)
@@ -63,7 +64,7 @@ def main() -> None:
                         nccl=".".join(map(str, torch.cuda.nccl.version())))
 
     try:
-        check(ctx, result)
+        check(ctx, result, args.trace)
     except Exception as exc:  # noqa: BLE001 - report it with the other rank's results
         result["error"] = repr(exc)[:3000]
     everyone = gather_objects(ctx, result)
@@ -74,7 +75,19 @@ def main() -> None:
     shutdown(ctx)
 
 
-def check(ctx, result: dict) -> None:
+def trace_replay(graph: torch.cuda.CUDAGraph, group, path: Path) -> None:
+    """Chrome trace (kernels and copies, per stream) of three replays of `graph`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier(group)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+
+
+def check(ctx, result: dict, trace: Path | None = None) -> None:
     """Fill `result` with sections 1 and 2 of the module docstring."""
     group, name, size, device = ctx.group, ctx.group.group_name, ctx.world_size, ctx.device
     # 1a. the op against NCCL, direct and from a graph
@@ -110,7 +123,10 @@ def check(ctx, result: dict) -> None:
                 holder["y"] = finish(pending)
 
             timings[f"{transport} {label} alone"] = time_graph(graphed(alone), group)
-            timings[f"{transport} {label} under gemm"] = time_graph(graphed(under_gemm), group)
+            graph = graphed(under_gemm)
+            timings[f"{transport} {label} under gemm"] = time_graph(graph, group)
+            if trace is not None and label == "qkv":
+                trace_replay(graph, group, trace / f"{transport}-qkv-under-gemm.rank{ctx.rank}.json")
     timings["gemm alone"] = time_graph(graphed(lambda: holder.__setitem__("g", a @ w)), group)
     result["ms"] = timings
     result["qkv_mbytes_per_rank"] = x.numel() * x.element_size() / 1e6
