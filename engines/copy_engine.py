@@ -11,7 +11,8 @@ IPC); the buffer starts with flags, then data. For `x` of shape (size, ...), sli
 1. caller's stream: wait until every peer has pulled the previous exchange out of this rank's
    buffer (its "done" flag), then copy `x` into it;
 2. side stream: set "ready" in every peer's flags, wait for every peer's "ready", pull slice
-   `rank` of every peer's data into the output, set "done" in every peer's flags, record an event;
+   `rank` of every peer's data into the output, set "done" in every peer's flags, copy this rank's
+   own slice, record an event;
 3. funcol's wait_tensor (engines.collectives.finish) makes the caller's stream wait for that event.
 Copies are plain tensor copies (cudaMemcpyAsync: copy engines; flags are 4-byte copies too) and
 waits are cuStreamWaitValue32 (the GPU's front end polls memory): nothing runs on an SM. That
@@ -169,12 +170,11 @@ def _all_to_all_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
             mine = ex.flag(rank, "ready", p)
             _wait_value(stream, mine.data_ptr(), 1)
             mine.copy_(ex.zero)
-        for step in range(size):
-            peer = (rank + step) % size
-            source = local if peer == rank else ex.data(peer, x.shape, x.dtype)
-            out[peer].copy_(source[rank])
+        for p in peers:  # over NVLink first: the longest copies, and they free the peers' buffers
+            out[p].copy_(ex.data(p, x.shape, x.dtype)[rank])
         for p in peers:
             ex.flag(p, "done", rank).copy_(ex.one)
+        out[rank].copy_(local[rank])
         event = torch.cuda.Event()
         event.record(stream)
     torch._C._distributed_c10d._register_work(out, _Done(event))
