@@ -86,7 +86,8 @@ def run_batch(args: argparse.Namespace) -> int:
     with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
                                                   strategy=args.strategy, rank_timeout=args.rank_timeout,
                                                   stop=stop, backend=args.backend, engine_cache=args.engine_cache,
-                                                  cfg_parallel=args.cfg_parallel, all_to_all=args.all_to_all) as runtime:
+                                                  cfg_parallel=args.cfg_parallel,
+                                                  all_to_all=args.all_to_all) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

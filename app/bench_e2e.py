@@ -403,7 +403,9 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         timer = StageTimer(pipeline, ctx.device)
         modes: list[tuple[str, ParallelPlan | None]] = [] if args.no_single else [("1 GPU", None)]
         heads = pipeline.transformer_config.num_attention_heads
-        modes += [(f"ours {plan_label(plan)}", plan) for plan in our_plans(ctx, heads, args.strategies, args.cfg)]
+        transport = "" if args.all_to_all == "nccl" else f" {args.all_to_all}"
+        modes += [(f"ours {plan_label(plan)}{transport if plan.ulysses > 1 else ''}", plan)
+                  for plan in our_plans(ctx, heads, args.strategies, args.cfg)]
         for mode, plan in modes:
             for backend in args.backends:
                 rows.append(measure_mode(arch.registry_name, mode, plan, backend, ctx=ctx, timer=timer, model=model,

@@ -105,7 +105,8 @@ def run_build(args: argparse.Namespace) -> int:
     cache_dir = engine_cache_dir(args.engine_cache)
     with stop_on_signals() as stop, start_runtime([(spec, folder)], device=args.device, strategy=args.strategy,
                                                   rank_timeout=args.rank_timeout, stop=stop, backend=args.backend,
-                                                  engine_cache=cache_dir, cfg_parallel=args.cfg_parallel, all_to_all=args.all_to_all) as runtime:
+                                                  engine_cache=cache_dir, cfg_parallel=args.cfg_parallel,
+                                                  all_to_all=args.all_to_all) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

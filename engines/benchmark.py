@@ -485,7 +485,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default nccl; engines/copy_engine.py)")
     p.add_argument("--fuse-qkv", action="store_true",
                    help="fuse each attention's q/k/v projections into one GEMM (diffusers' fuse_qkv_projections) "
-                        "before measuring; applies to every mode")
+                        "before measuring; applies to every mode (2x H200: no faster, 4 GiB more; docs/benchmarks.md)")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
     p.add_argument("--peers", default="",
                    help=f"comma-separated peers to measure last, on FLUX: {', '.join(PEERS)} (default none); each "

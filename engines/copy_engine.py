@@ -21,7 +21,13 @@ measured here a barrier queued beside a GEMM waits for the whole GEMM, which end
 Everything is stream-ordered, so it records into CUDA graphs; the flags end every exchange as they
 began it, so graphs replay.
 
+Measured (docs/benchmarks.md, 2x H200): bit-identical to NCCL; 0.1-2.2% faster per FLUX step at
+1024², level at 2048² and on Cosmos-14B. The pull still waits for both ranks to have staged their
+data, so rank skew pushes it past the GEMM; the benchmarks note says what would hide more.
+
 Needs: CUDA, and every rank of the group on one host with peer access (NVLink or PCIe P2P).
+Unlike NCCL there is no watchdog: if a rank dies inside a step, the others' streams wait on its
+flags until the job is stopped (NCCL, the default transport, aborts after its timeout).
 On CPU the op runs the group's own all-to-all (gloo) at once: there are no copy engines, but the
 compiled graphs and the waits are the same, so CPU tests cover everything but the transfers.
 """
@@ -46,8 +52,8 @@ _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 
 FLAGS_BYTES = 4096
-"""Head of each rank's symmetric buffer: uint32 flags "ready[peer]" at 0 and "done[peer]" at
-FLAGS_BYTES // 2 (8-GPU hosts use 64 bytes of each); the exchanged data follows."""
+"""Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "done[peer]" at
+FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the exchanged data follows."""
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -71,7 +77,7 @@ class _Done(Work):
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
+        _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)  # only copies and waits run on it
     return _side_streams[index]
 
 
@@ -134,7 +140,8 @@ def _exchange(group_name: str, nbytes: int, device: torch.device) -> _Exchange:
                                "CUDA graph capture; run the shape once before capturing")
         if exchange is not None:
             exchange.release()  # every rank is past its last use of the old buffer
-        exchange = _exchanges[group_name] = _Exchange(group_name, max(nbytes, exchange.data_bytes if exchange else 0), device)
+        size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
+        exchange = _exchanges[group_name] = _Exchange(group_name, size, device)
     return exchange
 
 
