@@ -99,7 +99,7 @@ def test_batch_on_two_ranks_interrupted_and_resumed_writes_each_file_once(tmp_pa
     second = batch("--steps", "40", prompts=prompts, out=out)
     _, stderr = second.communicate(timeout=300)
     assert second.returncode == 1, stderr  # 1: a line was bad
-    assert f"prompts.jsonl:4: skipped: not valid JSON" in stderr
+    assert "prompts.jsonl:4: skipped: not valid JSON" in stderr
     assert f"{5 - len(done_before)} written, {len(done_before)} already done, 1 bad or failed (lines 4)" in stderr
     assert "batch: " in stderr and "item" in stderr  # the progress bar
     files = manifest_files(out)

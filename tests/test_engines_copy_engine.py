@@ -14,31 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from test_engines_flux_overlap import windows
 from test_engines_parallel import flux_inputs, free_port, randomize, tiny_flux
 
 TOLERANCE = 1e-4
 OP = "ulysses_studio.copy_engine_all_to_all"
-
-
-def _windows(code: str) -> list[int]:
-    """Matrix multiplies between each copy-engine all-to-all and its wait, in generated-code order."""
-    counts, open_count = [], None
-    for line in code.splitlines():
-        if OP in line and "=" in line:
-            open_count = 0
-        elif "_c10d_functional.wait_tensor" in line and open_count is not None:
-            counts.append(open_count)
-            open_count = None
-        elif open_count is not None and re.search(r"extern_kernels\.(addmm|mm)\(", line):
-            open_count += 1
-    return counts
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -71,7 +57,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         engine.release()
         result["compiled_err"] = (compiled - eager).abs().max().item()
         result["again_err"] = (again - compiled).abs().max().item()
-        result["windows"] = [_windows(code) for code in codes if OP in code]
+        result["windows"] = [windows(code, OP) for code in codes if OP in code]
         result["nccl_ops"] = sum(code.count("_c10d_functional.all_to_all_single") for code in codes)
         parallel.restore()
     result["scale"] = expected.abs().max().item()

@@ -25,11 +25,14 @@ from test_engines_parallel import flux_inputs, free_port, randomize, tiny_flux
 TOLERANCE = 1e-4
 
 
-def _windows(code: str) -> list[int]:
-    """Matrix multiplies between each all-to-all start and its wait, in generated-code order."""
+NCCL_ALL_TO_ALL = "_c10d_functional.all_to_all_single"
+
+
+def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
+    """Matrix multiplies between each all-to-all (a line calling `start`) and its wait, in generated-code order."""
     counts, open_count = [], None
     for line in code.splitlines():
-        if "_c10d_functional.all_to_all_single" in line and "=" in line:
+        if start in line and "=" in line:
             open_count = 0
         elif "_c10d_functional.wait_tensor" in line and open_count is not None:
             counts.append(open_count)
@@ -74,7 +77,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         engine.release()
         result["compiled_err"] = (compiled - eager).abs().max().item()
         # the single block's graph is the one whose code starts with the norm and holds two all-to-alls
-        result["windows"] = [_windows(code) for code in codes if code.count("all_to_all_single.default(") == 2]
+        result["windows"] = [windows(code) for code in codes if code.count("all_to_all_single.default(") == 2]
         result["block_kept"] = model.single_transformer_blocks[0] is block
         parallel.restore()
     result["restored"] = all(a is b for a, b in zip(model.single_transformer_blocks, originals, strict=True))
