@@ -35,8 +35,10 @@ compiled graphs and the waits are the same, so CPU tests cover everything but th
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -56,9 +58,11 @@ FLAGS_BYTES = 4096
 FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the exchanged data follows."""
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
+# Per-process state: the op is called from compiled graphs with only a tensor and a group name, so
+# what lasts between calls (one side stream per GPU, one buffer per group) is kept here, as torch
+# keeps its own symmetric-memory workspaces.
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _exchanges: dict[str, _Exchange] = {}
-_stream_wait_value32 = None
 
 
 class _Done(Work):
@@ -81,17 +85,20 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[index]
 
 
+@functools.cache
+def _stream_wait_value32() -> Callable[..., int]:
+    """The CUDA driver's cuStreamWaitValue32 (torch does not expose it)."""
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    function = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
+    function.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
 def _wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """`stream` waits until the uint32 at `address` equals `value` (cuStreamWaitValue32: the GPU's
+    """`stream` waits until the int32 at `address` equals `value` (cuStreamWaitValue32: the GPU's
     front end polls; no kernel, no SM)."""
-    global _stream_wait_value32
-    if _stream_wait_value32 is None:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        function = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
-        function.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        function.restype = ctypes.c_int
-        _stream_wait_value32 = function
-    result = _stream_wait_value32(stream.cuda_stream, address, value, CU_STREAM_WAIT_VALUE_EQ)
+    result = _stream_wait_value32()(stream.cuda_stream, address, value, CU_STREAM_WAIT_VALUE_EQ)
     if result != 0:
         raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {result}")
 
