@@ -529,6 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = dict(sdpa=args.sdpa, fuse_qkv=args.fuse_qkv, all_to_all=args.all_to_all,
             command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
             diffusers=diffusers.__version__, cuda=torch.version.cuda,
+            nccl=".".join(map(str, torch.cuda.nccl.version())) if ctx.device.type == "cuda" else None,
             device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
             dtype="float32" if args.tiny else "bfloat16", backends=args.backends, warmup=args.warmup,
             iters=args.iters,
