@@ -6,7 +6,8 @@
    replayed from a CUDA graph; a random-weight FLUX.1-dev (1024², bf16, eager) under Ulysses gives
    the same output with either transport.
 2. Speed of the exchange alone and under a GEMM (the FLUX single block's q/k/v exchange, 21 MB a
-   rank, beside its MLP GEMM, 2304x3072 @ 3072x12288): CUDA-graph replays, CUDA events, median.
+   rank, beside its MLP GEMM, 2304x3072 @ 3072x12288): CUDA-graph replays, CUDA events, median;
+   and a bare 21 MB peer pull alone and beside the GEMM (the floor for any copy-engine design).
 Every rank prints its numbers; rank 0 writes the JSON.
 """
 
@@ -128,6 +129,27 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
             if trace is not None and label == "qkv":
                 trace_replay(graph, group, trace / f"{transport}-qkv-under-gemm.rank{ctx.rank}.json")
     timings["gemm alone"] = time_graph(graphed(lambda: holder.__setitem__("g", a @ w)), group)
+    # The floor of any copy-engine design: one 21 MB pull from the peer's symmetric memory on a side
+    # stream, nothing else (no staging, no flags; the data never changes), beside the same GEMM.
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    chunk = x[0]
+    mine = symm_mem.empty(chunk.numel(), dtype=chunk.dtype, device=device)
+    handle = symm_mem.rendezvous(mine, name)
+    remote = handle.get_buffer((ctx.rank + 1) % size, chunk.shape, chunk.dtype)
+    pulled = torch.empty_like(chunk)
+    side = torch.cuda.Stream(device=device)
+
+    def raw_pull(with_gemm: bool) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pulled.copy_(remote)
+        if with_gemm:
+            holder["g"] = a @ w
+        torch.cuda.current_stream().wait_stream(side)
+
+    timings["raw peer pull alone"] = time_graph(graphed(lambda: raw_pull(False)), group)
+    timings["raw peer pull under gemm"] = time_graph(graphed(lambda: raw_pull(True)), group)
     result["ms"] = timings
     result["qkv_mbytes_per_rank"] = x.numel() * x.element_size() / 1e6
 
