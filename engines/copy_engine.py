@@ -81,7 +81,8 @@ class _Done(Work):
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)  # only copies and waits run on it
+        # only copies and waits run on it; priority as measured
+        _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
     return _side_streams[index]
 
 
@@ -131,8 +132,7 @@ class _Exchange:
 
     def data(self, rank: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """rank's data area seen as `shape`/`dtype` (maybe remote)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.handle.get_buffer(rank, shape, dtype, FLAGS_BYTES // itemsize)
+        return self.handle.get_buffer(rank, shape, dtype, FLAGS_BYTES // dtype.itemsize)
 
     def release(self) -> None:
         torch.cuda.synchronize(self.buffer.device)

@@ -8,6 +8,9 @@ checks that
 - the parallel model (eager) equals the one-process model;
 - compiled with inductor and EngineOptions.overlap, the generated code keeps a matrix multiply
   between each all-to-all and its wait (the order the GPU needs for overlap), and equals eager.
+Both all-to-all transports are checked: NCCL's (gloo here) and the copy-engine op
+(engines/copy_engine.py, which runs gloo's all-to-all on CPU): with the latter, no funcol
+all-to-all is left in the compiled code. GPU runs of the copy-engine op are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -26,6 +30,8 @@ TOLERANCE = 1e-4
 
 
 NCCL_ALL_TO_ALL = "_c10d_functional.all_to_all_single"
+COPY_ENGINE_ALL_TO_ALL = "ulysses_studio.copy_engine_all_to_all"
+START = {"nccl": NCCL_ALL_TO_ALL, "copy-engine": COPY_ENGINE_ALL_TO_ALL}
 
 
 def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
@@ -42,7 +48,7 @@ def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
     return counts
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -62,11 +68,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     with torch.no_grad():
         expected = model(**kwargs)[0]
 
-        ring = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6, strategy="ring"))
+        ring = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6, strategy="ring"),
+                                       all_to_all=transport)
         result["ring_blocks_replaced"] = any(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
         ring.restore()
 
-        parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6))
+        parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6), all_to_all=transport)
         result["ulysses_blocks_replaced"] = all(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
         eager = parallel(**kwargs)[0]
         result["eager_err"] = (eager - expected).abs().max().item()
@@ -74,10 +81,14 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         block = model.single_transformer_blocks[0]
         engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks", overlap=True))
         compiled, codes = run_and_get_code(lambda: engine(**kwargs)[0])
+        again = engine(**kwargs)[0]  # a second call: the copy-engine op reuses its buffer
         engine.release()
         result["compiled_err"] = (compiled - eager).abs().max().item()
+        result["again_err"] = (again - compiled).abs().max().item()
         # the single block's graph is the one whose code starts with the norm and holds two all-to-alls
-        result["windows"] = [windows(code) for code in codes if code.count("all_to_all_single.default(") == 2]
+        start = START[transport]
+        result["windows"] = [windows(code, start) for code in codes if code.count(f"{start}.default(") == 2]
+        result["nccl_ops"] = sum(code.count(NCCL_ALL_TO_ALL) for code in codes)
         result["block_kept"] = model.single_transformer_blocks[0] is block
         parallel.restore()
     result["restored"] = all(a is b for a, b in zip(model.single_transformer_blocks, originals, strict=True))
@@ -86,14 +97,18 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     shutdown(ctx)
 
 
-def test_single_blocks_overlap_their_all_to_alls(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("transport", ["nccl", "copy-engine"])
+def test_single_blocks_overlap_their_all_to_alls(tmp_path: Path, transport: str) -> None:
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), transport), nprocs=2, join=True)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["ulysses_blocks_replaced"] and not r["ring_blocks_replaced"], r
         assert r["block_kept"] and r["restored"], r
         assert r["eager_err"] <= TOLERANCE * max(r["scale"], 1.0), r
         assert r["compiled_err"] <= TOLERANCE * max(r["scale"], 1.0), r
+        assert r["again_err"] == 0.0, r
+        if transport == "copy-engine":
+            assert r["nccl_ops"] == 0, r  # every Ulysses all-to-all went through the op
         # double blocks' graphs have two all-to-alls too but nothing to put in their windows; at least
         # one graph (the single block, compiled once per class) must fill both windows
         assert [1, 1] in [[min(n, 1) for n in w] for w in r["windows"]], r["windows"]
