@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.collectives import all_gather, all_to_all, finish, ring_shift, start_all_to_all, wait
+from engines.collectives import all_gather, all_to_all, finish, start_all_to_all, start_ring_shift
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout
 
@@ -150,14 +150,20 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs) ->
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention (BHSD) and its float32 log-sum-exp (BHS), for merging partial results.
 
-    Uses the SDPA kernels that return the LSE: flash (CPU; CUDA fp16/bf16), memory-efficient
-    (CUDA fp32); a plain float32 implementation elsewhere.
+    Uses the SDPA kernels that return the LSE: cuDNN (CUDA fp16/bf16, head dim <= 128: on H200 it
+    ran one FLUX ring-2 rank's attention in 0.27 ms where flash took 0.48, scripts/check_ring_split.py),
+    flash (CPU; other CUDA fp16/bf16), memory-efficient (CUDA fp32); a plain float32 implementation
+    elsewhere.
     """
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
         return out, lse.float()
     if q.device.type == "cuda":
-        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        half = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+        if half and q.shape[-1] <= 128:
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+            return out, lse.reshape(q.shape[:3])  # some versions give (B, H, S, 1)
+        if half and q.shape[-1] <= 256:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
             return out, lse
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
@@ -183,19 +189,24 @@ def _merge(
 def _ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
 ) -> torch.Tensor:
-    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE."""
+    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE.
+
+    Each step issues the pass of the block it holds before attending to it (explicit start/finish
+    ops, so the order survives torch.compile): the transfer runs during that block's attention.
+    """
     size, rank = mesh.plan.ring, mesh.ring_rank
     kv = torch.stack((k, v))  # one message per step
     out = lse = None
     for step in range(size):
-        kv = wait(kv)
-        # Send this block on before computing with it, so the transfer overlaps the attention.
-        next_kv = ring_shift(kv, mesh.ring_group, rank, size) if step < size - 1 else None
+        pending = None
+        if step < size - 1:
+            pending = start_ring_shift(kv, mesh.ring_group_name, rank, size, mesh.all_to_all)
         runs = layout.valid_runs(mesh.ring_shards((rank - step) % size))
         if runs:  # a block made only of padding adds nothing (and would give an empty softmax)
             block_out, block_lse = attention_with_lse(q, _select(kv[0], runs, 2), _select(kv[1], runs, 2))
             out, lse = _merge(out, lse, block_out, block_lse)
-        kv = next_kv
+        if pending is not None:
+            kv = finish(pending)
     if out is None:
         raise ValueError("attention over an empty sequence")
     return out.to(q.dtype)

@@ -321,9 +321,10 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
         for shape in shapes:
             forward = single_process_forward(model, device) if ctx.is_main else None
             record("1 GPU", shape, 1, forward, None, options)
-    # 2. ours, each plan over all ranks, with each all-to-all transport (Ulysses plans)
+    # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
     for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
-        for transport in (args.all_to_all if plan.ulysses > 1 else ["nccl"]):
+        exchanges = plan.ulysses > 1 or (plan.ring > 1 and plan.kv_exchange == "ring")
+        for transport in (args.all_to_all if exchanges else ["nccl"]):
             parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
             mode = f"ours {plan_label(plan)}" + ("" if transport == "nccl" else f" {transport}")
             for options in backends:

@@ -3,13 +3,13 @@
 torch.distributed._functional_collectives ops are traced by torch.compile into the graph (with
 fullgraph=True), unlike the in-place torch.distributed calls. In eager mode they return an
 AsyncCollectiveTensor; all_to_all and all_gather unwrap it at once (their callers need the data
-next, and a plain tensor avoids a subclass dispatch on every later op), ring_shift leaves it
-pending so that the caller can compute while the transfer runs, then call wait().
+next, and a plain tensor avoids a subclass dispatch on every later op).
 
 Under torch.compile, though, funcol places each wait right after its collective (the traced code
 cannot see where an AsyncCollectiveTensor is first used), so a compiled graph overlaps nothing.
-start_all_to_all / finish call the collective and its wait as two ops where the caller puts them,
-so compute written between them overlaps the transfer in eager and compiled code alike.
+start_all_to_all / start_ring_shift and finish call the collective and its wait as two ops where
+the caller puts them, so compute written between them overlaps the transfer in eager and compiled
+code alike.
 """
 
 from __future__ import annotations
@@ -49,20 +49,6 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -
     return torch.cat(out.chunk(size, dim=0), dim=dim)
 
 
-def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-    """Send `x` to group rank+1 and receive the same shape from rank-1 (pending: call wait()).
-
-    An all-to-all whose only non-empty splits are those two peers: NCCL turns it into one send and
-    one receive, and it traces like any functional collective (funcol.permute_tensor would too,
-    but it sizes splits in elements, which only fits 1-D tensors).
-    """
-    send = [0] * size
-    recv = [0] * size
-    send[(rank + 1) % size] = 1
-    recv[(rank - 1) % size] = 1
-    return funcol.all_to_all_single(x.unsqueeze(0).contiguous(), recv, send, group).squeeze(0)
-
-
 def start_all_to_all(x: torch.Tensor, group_name: str, size: int, transport: str = "nccl") -> torch.Tensor:
     """all_to_all (as above) issued without waiting: pass the result to finish() before using it.
 
@@ -75,6 +61,24 @@ def start_all_to_all(x: torch.Tensor, group_name: str, size: int, transport: str
         return copy_engine.start(x, group_name)
     splits = [x.shape[0] // size] * size
     return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
+
+
+def start_ring_shift(x: torch.Tensor, group_name: str, rank: int, size: int, transport: str = "nccl") -> torch.Tensor:
+    """Send `x` to group rank+1 and receive the same shape from rank-1, without waiting: pass the
+    result to finish() before using it. `rank`/`size` are this rank's place in the group and its
+    size (Python ints, read outside traced code).
+
+    With NCCL: an all-to-all whose only non-empty splits are those two peers, which NCCL turns into
+    one send and one receive (funcol.permute_tensor would too, but it sizes splits in elements,
+    which only fits 1-D tensors). "copy-engine": engines/copy_engine.py.
+    """
+    if transport == "copy-engine":
+        return copy_engine.start_shift(x, group_name)
+    rows = x.shape[0]
+    send, receive = [0] * size, [0] * size
+    send[(rank + 1) % size] = rows
+    receive[(rank - 1) % size] = rows
+    return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), receive, send, group_name)
 
 
 def finish(x: torch.Tensor) -> torch.Tensor:

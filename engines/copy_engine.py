@@ -1,34 +1,36 @@
-"""All-to-all on the GPUs' copy engines: peer copies through symmetric memory, no SM kernels.
+"""Context-parallel exchanges on the GPUs' copy engines: peer copies, no SM kernels.
 
-Why not NCCL here (measured, docs/benchmarks.md, FLUX.1-dev 1024² on 2x H200): NCCL's all-to-all
-is a kernel, and a kernel needs SMs. Ulysses issues each all-to-all just before a big GEMM meant to
-hide it; the GEMM's CTAs take every SM, so NCCL's kernel waits for the GEMM to finish and nothing
-overlaps (and when they do share SMs, both slow down). A copy engine is a DMA unit beside the SMs:
-a peer copy over NVLink runs while a GEMM has every SM, and does not slow it.
+Two exchanges: the Ulysses all-to-all, and the ring pass of K/V (to group rank + 1, from rank - 1).
+
+Why not NCCL here (measured, docs/benchmarks.md, FLUX.1-dev 1024² on 2x H200): NCCL's collectives
+are kernels, and a kernel needs SMs. An exchange is issued just before the compute meant to hide it
+(a GEMM, or ring attention's local half); that compute's CTAs take every SM, so NCCL's kernel waits
+for it to finish and nothing overlaps (and when they do share SMs, both slow down). A copy engine is
+a DMA unit beside the SMs: a peer copy over NVLink runs while a GEMM has every SM.
 
 How: every rank of the group maps one buffer of every other rank (torch symmetric memory, CUDA
-IPC); the buffer starts with flags, then data. For `x` of shape (size, ...), slice p going to peer p:
-1. caller's stream: wait until every peer has pulled the previous exchange out of this rank's
-   buffer (its "done" flag), then copy `x` into it;
-2. side stream: set "ready" in every peer's flags, wait for every peer's "ready", pull slice
-   `rank` of every peer's data into the output, set "done" in every peer's flags, copy this rank's
-   own slice, record an event;
+IPC); the buffer starts with flags, then one data slot per peer. On a side stream, once the
+caller's stream has produced `x`:
+1. push: for each peer, wait until that peer has copied out what this rank last wrote there (its
+   "free" flag), write the peer's slice of `x` into this rank's slot of the peer's buffer, then set
+   the peer's "ready" flag; copy this rank's own slice locally;
+2. collect: for each peer, wait for its "ready" flag, copy its slot out into the result; then set
+   "free" in every peer's flags, and record an event;
 3. funcol's wait_tensor (engines.collectives.finish) makes the caller's stream wait for that event.
-Copies are plain tensor copies (cudaMemcpyAsync: copy engines; flags are 4-byte copies too) and
-waits are cuStreamWaitValue32 (the GPU's front end polls memory): nothing runs on an SM. That
-matters: torch's own low-contention collectives synchronize with one-CTA barrier kernels, and
-measured here a barrier queued beside a GEMM waits for the whole GEMM, which ends the overlap.
-Everything is stream-ordered, so it records into CUDA graphs; the flags end every exchange as they
-began it, so graphs replay.
+Each rank pushes as soon as it is ready (no rank waits for the slowest to start), and the caller's
+stream does no copy at all. Copies are plain tensor copies (cudaMemcpyAsync: copy engines; flags
+are 4-byte copies too) and waits are cuStreamWaitValue32 (the GPU's front end polls memory):
+nothing runs on an SM. That matters: torch's own low-contention collectives synchronize with
+one-CTA barrier kernels, and measured here a barrier queued beside a GEMM waits for the whole
+GEMM, which ends the overlap. Everything is stream-ordered, so it records into CUDA graphs; the
+flags end every exchange as they began it, so graphs replay.
 
-Measured (docs/benchmarks.md, 2x H200): bit-identical to NCCL; 0.1-2.2% faster per FLUX step at
-1024², level at 2048² and on Cosmos-14B. The pull still waits for both ranks to have staged their
-data, so rank skew pushes it past the GEMM; the benchmarks note says what would hide more.
+Measured: see docs/benchmarks.md (bit-identical to NCCL on 2x H200; step times there).
 
 Needs: CUDA, and every rank of the group on one host with peer access (NVLink or PCIe P2P).
 Unlike NCCL there is no watchdog: if a rank dies inside a step, the others' streams wait on its
 flags until the job is stopped (NCCL, the default transport, aborts after its timeout).
-On CPU the op runs the group's own all-to-all (gloo) at once: there are no copy engines, but the
+On CPU the ops run the group's own all-to-all (gloo) at once: there are no copy engines, but the
 compiled graphs and the waits are the same, so CPU tests cover everything but the transfers.
 """
 
@@ -47,14 +49,16 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import Work
 
 TRANSPORTS = ("nccl", "copy-engine")
-"""How Ulysses all-to-alls travel: "nccl" = the process group's collective (NCCL on GPUs, gloo on
+"""How context-parallel exchanges (Ulysses all-to-alls, ring K/V passes) travel: "nccl" = the
+process group's collective (NCCL on GPUs, gloo on
 CPU); "copy-engine" = this module."""
 
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
+_lib.define("copy_engine_shift(Tensor x, str group_name) -> Tensor")
 
 FLAGS_BYTES = 4096
-"""Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "done[peer]" at
+"""Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "free[peer]" at
 FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the exchanged data follows."""
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
@@ -66,11 +70,13 @@ _exchanges: dict[str, _Exchange] = {}
 
 
 class _Done(Work):
-    """The work handle funcol's wait_tensor waits on: an event on the side stream."""
+    """The work handle funcol's wait_tensor waits on: an event on the side stream. It also holds
+    the input the side stream reads, so that its memory is not reused before the caller waits."""
 
-    def __init__(self, event: torch.cuda.Event | None) -> None:
+    def __init__(self, event: torch.cuda.Event | None, keep: torch.Tensor | None = None) -> None:
         super().__init__()
         self.event = event
+        self.keep = keep
 
     def wait(self, timeout: timedelta = timedelta(seconds=0)) -> bool:
         if self.event is not None:
@@ -105,7 +111,13 @@ def _wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
 
 
 class _Exchange:
-    """One group's symmetric buffer (flags + data) and the tensors that name its parts."""
+    """One group's symmetric buffer (flags + data slots) and the tensors that name its parts.
+
+    Data area: `size` slots of one exchange's slice, slot p written by peer p (this rank's own slot
+    is unused). Flags, int32, each written by the peer it names: ready[p] at 0 ("p has written its
+    slot in this buffer"), free[p] at FLAGS_BYTES // 2 ("p has copied out what this rank wrote into
+    p's buffer: this rank may write there again").
+    """
 
     def __init__(self, group_name: str, data_bytes: int, device: torch.device) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
@@ -116,23 +128,24 @@ class _Exchange:
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # collective
         self.rank, self.size, self.data_bytes = self.handle.rank, self.handle.world_size, data_bytes
         if self.size * 4 > FLAGS_BYTES // 2:
-            raise ValueError(f"copy-engine all-to-all supports up to {FLAGS_BYTES // 8} ranks per group")
+            raise ValueError(f"copy-engine exchanges support up to {FLAGS_BYTES // 8} ranks per group")
         flags = self.buffer[:FLAGS_BYTES].view(torch.int32)
         flags.zero_()
-        flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # done[peer] = 1: nothing to wait for
+        flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # free[peer] = 1: nothing to wait for
         self.one = torch.ones(1, dtype=torch.int32, device=device)
         self.zero = torch.zeros(1, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every rank's flags are set before anyone signals
+        dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
     def flag(self, rank: int, kind: str, peer: int) -> torch.Tensor:
-        """rank's flag `kind` ("ready" or "done") about `peer`, as a 1-element tensor (maybe remote)."""
+        """rank's flag `kind` ("ready" or "free") about `peer`, as a 1-element tensor (maybe remote)."""
         offset = (0 if kind == "ready" else FLAGS_BYTES // 2) + 4 * peer
         return self.handle.get_buffer(rank, (1,), torch.int32, offset // 4)
 
-    def data(self, rank: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """rank's data area seen as `shape`/`dtype` (maybe remote)."""
-        return self.handle.get_buffer(rank, shape, dtype, FLAGS_BYTES // dtype.itemsize)
+    def slot(self, rank: int, writer: int, like: torch.Tensor) -> torch.Tensor:
+        """The slot of rank's buffer that `writer` fills, seen with `like`'s shape and dtype (maybe remote)."""
+        offset = FLAGS_BYTES + writer * like.numel() * like.element_size()
+        return self.handle.get_buffer(rank, like.shape, like.dtype, offset // like.element_size())
 
     def release(self) -> None:
         torch.cuda.synchronize(self.buffer.device)
@@ -143,13 +156,58 @@ def _exchange(group_name: str, nbytes: int, device: torch.device) -> _Exchange:
     exchange = _exchanges.get(group_name)
     if exchange is None or exchange.data_bytes < nbytes:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("copy-engine all-to-all: its buffer must grow, which cannot happen during "
+            raise RuntimeError("copy-engine exchange: its buffer must grow, which cannot happen during "
                                "CUDA graph capture; run the shape once before capturing")
         if exchange is not None:
             exchange.release()  # every rank is past its last use of the old buffer
         size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
         exchange = _exchanges[group_name] = _Exchange(group_name, size, device)
     return exchange
+
+
+def _push_and_collect(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    group_name: str,
+    sends: list[tuple[int, torch.Tensor]],
+    receives: list[tuple[int, torch.Tensor]],
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """On the side stream: write each (peer, slice of x) of `sends` into that peer's buffer, copy
+    `own` (destination, source) locally, copy each (peer, slice of out) of `receives` from the slot
+    that peer wrote here; then register the work that funcol's wait_tensor waits for on `out`.
+    Every slice has the same shape.
+
+    The buffer is allocated at the first call (the warm-up, never inside a CUDA graph capture) and
+    grown if a later call is bigger: every rank makes the same calls, so they stay in step.
+    """
+    like = sends[0][1]
+    group_size = c10d._resolve_process_group(group_name).size()
+    ex = _exchange(group_name, group_size * like.numel() * like.element_size(), x.device)
+    rank = ex.rank
+    compute = torch.cuda.current_stream()
+    stream = _side_stream(x.device)
+    stream.wait_stream(compute)  # x is ready, out is allocated
+    with torch.cuda.stream(stream):
+        for peer, piece in sends:  # push as soon as this rank is ready and the peer's slot is free
+            free = ex.flag(rank, "free", peer)
+            _wait_value(stream, free.data_ptr(), 1)
+            free.copy_(ex.zero)
+            ex.slot(peer, rank, piece).copy_(piece)  # over NVLink, by a copy engine
+            ex.flag(peer, "ready", rank).copy_(ex.one)
+        if own is not None:
+            own[0].copy_(own[1])
+        for peer, piece in receives:
+            ready = ex.flag(rank, "ready", peer)
+            _wait_value(stream, ready.data_ptr(), 1)
+            ready.copy_(ex.zero)
+            piece.copy_(ex.slot(rank, peer, piece))
+        for peer, _ in receives:  # only after every slot is copied out: a slot of one exchange may
+            ex.flag(peer, "free", rank).copy_(ex.one)  # overlap another peer's slot of the next
+        event = torch.cuda.Event()
+        event.record(stream)
+    # x is read on the side stream: keep it alive until the caller's stream has waited for the event
+    torch._C._distributed_c10d._register_work(out, _Done(event, keep=x))
 
 
 @torch.library.impl(_lib, "copy_engine_all_to_all", "Meta")
@@ -160,41 +218,28 @@ def _all_to_all_meta(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CUDA")
 def _all_to_all_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
     x = x.contiguous()
-    # Allocated at the first call (the warm-up, never inside a CUDA graph capture), grown if a later
-    # call is bigger: every rank makes the same calls, so they stay in step.
-    ex = _exchange(group_name, x.numel() * x.element_size(), x.device)
-    rank, size = ex.rank, ex.size
-    compute = torch.cuda.current_stream()
-    peers = [p for p in range(size) if p != rank]
-    # 1. (caller's stream) every peer has pulled the last exchange out of this buffer; refill it.
-    for p in peers:
-        mine = ex.flag(rank, "done", p)
-        _wait_value(compute, mine.data_ptr(), 1)
-        mine.copy_(ex.zero)
-    local = ex.data(rank, x.shape, x.dtype)
-    local.copy_(x)  # on the caller's stream: x may be freed or reused as soon as this op returns
     out = torch.empty_like(x)  # on the caller's stream: its memory belongs to that stream
-    # 2. (side stream) tell every peer the data is there, wait for theirs, pull, tell them we are done.
-    stream = _side_stream(x.device)
-    stream.wait_stream(compute)
-    with torch.cuda.stream(stream):
-        for p in peers:
-            ex.flag(p, "ready", rank).copy_(ex.one)
-        for p in peers:
-            mine = ex.flag(rank, "ready", p)
-            _wait_value(stream, mine.data_ptr(), 1)
-            mine.copy_(ex.zero)
-        for p in peers:  # over NVLink first: the longest copies, and they free the peers' buffers
-            out[p].copy_(ex.data(p, x.shape, x.dtype)[rank])
-        for p in peers:
-            ex.flag(p, "done", rank).copy_(ex.one)
-        out[rank].copy_(local[rank])
-        event = torch.cuda.Event()
-        event.record(stream)
-    torch._C._distributed_c10d._register_work(out, _Done(event))
+    group = c10d._resolve_process_group(group_name)
+    rank, size = group.rank(), group.size()
+    peers = [(rank + i) % size for i in range(1, size)]  # a different first peer on every rank
+    _push_and_collect(x, out, group_name, [(p, x[p]) for p in peers], [(p, out[p]) for p in peers],
+                      own=(out[rank], x[rank]))
     return out
 
 
+@torch.library.impl(_lib, "copy_engine_shift", "Meta")
+def _shift_meta(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.impl(_lib, "copy_engine_shift", "CUDA")
+def _shift_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    group = c10d._resolve_process_group(group_name)
+    rank, size = group.rank(), group.size()
+    _push_and_collect(x, out, group_name, [((rank + 1) % size, x)], [((rank - 1) % size, out)])
+    return out
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CPU")
 def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     x = x.contiguous()
@@ -204,9 +249,28 @@ def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
+@torch.library.impl(_lib, "copy_engine_shift", "CPU")
+def _shift_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    group = c10d._resolve_process_group(group_name)
+    rank, size = group.rank(), group.size()
+    rows = x.shape[0]
+    send, receive = [0] * size, [0] * size
+    send[(rank + 1) % size] = receive[(rank - 1) % size] = rows
+    dist.all_to_all_single(out, x, receive, send, group=group)
+    torch._C._distributed_c10d._register_work(out, _Done(None))
+    return out
+
+
 def start(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Issue the all-to-all of `x` along dim 0 (slice i to peer i); finish it with wait_tensor."""
     return torch.ops.ulysses_studio.copy_engine_all_to_all(x, group_name)
+
+
+def start_shift(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Issue the ring pass of `x`: to group rank + 1, from group rank - 1; finish it with wait_tensor."""
+    return torch.ops.ulysses_studio.copy_engine_shift(x, group_name)
 
 
 def check_transport(transport: str, group: dist.ProcessGroup | None, device: torch.device) -> None:

@@ -32,10 +32,12 @@ class ParallelMesh:
     ring_rank: int
     cfg_rank: int
     all_to_all: str = "nccl"
-    """How the Ulysses all-to-alls travel: "nccl" (the group's collective) or "copy-engine"
-    (engines/copy_engine.py)."""
+    """How the context-parallel exchanges (Ulysses all-to-alls, ring K/V passes) travel: "nccl"
+    (the group's collectives) or "copy-engine" (engines/copy_engine.py)."""
     ulysses_group_name: str = ""
     """ulysses_group.group_name, read here once (traced code takes a plain string)."""
+    ring_group_name: str = ""
+    """ring_group.group_name, likewise."""
 
     @property
     def seq_rank(self) -> int:
@@ -51,8 +53,8 @@ class ParallelMesh:
 def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl") -> ParallelMesh:
     """Create the process groups of `plan` (collective: every rank must call it, in the same order).
 
-    `all_to_all`: the Ulysses all-to-all transport, "nccl" or "copy-engine" (checked here, before
-    any collective).
+    `all_to_all`: the transport of the Ulysses all-to-alls and ring K/V passes, "nccl" or
+    "copy-engine" (checked here, before any collective).
     """
     plan.check(world_size=ctx.world_size)
     check_transport(all_to_all, ctx.group, ctx.device)
@@ -73,7 +75,11 @@ def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl
         cfg_rank=mesh.get_local_rank("cfg"),
         all_to_all=all_to_all,
         ulysses_group_name=mesh.get_group("ulysses").group_name,
+        ring_group_name=mesh.get_group("ring").group_name,
     )
-    if all_to_all == "copy-engine" and plan.ulysses > 1:
-        prepare(parallel.ulysses_group)
+    if all_to_all == "copy-engine":
+        if plan.ulysses > 1:
+            prepare(parallel.ulysses_group)
+        if plan.ring > 1 and plan.kv_exchange == "ring":
+            prepare(parallel.ring_group)
     return parallel

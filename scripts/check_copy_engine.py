@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 2 scripts/check_copy_engine.py [--out result.json]
 
-1. Correctness: the op's result equals NCCL's all-to-all, bit for bit, called directly, and
-   replayed from a CUDA graph; a random-weight FLUX.1-dev (1024², bf16, eager) under Ulysses gives
-   the same output with either transport.
+1. Correctness: the all-to-all and the ring pass equal NCCL's, bit for bit, called directly and
+   replayed from a CUDA graph; a random-weight FLUX.1-dev (1024², bf16, eager) under Ulysses and
+   under ring gives the same output with either transport (and, on rank 0, its difference from
+   the one-GPU model).
 2. Speed of the exchange alone and under a GEMM (the FLUX single block's q/k/v exchange, 21 MB a
    rank, beside its MLP GEMM, 2304x3072 @ 3072x12288): CUDA-graph replays, CUDA events, median;
    and a bare 21 MB peer pull alone and beside the GEMM (the floor for any copy-engine design).
@@ -23,7 +24,7 @@ import torch
 
 from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
 from engines.benchmark import Shape, gather_objects, make_inputs
-from engines.collectives import all_to_all, finish, start_all_to_all
+from engines.collectives import all_to_all, finish, start_all_to_all, start_ring_shift
 from engines.copy_engine import prepare
 from engines.specs import SPECS, build_random
 
@@ -108,6 +109,20 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
     graph.replay()
     torch.cuda.synchronize()
     result["graph_equal"] = bool(torch.equal(holder["out"], all_to_all(all_to_all(x, group) * 2, group)))
+    # 1b. the ring pass (to rank + 1, from rank - 1) against NCCL's, direct and from a graph
+    def shift(y: torch.Tensor, transport: str) -> torch.Tensor:
+        return finish(start_ring_shift(y, name, ctx.rank, size, transport))
+
+    result["shift_direct_equal"] = bool(torch.equal(shift(x, "copy-engine"), shift(x, "nccl")))
+
+    def shift_twice() -> None:
+        holder["shifted"] = shift(shift(x, "copy-engine") * 2, "copy-engine")
+
+    graph = graphed(shift_twice)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    result["shift_graph_equal"] = bool(torch.equal(holder["shifted"], shift(shift(x, "nccl") * 2, "nccl")))
 
     # 2. speed: exchange alone, GEMM alone, exchange issued before the GEMM then waited
     a = torch.randn(2304, 3072, device=device, dtype=torch.bfloat16)
@@ -153,7 +168,7 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
     result["ms"] = timings
     result["qkv_mbytes_per_rank"] = x.numel() * x.element_size() / 1e6
 
-    # 1b. FLUX.1-dev (random weights, eager, 1024²): same output with either transport
+    # 1c. FLUX.1-dev (random weights, eager, 1024²): same output with either transport
     spec = SPECS["flux-dev"]
     model = build_random(spec, device=device, dtype=torch.bfloat16)
     shape = Shape(height=1024, width=1024)
@@ -161,11 +176,18 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
     outputs = {}
     with torch.no_grad():
         for transport in ("nccl", "copy-engine"):
-            parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(size, 24), all_to_all=transport)
-            outputs[transport] = parallel(**inputs)[0].float()
-            parallel.restore()
-    result["flux_max_diff"] = (outputs["nccl"] - outputs["copy-engine"]).abs().max().item()
-    result["flux_scale"] = outputs["nccl"].abs().max().item()
+            for strategy in ("ulysses", "ring"):
+                plan = ParallelPlan.auto(size, 24, strategy=strategy)
+                parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
+                outputs[strategy, transport] = parallel(**inputs)[0].float()
+                parallel.restore()
+        single = model(**inputs)[0].float() if ctx.rank == 0 else None
+    for strategy in ("ulysses", "ring"):
+        nccl, copy = outputs[strategy, "nccl"], outputs[strategy, "copy-engine"]
+        result[f"flux_{strategy}_max_diff_transports"] = (nccl - copy).abs().max().item()
+        if single is not None:
+            result[f"flux_{strategy}_max_diff_vs_1_gpu"] = (nccl - single).abs().max().item()
+    result["flux_scale"] = outputs["ulysses", "nccl"].abs().max().item()
 
 
 if __name__ == "__main__":
