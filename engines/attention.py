@@ -186,30 +186,66 @@ def _merge(
     return out, new_lse
 
 
+def _ring_pass(kv: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """Issue the pass of the K/V block `kv` to the next ring member (finish() it before use)."""
+    return start_ring_shift(kv, mesh.ring_group_name, mesh.ring_rank, mesh.plan.ring, mesh.all_to_all)
+
+
 def _ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
 ) -> torch.Tensor:
-    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE.
+    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE."""
+    kv = torch.stack((k, v))  # one message per step
+    return _ring_steps(q, kv, _ring_pass(kv, mesh), mesh, layout)
 
-    Each step issues the pass of the block it holds before attending to it (explicit start/finish
+
+def _ring_steps(
+    q: torch.Tensor, kv: torch.Tensor, pending: torch.Tensor | None, mesh: ParallelMesh, layout: ShardLayout
+) -> torch.Tensor:
+    """The ring's attention steps, from this rank's own K/V block `kv`, whose pass `pending` is issued.
+
+    Each block's pass to the next member is issued before attending to it (explicit start/finish
     ops, so the order survives torch.compile): the transfer runs during that block's attention.
     """
     size, rank = mesh.plan.ring, mesh.ring_rank
-    kv = torch.stack((k, v))  # one message per step
     out = lse = None
     for step in range(size):
-        pending = None
-        if step < size - 1:
-            pending = start_ring_shift(kv, mesh.ring_group_name, rank, size, mesh.all_to_all)
         runs = layout.valid_runs(mesh.ring_shards((rank - step) % size))
         if runs:  # a block made only of padding adds nothing (and would give an empty softmax)
             block_out, block_lse = attention_with_lse(q, _select(kv[0], runs, 2), _select(kv[1], runs, 2))
             out, lse = _merge(out, lse, block_out, block_lse)
         if pending is not None:
             kv = finish(pending)
+            pending = _ring_pass(kv, mesh) if step + 2 < size else None
     if out is None:
         raise ValueError("attention over an empty sequence")
     return out.to(q.dtype)
+
+
+class RingAttention:
+    """Ring attention (a ring-only plan) in UlyssesAttention's three calls:
+
+        pending = ring.start(q, k, v)     # this rank's K/V pass issued
+        ...independent compute...          # runs during the transfer
+        out = ring.attend(pending)         # local block, wait, next blocks, merged
+        out = ring.finish(out)             # BSHD, like context_parallel_attention
+    """
+
+    def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
+        self.mesh = mesh
+        self.layout = layout
+
+    def start(
+        self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv = torch.stack((k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)))
+        return q_BSHD.transpose(1, 2), kv, _ring_pass(kv, self.mesh)
+
+    def attend(self, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return _ring_steps(*pending, self.mesh, self.layout)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out.transpose(1, 2)
 
 
 def _allgather_attention(

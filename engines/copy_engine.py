@@ -18,9 +18,10 @@ caller's stream has produced `x`:
    "free" in every peer's flags, and record an event;
 3. funcol's wait_tensor (engines.collectives.finish) makes the caller's stream wait for that event.
 Each rank pushes as soon as it is ready (no rank waits for the slowest to start), and the caller's
-stream does no copy at all. Copies are plain tensor copies (cudaMemcpyAsync: copy engines; flags
-are 4-byte copies too) and waits are cuStreamWaitValue32 (the GPU's front end polls memory):
-nothing runs on an SM. That matters: torch's own low-contention collectives synchronize with
+stream does no copy at all. Copies are plain tensor copies (cudaMemcpyAsync: copy engines; a
+peer's flag is set by a 4-byte peer copy), waits are cuStreamWaitValue32 (the GPU's front end
+polls memory) and this rank's own flags are reset with cuStreamWriteValue32: no SM is needed,
+except that the driver may run the local copy-out as a kernel inside CUDA graphs. That matters: torch's own low-contention collectives synchronize with
 one-CTA barrier kernels, and measured here a barrier queued beside a GEMM waits for the whole
 GEMM, which ends the overlap. Everything is stream-ordered, so it records into CUDA graphs; the
 flags end every exchange as they began it, so graphs replay.
@@ -93,21 +94,32 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @functools.cache
-def _stream_wait_value32() -> Callable[..., int]:
-    """The CUDA driver's cuStreamWaitValue32 (torch does not expose it)."""
+def _stream_memory_op(name: str) -> Callable[..., int]:
+    """The CUDA driver's cuStreamWaitValue32 or cuStreamWriteValue32 (torch exposes neither)."""
     libcuda = ctypes.CDLL("libcuda.so.1")
-    function = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
+    function = getattr(libcuda, f"{name}_v2", None) or getattr(libcuda, name)
     function.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
     function.restype = ctypes.c_int
     return function
 
 
-def _wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """`stream` waits until the int32 at `address` equals `value` (cuStreamWaitValue32: the GPU's
-    front end polls; no kernel, no SM)."""
-    result = _stream_wait_value32()(stream.cuda_stream, address, value, CU_STREAM_WAIT_VALUE_EQ)
+def _wait_value(stream: torch.cuda.Stream, flag: torch.Tensor, value: int) -> None:
+    """`stream` waits until the int32 `flag` equals `value` (cuStreamWaitValue32: the GPU's front
+    end polls; no kernel, no SM)."""
+    result = _stream_memory_op("cuStreamWaitValue32")(stream.cuda_stream, flag.data_ptr(), value,
+                                                      CU_STREAM_WAIT_VALUE_EQ)
     if result != 0:
         raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {result}")
+
+
+def _write_value(stream: torch.cuda.Stream, flag: torch.Tensor, value: int) -> None:
+    """`stream` sets the int32 `flag` (this GPU's memory) to `value` (cuStreamWriteValue32: the
+    front end writes it). A 4-byte copy would do the same, but inside a CUDA graph the driver runs
+    a same-device copy as a kernel, which waits for SMs (measured: ~100 us behind an attention
+    kernel, delaying the transfer it gates)."""
+    result = _stream_memory_op("cuStreamWriteValue32")(stream.cuda_stream, flag.data_ptr(), value, 0)
+    if result != 0:
+        raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {result}")
 
 
 class _Exchange:
@@ -132,8 +144,7 @@ class _Exchange:
         flags = self.buffer[:FLAGS_BYTES].view(torch.int32)
         flags.zero_()
         flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # free[peer] = 1: nothing to wait for
-        self.one = torch.ones(1, dtype=torch.int32, device=device)
-        self.zero = torch.zeros(1, dtype=torch.int32, device=device)
+        self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
@@ -191,16 +202,16 @@ def _push_and_collect(
     with torch.cuda.stream(stream):
         for peer, piece in sends:  # push as soon as this rank is ready and the peer's slot is free
             free = ex.flag(rank, "free", peer)
-            _wait_value(stream, free.data_ptr(), 1)
-            free.copy_(ex.zero)
+            _wait_value(stream, free, 1)
+            _write_value(stream, free, 0)
             ex.slot(peer, rank, piece).copy_(piece)  # over NVLink, by a copy engine
             ex.flag(peer, "ready", rank).copy_(ex.one)
         if own is not None:
             own[0].copy_(own[1])
         for peer, piece in receives:
             ready = ex.flag(rank, "ready", peer)
-            _wait_value(stream, ready.data_ptr(), 1)
-            ready.copy_(ex.zero)
+            _wait_value(stream, ready, 1)
+            _write_value(stream, ready, 0)
             piece.copy_(ex.slot(rank, peer, piece))
         for peer, _ in receives:  # only after every slot is copied out: a slot of one exchange may
             ex.flag(peer, "free", rank).copy_(ex.one)  # overlap another peer's slot of the next

@@ -7,9 +7,9 @@ tokens stay aligned, and the double- and single-stream blocks both see the local
 [text chunk, image chunk]. The attention processor is replaced; the shard layout reaches it
 through `joint_attention_kwargs`, the channel FLUX already forwards to every attention call.
 
-With a Ulysses-only plan the 38 single-stream blocks are also replaced, by OverlappedSingleBlock:
-same parameters and math, ordered so that the MLP branch computes while the attention's two
-all-to-alls travel (diffusers' order leaves every all-to-all exposed; docs/benchmarks.md).
+With a Ulysses-only or ring-only plan the 38 single-stream blocks are also replaced, by
+OverlappedSingleBlock: same parameters and math, ordered so that the MLP branch computes while the
+attention's exchanges travel (diffusers' order leaves every all-to-all exposed; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 from torch import nn
 
-from engines.attention import UlyssesAttention, context_parallel_attention
+from engines.attention import RingAttention, UlyssesAttention, context_parallel_attention
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
@@ -97,17 +97,21 @@ class FluxContextParallelProcessor:
 
 
 class OverlappedSingleBlock(nn.Module):
-    """diffusers' FluxSingleTransformerBlock for Ulysses plans, with its all-to-alls overlapped.
+    """diffusers' FluxSingleTransformerBlock for Ulysses-only or ring-only plans, with its
+    exchanges overlapped.
 
     The block computes mlp = GELU(proj_mlp(x)) and attention(x) side by side, then
     proj_out(cat(attention, mlp)). diffusers runs the MLP first and the attention after, so each
-    all-to-all of the attention waits with nothing to do. Here (UlyssesAttention):
-    1. q/k/v are projected and their head-scatter all-to-all is issued;
+    exchange of the attention waits with nothing to do. Here (UlyssesAttention or RingAttention):
+    1. q/k/v are projected and their head-scatter all-to-all (Ulysses) or this rank's K/V pass
+       (ring) is issued;
     2. the MLP runs while it travels (4x the FLOPs of the q/k/v projections);
-    3. attention, then its token-gather all-to-all is issued;
+    3. attention, then (Ulysses) its token-gather all-to-all is issued;
     4. the MLP's share of proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b,
        W_a and W_m being column slices of proj_out's weight (views: no copy);
     5. the attention's share is added. Residual and gate as in diffusers.
+    Splitting proj_out also spares the concatenation, which under ring fused with the LSE merge
+    into one slow kernel (150 us a block at FLUX 1024², against ~40 us for GELU alone).
     Same parameters (the original block is a child; ParallelFlux.restore puts it back) and the same
     result up to float rounding (tests/test_engines_flux_overlap.py). The waits are explicit ops,
     so torch.compile keeps the order (with EngineOptions.overlap).
@@ -119,9 +123,7 @@ class OverlappedSingleBlock(nn.Module):
     def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh) -> None:
         super().__init__()
         self.block = block
-        self.degree = mesh.plan.ulysses
-        self.group_name = mesh.ulysses_group_name
-        self.transport = mesh.all_to_all
+        self.mesh = mesh
 
     def forward(
         self,
@@ -135,20 +137,24 @@ class OverlappedSingleBlock(nn.Module):
         layout = (joint_attention_kwargs or {}).get("cp_layout")
         if layout is None:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
-        ulysses = UlyssesAttention(degree=self.degree, group_name=self.group_name, layout=layout,
-                                   transport=self.transport)
+        mesh = self.mesh
+        if mesh.plan.ulysses > 1:
+            split = UlyssesAttention(degree=mesh.plan.ulysses, group_name=mesh.ulysses_group_name, layout=layout,
+                                     transport=mesh.all_to_all)
+        else:
+            split = RingAttention(mesh=mesh, layout=layout)
         text_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
 
         query, key, value = _query_key_value(attn, norm_hidden_states, None, image_rotary_emb)
-        pending = ulysses.start(query, key, value)
+        pending = split.start(query, key, value)
         mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
-        pending = ulysses.attend(pending)
+        pending = split.attend(pending)
         weight = block.proj_out.weight
         width = weight.shape[1] - block.mlp_hidden_dim  # attention output width
         out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
-        attention = ulysses.finish(pending).flatten(2, 3).to(query.dtype)
+        attention = split.finish(pending).flatten(2, 3).to(query.dtype)
         out = out + F.linear(attention, weight[:, :width])
 
         hidden_states = hidden_states + gate.unsqueeze(1) * out
@@ -223,14 +229,18 @@ class ParallelFlux(ParallelTransformer):
 def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> ParallelFlux:
     """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups).
 
-    With a Ulysses-only plan the single-stream blocks become OverlappedSingleBlocks (restore() undoes it).
+    With a Ulysses-only or ring-only plan the single-stream blocks become OverlappedSingleBlocks
+    (restore() undoes it).
     """
     mesh.plan.check(num_heads=model.config.num_attention_heads)
     replaced = []
     if mesh.plan.seq_degree > 1:
         attentions = [b.attn for b in model.transformer_blocks] + [b.attn for b in model.single_transformer_blocks]
         replaced = replace_processors(attentions, FluxContextParallelProcessor(mesh))
-    if mesh.plan.ulysses > 1 and mesh.plan.ring == 1:
+    plan = mesh.plan
+    ulysses_only = plan.ulysses > 1 and plan.ring == 1
+    ring_only = plan.ulysses == 1 and plan.ring > 1 and plan.kv_exchange == "ring"
+    if ulysses_only or ring_only:
         blocks = model.single_transformer_blocks
         for index, block in enumerate(blocks):
             blocks[index] = OverlappedSingleBlock(block, mesh)

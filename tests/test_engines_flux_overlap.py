@@ -3,8 +3,8 @@
 engines.flux.OverlappedSingleBlock issues the q/k/v all-to-all, computes the MLP, waits, attends,
 issues the output all-to-all, computes the MLP's share of proj_out, waits. On 2 gloo ranks this test
 checks that
-- parallelize_flux installs it on every single-stream block for a Ulysses plan (not for ring) and
-  restore() puts diffusers' blocks back;
+- parallelize_flux installs it on every single-stream block for a Ulysses plan (and a ring plan:
+  tests/test_engines_ring_overlap.py; not for allgather) and restore() puts diffusers' blocks back;
 - the parallel model (eager) equals the one-process model;
 - compiled with inductor and EngineOptions.overlap, the generated code keeps a matrix multiply
   between each all-to-all and its wait (the order the GPU needs for overlap), and equals eager.
@@ -68,10 +68,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
     with torch.no_grad():
         expected = model(**kwargs)[0]
 
-        ring = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6, strategy="ring"),
-                                       all_to_all=transport)
-        result["ring_blocks_replaced"] = any(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
-        ring.restore()
+        for strategy in ("ring", "allgather"):
+            other = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6, strategy=strategy),
+                                            all_to_all=transport)
+            result[f"{strategy}_blocks_replaced"] = [isinstance(b, OverlappedSingleBlock)
+                                                     for b in model.single_transformer_blocks]
+            other.restore()
 
         parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6), all_to_all=transport)
         result["ulysses_blocks_replaced"] = all(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
@@ -102,7 +104,8 @@ def test_single_blocks_overlap_their_all_to_alls(tmp_path: Path, transport: str)
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path), transport), nprocs=2, join=True)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["ulysses_blocks_replaced"] and not r["ring_blocks_replaced"], r
+        assert r["ulysses_blocks_replaced"] and all(r["ring_blocks_replaced"]), r
+        assert not any(r["allgather_blocks_replaced"]), r
         assert r["block_kept"] and r["restored"], r
         assert r["eager_err"] <= TOLERANCE * max(r["scale"], 1.0), r
         assert r["compiled_err"] <= TOLERANCE * max(r["scale"], 1.0), r
