@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.collectives import all_gather, all_to_all, finish, start_all_to_all, start_ring_shift
+from engines.collectives import (
+    all_gather,
+    all_to_all,
+    finish,
+    finish_all_gather,
+    start_all_gather,
+    start_all_to_all,
+    start_ring_shift,
+)
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout
 
@@ -243,6 +251,45 @@ class RingAttention:
 
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return _ring_steps(*pending, self.mesh, self.layout)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out.transpose(1, 2)
+
+
+class GatherAttention:
+    """Attention over all keys of a ring-only plan with ONE K/V exchange, in UlyssesAttention's
+    three calls (for a block that has independent compute to hide the exchange behind):
+
+        pending = gather.start(q, k, v)   # all-gather of this rank's K/V issued
+        ...independent compute...          # runs during the transfer
+        out = gather.attend(pending)       # wait, one attention kernel over every key
+        out = gather.finish(out)           # BSHD, like context_parallel_attention
+
+    Same result as ring attention without its split: one kernel over all keys instead of one per
+    block plus the log-sum-exp merge. On FLUX's single blocks at 1024² on 2 GPUs the exchange hides
+    under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge. It holds
+    every rank's K/V at once, so parallelize_flux uses it with 2 ring ranks only.
+    """
+
+    def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
+        self.mesh = mesh
+        shards = [s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)]
+        self.runs = layout.valid_runs(shards)
+
+    def start(
+        self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
+        # sequence order (with batch 1 the transpose moves no data)
+        kv = torch.stack((k_BSHD, v_BSHD)).transpose(1, 2)
+        mesh = self.mesh
+        return q_BSHD.transpose(1, 2), start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring, mesh.all_to_all)
+
+    def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, gathered = pending
+        kv = finish_all_gather(gathered, self.mesh.plan.ring, self.mesh.all_to_all)  # (2, ring*S, B, H, D)
+        k, v = (t.permute(1, 2, 0, 3) for t in kv)  # BHSD views
+        return _attention(q, k, v, self.runs)
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2)

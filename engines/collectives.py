@@ -81,6 +81,22 @@ def start_ring_shift(x: torch.Tensor, group_name: str, rank: int, size: int, tra
     return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), receive, send, group_name)
 
 
+def start_all_gather(x: torch.Tensor, group_name: str, size: int, transport: str = "nccl") -> torch.Tensor:
+    """Gather every peer's `x` (n, S, ...) without waiting: pass the result to finish_all_gather()."""
+    if transport == "copy-engine":
+        return copy_engine.start_all_gather(x, group_name, size)
+    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, group_name)
+
+
+def finish_all_gather(pending: torch.Tensor, size: int, transport: str = "nccl") -> torch.Tensor:
+    """Wait for start_all_gather's result: (n, size * S, ...), the peers' pieces in group-rank order
+    along dim 1 (the copy-engine op lands them there; NCCL's lands (size * n, S, ...): one copy)."""
+    out = finish(pending)
+    if transport == "copy-engine":
+        return out
+    return out.unflatten(0, (size, out.shape[0] // size)).transpose(0, 1).flatten(1, 2)
+
+
 def finish(x: torch.Tensor) -> torch.Tensor:
     """Wait for a collective issued by start_all_to_all (either transport); returns its result, ready to use."""
     return torch.ops._c10d_functional.wait_tensor(x)

@@ -57,6 +57,7 @@ CPU); "copy-engine" = this module."""
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 _lib.define("copy_engine_shift(Tensor x, str group_name) -> Tensor")
+_lib.define("copy_engine_all_gather(Tensor x, str group_name, int size) -> Tensor")
 
 FLAGS_BYTES = 4096
 """Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "free[peer]" at
@@ -181,13 +182,14 @@ def _push_and_collect(
     out: torch.Tensor,
     group_name: str,
     sends: list[tuple[int, torch.Tensor]],
-    receives: list[tuple[int, torch.Tensor]],
-    own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    receives: list[tuple[int, list[torch.Tensor]]],
+    own: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
     """On the side stream: write each (peer, slice of x) of `sends` into that peer's buffer, copy
-    `own` (destination, source) locally, copy each (peer, slice of out) of `receives` from the slot
-    that peer wrote here; then register the work that funcol's wait_tensor waits for on `out`.
-    Every slice has the same shape.
+    each (destination, source) of `own` locally, and for each (peer, destinations) of `receives`
+    copy the slot that peer wrote here into the destinations (one: the whole slot, seen in its
+    shape; several: the slot's pieces along dim 0, in order); then register the work that funcol's wait_tensor waits
+    for on `out`. Every sent slice has the same shape.
 
     The buffer is allocated at the first call (the warm-up, never inside a CUDA graph capture) and
     grown if a later call is bigger: every rank makes the same calls, so they stay in step.
@@ -206,13 +208,18 @@ def _push_and_collect(
             _write_value(stream, free, 0)
             ex.slot(peer, rank, piece).copy_(piece)  # over NVLink, by a copy engine
             ex.flag(peer, "ready", rank).copy_(ex.one)
-        if own is not None:
-            own[0].copy_(own[1])
-        for peer, piece in receives:
+        for destination, source in own:
+            destination.copy_(source)
+        for peer, destinations in receives:
             ready = ex.flag(rank, "ready", peer)
             _wait_value(stream, ready, 1)
             _write_value(stream, ready, 0)
-            piece.copy_(ex.slot(rank, peer, piece))
+            slot = ex.slot(rank, peer, like)
+            if len(destinations) == 1:
+                destinations[0].copy_(slot.view(destinations[0].shape))
+            else:
+                for destination, source in zip(destinations, slot, strict=True):
+                    destination.copy_(source)
         for peer, _ in receives:  # only after every slot is copied out: a slot of one exchange may
             ex.flag(peer, "free", rank).copy_(ex.one)  # overlap another peer's slot of the next
         event = torch.cuda.Event()
@@ -233,8 +240,8 @@ def _all_to_all_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
     group = c10d._resolve_process_group(group_name)
     rank, size = group.rank(), group.size()
     peers = [(rank + i) % size for i in range(1, size)]  # a different first peer on every rank
-    _push_and_collect(x, out, group_name, [(p, x[p]) for p in peers], [(p, out[p]) for p in peers],
-                      own=(out[rank], x[rank]))
+    _push_and_collect(x, out, group_name, [(p, x[p]) for p in peers], [(p, [out[p]]) for p in peers],
+                      own=[(out[rank], x[rank])])
     return out
 
 
@@ -249,7 +256,33 @@ def _shift_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
     out = torch.empty_like(x)
     group = c10d._resolve_process_group(group_name)
     rank, size = group.rank(), group.size()
-    _push_and_collect(x, out, group_name, [((rank + 1) % size, x)], [((rank - 1) % size, out)])
+    _push_and_collect(x, out, group_name, [((rank + 1) % size, x)], [((rank - 1) % size, [out])], own=[])
+    return out
+
+
+def _gathered(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The all-gather's result for `x` of shape (n, S, ...): (n, size * S, ...)."""
+    return x.new_empty((x.shape[0], size * x.shape[1], *x.shape[2:]))
+
+
+@torch.library.impl(_lib, "copy_engine_all_gather", "Meta")
+def _all_gather_meta(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    return _gathered(x, size)
+
+
+@torch.library.impl(_lib, "copy_engine_all_gather", "CUDA")
+def _all_gather_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = _gathered(x, size)
+    rank = c10d._resolve_process_group(group_name).rank()
+    peers = [(rank + i) % size for i in range(1, size)]
+    rows = x.shape[1]
+
+    def part(member: int) -> list[torch.Tensor]:  # where member's x lands: one contiguous piece per x[i]
+        return [out[i, member * rows:(member + 1) * rows] for i in range(x.shape[0])]
+
+    _push_and_collect(x, out, group_name, [(p, x) for p in peers], [(p, part(p)) for p in peers],
+                      own=list(zip(part(rank), x, strict=True)))
     return out
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CPU")
 def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -274,9 +307,25 @@ def _shift_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
+@torch.library.impl(_lib, "copy_engine_all_gather", "CPU")
+def _all_gather_cpu(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    x = x.contiguous()
+    pieces = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(pieces, x, group=c10d._resolve_process_group(group_name))
+    out = torch.cat(pieces, dim=1)
+    torch._C._distributed_c10d._register_work(out, _Done(None))
+    return out
+
+
 def start(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Issue the all-to-all of `x` along dim 0 (slice i to peer i); finish it with wait_tensor."""
     return torch.ops.ulysses_studio.copy_engine_all_to_all(x, group_name)
+
+
+def start_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """Issue the all-gather of `x` (n, S, ...) along dim 1: (n, size * S, ...), the group's ranks'
+    pieces in rank order; finish it with wait_tensor. `size` is the group's size."""
+    return torch.ops.ulysses_studio.copy_engine_all_gather(x, group_name, size)
 
 
 def start_shift(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 from torch import nn
 
-from engines.attention import RingAttention, UlyssesAttention, context_parallel_attention
+from engines.attention import GatherAttention, RingAttention, UlyssesAttention, context_parallel_attention
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
@@ -141,6 +141,8 @@ class OverlappedSingleBlock(nn.Module):
         if mesh.plan.ulysses > 1:
             split = UlyssesAttention(degree=mesh.plan.ulysses, group_name=mesh.ulysses_group_name, layout=layout,
                                      transport=mesh.all_to_all)
+        elif mesh.plan.ring == 2:
+            split = GatherAttention(mesh=mesh, layout=layout)
         else:
             split = RingAttention(mesh=mesh, layout=layout)
         text_len = encoder_hidden_states.shape[1]

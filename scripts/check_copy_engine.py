@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 scripts/check_copy_engine.py [--out result.json]
 
-1. Correctness: the all-to-all and the ring pass equal NCCL's, bit for bit, called directly and
+1. Correctness: the all-to-all, the ring pass and the all-gather equal NCCL's, bit for bit, called directly and
    replayed from a CUDA graph; a random-weight FLUX.1-dev (1024², bf16, eager) under Ulysses and
    under ring gives the same output with either transport (and, on rank 0, its difference from
    the one-GPU model).
@@ -24,7 +24,14 @@ import torch
 
 from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
 from engines.benchmark import Shape, gather_objects, make_inputs
-from engines.collectives import all_to_all, finish, start_all_to_all, start_ring_shift
+from engines.collectives import (
+    all_to_all,
+    finish,
+    finish_all_gather,
+    start_all_gather,
+    start_all_to_all,
+    start_ring_shift,
+)
 from engines.copy_engine import prepare
 from engines.specs import SPECS, build_random
 
@@ -123,6 +130,24 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
     graph.replay()
     torch.cuda.synchronize()
     result["shift_graph_equal"] = bool(torch.equal(holder["shifted"], shift(shift(x, "nccl") * 2, "nccl")))
+    # 1c. the all-gather along dim 1 (GatherAttention's K/V exchange) against NCCL's, direct and from a graph
+    kv = x[0, :2, 0]  # (2, S, h, D)
+
+    def gather(y: torch.Tensor, transport: str) -> torch.Tensor:
+        return finish_all_gather(start_all_gather(y, name, size, transport), size, transport)
+
+    result["gather_direct_equal"] = bool(torch.equal(gather(kv, "copy-engine"), gather(kv, "nccl")))
+    kv = kv.contiguous()
+
+    def gather_twice() -> None:
+        holder["gathered"] = gather(gather(kv, "copy-engine")[:, :kv.shape[1]] * 2, "copy-engine")
+
+    graph = graphed(gather_twice)
+    kv.copy_(torch.randn_like(kv))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = gather(gather(kv, "nccl")[:, :kv.shape[1]] * 2, "nccl")
+    result["gather_graph_equal"] = bool(torch.equal(holder["gathered"], expected))
 
     # 2. speed: exchange alone, GEMM alone, exchange issued before the GEMM then waited
     a = torch.randn(2304, 3072, device=device, dtype=torch.bfloat16)
@@ -168,7 +193,7 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
     result["ms"] = timings
     result["qkv_mbytes_per_rank"] = x.numel() * x.element_size() / 1e6
 
-    # 1c. FLUX.1-dev (random weights, eager, 1024²): same output with either transport
+    # 1d. FLUX.1-dev (random weights, eager, 1024²): same output with either transport
     spec = SPECS["flux-dev"]
     model = build_random(spec, device=device, dtype=torch.bfloat16)
     shape = Shape(height=1024, width=1024)

@@ -1,13 +1,16 @@
-"""Ring attention on 2 gloo ranks: the K/V pass runs during the local block's attention, eager and compiled.
+"""Ring plans on 2 gloo ranks: K/V exchanges run under compute, eager and compiled.
 
 engines.attention._ring_attention issues the pass of the K/V block it holds (start_ring_shift),
-attends to that block, then waits (finish) before the next. This test checks, for FLUX and Cosmos
-and both transports (NCCL's collective, gloo here; the copy-engine op, which runs gloo on CPU):
+attends to that block, then waits (finish) before the next. FLUX's single-stream blocks
+(OverlappedSingleBlock with GatherAttention, 2 ring ranks) instead issue one all-gather of K/V
+and compute the MLP before waiting. This test checks, for FLUX and Cosmos and both transports
+(NCCL's collectives, gloo here; the copy-engine ops, which run gloo on CPU):
 - the parallel model (eager) equals the one-process model;
 - compiled with inductor and EngineOptions.overlap, the result equals eager (also on a second
-  call, where the copy-engine op reuses its buffer), and the generated code keeps an attention
-  kernel between each K/V pass and its wait (the order the GPU needs for overlap); with the copy
-  engine no NCCL all-to-all is left in the code.
+  call, where the copy-engine ops reuse their buffer), and the generated code keeps an attention
+  kernel between each K/V pass and its wait, and (FLUX) a matrix multiply between the all-gather
+  and its wait: the order the GPU needs for overlap; with the copy engine no NCCL collective is
+  left in the code.
 GPU runs of the copy-engine pass are in docs/benchmarks.md.
 """
 
@@ -21,12 +24,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from test_engines_flux_overlap import windows as matmul_windows
 from test_engines_parallel import cosmos_inputs, flux_inputs, free_port, randomize, tiny_cosmos, tiny_flux
 
 TOLERANCE = 1e-4
 NCCL_SHIFT = "_c10d_functional.all_to_all_single"
 COPY_ENGINE_SHIFT = "ulysses_studio.copy_engine_shift"
 START = {"nccl": NCCL_SHIFT, "copy-engine": COPY_ENGINE_SHIFT}
+GATHER = {"nccl": "_c10d_functional.all_gather_into_tensor", "copy-engine": "ulysses_studio.copy_engine_all_gather"}
 ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -78,7 +83,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         result["compiled_err"] = (compiled - eager).abs().max().item()
         result["again_err"] = (again - compiled).abs().max().item()
         result["windows"] = [w for code in codes if (w := attention_windows(code, start))]
-        result["nccl_ops"] = sum(code.count(NCCL_SHIFT) for code in codes)
+        result["gather_windows"] = [w for code in codes if (w := matmul_windows(code, GATHER[transport]))]
+        result["nccl_ops"] = sum(code.count(NCCL_SHIFT) + code.count(GATHER["nccl"]) for code in codes)
         result["scale"] = expected.abs().max().item()
         results[name] = result
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -96,5 +102,9 @@ def test_ring_pass_overlaps_local_attention(tmp_path: Path, transport: str) -> N
             assert r["again_err"] == 0.0, (name, r)
             if transport == "copy-engine":
                 assert r["nccl_ops"] == 0, (name, r)  # every K/V pass went through the op
-            # every compiled block graph passes K/V once, with its local attention inside the window
+            # every compiled block graph that passes K/V does it once, with its local attention inside the window
             assert r["windows"] and all(w == [1] for w in r["windows"]), (name, r["windows"])
+            if name == "flux":  # the single block gathers K/V once, with the MLP inside the window
+                assert r["gather_windows"] and all(len(w) == 1 and w[0] >= 1 for w in r["gather_windows"]), r
+            else:
+                assert not r["gather_windows"], r
