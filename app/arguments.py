@@ -55,9 +55,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES,
                         help="how ranks split the transformer's token sequence when several run (default ulysses)")
     parser.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
-                        help="how Ulysses all-to-alls travel between GPUs: nccl (default), or copy-engine (peer "
-                             "copies through symmetric memory, no SM kernels; all ranks on one host; measured "
-                             "0-2%% faster on 2x H200, docs/benchmarks.md)")
+                        help="how the Ulysses all-to-alls and ring K/V passes travel between GPUs: nccl (default), "
+                             "or copy-engine (peer copies through symmetric memory, no SM kernels; all ranks on one "
+                             "host; no watchdog; with --strategy ring the fastest FLUX setting measured on 2x H200, "
+                             "docs/benchmarks.md)")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="video (Cosmos-style) models: run classifier-free guidance's two branches on two halves "
                              "of the ranks, each half splitting the sequence (needs an even number of ranks; "

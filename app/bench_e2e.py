@@ -404,7 +404,7 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         modes: list[tuple[str, ParallelPlan | None]] = [] if args.no_single else [("1 GPU", None)]
         heads = pipeline.transformer_config.num_attention_heads
         transport = "" if args.all_to_all == "nccl" else f" {args.all_to_all}"
-        modes += [(f"ours {plan_label(plan)}{transport if plan.ulysses > 1 else ''}", plan)
+        modes += [(f"ours {plan_label(plan)}{transport if plan.has_exchanges else ''}", plan)
                   for plan in our_plans(ctx, heads, args.strategies, args.cfg)]
         for mode, plan in modes:
             for backend in args.backends:
@@ -439,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated parallel modes on all ranks, of {', '.join(STRATEGIES)} (default ulysses; "
                         "'' for none)")
     p.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
-                   help="Ulysses all-to-all transport of the parallel modes (default nccl)")
+                   help="transport of the parallel modes' Ulysses all-to-alls and ring K/V passes (default nccl)")
     p.add_argument("--cfg", action="store_true", help="also the cfg-2 plan: each half of the ranks runs one "
                                                       "guidance branch (Cosmos)")
     p.add_argument("--no-single", action="store_true", help="skip the 1 GPU mode (see --baseline)")

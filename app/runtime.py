@@ -162,7 +162,8 @@ def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1,
 
     Args:
         cfg: rank groups that each run one classifier-free-guidance branch (Cosmos), 1 for none.
-        all_to_all: Ulysses all-to-all transport, "nccl" or "copy-engine" (engines/copy_engine.py).
+        all_to_all: transport of the Ulysses all-to-alls and ring K/V passes, "nccl" or "copy-engine"
+            (engines/copy_engine.py).
     """
     from engines.parallelize import parallelize_transformer
     from engines.plan import ParallelPlan

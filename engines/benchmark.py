@@ -323,8 +323,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
             record("1 GPU", shape, 1, forward, None, options)
     # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
     for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
-        exchanges = plan.ulysses > 1 or (plan.ring > 1 and plan.kv_exchange == "ring")
-        for transport in (args.all_to_all if exchanges else ["nccl"]):
+        for transport in (args.all_to_all if plan.has_exchanges else ["nccl"]):
             parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
             mode = f"ours {plan_label(plan)}" + ("" if transport == "nccl" else f" {transport}")
             for options in backends:
@@ -482,7 +481,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure CFG-parallel plans (default: on for Cosmos)")
     p.add_argument("--all-to-all", default="nccl",
-                   help=f"comma-separated Ulysses all-to-all transports to measure: {', '.join(TRANSPORTS)} "
+                   help=f"comma-separated transports of the Ulysses all-to-alls and ring K/V passes to measure: "
+                        f"{', '.join(TRANSPORTS)} "
                         "(default nccl; engines/copy_engine.py)")
     p.add_argument("--fuse-qkv", action="store_true",
                    help="fuse each attention's q/k/v projections into one GEMM (diffusers' fuse_qkv_projections) "

@@ -1,6 +1,7 @@
 """Context-parallel exchanges on the GPUs' copy engines: peer copies, no SM kernels.
 
-Two exchanges: the Ulysses all-to-all, and the ring pass of K/V (to group rank + 1, from rank - 1).
+Three exchanges: the Ulysses all-to-all, the ring pass of K/V (to group rank + 1, from rank - 1),
+and the all-gather of K/V that FLUX's single blocks use with 2 ring ranks (engines.attention.GatherAttention).
 
 Why not NCCL here (measured, docs/benchmarks.md, FLUX.1-dev 1024² on 2x H200): NCCL's collectives
 are kernels, and a kernel needs SMs. An exchange is issued just before the compute meant to hide it

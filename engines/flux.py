@@ -115,9 +115,9 @@ class OverlappedSingleBlock(nn.Module):
     Same parameters (the original block is a child; ParallelFlux.restore puts it back) and the same
     result up to float rounding (tests/test_engines_flux_overlap.py). The waits are explicit ops,
     so torch.compile keeps the order (with EngineOptions.overlap).
-    Measured on 2x H200 (docs/benchmarks.md, FLUX.1-dev 1024²): the output all-to-all does run under
-    its GEMM, but the q/k/v all-to-all's NCCL kernel starts only after the MLP GEMM, whose CTAs take
-    every SM; the step time did not change. All-to-alls on copy engines are the next lever.
+    Measured on 2x H200 (docs/benchmarks.md, FLUX.1-dev 1024²): with NCCL the q/k/v all-to-all's
+    kernel starts only after the MLP GEMM, whose CTAs take every SM, so little is hidden; on copy
+    engines (no SM needed) the ring plan's K/V exchange runs entirely under the MLP GEMM.
     """
 
     def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh) -> None:

@@ -63,6 +63,12 @@ class ParallelPlan:
         """How the ring axis shares K/V: "ring" (pass chunks around) or "allgather"."""
         return "allgather" if self.strategy == "allgather" else "ring"
 
+    @property
+    def has_exchanges(self) -> bool:
+        """Whether the plan moves tokens with the exchanges that the transport option (nccl or
+        copy-engine) carries: Ulysses all-to-alls, ring K/V passes."""
+        return self.ulysses > 1 or (self.ring > 1 and self.kv_exchange == "ring")
+
     def check(self, *, world_size: int | None = None, num_heads: int | None = None) -> None:
         """Raise ValueError if this plan cannot run on `world_size` ranks or split `num_heads` heads."""
         if world_size is not None and self.world_size != world_size:
