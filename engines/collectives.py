@@ -7,9 +7,9 @@ next, and a plain tensor avoids a subclass dispatch on every later op).
 
 Under torch.compile, though, funcol places each wait right after its collective (the traced code
 cannot see where an AsyncCollectiveTensor is first used), so a compiled graph overlaps nothing.
-start_all_to_all / start_ring_shift and finish call the collective and its wait as two ops where
-the caller puts them, so compute written between them overlaps the transfer in eager and compiled
-code alike.
+start_all_to_all / start_ring_shift / start_all_gather and finish (finish_all_gather) call the
+collective and its wait as two ops where the caller puts them, so compute written between them
+overlaps the transfer in eager and compiled code alike.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ caller's stream has produced `x`:
 Each rank pushes as soon as it is ready (no rank waits for the slowest to start), and the caller's
 stream does no copy at all. Copies are plain tensor copies (cudaMemcpyAsync: copy engines; a
 peer's flag is set by a 4-byte peer copy), waits are cuStreamWaitValue32 (the GPU's front end
-polls memory) and this rank's own flags are reset with cuStreamWriteValue32: no SM is needed,
-except that the driver may run the local copy-out as a kernel inside CUDA graphs. That matters: torch's own low-contention collectives synchronize with
-one-CTA barrier kernels, and measured here a barrier queued beside a GEMM waits for the whole
-GEMM, which ends the overlap. Everything is stream-ordered, so it records into CUDA graphs; the
-flags end every exchange as they began it, so graphs replay.
+polls memory) and this rank's own flags are reset with cuStreamWriteValue32. So no SM is needed
+(except that inside CUDA graphs the driver may run a local copy-out as a kernel). That matters:
+torch's own low-contention collectives synchronize with one-CTA barrier kernels, and measured here
+a barrier queued beside a GEMM waits for the whole GEMM, which ends the overlap. Everything is
+stream-ordered, so it records into CUDA graphs; the flags end every exchange as they began it, so
+graphs replay.
 
 Measured: see docs/benchmarks.md (bit-identical to NCCL on 2x H200; step times there).
 
@@ -51,9 +52,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import Work
 
 TRANSPORTS = ("nccl", "copy-engine")
-"""How context-parallel exchanges (Ulysses all-to-alls, ring K/V passes) travel: "nccl" = the
-process group's collective (NCCL on GPUs, gloo on
-CPU); "copy-engine" = this module."""
+"""How context-parallel exchanges (Ulysses all-to-alls, ring K/V passes and gathers) travel:
+"nccl" = the process group's collectives (NCCL on GPUs, gloo on CPU); "copy-engine" = this module."""
 
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
@@ -189,8 +189,8 @@ def _push_and_collect(
     """On the side stream: write each (peer, slice of x) of `sends` into that peer's buffer, copy
     each (destination, source) of `own` locally, and for each (peer, destinations) of `receives`
     copy the slot that peer wrote here into the destinations (one: the whole slot, seen in its
-    shape; several: the slot's pieces along dim 0, in order); then register the work that funcol's wait_tensor waits
-    for on `out`. Every sent slice has the same shape.
+    shape; several: the slot's pieces along dim 0, in order); then register the work that funcol's
+    wait_tensor waits for on `out`. Every sent slice has the same shape.
 
     The buffer is allocated at the first call (the warm-up, never inside a CUDA graph capture) and
     grown if a later call is bigger: every rank makes the same calls, so they stay in step.

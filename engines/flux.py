@@ -102,9 +102,10 @@ class OverlappedSingleBlock(nn.Module):
 
     The block computes mlp = GELU(proj_mlp(x)) and attention(x) side by side, then
     proj_out(cat(attention, mlp)). diffusers runs the MLP first and the attention after, so each
-    exchange of the attention waits with nothing to do. Here (UlyssesAttention or RingAttention):
-    1. q/k/v are projected and their head-scatter all-to-all (Ulysses) or this rank's K/V pass
-       (ring) is issued;
+    exchange of the attention waits with nothing to do. Here (engines.attention's UlyssesAttention;
+    for ring, GatherAttention with 2 ring ranks, RingAttention with more):
+    1. q/k/v are projected and their head-scatter all-to-all (Ulysses), the all-gather of this
+       rank's K/V (2 ring ranks) or its first K/V pass (more) is issued;
     2. the MLP runs while it travels (4x the FLOPs of the q/k/v projections);
     3. attention, then (Ulysses) its token-gather all-to-all is issued;
     4. the MLP's share of proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,30 +26,7 @@ import torch.nn.functional as F
 from engines import init_parallel, shutdown
 from engines.benchmark import gather_objects
 from engines.copy_engine import prepare
-
-
-def graphed(fn, *, warmup: int = 3) -> torch.cuda.CUDAGraph:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, group, *, repeat: int = 20) -> float:
-    times = []
-    for _ in range(repeat):
-        torch.distributed.barrier(group)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from scripts.check_copy_engine import graphed, time_graph
 
 
 def cudnn_with_lse(q, k, v):
