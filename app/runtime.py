@@ -173,7 +173,7 @@ def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1,
         heads = pipeline.transformer_config.num_attention_heads
         plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy, cfg=cfg)
         pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, all_to_all=all_to_all))
-        transport = f", all-to-all {all_to_all}" if plan.ulysses > 1 and all_to_all != "nccl" else ""
+        transport = f", all-to-all {all_to_all}" if plan.has_exchanges and all_to_all != "nccl" else ""
         labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg}{transport})")
     return " / ".join(dict.fromkeys(labels))
 

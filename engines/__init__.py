@@ -2,7 +2,7 @@
 
 Map: distributed.py (process groups: init_parallel, ParallelContext), plan.py (ParallelPlan: the
 degrees), mesh.py (one group per axis), sharding.py (ShardLayout: who holds which tokens; entry
-and exit moves), collectives.py (functional collectives), copy_engine.py (the all-to-all on copy
+and exit moves), collectives.py (functional collectives), copy_engine.py (the exchanges on copy
 engines, --all-to-all copy-engine), attention.py (where attention gets
 split: Ulysses, Ring, AllGather-KV, hybrid), flux.py / cosmos.py (one adapter per model),
 parallelize.py (the entry point), specs.py + benchmark.py (named architectures, GPU benchmark).

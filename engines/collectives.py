@@ -74,10 +74,7 @@ def start_ring_shift(x: torch.Tensor, group_name: str, rank: int, size: int, tra
     """
     if transport == "copy-engine":
         return copy_engine.start_shift(x, group_name)
-    rows = x.shape[0]
-    send, receive = [0] * size, [0] * size
-    send[(rank + 1) % size] = rows
-    receive[(rank - 1) % size] = rows
+    send, receive = copy_engine.ring_splits(rank, size, x.shape[0])
     return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), receive, send, group_name)
 
 

@@ -230,7 +230,8 @@ def _push_and_collect(
 
 
 @torch.library.impl(_lib, "copy_engine_all_to_all", "Meta")
-def _all_to_all_meta(x: torch.Tensor, group_name: str) -> torch.Tensor:
+@torch.library.impl(_lib, "copy_engine_shift", "Meta")
+def _same_shape_meta(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -246,11 +247,6 @@ def _all_to_all_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
-@torch.library.impl(_lib, "copy_engine_shift", "Meta")
-def _shift_meta(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
 @torch.library.impl(_lib, "copy_engine_shift", "CUDA")
 def _shift_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
     x = x.contiguous()
@@ -259,6 +255,15 @@ def _shift_cuda(x: torch.Tensor, group_name: str) -> torch.Tensor:
     rank, size = group.rank(), group.size()
     _push_and_collect(x, out, group_name, [((rank + 1) % size, x)], [((rank - 1) % size, [out])], own=[])
     return out
+
+
+def ring_splits(rank: int, size: int, rows: int) -> tuple[list[int], list[int]]:
+    """(send, receive) row splits of a ring pass as an all-to-all: every row to group rank + 1,
+    every row from rank - 1, nothing to or from anyone else."""
+    send, receive = [0] * size, [0] * size
+    send[(rank + 1) % size] = rows
+    receive[(rank - 1) % size] = rows
+    return send, receive
 
 
 def _gathered(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -285,6 +290,8 @@ def _all_gather_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tenso
     _push_and_collect(x, out, group_name, [(p, x) for p in peers], [(p, part(p)) for p in peers],
                       own=list(zip(part(rank), x, strict=True)))
     return out
+
+
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CPU")
 def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     x = x.contiguous()
@@ -299,10 +306,7 @@ def _shift_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     group = c10d._resolve_process_group(group_name)
-    rank, size = group.rank(), group.size()
-    rows = x.shape[0]
-    send, receive = [0] * size, [0] * size
-    send[(rank + 1) % size] = receive[(rank - 1) % size] = rows
+    send, receive = ring_splits(group.rank(), group.size(), x.shape[0])
     dist.all_to_all_single(out, x, receive, send, group=group)
     torch._C._distributed_c10d._register_work(out, _Done(None))
     return out

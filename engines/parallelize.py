@@ -22,7 +22,8 @@ def parallelize_transformer(
     Collective: every rank calls it with the same model architecture and plan. The result is
     called with exactly the diffusers model's keyword arguments and returns the full output on
     every rank. `plan=None` means ParallelPlan.auto(ctx.world_size, heads) (Ulysses, no CFG split).
-    `all_to_all`: how Ulysses all-to-alls travel, "nccl" or "copy-engine" (engines/copy_engine.py).
+    `all_to_all`: how the Ulysses all-to-alls and ring K/V exchanges travel, "nccl" or "copy-engine"
+    (engines/copy_engine.py).
     """
     num_heads = transformer.config.num_attention_heads
     plan = plan or ParallelPlan.auto(ctx.world_size, num_heads)

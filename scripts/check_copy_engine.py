@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -67,20 +68,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None, help="also write profiler traces of the GEMM runs here")
     args = parser.parse_args()
+    run_on_ranks("check_copy_engine", lambda ctx, result: check(ctx, result, args.trace), args.out)
+
+
+def run_on_ranks(name: str, check_fn, out: Path | None) -> None:
+    """Run `check_fn(ctx, result)` on every rank, then print every rank's result dict and write them
+    all as JSON to `out` (rank 0). A failure is recorded in that rank's result, never left hanging."""
     ctx = init_parallel()
     prepare(ctx.group)
     result: dict = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), world_size=ctx.world_size,
                         nccl=".".join(map(str, torch.cuda.nccl.version())))
-
     try:
-        check(ctx, result, args.trace)
-    except Exception as exc:  # noqa: BLE001 - report it with the other rank's results
-        result["error"] = repr(exc)[:3000]
+        check_fn(ctx, result)
+    except Exception:  # noqa: BLE001 - report it with the other rank's results
+        result["error"] = traceback.format_exc()[-3000:]
     everyone = gather_objects(ctx, result)
     for rank, r in enumerate(everyone):
-        print(f"[check_copy_engine] rank {rank}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    if ctx.is_main and args.out:
-        args.out.write_text(json.dumps(everyone, indent=2))
+        print(f"[{name}] rank {rank}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    if ctx.is_main and out:
+        out.write_text(json.dumps(everyone, indent=2))
     shutdown(ctx)
 
 

@@ -16,17 +16,12 @@ hides; ring needs only that K/V pull, which the local half can hide.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engines import init_parallel, shutdown
-from engines.benchmark import gather_objects
-from engines.copy_engine import prepare
-from scripts.check_copy_engine import graphed, time_graph
+from scripts.check_copy_engine import graphed, run_on_ranks, time_graph
 
 
 def cudnn_with_lse(q, k, v):
@@ -114,21 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    ctx = init_parallel()
-    prepare(ctx.group)
-    result: dict = dict(torch=torch.__version__, device=torch.cuda.get_device_name())
-    try:
-        check(ctx, result)
-    except Exception:  # noqa: BLE001 - report it with the other rank's results
-        import traceback
-
-        result["error"] = traceback.format_exc()[-3000:]
-    everyone = gather_objects(ctx, result)
-    for rank, r in enumerate(everyone):
-        print(f"[check_ring_split] rank {rank}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    if ctx.is_main and args.out:
-        args.out.write_text(json.dumps(everyone, indent=2))
-    shutdown(ctx)
+    run_on_ranks("check_ring_split", check, args.out)
 
 
 if __name__ == "__main__":
