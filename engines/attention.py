@@ -265,6 +265,12 @@ class GatherAttention:
         out = gather.attend(pending)       # wait, one attention kernel over every key
         out = gather.finish(out)           # BSHD, like context_parallel_attention
 
+    or, when the queries can be computed while the K/V travel (FLUX's double blocks):
+
+        kv = gather.start_kv(k, v)         # all-gather of this rank's K/V issued
+        q = ...                            # query projections run during the transfer
+        out = gather.finish(gather.attend_query(q, kv))
+
     Same result as ring attention without its split: one kernel over all keys instead of one per
     block plus the log-sum-exp merge. On FLUX's single blocks at 1024² on 2 GPUs the exchange hides
     under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge. It holds
@@ -279,17 +285,24 @@ class GatherAttention:
     def start(
         self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q_BSHD, self.start_kv(k_BSHD, v_BSHD)
+
+    def start_kv(self, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor) -> torch.Tensor:
+        """Issue the all-gather of this rank's K/V; pass the result to attend_query()."""
         # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
         # sequence order (with batch 1 the transpose moves no data)
         kv = torch.stack((k_BSHD, v_BSHD)).transpose(1, 2)
         mesh = self.mesh
-        return q_BSHD.transpose(1, 2), start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring, mesh.all_to_all)
+        return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring, mesh.all_to_all)
 
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, gathered = pending
+        return self.attend_query(*pending)
+
+    def attend_query(self, q_BSHD: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        """Wait for the K/V all-gather, then attention (BHSD) of this rank's queries over every key."""
         kv = finish_all_gather(gathered, self.mesh.plan.ring, self.mesh.all_to_all)  # (2, ring*S, B, H, D)
         k, v = (t.permute(1, 2, 0, 3) for t in kv)  # BHSD views
-        return _attention(q, k, v, self.runs)
+        return _attention(q_BSHD.transpose(1, 2), k, v, self.runs)
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2)

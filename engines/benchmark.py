@@ -15,7 +15,8 @@ for with --peers (xDiT, cache-dit: engines/peers.py), each eager and compiled as
 
 Weights are random bf16 (no download); timings are of the forward only: CUDA events around
 each call, warmup first (at least 3 calls for peers: CUDA graphs of mode="reduce-overhead" are
-recorded at the second), median of the timed calls, the slowest rank's median. A peer that cannot
+recorded at the second), median of the timed calls, the slowest rank's median. Parallel ranks
+start each call together on the CPU and, on GPUs, on the devices (start_together). A peer that cannot
 run gets rows whose "error" says why; its compiled rows carry a "note" with its exact recipe.
 """
 
@@ -166,21 +167,40 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def start_together(device: torch.device, group: dist.ProcessGroup | None,
+                   device_group: dist.ProcessGroup | None) -> None:
+    """Return when every rank of `group` is here with an idle device; with `device_group` (the
+    ranks' NCCL group), when their GPUs are too.
+
+    The CPU barrier alone releases the ranks up to a millisecond or more apart: in a profile of
+    FLUX ring-2 (docs/bench/profile-2026-11-22-s5-ring) rank 1's first K/V exchange waited 1.3 ms
+    for rank 0, and the slowest rank's time then counts that skew, which a generation loop does
+    not pay at every step (its ranks stay in step; the host runs ahead). A one-element all-reduce
+    on the GPUs, waited for by each host, releases the ranks together; the time measured is then
+    one call's, launch included, as for 1 GPU.
+    """
+    sync(device)
+    if group is not None:
+        dist.barrier(group=group)
+    if device_group is not None and device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=device_group)
+        sync(device)
+
+
 def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
-                 group: dist.ProcessGroup | None, warmup: int, iters: int) -> tuple[float, float]:
+                 group: dist.ProcessGroup | None, warmup: int, iters: int,
+                 device_group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     """Median milliseconds of `forward(**kwargs)` and peak GiB allocated, on this rank.
 
-    Ranks of `group` start every call together (barrier on the CPU control group, after the
-    device is idle), so the time is the collective latency of one call, not a pipelined rate.
+    Ranks of `group` start every call together (start_together), so the time is the collective
+    latency of one call, not a pipelined rate.
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     with torch.no_grad():
         for i in range(warmup + iters):
-            sync(device)
-            if group is not None:
-                dist.barrier(group=group)
+            start_together(device, group, device_group)
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -199,14 +219,13 @@ def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device:
 
 
 def profile_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
-                    group: dist.ProcessGroup | None, path: Path) -> None:
+                    group: dist.ProcessGroup | None, path: Path,
+                    device_group: dist.ProcessGroup | None = None) -> None:
     """Profile one call; write `path`.json (chrome trace) and `path`.txt (top ops by self time)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    sync(device)
-    if group is not None:
-        dist.barrier(group=group)
+    start_together(device, group, device_group)
     with torch.profiler.profile(activities=activities) as prof, torch.no_grad():
         forward(**kwargs)
         sync(device)
@@ -280,14 +299,16 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
             try:
                 engine = prepare_engine(forward, options, cache_dir=args.cache_dir,
                                         rank=ctx.rank if gpus > 1 else 0)
+                device_group = ctx.group if group is not None else None
                 ms, peak = time_forward(engine, inputs[shape.label], device=device, group=group,
-                                        warmup=args.warmup if warmup is None else warmup, iters=args.iters)
+                                        warmup=args.warmup if warmup is None else warmup, iters=args.iters,
+                                        device_group=device_group)
                 build_s = next(iter(engine.builds.values())).seconds
                 if args.profile:
                     # plain file names (labels hold "+", which some file transfers refuse)
                     slug = re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label)))
                     profile_forward(engine, inputs[shape.label], device=device, group=group,
-                                    path=args.profile / f"{slug}.rank{ctx.rank}")
+                                    path=args.profile / f"{slug}.rank{ctx.rank}", device_group=device_group)
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
                 error = repr(exc)[:2000]
             finally:

@@ -9,7 +9,9 @@ Under torch.compile, though, funcol places each wait right after its collective 
 cannot see where an AsyncCollectiveTensor is first used), so a compiled graph overlaps nothing.
 start_all_to_all / start_ring_shift / start_all_gather and finish (finish_all_gather) call the
 collective and its wait as two ops where the caller puts them, so compute written between them
-overlaps the transfer in eager and compiled code alike.
+overlaps the transfer in eager and compiled code alike. Compute that the compiler could still move
+ahead of a collective's start (by fusing its elementwise tail with the tail of the collective's
+input) is pinned after it with linear_after.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from engines import copy_engine
 
@@ -97,3 +100,22 @@ def finish_all_gather(pending: torch.Tensor, size: int, transport: str = "nccl")
 def finish(x: torch.Tensor) -> torch.Tensor:
     """Wait for a collective issued by start_all_to_all (either transport); returns its result, ready to use."""
     return torch.ops._c10d_functional.wait_tensor(x)
+
+
+@torch.library.custom_op("ulysses_studio::linear_after", mutates_args=())
+def linear_after(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias), ordered after the op that produced `token` (its data is not read).
+
+    Passing a pending collective's result as `token` keeps this projection after the collective's
+    start under torch.compile. Without it inductor may run it before the start: in FLUX's
+    double-stream blocks it fused the rotary embedding of the queries with that of the keys (they
+    read the same cos/sin), which pulled the query projections ahead of the K/V all-gather they
+    were written to hide (tests/test_engines_ring_overlap.py).
+    """
+    return F.linear(x, weight, bias)
+
+
+@linear_after.register_fake
+def _linear_after_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       token: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

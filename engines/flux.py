@@ -28,6 +28,7 @@ from diffusers.models.transformers.transformer_flux import (
 from torch import nn
 
 from engines.attention import GatherAttention, RingAttention, UlyssesAttention, context_parallel_attention
+from engines.collectives import linear_after
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
@@ -46,27 +47,87 @@ def _query_key_value(
     query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
         attn, hidden_states, encoder_hidden_states
     )
-    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-    value = value.unflatten(-1, (-1, attn.head_dim))
-    if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-        encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-        encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-        query = torch.cat([encoder_query, query], dim=1)
-        key = torch.cat([encoder_key, key], dim=1)
-        value = torch.cat([encoder_value, value], dim=1)
+    if encoder_query is None:  # a single-stream block
+        encoder_norm_q = encoder_norm_k = None
+    else:
+        encoder_norm_q, encoder_norm_k = attn.norm_added_q, attn.norm_added_k
+    return (
+        _joint(attn, query, encoder_query, attn.norm_q, encoder_norm_q, image_rotary_emb),
+        _joint(attn, key, encoder_key, attn.norm_k, encoder_norm_k, image_rotary_emb),
+        _joint(attn, value, encoder_value, None, None, None),
+    )
+
+
+def _keys_values(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v of a double-stream block (unfused projections), as _query_key_value makes them."""
+    key = _joint(attn, attn.to_k(hidden_states), attn.add_k_proj(encoder_hidden_states), attn.norm_k,
+                 attn.norm_added_k, image_rotary_emb)
+    value = _joint(attn, attn.to_v(hidden_states), attn.add_v_proj(encoder_hidden_states), None, None, None)
+    return key, value
+
+
+def _queries(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    after: torch.Tensor,
+) -> torch.Tensor:
+    """q of a double-stream block (unfused projections), as _query_key_value makes it, with both
+    projections ordered after the op that produced `after` (collectives.linear_after)."""
+    query = linear_after(hidden_states, attn.to_q.weight, attn.to_q.bias, after)
+    encoder_query = linear_after(encoder_hidden_states, attn.add_q_proj.weight, attn.add_q_proj.bias, after)
+    return _joint(attn, query, encoder_query, attn.norm_q, attn.norm_added_q, image_rotary_emb)
+
+
+def _plain_query_projections(attn: Any) -> bool:
+    """Whether q comes from plain nn.Linear projections (not fused with k/v, not wrapped by an adapter)."""
+    return not attn.fused_projections and type(attn.to_q) is nn.Linear and type(attn.add_q_proj) is nn.Linear
+
+
+def _joint(
+    attn: Any,
+    x: torch.Tensor,
+    encoder_x: torch.Tensor | None,
+    norm: nn.Module | None,
+    encoder_norm: nn.Module | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One of q, k, v (BSHD) from its projections of the image and (double blocks) text streams:
+    split into heads, the q/k norms (None for v), text in front, rotary embedding (None for v)."""
+    x = x.unflatten(-1, (-1, attn.head_dim))
+    if norm is not None:
+        x = norm(x)
+    if encoder_x is not None:
+        encoder_x = encoder_x.unflatten(-1, (-1, attn.head_dim))
+        if encoder_norm is not None:
+            encoder_x = encoder_norm(encoder_x)
+        x = torch.cat([encoder_x, x], dim=1)
     if image_rotary_emb is not None:
-        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-    return query, key, value
+        x = apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)
+    return x
 
 
 class FluxContextParallelProcessor:
-    """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope)."""
+    """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope).
+
+    With 2 ring ranks (ring-only plan) a double-stream block's attention is reordered around one
+    K/V all-gather (GatherAttention): keys and values of both streams are projected first and their
+    all-gather issued, the queries are projected while it travels, then one attention kernel runs
+    over every key. Ring attention would instead hide its K/V pass under the attention to the own
+    K/V, but pays for it with two attention kernels and a log-sum-exp merge; a double block has no
+    other compute to hide the exchange behind (docs/benchmarks.md, sixth session).
+    """
 
     def __init__(self, mesh: ParallelMesh) -> None:
         self.mesh = mesh
+        plan = mesh.plan
+        self.gather_double = plan.ulysses == 1 and plan.ring == 2 and plan.kv_exchange == "ring"
 
     def __call__(
         self,
@@ -81,8 +142,16 @@ class FluxContextParallelProcessor:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
         if attention_mask is not None:
             raise ValueError("FLUX attention masks are not supported with context parallelism")
-        query, key, value = _query_key_value(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        hidden_states = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
+        double = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if double and self.gather_double and _plain_query_projections(attn):
+            gather = GatherAttention(mesh=self.mesh, layout=cp_layout)
+            key, value = _keys_values(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            pending = gather.start_kv(key, value)
+            query = _queries(attn, hidden_states, encoder_hidden_states, image_rotary_emb, after=pending)
+            hidden_states = gather.finish(gather.attend_query(query, pending))
+        else:
+            query, key, value = _query_key_value(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            hidden_states = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is None:

@@ -35,7 +35,8 @@ START = {"nccl": NCCL_ALL_TO_ALL, "copy-engine": COPY_ENGINE_ALL_TO_ALL}
 
 
 def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
-    """Matrix multiplies between each all-to-all (a line calling `start`) and its wait, in generated-code order."""
+    """Matrix multiplies (inductor's, or collectives.linear_after) between each all-to-all (a line
+    calling `start`) and its wait, in generated-code order."""
     counts, open_count = [], None
     for line in code.splitlines():
         if start in line and "=" in line:
@@ -43,7 +44,7 @@ def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
         elif "_c10d_functional.wait_tensor" in line and open_count is not None:
             counts.append(open_count)
             open_count = None
-        elif open_count is not None and re.search(r"extern_kernels\.(addmm|mm)\(", line):
+        elif open_count is not None and re.search(r"extern_kernels\.(addmm|mm)\(|ulysses_studio\.linear_after\.default\(", line):
             open_count += 1
     return counts
 
