@@ -14,7 +14,7 @@ IPC); the buffer starts with flags, then one data slot per peer. On a side strea
 caller's stream has produced `x`:
 1. push: for each peer, wait until that peer has copied out what this rank last wrote there (its
    "free" flag), write the peer's slice of `x` into this rank's slot of the peer's buffer, then set
-   the peer's "ready" flag; copy this rank's own slice locally;
+   the peer's "ready" flag; meanwhile, on a second side stream, copy this rank's own slice locally;
 2. collect: for each peer, wait for its "ready" flag, copy its slot out into the result; then set
    "free" in every peer's flags, and record an event;
 3. funcol's wait_tensor (engines.collectives.finish) makes the caller's stream wait for that event.
@@ -68,7 +68,7 @@ CU_STREAM_WAIT_VALUE_EQ = 0x1
 # Per-process state: the op is called from compiled graphs with only a tensor and a group name, so
 # what lasts between calls (one side stream per GPU, one buffer per group) is kept here, as torch
 # keeps its own symmetric-memory workspaces.
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _exchanges: dict[str, _Exchange] = {}
 
 
@@ -87,12 +87,14 @@ class _Done(Work):
         return True
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, role: str = "exchange") -> torch.cuda.Stream:
+    """The GPU's side stream for `role`: "exchange" (pushes, waits, copy-outs) or "own" (this
+    rank's own slices, copied while the pushes travel)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
+    if (index, role) not in _side_streams:
         # only copies and waits run on it; priority as measured
-        _side_streams[index] = torch.cuda.Stream(device=index, priority=-1)
-    return _side_streams[index]
+        _side_streams[index, role] = torch.cuda.Stream(device=index, priority=-1)
+    return _side_streams[index, role]
 
 
 @functools.cache
@@ -202,6 +204,12 @@ def _push_and_collect(
     compute = torch.cuda.current_stream()
     stream = _side_stream(x.device)
     stream.wait_stream(compute)  # x is ready, out is allocated
+    if own:  # on a stream of their own, so that they run while the pushes travel
+        own_stream = _side_stream(x.device, "own")
+        own_stream.wait_stream(compute)
+        with torch.cuda.stream(own_stream):
+            for destination, source in own:
+                destination.copy_(source)
     with torch.cuda.stream(stream):
         for peer, piece in sends:  # push as soon as this rank is ready and the peer's slot is free
             free = ex.flag(rank, "free", peer)
@@ -209,8 +217,6 @@ def _push_and_collect(
             _write_value(stream, free, 0)
             ex.slot(peer, rank, piece).copy_(piece)  # over NVLink, by a copy engine
             ex.flag(peer, "ready", rank).copy_(ex.one)
-        for destination, source in own:
-            destination.copy_(source)
         for peer, destinations in receives:
             ready = ex.flag(rank, "ready", peer)
             _wait_value(stream, ready, 1)
@@ -223,6 +229,8 @@ def _push_and_collect(
                     destination.copy_(source)
         for peer, _ in receives:  # only after every slot is copied out: a slot of one exchange may
             ex.flag(peer, "free", rank).copy_(ex.one)  # overlap another peer's slot of the next
+        if own:
+            stream.wait_stream(own_stream)
         event = torch.cuda.Event()
         event.record(stream)
     # x is read on the side stream: keep it alive until the caller's stream has waited for the event

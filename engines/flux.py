@@ -176,10 +176,13 @@ class OverlappedSingleBlock(nn.Module):
     1. q/k/v are projected and their head-scatter all-to-all (Ulysses), the all-gather of this
        rank's K/V (2 ring ranks) or its first K/V pass (more) is issued;
     2. the MLP runs while it travels (4x the FLOPs of the q/k/v projections);
-    3. attention, then (Ulysses) its token-gather all-to-all is issued;
-    4. the MLP's share of proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b,
-       W_a and W_m being column slices of proj_out's weight (views: no copy);
-    5. the attention's share is added. Residual and gate as in diffusers.
+    3. Ulysses: attention, then its token-gather all-to-all is issued, and the MLP's share of
+       proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b, W_a and W_m
+       being column slices of proj_out's weight (views: no copy);
+       ring: the MLP's share of proj_out also runs before the attention (nothing travels after
+       it), so the K/V exchange has both GEMMs to hide under: inside a CUDA graph its local
+       copy-out may run as a kernel, which waits for free SMs (docs/benchmarks.md, sixth session);
+    4. the attention's share is added. Residual and gate as in diffusers.
     Splitting proj_out also spares the concatenation, which under ring fused with the LSE merge
     into one slow kernel (150 us a block at FLUX 1024², against ~40 us for GELU alone).
     Same parameters (the original block is a child; ParallelFlux.restore puts it back) and the same
@@ -222,10 +225,14 @@ class OverlappedSingleBlock(nn.Module):
         query, key, value = _query_key_value(attn, norm_hidden_states, None, image_rotary_emb)
         pending = split.start(query, key, value)
         mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
-        pending = split.attend(pending)
         weight = block.proj_out.weight
         width = weight.shape[1] - block.mlp_hidden_dim  # attention output width
-        out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
+        if isinstance(split, UlyssesAttention):  # its second all-to-all travels under the MLP's proj_out share
+            pending = split.attend(pending)
+            out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
+        else:  # ring: no exchange after the attention; K/V get the MLP's proj_out share too to travel under
+            out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
+            pending = split.attend(pending)
         attention = split.finish(pending).flatten(2, 3).to(query.dtype)
         out = out + F.linear(attention, weight[:, :width])
 
