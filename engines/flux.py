@@ -10,6 +10,9 @@ through `joint_attention_kwargs`, the channel FLUX already forwards to every att
 With a Ulysses-only or ring-only plan the 38 single-stream blocks are also replaced, by
 OverlappedSingleBlock: same parameters and math, ordered so that the MLP branch computes while the
 attention's exchanges travel (diffusers' order leaves every all-to-all exposed; docs/benchmarks.md).
+With such a plan the AdaLN modulations of all blocks are also computed once per forward, shared out
+over the ranks (SharedModulation), and ParallelFlux runs diffusers' forward loop itself to hand each
+block its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -28,7 +32,7 @@ from diffusers.models.transformers.transformer_flux import (
 from torch import nn
 
 from engines.attention import GatherAttention, RingAttention, UlyssesAttention, context_parallel_attention
-from engines.collectives import linear_after
+from engines.collectives import all_gather, linear_after
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
@@ -242,8 +246,99 @@ class OverlappedSingleBlock(nn.Module):
         return hidden_states[:, :text_len], hidden_states[:, text_len:]
 
 
+class _Precomputed(nn.Module):
+    """Stands in for an AdaLN modulation projection whose output SharedModulation computed ahead:
+    returns columns [start, stop) of what the block now receives as `temb` (the projection's
+    output, or, in a double-stream block, the outputs of both its streams' projections side by
+    side). The projection stays a child, so that .to() and state_dict still reach its weights."""
+
+    def __init__(self, source: nn.Linear, start: int, stop: int) -> None:
+        super().__init__()
+        self.source = source
+        self.start, self.stop = start, stop
+
+    def forward(self, modulation: torch.Tensor) -> torch.Tensor:
+        return modulation[:, self.start:self.stop]
+
+
+class SharedModulation:
+    """FLUX's AdaLN modulations, computed once per forward and shared out over the sequence ranks.
+
+    Every block (and norm_out) projects the same conditioning vector silu(temb) into its shifts,
+    scales and gates: 115 matrix-vector products that read 6.5 GB of weights (~2 ms on an H200), the
+    same on every rank. Here each rank of the sequence group computes the blocks it owns (balanced
+    by output width) and ONE all-gather brings every block's modulation to every rank, so a rank
+    reads 1/n of those weights. The blocks then receive their modulation as `temb` and their norm
+    layers skip the projection (silu -> Identity, linear -> _Precomputed); install() makes that
+    change and restore() undoes it. Only for plans whose sequence ranks form one group (Ulysses-only
+    or ring-only).
+    """
+
+    def __init__(self, model: FluxTransformer2DModel, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        # consumers in call order: each double block (image and text stream), each single block, norm_out
+        self.norms: list[list[nn.Module]] = (
+            [[b.norm1, b.norm1_context] for b in model.transformer_blocks]
+            + [[b.norm] for b in _single_blocks(model)]
+            + [[model.norm_out]]
+        )
+        self.linears = [[norm.linear for norm in norms] for norms in self.norms]
+        widths = [sum(linear.out_features for linear in linears) for linears in self.linears]
+        # owner of each consumer: the least loaded rank, widest consumers first (the same on every rank)
+        load = [0] * size
+        self.owner = [0] * len(widths)
+        for index in sorted(range(len(widths)), key=lambda i: (-widths[i], i)):
+            self.owner[index] = min(range(size), key=lambda r: (load[r], r))
+            load[self.owner[index]] += widths[index]
+        self.width = max(load)  # every rank's packed length (the others are zero-padded)
+        self.spans: list[tuple[int, int]] = []  # (offset, width) of each consumer in its owner's packed row
+        offsets = [0] * size
+        for index, width in enumerate(widths):
+            self.spans.append((offsets[self.owner[index]], width))
+            offsets[self.owner[index]] += width
+        self._originals: list[tuple[nn.Module, nn.Module, nn.Module]] = []
+
+    def __call__(self, temb: torch.Tensor) -> list[torch.Tensor]:
+        """Each consumer's modulation (B, width), in call order, from the model's temb."""
+        condition = F.silu(temb)
+        mine = [F.linear(condition, linear.weight, linear.bias)
+                for index, linears in enumerate(self.linears) if self.owner[index] == self.rank
+                for linear in linears]
+        missing = self.width - sum(m.shape[1] for m in mine)  # a rank may own less, or (tiny models) nothing
+        if missing:
+            mine.append(condition.new_zeros(condition.shape[0], missing))
+        packed = torch.cat(mine, dim=1)
+        gathered = all_gather(packed.unsqueeze(0), 0, self.group, self.size)  # (size, B, width)
+        return [gathered[owner, :, offset:offset + width]
+                for owner, (offset, width) in zip(self.owner, self.spans, strict=True)]
+
+    def install(self) -> None:
+        for norms, linears in zip(self.norms, self.linears, strict=True):
+            start = 0
+            for norm, linear in zip(norms, linears, strict=True):
+                self._originals.append((norm, norm.silu, norm.linear))
+                norm.silu = nn.Identity()
+                norm.linear = _Precomputed(linear, start, start + linear.out_features)
+                start += linear.out_features
+
+    def restore(self) -> None:
+        for norm, silu, linear in self._originals:
+            norm.silu, norm.linear = silu, linear
+        self._originals = []
+
+
+def _single_blocks(model: FluxTransformer2DModel) -> list[FluxSingleTransformerBlock]:
+    """The single-stream blocks, looking through OverlappedSingleBlock."""
+    return [b.block if isinstance(b, OverlappedSingleBlock) else b for b in model.single_transformer_blocks]
+
+
 class ParallelFlux(ParallelTransformer):
     """FluxTransformer2DModel across ranks; same call as the model, full output on every rank."""
+
+    def __init__(self, model: FluxTransformer2DModel, mesh: ParallelMesh, replaced: list[tuple[nn.Module, Any]],
+                 modulation: SharedModulation | None = None) -> None:
+        super().__init__(model, mesh, replaced)
+        self.modulation = modulation
 
     def forward(
         self,
@@ -279,25 +374,59 @@ class ParallelFlux(ParallelTransformer):
             txt_ids = shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0)
             attention_kwargs["cp_layout"] = layout
 
-        output = self.model(
-            hidden_states=hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            pooled_projections=pooled_projections,
-            timestep=timestep,
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=guidance,
-            joint_attention_kwargs=attention_kwargs or None,
-            return_dict=False,
-        )[0]
+        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                      pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
+                      guidance=guidance, joint_attention_kwargs=attention_kwargs or None)
+        if self.modulation is None:
+            output = self.model(**inputs, return_dict=False)[0]
+        else:
+            output = self._forward_shared_modulation(**inputs)
 
         if plan.seq_degree > 1:
             output = gather_tokens(output, mesh, length=num_image_tokens, dim=1)
         output = gather_batch(output, mesh)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
+    def _forward_shared_modulation(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        guidance: torch.Tensor | None,
+        joint_attention_kwargs: dict[str, Any] | None,
+    ) -> torch.Tensor:
+        """diffusers' FluxTransformer2DModel.forward (0.42: embeddings, rotary embedding, blocks,
+        norm_out, proj_out; without ControlNet residuals and IP-Adapter, which ParallelFlux does not
+        take), with each block's modulation from SharedModulation instead of its own projection."""
+        model = self.model
+        hidden_states = model.x_embedder(hidden_states)
+        timestep = timestep.to(hidden_states.dtype) * 1000
+        if guidance is None:
+            temb = model.time_text_embed(timestep, pooled_projections)
+        else:
+            temb = model.time_text_embed(timestep, guidance.to(hidden_states.dtype) * 1000, pooled_projections)
+        encoder_hidden_states = model.context_embedder(encoder_hidden_states)
+        image_rotary_emb = model.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        modulations = iter(self.modulation(temb))
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                temb=next(modulations),
+                image_rotary_emb=image_rotary_emb,
+                joint_attention_kwargs=joint_attention_kwargs,
+            )
+        hidden_states = model.norm_out(hidden_states, next(modulations))
+        return model.proj_out(hidden_states)
+
     def restore(self) -> nn.Module:
-        """Put the original single-stream blocks and attention processors back; return the model."""
+        """Put the original single-stream blocks, modulation projections and attention processors
+        back; return the model."""
+        if self.modulation is not None:
+            self.modulation.restore()
         blocks = self.model.single_transformer_blocks
         for index, block in enumerate(blocks):
             if isinstance(block, OverlappedSingleBlock):
@@ -323,4 +452,11 @@ def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> Paral
         blocks = model.single_transformer_blocks
         for index, block in enumerate(blocks):
             blocks[index] = OverlappedSingleBlock(block, mesh)
-    return ParallelFlux(model, mesh, replaced)
+    modulation = None
+    if plan.ulysses > 1 and plan.ring == 1:
+        modulation = SharedModulation(model, mesh.ulysses_group, mesh.ulysses_rank, plan.ulysses)
+    elif plan.ring > 1 and plan.ulysses == 1:
+        modulation = SharedModulation(model, mesh.ring_group, mesh.ring_rank, plan.ring)
+    if modulation is not None:
+        modulation.install()
+    return ParallelFlux(model, mesh, replaced, modulation)

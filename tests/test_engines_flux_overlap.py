@@ -5,6 +5,9 @@ issues the output all-to-all, computes the MLP's share of proj_out, waits. On 2 
 checks that
 - parallelize_flux installs it on every single-stream block for a Ulysses plan (and a ring plan:
   tests/test_engines_ring_overlap.py; not for allgather) and restore() puts diffusers' blocks back;
+- the AdaLN modulation projections are shared out over the ranks (engines.flux.SharedModulation:
+  both ranks own some, the norms skip theirs), and restore() puts them back too: the plain model
+  then gives its original output;
 - the parallel model (eager) equals the one-process model;
 - compiled with inductor and EngineOptions.overlap, the generated code keeps a matrix multiply
   between each all-to-all and its wait (the order the GPU needs for overlap), and equals eager.
@@ -49,6 +52,14 @@ def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
     return counts
 
 
+def norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """FLUX's AdaLN norms, whose projections SharedModulation computes ahead (blocks seen through
+    OverlappedSingleBlock)."""
+    singles = [getattr(b, "block", b) for b in model.single_transformer_blocks]
+    return ([n for b in model.transformer_blocks for n in (b.norm1, b.norm1_context)]
+            + [b.norm for b in singles] + [model.norm_out])
+
+
 def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -78,6 +89,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
 
         parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6), all_to_all=transport)
         result["ulysses_blocks_replaced"] = all(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
+        # the modulation projections are shared out: both ranks own some, and the norms skip theirs
+        result["modulation_owners"] = sorted(set(parallel.modulation.owner))
+        result["projections_skipped"] = all(not isinstance(n.linear, torch.nn.Linear) for n in norms(model))
         eager = parallel(**kwargs)[0]
         result["eager_err"] = (eager - expected).abs().max().item()
 
@@ -95,6 +109,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         result["block_kept"] = model.single_transformer_blocks[0] is block
         parallel.restore()
     result["restored"] = all(a is b for a, b in zip(model.single_transformer_blocks, originals, strict=True))
+    result["projections_restored"] = all(isinstance(n.linear, torch.nn.Linear) and isinstance(n.silu, torch.nn.SiLU)
+                                         for n in norms(model))
+    with torch.no_grad():
+        result["restored_err"] = (model(**kwargs)[0] - expected).abs().max().item()
     result["scale"] = expected.abs().max().item()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     shutdown(ctx)
@@ -108,6 +126,8 @@ def test_single_blocks_overlap_their_all_to_alls(tmp_path: Path, transport: str)
         assert r["ulysses_blocks_replaced"] and all(r["ring_blocks_replaced"]), r
         assert not any(r["allgather_blocks_replaced"]), r
         assert r["block_kept"] and r["restored"], r
+        assert r["modulation_owners"] == [0, 1] and r["projections_skipped"], r
+        assert r["projections_restored"] and r["restored_err"] == 0.0, r
         assert r["eager_err"] <= TOLERANCE * max(r["scale"], 1.0), r
         assert r["compiled_err"] <= TOLERANCE * max(r["scale"], 1.0), r
         assert r["again_err"] == 0.0, r
