@@ -189,11 +189,14 @@ def start_together(device: torch.device, group: dist.ProcessGroup | None,
 
 def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
                  group: dist.ProcessGroup | None, warmup: int, iters: int,
-                 device_group: dist.ProcessGroup | None = None) -> tuple[float, float]:
-    """Median milliseconds of `forward(**kwargs)` and peak GiB allocated, on this rank.
+                 device_group: dist.ProcessGroup | None = None) -> tuple[float, float, float]:
+    """Median milliseconds of `forward(**kwargs)`, peak GiB allocated, and the pipelined
+    milliseconds per call, on this rank.
 
-    Ranks of `group` start every call together (start_together), so the time is the collective
-    latency of one call, not a pipelined rate.
+    Ranks of `group` start every call together (start_together), so the median is the latency of
+    one call. The pipelined time is that of `iters` calls issued back to back (started together
+    once), divided by `iters`: a generation loop's rate, where the host queues the next call while
+    the GPUs run this one.
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -214,8 +217,14 @@ def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device:
                 elapsed = (time.perf_counter() - t0) * 1e3
             if i >= warmup:
                 times.append(elapsed)
+        start_together(device, group, device_group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            forward(**kwargs)
+        sync(device)
+        pipelined = (time.perf_counter() - t0) * 1e3 / iters
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return statistics.median(times), peak
+    return statistics.median(times), peak, pipelined
 
 
 def profile_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
@@ -292,7 +301,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
                options: EngineOptions, error: str | None = None, *, backend: str | None = None,
                note: str | None = None, warmup: int | None = None) -> None:
         """Time one row (`backend` names it when `forward` is compiled by someone else than `options`)."""
-        ms, peak, build_s = float("nan"), 0.0, None
+        ms, peak, build_s, pipelined = float("nan"), 0.0, None, float("nan")
         label = backend or options.label
         if forward is not None and error is None:
             engine = None
@@ -300,7 +309,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
                 engine = prepare_engine(forward, options, cache_dir=args.cache_dir,
                                         rank=ctx.rank if gpus > 1 else 0)
                 device_group = ctx.group if group is not None else None
-                ms, peak = time_forward(engine, inputs[shape.label], device=device, group=group,
+                ms, peak, pipelined = time_forward(engine, inputs[shape.label], device=device, group=group,
                                         warmup=args.warmup if warmup is None else warmup, iters=args.iters,
                                         device_group=device_group)
                 build_s = next(iter(engine.builds.values())).seconds
@@ -317,18 +326,21 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
                 torch._dynamo.reset()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        results = gather_objects(ctx, (ms, peak, error, build_s))
+        results = gather_objects(ctx, (ms, peak, error, build_s, pipelined))
         ran = results[:gpus]  # the 1-GPU mode runs on rank 0 only
         errors = [r[2] for r in ran if r[2]]
         builds = [r[3] for r in ran if r[3] is not None]
         rows.append(dict(
             model=spec.name, mode=mode, backend=label, shape=shape.label, tokens=tokens(spec, shape),
             batch=batch, text_tokens=shape.text_tokens if spec.family == "flux" else None, gpus=gpus,
-            ms=max(r[0] for r in ran), peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
+            ms=max(r[0] for r in ran), ms_per_rank=[r[0] for r in ran], pipelined_ms=max(r[4] for r in ran),
+            peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
         ))
         if ctx.is_main:
             print(f"[benchmark] {spec.name} {mode} [{label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
+                  f" (ranks {', '.join(f'{t:.1f}' for t in rows[-1]['ms_per_rank'])};"
+                  f" back to back {rows[-1]['pipelined_ms']:.1f} ms/call)"
                   + (f" (build {rows[-1]['build_s']:.1f} s)" if rows[-1]["build_s"] else "")
                   + (f" ERROR {rows[-1]['error']}" if rows[-1]["error"] else ""), file=sys.stderr, flush=True)
             if on_row is not None:
