@@ -66,7 +66,7 @@ FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the exchanged data follo
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
 # Per-process state: the op is called from compiled graphs with only a tensor and a group name, so
-# what lasts between calls (one side stream per GPU, one buffer per group) is kept here, as torch
+# what lasts between calls (two side streams per GPU, one buffer per group) is kept here, as torch
 # keeps its own symmetric-memory workspaces.
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _exchanges: dict[str, _Exchange] = {}
