@@ -61,8 +61,8 @@ from engines.benchmark import (
     comma_list,
     engine_labels,
     gather_objects,
+    mode_label,
     our_plans,
-    plan_label,
     sync,
 )
 from engines.compile import Engine
@@ -403,9 +403,8 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         timer = StageTimer(pipeline, ctx.device)
         modes: list[tuple[str, ParallelPlan | None]] = [] if args.no_single else [("1 GPU", None)]
         heads = pipeline.transformer_config.num_attention_heads
-        transport = "" if args.all_to_all == "nccl" else f" {args.all_to_all}"
-        modes += [(f"ours {plan_label(plan)}{transport if plan.has_exchanges else ''}", plan)
-                  for plan in our_plans(ctx, heads, args.strategies, args.cfg)]
+        plans = our_plans(ctx, heads, args.strategies, args.cfg)
+        modes += [(mode_label(plan, args.all_to_all), plan) for plan in plans]
         for mode, plan in modes:
             for backend in args.backends:
                 rows.append(measure_mode(arch.registry_name, mode, plan, backend, ctx=ctx, timer=timer, model=model,

@@ -279,8 +279,7 @@ class GatherAttention:
 
     def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
         self.mesh = mesh
-        shards = [s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)]
-        self.runs = layout.valid_runs(shards)
+        self.runs = _gathered_runs(mesh, layout)
 
     def start(
         self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
@@ -313,5 +312,9 @@ def _allgather_attention(
 ) -> torch.Tensor:
     """AllGather-KV attention (BHSD): one all-gather of packed K/V over the ring group, then local attention."""
     kv = all_gather(torch.stack((k, v)), 3, mesh.ring_group, mesh.plan.ring)
-    shards = [s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)]
-    return _attention(q, kv[0], kv[1], layout.valid_runs(shards))
+    return _attention(q, kv[0], kv[1], _gathered_runs(mesh, layout))
+
+
+def _gathered_runs(mesh: ParallelMesh, layout: ShardLayout) -> Runs:
+    """The real-token runs of K/V gathered from every ring member, in member order."""
+    return layout.valid_runs([s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)])

@@ -264,6 +264,13 @@ def plan_label(plan: ParallelPlan) -> str:
     return "x".join(parts) or "1"
 
 
+def mode_label(plan: ParallelPlan, transport: str) -> str:
+    """Row name of our parallel mode, e.g. "ours ring-2", "ours ring-2 copy-engine": the transport
+    is named when it is not NCCL and the plan has exchanges for it to carry."""
+    named = transport != "nccl" and plan.has_exchanges
+    return f"ours {plan_label(plan)}" + (f" {transport}" if named else "")
+
+
 def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: bool) -> list[ParallelPlan]:
     """Distinct plans to measure on ctx.world_size ranks (strategies that degenerate are skipped)."""
     n = ctx.world_size
@@ -359,7 +366,7 @@ def run_model(spec: TransformerSpec, shapes: list[Shape], args: argparse.Namespa
     for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
         for transport in (args.all_to_all if plan.has_exchanges else ["nccl"]):
             parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
-            mode = f"ours {plan_label(plan)}" + ("" if transport == "nccl" else f" {transport}")
+            mode = mode_label(plan, transport)
             for options in backends:
                 for shape in shapes:
                     record(mode, shape, ctx.world_size, parallel, ctx.control_group, options)

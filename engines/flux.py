@@ -34,6 +34,7 @@ from torch import nn
 from engines.attention import GatherAttention, RingAttention, UlyssesAttention, context_parallel_attention
 from engines.collectives import all_gather, linear_after
 from engines.mesh import ParallelMesh
+from engines.plan import ParallelPlan
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
 
@@ -89,6 +90,12 @@ def _queries(
     return _joint(attn, query, encoder_query, attn.norm_q, attn.norm_added_q, image_rotary_emb)
 
 
+def _gathers_kv(plan: ParallelPlan) -> bool:
+    """Whether FLUX's blocks share K/V with ONE all-gather (GatherAttention): ring-only plans with 2
+    ring ranks, where the gathered K/V fit beside the rest; more ring ranks pass K/V around."""
+    return plan.ulysses == 1 and plan.ring == 2 and plan.kv_exchange == "ring"
+
+
 def _plain_query_projections(attn: Any) -> bool:
     """Whether q comes from plain nn.Linear projections (not fused with k/v, not wrapped by an adapter)."""
     return not attn.fused_projections and type(attn.to_q) is nn.Linear and type(attn.add_q_proj) is nn.Linear
@@ -130,8 +137,7 @@ class FluxContextParallelProcessor:
 
     def __init__(self, mesh: ParallelMesh) -> None:
         self.mesh = mesh
-        plan = mesh.plan
-        self.gather_double = plan.ulysses == 1 and plan.ring == 2 and plan.kv_exchange == "ring"
+        self.gather_double = _gathers_kv(mesh.plan)
 
     def __call__(
         self,
@@ -218,7 +224,7 @@ class OverlappedSingleBlock(nn.Module):
         if mesh.plan.ulysses > 1:
             split = UlyssesAttention(degree=mesh.plan.ulysses, group_name=mesh.ulysses_group_name, layout=layout,
                                      transport=mesh.all_to_all)
-        elif mesh.plan.ring == 2:
+        elif _gathers_kv(mesh.plan):
             split = GatherAttention(mesh=mesh, layout=layout)
         else:
             split = RingAttention(mesh=mesh, layout=layout)
@@ -453,7 +459,7 @@ def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> Paral
         for index, block in enumerate(blocks):
             blocks[index] = OverlappedSingleBlock(block, mesh)
     modulation = None
-    if plan.ulysses > 1 and plan.ring == 1:
+    if ulysses_only:
         modulation = SharedModulation(model, mesh.ulysses_group, mesh.ulysses_rank, plan.ulysses)
     elif plan.ring > 1 and plan.ulysses == 1:
         modulation = SharedModulation(model, mesh.ring_group, mesh.ring_rank, plan.ring)
