@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines import copy_engine
 from engines.collectives import (
     all_gather,
     all_to_all,
@@ -292,19 +293,52 @@ class GatherAttention:
         # sequence order (with batch 1 the transpose moves no data)
         kv = torch.stack((k_BSHD, v_BSHD)).transpose(1, 2)
         mesh = self.mesh
-        return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring, mesh.all_to_all)
+        if mesh.all_to_all == "copy-engine":  # lands in the exchange buffer, read there by attend_query
+            return copy_engine.start_gather_kv(kv, mesh.ring_group_name, mesh.plan.ring)
+        return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring)
 
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.attend_query(*pending)
 
     def attend_query(self, q_BSHD: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
         """Wait for the K/V all-gather, then attention (BHSD) of this rank's queries over every key."""
-        kv = finish_all_gather(gathered, self.mesh.plan.ring, self.mesh.all_to_all)  # (2, ring*S, B, H, D)
-        k, v = (t.permute(1, 2, 0, 3) for t in kv)  # BHSD views
-        return _attention(q_BSHD.transpose(1, 2), k, v, self.runs)
+        mesh = self.mesh
+        if mesh.all_to_all == "copy-engine":
+            runs = [i for run in self.runs for i in run]
+            return gathered_attention(q_BSHD, finish(gathered), mesh.ring_group_name, mesh.plan.ring, runs).transpose(1, 2)
+        kv = finish_all_gather(gathered, mesh.plan.ring)  # (2, ring*S, B, H, D)
+        return _kv_attention(q_BSHD, kv, self.runs)
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2)
+
+
+def _kv_attention(q_BSHD: torch.Tensor, kv: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """Attention (BHSD) of q over gathered K/V (2, ring*S, B, H, D), their real-token runs only."""
+    k, v = (t.permute(1, 2, 0, 3) for t in kv)  # BHSD views
+    return _attention(q_BSHD.transpose(1, 2), k, v, runs)
+
+
+@torch.library.custom_op("ulysses_studio::gathered_attention", mutates_args=())
+def gathered_attention(q_BSHD: torch.Tensor, token: torch.Tensor, group_name: str, size: int,
+                       runs: list[int]) -> torch.Tensor:
+    """Attention (BSHD, contiguous) of q over the K/V that the group's copy-engine all-gather
+    (`token`, waited for) landed in its exchange buffer: they are read there, not copied out.
+    `runs` are the real-token runs of the gathered sequence, flattened (start, length, ...).
+
+    An op of its own because the buffer outlives the call: returned to the compiled graph as a
+    tensor, the compiler could reuse its memory for a later result, where the peers write.
+    """
+    B, S, H, D = q_BSHD.shape
+    kv = copy_engine.gathered_kv(group_name, (2, size * S, B, H, D), q_BSHD.dtype, q_BSHD.device)
+    out = _kv_attention(q_BSHD, kv, tuple(zip(runs[::2], runs[1::2], strict=True)))
+    return out.transpose(1, 2).contiguous()  # SDPA kernels write BSHD memory: no copy
+
+
+@gathered_attention.register_fake
+def _gathered_attention_fake(q_BSHD: torch.Tensor, token: torch.Tensor, group_name: str, size: int,
+                             runs: list[int]) -> torch.Tensor:
+    return torch.empty_like(q_BSHD, memory_format=torch.contiguous_format)
 
 
 def _allgather_attention(

@@ -81,19 +81,17 @@ def start_ring_shift(x: torch.Tensor, group_name: str, rank: int, size: int, tra
     return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), receive, send, group_name)
 
 
-def start_all_gather(x: torch.Tensor, group_name: str, size: int, transport: str = "nccl") -> torch.Tensor:
-    """Gather every peer's `x` (n, S, ...) without waiting: pass the result to finish_all_gather()."""
-    if transport == "copy-engine":
-        return copy_engine.start_all_gather(x, group_name, size)
+def start_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """Gather every peer's `x` (n, S, ...) over NCCL without waiting: pass the result to
+    finish_all_gather(). (The copy-engine K/V all-gather is copy_engine.start_gather_kv: its result
+    stays in the exchange buffer, read by the attention there.)"""
     return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, group_name)
 
 
-def finish_all_gather(pending: torch.Tensor, size: int, transport: str = "nccl") -> torch.Tensor:
+def finish_all_gather(pending: torch.Tensor, size: int) -> torch.Tensor:
     """Wait for start_all_gather's result: (n, size * S, ...), the peers' pieces in group-rank order
-    along dim 1 (the copy-engine op lands them there; NCCL's lands (size * n, S, ...): one copy)."""
+    along dim 1 (NCCL lands (size * n, S, ...): one copy)."""
     out = finish(pending)
-    if transport == "copy-engine":
-        return out
     return out.unflatten(0, (size, out.shape[0] // size)).transpose(0, 1).flatten(1, 2)
 
 

@@ -1,7 +1,9 @@
 """Context-parallel exchanges on the GPUs' copy engines: peer copies, no SM kernels.
 
 Three exchanges: the Ulysses all-to-all, the ring pass of K/V (to group rank + 1, from rank - 1),
-and the all-gather of K/V that FLUX's single blocks use with 2 ring ranks (engines.attention.GatherAttention).
+and the all-gather of K/V that FLUX's blocks use with 2 ring ranks (engines.attention.GatherAttention).
+The all-gather lands every rank's K/V in the receiver's exchange buffer, where the attention reads
+them (gathered_kv): no copy-out.
 
 Why not NCCL here (measured, docs/benchmarks.md, FLUX.1-dev 1024² on 2x H200): NCCL's collectives
 are kernels, and a kernel needs SMs. An exchange is issued just before the compute meant to hide it
@@ -18,6 +20,11 @@ caller's stream has produced `x`:
 2. collect: for each peer, wait for its "ready" flag, copy its slot out into the result; then set
    "free" in every peer's flags, and record an event;
 3. funcol's wait_tensor (engines.collectives.finish) makes the caller's stream wait for that event.
+The K/V all-gather differs in one step: nothing is copied out. Peers write straight into the
+gathered layout of the receiver's buffer, the attention reads it there (gathered_kv), and the
+receiver sets the peers' "free" flags at its next gather, once its stream has passed that attention.
+In FLUX at 1024² on 2 GPUs the copy-outs were 114 copies of 14 MB a step per rank, run as
+`memcpy128` kernels inside the CUDA graph on one of the ranks (docs/benchmarks.md, seventh session).
 Each rank pushes as soon as it is ready (no rank waits for the slowest to start), and the caller's
 stream does no copy at all. Copies are plain tensor copies (cudaMemcpyAsync: copy engines; a
 peer's flag is set by a 4-byte peer copy), waits are cuStreamWaitValue32 (the GPU's front end
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -58,7 +66,7 @@ TRANSPORTS = ("nccl", "copy-engine")
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 _lib.define("copy_engine_shift(Tensor x, str group_name) -> Tensor")
-_lib.define("copy_engine_all_gather(Tensor x, str group_name, int size) -> Tensor")
+_lib.define("copy_engine_gather_kv(Tensor x, str group_name, int size) -> Tensor")
 
 FLAGS_BYTES = 4096
 """Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "free[peer]" at
@@ -66,10 +74,11 @@ FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the exchanged data follo
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
 # Per-process state: the op is called from compiled graphs with only a tensor and a group name, so
-# what lasts between calls (two side streams per GPU, one buffer per group) is kept here, as torch
+# what lasts between calls (two side streams per GPU, up to two buffers per group) is kept here, as torch
 # keeps its own symmetric-memory workspaces.
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
-_exchanges: dict[str, _Exchange] = {}
+_exchanges: dict[tuple[str, str], _Exchange] = {}  # (group name, "slots" or "gather")
+_cpu_gathered: dict[str, torch.Tensor] = {}  # on CPU: the last K/V all-gather of each group
 
 
 class _Done(Work):
@@ -127,12 +136,14 @@ def _write_value(stream: torch.cuda.Stream, flag: torch.Tensor, value: int) -> N
 
 
 class _Exchange:
-    """One group's symmetric buffer (flags + data slots) and the tensors that name its parts.
+    """One group's symmetric buffer (flags + data) and the tensors that name its parts.
 
-    Data area: `size` slots of one exchange's slice, slot p written by peer p (this rank's own slot
-    is unused). Flags, int32, each written by the peer it names: ready[p] at 0 ("p has written its
-    slot in this buffer"), free[p] at FLAGS_BYTES // 2 ("p has copied out what this rank wrote into
-    p's buffer: this rank may write there again").
+    Data area, as a "slots" exchange (all-to-all, ring pass): `size` slots of one exchange's slice,
+    slot p written by peer p (this rank's own slot is unused); as a "gather" exchange (the K/V
+    all-gather): the gathered tensor itself, every rank's piece in place. Flags, int32, each
+    written by the peer it names: ready[p] at 0 ("p has written its part of this buffer"),
+    free[p] at FLAGS_BYTES // 2 ("p is done with what this rank wrote into p's buffer: this rank
+    may write there again").
     """
 
     def __init__(self, group_name: str, data_bytes: int, device: torch.device) -> None:
@@ -149,6 +160,7 @@ class _Exchange:
         flags.zero_()
         flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # free[peer] = 1: nothing to wait for
         self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
+        self.lent = False  # a "gather" exchange: its data is being read where it landed (see gather_kv)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
@@ -162,13 +174,18 @@ class _Exchange:
         offset = FLAGS_BYTES + writer * like.numel() * like.element_size()
         return self.handle.get_buffer(rank, like.shape, like.dtype, offset // like.element_size())
 
+    def gathered(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """rank's data area seen as one tensor of `shape` and `dtype` (maybe remote)."""
+        return self.handle.get_buffer(rank, shape, dtype, FLAGS_BYTES // dtype.itemsize)
+
     def release(self) -> None:
         torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=c10d._resolve_process_group(self.group_name))
 
 
-def _exchange(group_name: str, nbytes: int, device: torch.device) -> _Exchange:
-    exchange = _exchanges.get(group_name)
+def _exchange(group_name: str, kind: str, nbytes: int, device: torch.device) -> _Exchange:
+    """The group's exchange of `kind` ("slots" or "gather"), with at least `nbytes` of data."""
+    exchange = _exchanges.get((group_name, kind))
     if exchange is None or exchange.data_bytes < nbytes:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("copy-engine exchange: its buffer must grow, which cannot happen during "
@@ -176,7 +193,7 @@ def _exchange(group_name: str, nbytes: int, device: torch.device) -> _Exchange:
         if exchange is not None:
             exchange.release()  # every rank is past its last use of the old buffer
         size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
-        exchange = _exchanges[group_name] = _Exchange(group_name, size, device)
+        exchange = _exchanges[group_name, kind] = _Exchange(group_name, size, device)
     return exchange
 
 
@@ -199,7 +216,7 @@ def _push_and_collect(
     """
     like = sends[0][1]
     group_size = c10d._resolve_process_group(group_name).size()
-    ex = _exchange(group_name, group_size * like.numel() * like.element_size(), x.device)
+    ex = _exchange(group_name, "slots", group_size * like.numel() * like.element_size(), x.device)
     rank = ex.rank
     compute = torch.cuda.current_stream()
     stream = _side_stream(x.device)
@@ -274,30 +291,69 @@ def ring_splits(rank: int, size: int, rows: int) -> tuple[list[int], list[int]]:
     return send, receive
 
 
-def _gathered(x: torch.Tensor, size: int) -> torch.Tensor:
-    """The all-gather's result for `x` of shape (n, S, ...): (n, size * S, ...)."""
-    return x.new_empty((x.shape[0], size * x.shape[1], *x.shape[2:]))
+def _gathered_shape(x: torch.Tensor, size: int) -> tuple[int, ...]:
+    """The all-gather's result shape for `x` of shape (n, S, ...): (n, size * S, ...)."""
+    return (x.shape[0], size * x.shape[1], *x.shape[2:])
 
 
-@torch.library.impl(_lib, "copy_engine_all_gather", "Meta")
-def _all_gather_meta(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    return _gathered(x, size)
+@torch.library.impl(_lib, "copy_engine_gather_kv", "Meta")
+def _gather_kv_meta(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    return x.new_empty(1)
 
 
-@torch.library.impl(_lib, "copy_engine_all_gather", "CUDA")
-def _all_gather_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+@torch.library.impl(_lib, "copy_engine_gather_kv", "CUDA")
+def _gather_kv_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
     x = x.contiguous()
-    out = _gathered(x, size)
-    rank = c10d._resolve_process_group(group_name).rank()
+    shape = _gathered_shape(x, size)
+    ex = _exchange(group_name, "gather", x.numel() * size * x.element_size(), x.device)
+    rank, rows = ex.rank, x.shape[1]
     peers = [(rank + i) % size for i in range(1, size)]
-    rows = x.shape[1]
+    token = x.new_empty(1)  # on the caller's stream; finish() on it waits for the gather
 
-    def part(member: int) -> list[torch.Tensor]:  # where member's x lands: one contiguous piece per x[i]
-        return [out[i, member * rows:(member + 1) * rows] for i in range(x.shape[0])]
+    def landing(member: int, writer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) copies that put writer's x in place in member's buffer."""
+        gathered = ex.gathered(member, shape, x.dtype)
+        return [(gathered[i, writer * rows:(writer + 1) * rows], x[i]) for i in range(x.shape[0])]
 
-    _push_and_collect(x, out, group_name, [(p, x) for p in peers], [(p, part(p)) for p in peers],
-                      own=list(zip(part(rank), x, strict=True)))
-    return out
+    compute = torch.cuda.current_stream()
+    stream, own_stream = _side_stream(x.device), _side_stream(x.device, "own")
+    stream.wait_stream(compute)  # x is ready, and the attention that read the last gather has run
+    own_stream.wait_stream(compute)
+    with torch.cuda.stream(own_stream):  # this rank's own piece, while the pushes travel
+        for destination, source in landing(rank, rank):
+            destination.copy_(source)
+    with torch.cuda.stream(stream):
+        if ex.lent:  # this rank has read what the peers wrote last time: they may write again
+            for peer in peers:
+                ex.flag(peer, "free", rank).copy_(ex.one)
+        for peer in peers:
+            free = ex.flag(rank, "free", peer)
+            _wait_value(stream, free, 1)
+            _write_value(stream, free, 0)
+            for destination, source in landing(peer, rank):  # over NVLink, by a copy engine
+                destination.copy_(source)
+            ex.flag(peer, "ready", rank).copy_(ex.one)
+        for peer in peers:
+            ready = ex.flag(rank, "ready", peer)
+            _wait_value(stream, ready, 1)
+            _write_value(stream, ready, 0)
+        stream.wait_stream(own_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+    ex.lent = True
+    torch._C._distributed_c10d._register_work(token, _Done(event, keep=x))
+    return token
+
+
+@torch.library.impl(_lib, "copy_engine_gather_kv", "CPU")
+def _gather_kv_cpu(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    x = x.contiguous()
+    pieces = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(pieces, x, group=c10d._resolve_process_group(group_name))
+    _cpu_gathered[group_name] = torch.cat(pieces, dim=1)
+    token = x.new_zeros(1)
+    torch._C._distributed_c10d._register_work(token, _Done(None))
+    return token
 
 
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CPU")
@@ -320,25 +376,31 @@ def _shift_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
-@torch.library.impl(_lib, "copy_engine_all_gather", "CPU")
-def _all_gather_cpu(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    x = x.contiguous()
-    pieces = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(pieces, x, group=c10d._resolve_process_group(group_name))
-    out = torch.cat(pieces, dim=1)
-    torch._C._distributed_c10d._register_work(out, _Done(None))
-    return out
-
-
 def start(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Issue the all-to-all of `x` along dim 0 (slice i to peer i); finish it with wait_tensor."""
     return torch.ops.ulysses_studio.copy_engine_all_to_all(x, group_name)
 
 
-def start_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    """Issue the all-gather of `x` (n, S, ...) along dim 1: (n, size * S, ...), the group's ranks'
-    pieces in rank order; finish it with wait_tensor. `size` is the group's size."""
-    return torch.ops.ulysses_studio.copy_engine_all_gather(x, group_name, size)
+def start_gather_kv(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """Issue the all-gather of `x` (n, S, ...) along dim 1 into this group's exchange buffer:
+    (n, size * S, ...), the group's ranks' pieces in rank order. Returns a token: after
+    wait_tensor on it, gathered_kv() gives the result, valid until the group's next gather.
+    `size` is the group's size."""
+    return torch.ops.ulysses_studio.copy_engine_gather_kv(x, group_name, size)
+
+
+def gathered_kv(group_name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The group's last all-gather (start_gather_kv), of `shape` and `dtype`, where it landed: the
+    exchange buffer on CUDA (read it before the group's next gather; do not write it)."""
+    if device.type == "cpu":
+        gathered = _cpu_gathered[group_name]
+        if gathered.shape != shape or gathered.dtype != dtype:
+            raise RuntimeError(f"gathered K/V are {tuple(gathered.shape)} {gathered.dtype}, not {shape} {dtype}")
+        return gathered
+    ex = _exchanges[group_name, "gather"]
+    if ex.data_bytes < math.prod(shape) * dtype.itemsize:
+        raise RuntimeError(f"gathered K/V of shape {shape} do not fit the exchange buffer of {group_name}")
+    return ex.gathered(ex.rank, shape, dtype)
 
 
 def start_shift(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -32,7 +32,7 @@ TOLERANCE = 1e-4
 NCCL_SHIFT = "_c10d_functional.all_to_all_single"
 COPY_ENGINE_SHIFT = "ulysses_studio.copy_engine_shift"
 START = {"nccl": NCCL_SHIFT, "copy-engine": COPY_ENGINE_SHIFT}
-GATHER = {"nccl": "_c10d_functional.all_gather_into_tensor", "copy-engine": "ulysses_studio.copy_engine_all_gather"}
+GATHER = {"nccl": "_c10d_functional.all_gather_into_tensor", "copy-engine": "ulysses_studio.copy_engine_gather_kv"}
 ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -85,6 +85,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         result["again_err"] = (again - compiled).abs().max().item()
         result["windows"] = [w for code in codes if (w := attention_windows(code, start))]
         result["gather_windows"] = [w for code in codes if (w := matmul_windows(code, GATHER[transport]))]
+        result["gathered_attention"] = sum("ulysses_studio.gathered_attention" in line and "=" in line
+                                           for code in codes for line in code.splitlines())
         result["nccl_ops"] = sum(code.count(NCCL_SHIFT) + code.count(GATHER["nccl"]) for code in codes)
         result["scale"] = expected.abs().max().item()
         results[name] = result
@@ -109,6 +111,8 @@ def test_ring_pass_overlaps_local_attention(tmp_path: Path, transport: str) -> N
                 # block runs its MLP and the MLP's share of proj_out (2).
                 assert not r["windows"], r
                 assert r["gather_windows"] == [[2], [2]], r
+                # copy engines: each block graph reads the gathered K/V in the exchange buffer
+                assert r["gathered_attention"] == (2 if transport == "copy-engine" else 0), r
             else:
                 # every compiled block graph that passes K/V does it once, with its local attention inside the window
                 assert r["windows"] and all(w == [1] for w in r["windows"]), (name, r["windows"])
