@@ -60,7 +60,7 @@ def copies(prof: torch.profiler.profile) -> dict[str, int]:
 
 
 def probe(step, group) -> dict:
-    """Copy kinds of `step` run eagerly and replayed (3 times) from a CUDA graph."""
+    """Copy kinds of `step` run eagerly and replayed (3 times) from a CUDA graph; mean ms of a replay."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -70,32 +70,42 @@ def probe(step, group) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    dist.barrier(group)
+    if group is not None:
+        dist.barrier(group)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as replays:
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-    return {"eager": copies(eager), "graph": copies(replays)}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return {"eager": copies(eager), "graph": copies(replays), "replay_ms": start.elapsed_time(end) / 20}
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     ctx = init_parallel()
-    prepare(ctx.group)
-    from torch.distributed import _symmetric_memory as symm_mem
-
     device = ctx.device
     n = 2304 * 3072
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    sym = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
-    symm_mem.rendezvous(sym, ctx.group.group_name)
+    sym = None
+    if ctx.is_distributed:  # one process: no symmetric memory (its rendezvous needs a group)
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        prepare(ctx.group)
+        sym = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(sym, ctx.group.group_name)
     side = torch.cuda.Stream(device=device, priority=-1)
     a = torch.randn(2304, 3072, device=device, dtype=torch.bfloat16)
     w = torch.randn(3072, 12288, device=device, dtype=torch.bfloat16)
     holder = {}
     variants = {
+        "no copy (the GEMM alone)": lambda: None,
         "plain copy on side stream": lambda: dst.copy_(src),
         "copy into symmetric memory": lambda: sym.copy_(src),
         "copy out of symmetric memory": lambda: dst.copy_(sym),
@@ -104,6 +114,9 @@ def main() -> None:
     }
     result = {"rank": ctx.rank, "device": str(device), "current_device": torch.cuda.current_device()}
     for name, copy in variants.items():
+        if sym is None and "symmetric" in name:
+            continue
+
         def step(copy=copy) -> None:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -119,8 +132,10 @@ def main() -> None:
         result["nvidia_smi_apps"] = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory", "--format=csv"],
             capture_output=True, text=True).stdout
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, result, group=ctx.control_group)
+    everyone = [result]
+    if ctx.is_distributed:
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, result, group=ctx.control_group)
     if ctx.rank == 0:
         (out / "probe.json").write_text(json.dumps(everyone, indent=2))
         print(json.dumps(everyone, indent=2))
