@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import warnings
 from collections.abc import Callable
@@ -161,6 +160,7 @@ class _Exchange:
         flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # free[peer] = 1: nothing to wait for
         self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
         self.lent = False  # a "gather" exchange: its data is being read where it landed (see gather_kv)
+        self.landed: tuple[tuple[int, ...], torch.dtype] | None = None  # ...and its shape and dtype
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
@@ -340,7 +340,7 @@ def _gather_kv_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor
         stream.wait_stream(own_stream)
         event = torch.cuda.Event()
         event.record(stream)
-    ex.lent = True
+    ex.lent, ex.landed = True, (shape, x.dtype)
     torch._C._distributed_c10d._register_work(token, _Done(event, keep=x))
     return token
 
@@ -392,15 +392,12 @@ def start_gather_kv(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor
 def gathered_kv(group_name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The group's last all-gather (start_gather_kv), of `shape` and `dtype`, where it landed: the
     exchange buffer on CUDA (read it before the group's next gather; do not write it)."""
-    if device.type == "cpu":
-        gathered = _cpu_gathered[group_name]
-        if gathered.shape != shape or gathered.dtype != dtype:
-            raise RuntimeError(f"gathered K/V are {tuple(gathered.shape)} {gathered.dtype}, not {shape} {dtype}")
-        return gathered
-    ex = _exchanges[group_name, "gather"]
-    if ex.data_bytes < math.prod(shape) * dtype.itemsize:
-        raise RuntimeError(f"gathered K/V of shape {shape} do not fit the exchange buffer of {group_name}")
-    return ex.gathered(ex.rank, shape, dtype)
+    cpu = device.type == "cpu"
+    ex = None if cpu else _exchanges[group_name, "gather"]
+    landed = (tuple(_cpu_gathered[group_name].shape), _cpu_gathered[group_name].dtype) if cpu else ex.landed
+    if landed != (tuple(shape), dtype):
+        raise RuntimeError(f"the last K/V gather of {group_name} landed as {landed}, not as {(tuple(shape), dtype)}")
+    return _cpu_gathered[group_name] if cpu else ex.gathered(ex.rank, shape, dtype)
 
 
 def start_shift(x: torch.Tensor, group_name: str) -> torch.Tensor:
