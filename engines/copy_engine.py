@@ -159,8 +159,8 @@ class _Exchange:
         flags.zero_()
         flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # free[peer] = 1: nothing to wait for
         self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
-        self.lent = False  # a "gather" exchange: its data is being read where it landed (see gather_kv)
-        self.landed: tuple[tuple[int, ...], torch.dtype] | None = None  # ...and its shape and dtype
+        # a "gather" exchange, once used: the shape and dtype of the data being read where it landed
+        self.landed: tuple[tuple[int, ...], torch.dtype] | None = None
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
@@ -173,6 +173,16 @@ class _Exchange:
         """The slot of rank's buffer that `writer` fills, seen with `like`'s shape and dtype (maybe remote)."""
         offset = FLAGS_BYTES + writer * like.numel() * like.element_size()
         return self.handle.get_buffer(rank, like.shape, like.dtype, offset // like.element_size())
+
+    def take(self, stream: torch.cuda.Stream, kind: str, peer: int) -> None:
+        """`stream` waits until this rank's flag `kind` about `peer` is set, then clears it."""
+        flag = self.flag(self.rank, kind, peer)
+        _wait_value(stream, flag, 1)
+        _write_value(stream, flag, 0)
+
+    def give(self, peer: int, kind: str) -> None:
+        """Set peer's flag `kind` about this rank (a 4-byte peer copy on the current stream)."""
+        self.flag(peer, kind, self.rank).copy_(self.one)
 
     def gathered(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """rank's data area seen as one tensor of `shape` and `dtype` (maybe remote)."""
@@ -229,15 +239,11 @@ def _push_and_collect(
                 destination.copy_(source)
     with torch.cuda.stream(stream):
         for peer, piece in sends:  # push as soon as this rank is ready and the peer's slot is free
-            free = ex.flag(rank, "free", peer)
-            _wait_value(stream, free, 1)
-            _write_value(stream, free, 0)
+            ex.take(stream, "free", peer)
             ex.slot(peer, rank, piece).copy_(piece)  # over NVLink, by a copy engine
-            ex.flag(peer, "ready", rank).copy_(ex.one)
+            ex.give(peer, "ready")
         for peer, destinations in receives:
-            ready = ex.flag(rank, "ready", peer)
-            _wait_value(stream, ready, 1)
-            _write_value(stream, ready, 0)
+            ex.take(stream, "ready", peer)
             slot = ex.slot(rank, peer, like)
             if len(destinations) == 1:
                 destinations[0].copy_(slot.view(destinations[0].shape))
@@ -245,7 +251,7 @@ def _push_and_collect(
                 for destination, source in zip(destinations, slot, strict=True):
                     destination.copy_(source)
         for peer, _ in receives:  # only after every slot is copied out: a slot of one exchange may
-            ex.flag(peer, "free", rank).copy_(ex.one)  # overlap another peer's slot of the next
+            ex.give(peer, "free")  # overlap another peer's slot of the next
         if own:
             stream.wait_stream(own_stream)
         event = torch.cuda.Event()
@@ -323,24 +329,20 @@ def _gather_kv_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor
         for destination, source in landing(rank, rank):
             destination.copy_(source)
     with torch.cuda.stream(stream):
-        if ex.lent:  # this rank has read what the peers wrote last time: they may write again
+        if ex.landed is not None:  # this rank has read what the peers wrote last time: they may write again
             for peer in peers:
-                ex.flag(peer, "free", rank).copy_(ex.one)
+                ex.give(peer, "free")
         for peer in peers:
-            free = ex.flag(rank, "free", peer)
-            _wait_value(stream, free, 1)
-            _write_value(stream, free, 0)
+            ex.take(stream, "free", peer)
             for destination, source in landing(peer, rank):  # over NVLink, by a copy engine
                 destination.copy_(source)
-            ex.flag(peer, "ready", rank).copy_(ex.one)
+            ex.give(peer, "ready")
         for peer in peers:
-            ready = ex.flag(rank, "ready", peer)
-            _wait_value(stream, ready, 1)
-            _write_value(stream, ready, 0)
+            ex.take(stream, "ready", peer)
         stream.wait_stream(own_stream)
         event = torch.cuda.Event()
         event.record(stream)
-    ex.lent, ex.landed = True, (shape, x.dtype)
+    ex.landed = (shape, x.dtype)
     torch._C._distributed_c10d._register_work(token, _Done(event, keep=x))
     return token
 
@@ -392,12 +394,15 @@ def start_gather_kv(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor
 def gathered_kv(group_name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The group's last all-gather (start_gather_kv), of `shape` and `dtype`, where it landed: the
     exchange buffer on CUDA (read it before the group's next gather; do not write it)."""
-    cpu = device.type == "cpu"
-    ex = None if cpu else _exchanges[group_name, "gather"]
-    landed = (tuple(_cpu_gathered[group_name].shape), _cpu_gathered[group_name].dtype) if cpu else ex.landed
+    if device.type == "cpu":
+        gathered = _cpu_gathered[group_name]
+        landed = (tuple(gathered.shape), gathered.dtype)
+    else:
+        ex = _exchanges[group_name, "gather"]
+        landed = ex.landed
     if landed != (tuple(shape), dtype):
         raise RuntimeError(f"the last K/V gather of {group_name} landed as {landed}, not as {(tuple(shape), dtype)}")
-    return _cpu_gathered[group_name] if cpu else ex.gathered(ex.rank, shape, dtype)
+    return gathered if device.type == "cpu" else ex.gathered(ex.rank, shape, dtype)
 
 
 def start_shift(x: torch.Tensor, group_name: str) -> torch.Tensor:
