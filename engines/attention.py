@@ -287,14 +287,19 @@ class GatherAttention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return q_BSHD, self.start_kv(k_BSHD, v_BSHD)
 
-    def start_kv(self, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor) -> torch.Tensor:
-        """Issue the all-gather of this rank's K/V; pass the result to attend_query()."""
-        # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
-        # sequence order (with batch 1 the transpose moves no data)
-        kv = torch.stack((k_BSHD, v_BSHD)).transpose(1, 2)
+    def start_kv(self, k_BSHD: torch.Tensor | list[torch.Tensor], v_BSHD: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """Issue the all-gather of this rank's K/V; pass the result to attend_query(). Either may
+        come in consecutive parts along the sequence (a list), as FLUX's text and image streams."""
+        keys, values = ([x] if isinstance(x, torch.Tensor) else list(x) for x in (k_BSHD, v_BSHD))
         mesh = self.mesh
         if mesh.all_to_all == "copy-engine":  # lands in the exchange buffer, read there by attend_query
-            return copy_engine.start_gather_kv(kv, mesh.ring_group_name, mesh.plan.ring)
+            # each part pushed from where it was made: no stacking or concatenation copy first
+            # (SBHD: the gathered layout's order; with batch 1 the transpose moves no data)
+            return copy_engine.start_gather_kv([p.transpose(0, 1) for p in keys], [p.transpose(0, 1) for p in values],
+                                               mesh.ring_group_name, mesh.plan.ring)
+        # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
+        # sequence order
+        kv = torch.stack((torch.cat(keys, dim=1), torch.cat(values, dim=1))).transpose(1, 2)
         return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring)
 
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -65,7 +65,7 @@ TRANSPORTS = ("nccl", "copy-engine")
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 _lib.define("copy_engine_shift(Tensor x, str group_name) -> Tensor")
-_lib.define("copy_engine_gather_kv(Tensor x, str group_name, int size) -> Tensor")
+_lib.define("copy_engine_gather_kv(Tensor[] keys, Tensor[] values, str group_name, int size) -> Tensor")
 
 FLAGS_BYTES = 4096
 """Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "free[peer]" at
@@ -82,9 +82,9 @@ _cpu_gathered: dict[str, torch.Tensor] = {}  # on CPU: the last K/V all-gather o
 
 class _Done(Work):
     """The work handle funcol's wait_tensor waits on: an event on the side stream. It also holds
-    the input the side stream reads, so that its memory is not reused before the caller waits."""
+    the inputs the side stream reads, so that their memory is not reused before the caller waits."""
 
-    def __init__(self, event: torch.cuda.Event | None, keep: torch.Tensor | None = None) -> None:
+    def __init__(self, event: torch.cuda.Event | None, keep: object = None) -> None:
         super().__init__()
         self.event = event
         self.keep = keep
@@ -297,33 +297,46 @@ def ring_splits(rank: int, size: int, rows: int) -> tuple[list[int], list[int]]:
     return send, receive
 
 
-def _gathered_shape(x: torch.Tensor, size: int) -> tuple[int, ...]:
-    """The all-gather's result shape for `x` of shape (n, S, ...): (n, size * S, ...)."""
-    return (x.shape[0], size * x.shape[1], *x.shape[2:])
+def _kv_pieces(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], int]:
+    """keys and values, each this rank's sequence in consecutive parts (S_i, ...), made contiguous,
+    and the rank's sequence length S."""
+    parts = [[p.contiguous() for p in keys], [p.contiguous() for p in values]]
+    rows = [sum(p.shape[0] for p in kind) for kind in parts]
+    if rows[0] != rows[1] or any(p.shape[1:] != keys[0].shape[1:] or p.dtype != keys[0].dtype
+                                 for kind in parts for p in kind):
+        raise ValueError("copy-engine K/V gather: keys and values must cover the same sequence, in one shape and dtype")
+    return parts, rows[0]
 
 
 @torch.library.impl(_lib, "copy_engine_gather_kv", "Meta")
-def _gather_kv_meta(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    return x.new_empty(1)
+def _gather_kv_meta(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
+    return keys[0].new_empty(1)
 
 
 @torch.library.impl(_lib, "copy_engine_gather_kv", "CUDA")
-def _gather_kv_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    x = x.contiguous()
-    shape = _gathered_shape(x, size)
-    ex = _exchange(group_name, "gather", x.numel() * size * x.element_size(), x.device)
-    rank, rows = ex.rank, x.shape[1]
+def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
+    parts, rows = _kv_pieces(keys, values)
+    like = parts[0][0]
+    shape = (2, size * rows, *like.shape[1:])
+    ex = _exchange(group_name, "gather", 2 * size * rows * like[0].numel() * like.element_size(), like.device)
+    rank = ex.rank
     peers = [(rank + i) % size for i in range(1, size)]
-    token = x.new_empty(1)  # on the caller's stream; finish() on it waits for the gather
+    token = like.new_empty(1)  # on the caller's stream; finish() on it waits for the gather
 
     def landing(member: int, writer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) copies that put writer's x in place in member's buffer."""
-        gathered = ex.gathered(member, shape, x.dtype)
-        return [(gathered[i, writer * rows:(writer + 1) * rows], x[i]) for i in range(x.shape[0])]
+        """(destination, source) copies that put writer's keys and values in place in member's buffer."""
+        gathered = ex.gathered(member, shape, like.dtype)
+        copies = []
+        for i, kind in enumerate(parts):
+            start = writer * rows
+            for part in kind:
+                copies.append((gathered[i, start:start + part.shape[0]], part))
+                start += part.shape[0]
+        return copies
 
     compute = torch.cuda.current_stream()
-    stream, own_stream = _side_stream(x.device), _side_stream(x.device, "own")
-    stream.wait_stream(compute)  # x is ready, and the attention that read the last gather has run
+    stream, own_stream = _side_stream(like.device), _side_stream(like.device, "own")
+    stream.wait_stream(compute)  # the parts are ready, and the attention that read the last gather has run
     own_stream.wait_stream(compute)
     with torch.cuda.stream(own_stream):  # this rank's own piece, while the pushes travel
         for destination, source in landing(rank, rank):
@@ -342,14 +355,15 @@ def _gather_kv_cuda(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor
         stream.wait_stream(own_stream)
         event = torch.cuda.Event()
         event.record(stream)
-    ex.landed = (shape, x.dtype)
-    torch._C._distributed_c10d._register_work(token, _Done(event, keep=x))
+    ex.landed = (shape, like.dtype)
+    torch._C._distributed_c10d._register_work(token, _Done(event, keep=parts))
     return token
 
 
 @torch.library.impl(_lib, "copy_engine_gather_kv", "CPU")
-def _gather_kv_cpu(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    x = x.contiguous()
+def _gather_kv_cpu(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
+    parts, _ = _kv_pieces(keys, values)
+    x = torch.stack([torch.cat(kind) for kind in parts])
     pieces = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(pieces, x, group=c10d._resolve_process_group(group_name))
     _cpu_gathered[group_name] = torch.cat(pieces, dim=1)
@@ -383,12 +397,14 @@ def start(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.ops.ulysses_studio.copy_engine_all_to_all(x, group_name)
 
 
-def start_gather_kv(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
-    """Issue the all-gather of `x` (n, S, ...) along dim 1 into this group's exchange buffer:
-    (n, size * S, ...), the group's ranks' pieces in rank order. Returns a token: after
-    wait_tensor on it, gathered_kv() gives the result, valid until the group's next gather.
+def start_gather_kv(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
+    """Issue the all-gather of this rank's keys and values into this group's exchange buffer, as
+    one tensor (2, size * S, ...): keys then values, each the group's ranks' S rows in rank order.
+    `keys` and `values` are this rank's S rows in consecutive parts (S_i, ...), so that pieces
+    made apart (FLUX's text and image streams) need no concatenation first. Returns a token:
+    after wait_tensor on it, gathered_kv() gives the result, valid until the group's next gather.
     `size` is the group's size."""
-    return torch.ops.ulysses_studio.copy_engine_gather_kv(x, group_name, size)
+    return torch.ops.ulysses_studio.copy_engine_gather_kv(keys, values, group_name, size)
 
 
 def gathered_kv(group_name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -68,11 +68,13 @@ def _keys_values(
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v of a double-stream block (unfused projections), as _query_key_value makes them."""
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """k and v of a double-stream block (unfused projections), as _query_key_value makes them, but v
+    as its text and image parts: the K/V all-gather takes them apart, which spares their concatenation."""
     key = _joint(attn, attn.to_k(hidden_states), attn.add_k_proj(encoder_hidden_states), attn.norm_k,
                  attn.norm_added_k, image_rotary_emb)
-    value = _joint(attn, attn.to_v(hidden_states), attn.add_v_proj(encoder_hidden_states), None, None, None)
+    value = [_joint(attn, attn.add_v_proj(encoder_hidden_states), None, None, None, None),
+             _joint(attn, attn.to_v(hidden_states), None, None, None, None)]  # in the joint order: TEXT, IMAGE
     return key, value
 
 

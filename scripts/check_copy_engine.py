@@ -147,7 +147,9 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
 
     def attend(y: torch.Tensor, transport: str) -> torch.Tensor:
         if transport == "copy-engine":
-            return gathered_attention(q, finish(start_gather_kv(y, name, size)), name, size, [0, size * rows])
+            # values in two parts (FLUX's text and image streams): each pushed from where it is
+            token = start_gather_kv([y[0]], [y[1][:256], y[1][256:]], name, size)
+            return gathered_attention(q, finish(token), name, size, [0, size * rows])
         return _kv_attention(q, finish_all_gather(start_all_gather(y, name, size), size), runs).transpose(1, 2)
 
     def attend_twice(transport: str) -> torch.Tensor:
