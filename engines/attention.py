@@ -302,6 +302,25 @@ class GatherAttention:
         kv = torch.stack((torch.cat(keys, dim=1), torch.cat(values, dim=1))).transpose(1, 2)
         return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring)
 
+    def start_keys(self, k_BSHD: torch.Tensor) -> torch.Tensor:
+        """Issue the all-gather of this rank's keys ahead of its values; pass the result to
+        start_values(). On copy engines the keys travel while the values are made; NCCL gathers
+        both in one collective, issued by start_values() (the result is then the keys themselves)."""
+        mesh = self.mesh
+        if mesh.all_to_all == "copy-engine":
+            return copy_engine.start_gather_kv([k_BSHD.transpose(0, 1)], [], mesh.ring_group_name, mesh.plan.ring)
+        return k_BSHD
+
+    def start_values(self, v_BSHD: torch.Tensor | list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+        """Issue the all-gather of this rank's values, after start_keys() (its result is `keys`);
+        pass the result to attend_query()."""
+        mesh = self.mesh
+        if mesh.all_to_all == "copy-engine":
+            values = [v_BSHD] if isinstance(v_BSHD, torch.Tensor) else list(v_BSHD)
+            return copy_engine.start_gather_kv([], [p.transpose(0, 1) for p in values], mesh.ring_group_name,
+                                               mesh.plan.ring, keys_sent=keys)
+        return self.start_kv(keys, v_BSHD)
+
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return self.attend_query(*pending)
 

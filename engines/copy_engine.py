@@ -23,6 +23,8 @@ caller's stream has produced `x`:
 The K/V all-gather differs in one step: nothing is copied out. Peers write straight into the
 gathered layout of the receiver's buffer, the attention reads it there (gathered_kv), and the
 receiver sets the peers' "free" flags at its next gather, once its stream has passed that attention.
+Its keys may go ahead of its values (FLUX's double blocks: they travel while the values are
+projected); the peers then signal "keys_ready" for them, and "ready" for the values.
 In FLUX at 1024² on 2 GPUs the copy-outs were 114 copies of 14 MB a step per rank, run as
 `memcpy128` kernels inside the CUDA graph on one of the ranks (docs/benchmarks.md, seventh session).
 Each rank pushes as soon as it is ready (no rank waits for the slowest to start), and the caller's
@@ -65,11 +67,13 @@ TRANSPORTS = ("nccl", "copy-engine")
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 _lib.define("copy_engine_shift(Tensor x, str group_name) -> Tensor")
-_lib.define("copy_engine_gather_kv(Tensor[] keys, Tensor[] values, str group_name, int size) -> Tensor")
+_lib.define("copy_engine_gather_kv(Tensor[] keys, Tensor[] values, str group_name, int size, Tensor? keys_sent=None) -> Tensor")
 
 FLAGS_BYTES = 4096
-"""Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0 and "free[peer]" at
-FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the exchanged data follows."""
+"""Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0, "keys_ready[peer]" at
+FLAGS_BYTES // 4 and "free[peer]" at FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the
+exchanged data follows."""
+FLAG_OFFSETS = {"ready": 0, "keys_ready": FLAGS_BYTES // 4, "free": FLAGS_BYTES // 2}
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
 # Per-process state: the op is called from compiled graphs with only a tensor and a group name, so
@@ -78,6 +82,7 @@ CU_STREAM_WAIT_VALUE_EQ = 0x1
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _exchanges: dict[tuple[str, str], _Exchange] = {}  # (group name, "slots" or "gather")
 _cpu_gathered: dict[str, torch.Tensor] = {}  # on CPU: the last K/V all-gather of each group
+_cpu_keys: dict[str, list[torch.Tensor]] = {}  # on CPU: keys sent ahead of their values
 
 
 class _Done(Work):
@@ -140,9 +145,10 @@ class _Exchange:
     Data area, as a "slots" exchange (all-to-all, ring pass): `size` slots of one exchange's slice,
     slot p written by peer p (this rank's own slot is unused); as a "gather" exchange (the K/V
     all-gather): the gathered tensor itself, every rank's piece in place. Flags, int32, each
-    written by the peer it names: ready[p] at 0 ("p has written its part of this buffer"),
-    free[p] at FLAGS_BYTES // 2 ("p is done with what this rank wrote into p's buffer: this rank
-    may write there again").
+    written by the peer it names: ready[p] ("p has written its part of this buffer"),
+    keys_ready[p] (the K/V all-gather with keys ahead: "p has written its keys"), free[p] ("p is
+    done with what this rank wrote into p's buffer: this rank may write there again"); offsets in
+    FLAG_OFFSETS.
     """
 
     def __init__(self, group_name: str, data_bytes: int, device: torch.device) -> None:
@@ -153,20 +159,23 @@ class _Exchange:
         self.buffer = symm_mem.empty(FLAGS_BYTES + data_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)  # collective
         self.rank, self.size, self.data_bytes = self.handle.rank, self.handle.world_size, data_bytes
-        if self.size * 4 > FLAGS_BYTES // 2:
-            raise ValueError(f"copy-engine exchanges support up to {FLAGS_BYTES // 8} ranks per group")
+        if self.size * 4 > FLAGS_BYTES // 4:
+            raise ValueError(f"copy-engine exchanges support up to {FLAGS_BYTES // 16} ranks per group")
         flags = self.buffer[:FLAGS_BYTES].view(torch.int32)
         flags.zero_()
-        flags[FLAGS_BYTES // 8: FLAGS_BYTES // 8 + self.size] = 1  # free[peer] = 1: nothing to wait for
+        free = FLAG_OFFSETS["free"] // 4
+        flags[free:free + self.size] = 1  # free[peer] = 1: nothing to wait for
         self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
         # a "gather" exchange, once used: the shape and dtype of the data being read where it landed
         self.landed: tuple[tuple[int, ...], torch.dtype] | None = None
+        # a "gather" exchange whose keys went ahead of their values: those keys (kept alive)
+        self.keys_sent: list[torch.Tensor] | None = None
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
     def flag(self, rank: int, kind: str, peer: int) -> torch.Tensor:
-        """rank's flag `kind` ("ready" or "free") about `peer`, as a 1-element tensor (maybe remote)."""
-        offset = (0 if kind == "ready" else FLAGS_BYTES // 2) + 4 * peer
+        """rank's flag `kind` ("ready", "keys_ready" or "free") about `peer`, as a 1-element tensor (maybe remote)."""
+        offset = FLAG_OFFSETS[kind] + 4 * peer
         return self.handle.get_buffer(rank, (1,), torch.int32, offset // 4)
 
     def slot(self, rank: int, writer: int, like: torch.Tensor) -> torch.Tensor:
@@ -297,34 +306,42 @@ def ring_splits(rank: int, size: int, rows: int) -> tuple[list[int], list[int]]:
     return send, receive
 
 
-def _kv_pieces(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], int]:
-    """keys and values, each this rank's sequence in consecutive parts (S_i, ...), made contiguous,
-    and the rank's sequence length S."""
+def _kv_pieces(keys: list[torch.Tensor], values: list[torch.Tensor],
+               keys_sent: torch.Tensor | None) -> tuple[list[list[torch.Tensor]], int]:
+    """keys and values, each this rank's sequence in consecutive parts (S_i, ...) made contiguous,
+    or one of them empty (keys sent ahead, or values following them), and the sequence length S."""
+    if not keys and not values or (keys_sent is not None) != (not keys):
+        raise ValueError("copy-engine K/V gather: send keys and values together, or the keys first and then "
+                         "the values with the keys' token")
     parts = [[p.contiguous() for p in keys], [p.contiguous() for p in values]]
-    rows = [sum(p.shape[0] for p in kind) for kind in parts]
-    if rows[0] != rows[1] or any(p.shape[1:] != keys[0].shape[1:] or p.dtype != keys[0].dtype
-                                 for kind in parts for p in kind):
+    like = (keys or values)[0]
+    rows = {sum(p.shape[0] for p in kind) for kind in parts if kind}
+    if len(rows) != 1 or any(p.shape[1:] != like.shape[1:] or p.dtype != like.dtype for kind in parts for p in kind):
         raise ValueError("copy-engine K/V gather: keys and values must cover the same sequence, in one shape and dtype")
-    return parts, rows[0]
+    return parts, rows.pop()
 
 
 @torch.library.impl(_lib, "copy_engine_gather_kv", "Meta")
-def _gather_kv_meta(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
-    return keys[0].new_empty(1)
+def _gather_kv_meta(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int,
+                    keys_sent: torch.Tensor | None = None) -> torch.Tensor:
+    return (keys or values)[0].new_empty(1)
 
 
 @torch.library.impl(_lib, "copy_engine_gather_kv", "CUDA")
-def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
-    parts, rows = _kv_pieces(keys, values)
-    like = parts[0][0]
+def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int,
+                    keys_sent: torch.Tensor | None = None) -> torch.Tensor:
+    parts, rows = _kv_pieces(keys, values, keys_sent)
+    like = (parts[0] or parts[1])[0]
     shape = (2, size * rows, *like.shape[1:])
     ex = _exchange(group_name, "gather", 2 * size * rows * like[0].numel() * like.element_size(), like.device)
     rank = ex.rank
     peers = [(rank + i) % size for i in range(1, size)]
-    token = like.new_empty(1)  # on the caller's stream; finish() on it waits for the gather
+    opens, completes = bool(keys), bool(values)  # the call with the keys opens the gather, with the values ends it
+    if completes and not opens and ex.keys_sent is None:
+        raise RuntimeError(f"copy-engine K/V gather of {group_name}: values sent, but no keys ahead of them")
 
     def landing(member: int, writer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) copies that put writer's keys and values in place in member's buffer."""
+        """(destination, source) copies that put writer's parts in place in member's buffer."""
         gathered = ex.gathered(member, shape, like.dtype)
         copies = []
         for i, kind in enumerate(parts):
@@ -342,27 +359,43 @@ def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_
         for destination, source in landing(rank, rank):
             destination.copy_(source)
     with torch.cuda.stream(stream):
-        if ex.landed is not None:  # this rank has read what the peers wrote last time: they may write again
+        if opens and ex.landed is not None:  # this rank has read what the peers wrote last time: they may write again
             for peer in peers:
                 ex.give(peer, "free")
         for peer in peers:
-            ex.take(stream, "free", peer)
+            if opens:
+                ex.take(stream, "free", peer)
             for destination, source in landing(peer, rank):  # over NVLink, by a copy engine
                 destination.copy_(source)
-            ex.give(peer, "ready")
-        for peer in peers:
-            ex.take(stream, "ready", peer)
-        stream.wait_stream(own_stream)
-        event = torch.cuda.Event()
-        event.record(stream)
+            ex.give(peer, "ready" if completes else "keys_ready")
+        if completes:
+            for peer in peers:
+                if not opens:
+                    ex.take(stream, "keys_ready", peer)
+                ex.take(stream, "ready", peer)
+            stream.wait_stream(own_stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+    if not completes:  # the values follow in another call, which ends the gather
+        ex.keys_sent = parts[0]
+        return like.new_empty(1)
+    keep = parts if opens else [ex.keys_sent, parts[1]]  # read on the side streams until the caller waits
+    ex.keys_sent = None
     ex.landed = (shape, like.dtype)
-    torch._C._distributed_c10d._register_work(token, _Done(event, keep=parts))
+    token = like.new_empty(1)  # finish() on it waits for the gather
+    torch._C._distributed_c10d._register_work(token, _Done(event, keep=keep))
     return token
 
 
 @torch.library.impl(_lib, "copy_engine_gather_kv", "CPU")
-def _gather_kv_cpu(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
-    parts, _ = _kv_pieces(keys, values)
+def _gather_kv_cpu(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int,
+                   keys_sent: torch.Tensor | None = None) -> torch.Tensor:
+    parts, _ = _kv_pieces(keys, values, keys_sent)
+    if not values:  # the values follow in another call, which gathers both
+        _cpu_keys[group_name] = parts[0]
+        return keys[0].new_zeros(1)
+    if not keys:
+        parts[0] = _cpu_keys.pop(group_name)
     x = torch.stack([torch.cat(kind) for kind in parts])
     pieces = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(pieces, x, group=c10d._resolve_process_group(group_name))
@@ -397,14 +430,19 @@ def start(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.ops.ulysses_studio.copy_engine_all_to_all(x, group_name)
 
 
-def start_gather_kv(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int) -> torch.Tensor:
+def start_gather_kv(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int,
+                    keys_sent: torch.Tensor | None = None) -> torch.Tensor:
     """Issue the all-gather of this rank's keys and values into this group's exchange buffer, as
     one tensor (2, size * S, ...): keys then values, each the group's ranks' S rows in rank order.
     `keys` and `values` are this rank's S rows in consecutive parts (S_i, ...), so that pieces
     made apart (FLUX's text and image streams) need no concatenation first. Returns a token:
     after wait_tensor on it, gathered_kv() gives the result, valid until the group's next gather.
-    `size` is the group's size."""
-    return torch.ops.ulysses_studio.copy_engine_gather_kv(keys, values, group_name, size)
+    `size` is the group's size.
+
+    The keys may go ahead, so that they travel while the values are made: call with the keys and
+    no values (the token it returns is not waited for), then with no keys, the values, and that
+    token as `keys_sent`; the second call's token is the one to wait for."""
+    return torch.ops.ulysses_studio.copy_engine_gather_kv(keys, values, group_name, size, keys_sent)
 
 
 def gathered_kv(group_name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -63,19 +63,24 @@ def _query_key_value(
     )
 
 
-def _keys_values(
+def _keys(
     attn: Any,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """k and v of a double-stream block (unfused projections), as _query_key_value makes them, but v
-    as its text and image parts: the K/V all-gather takes them apart, which spares their concatenation."""
-    key = _joint(attn, attn.to_k(hidden_states), attn.add_k_proj(encoder_hidden_states), attn.norm_k,
-                 attn.norm_added_k, image_rotary_emb)
-    value = [_joint(attn, attn.add_v_proj(encoder_hidden_states), None, None, None, None),
-             _joint(attn, attn.to_v(hidden_states), None, None, None, None)]  # in the joint order: TEXT, IMAGE
-    return key, value
+) -> torch.Tensor:
+    """k of a double-stream block (unfused projections), as _query_key_value makes it."""
+    return _joint(attn, attn.to_k(hidden_states), attn.add_k_proj(encoder_hidden_states), attn.norm_k,
+                  attn.norm_added_k, image_rotary_emb)
+
+
+def _values(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+            after: torch.Tensor) -> list[torch.Tensor]:
+    """v of a double-stream block (unfused projections) as its text and image parts, in the joint
+    order: the K/V all-gather takes them apart, which spares their concatenation. Both projections
+    are ordered after the op that produced `after` (the keys' all-gather, which travels meanwhile)."""
+    return [linear_after(x, proj.weight, proj.bias, after).unflatten(-1, (-1, attn.head_dim))
+            for x, proj in ((encoder_hidden_states, attn.add_v_proj), (hidden_states, attn.to_v))]
 
 
 def _queries(
@@ -98,9 +103,10 @@ def _gathers_kv(plan: ParallelPlan) -> bool:
     return plan.ulysses == 1 and plan.ring == 2 and plan.kv_exchange == "ring"
 
 
-def _plain_query_projections(attn: Any) -> bool:
-    """Whether q comes from plain nn.Linear projections (not fused with k/v, not wrapped by an adapter)."""
-    return not attn.fused_projections and type(attn.to_q) is nn.Linear and type(attn.add_q_proj) is nn.Linear
+def _plain_projections(attn: Any) -> bool:
+    """Whether q and v come from plain nn.Linear projections (not fused, not wrapped by an adapter)."""
+    return not attn.fused_projections and all(
+        type(proj) is nn.Linear for proj in (attn.to_q, attn.add_q_proj, attn.to_v, attn.add_v_proj))
 
 
 def _joint(
@@ -155,10 +161,12 @@ class FluxContextParallelProcessor:
         if attention_mask is not None:
             raise ValueError("FLUX attention masks are not supported with context parallelism")
         double = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
-        if double and self.gather_double and _plain_query_projections(attn):
+        if double and self.gather_double and _plain_projections(attn):
             gather = GatherAttention(mesh=self.mesh, layout=cp_layout)
-            key, value = _keys_values(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-            pending = gather.start_kv(key, value)
+            key = _keys(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            keys = gather.start_keys(key)
+            value = _values(attn, hidden_states, encoder_hidden_states, after=keys)
+            pending = gather.start_values(value, keys)
             query = _queries(attn, hidden_states, encoder_hidden_states, image_rotary_emb, after=pending)
             hidden_states = gather.finish(gather.attend_query(query, pending))
         else:

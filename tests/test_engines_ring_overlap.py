@@ -11,7 +11,8 @@ queries. This test checks, for FLUX and Cosmos and both transports
   call, where the copy-engine ops reuse their buffer), and the generated code keeps an attention
   kernel between each K/V pass and its wait (Cosmos), and (FLUX) the matrix multiplies above
   between the all-gather and its wait: the order the GPU needs for overlap; with the copy engine no NCCL collective is
-  left in the code.
+  left in the code, and the double block sends its keys ahead, its value projections running
+  while they travel.
 GPU runs of the copy-engine pass are in docs/benchmarks.md.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,22 @@ def attention_windows(code: str, start: str) -> list[int]:
             counts.append(open_count)
             open_count = None
         elif open_count is not None and ATTENTION in line and "=" in line:
+            open_count += 1
+    return counts
+
+
+def keys_ahead(code: str, start: str) -> list[int]:
+    """Matrix multiplies between a K/V gather (a line calling `start`) and a second one issued
+    before any wait, in code order: the value projections made while the keys travel."""
+    counts, open_count = [], None
+    for line in code.splitlines():
+        if start in line and "=" in line:
+            if open_count is not None:
+                counts.append(open_count)
+            open_count = 0
+        elif "_c10d_functional.wait_tensor" in line:
+            open_count = None
+        elif open_count is not None and re.search(r"extern_kernels\.(addmm|mm)\(|ulysses_studio\.linear_after\.default\(", line):
             open_count += 1
     return counts
 
@@ -85,6 +103,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         result["again_err"] = (again - compiled).abs().max().item()
         result["windows"] = [w for code in codes if (w := attention_windows(code, start))]
         result["gather_windows"] = [w for code in codes if (w := matmul_windows(code, GATHER[transport]))]
+        result["keys_ahead"] = [w for code in codes if (w := keys_ahead(code, GATHER[transport]))]
         result["gathered_attention"] = sum("ulysses_studio.gathered_attention" in line and "=" in line
                                            for code in codes for line in code.splitlines())
         result["nccl_ops"] = sum(code.count(NCCL_SHIFT) + code.count(GATHER["nccl"]) for code in codes)
@@ -111,6 +130,9 @@ def test_ring_pass_overlaps_local_attention(tmp_path: Path, transport: str) -> N
                 # block runs its MLP and the MLP's share of proj_out (2).
                 assert not r["windows"], r
                 assert r["gather_windows"] == [[2], [2]], r
+                # copy engines: the double block's keys go ahead, and its value projections (image
+                # and text) run while they travel; NCCL gathers keys and values in one collective
+                assert r["keys_ahead"] == ([[2]] if transport == "copy-engine" else []), r
                 # copy engines: each block graph reads the gathered K/V in the exchange buffer
                 assert r["gathered_attention"] == (2 if transport == "copy-engine" else 0), r
             else:
