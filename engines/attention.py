@@ -272,6 +272,12 @@ class GatherAttention:
         q = ...                            # query projections run during the transfer
         out = gather.finish(gather.attend_query(q, kv))
 
+    and with the keys ahead of the values (FLUX's double blocks; k/v may come in parts):
+
+        keys = gather.start_keys(k)        # copy engines: the keys travel ...
+        v = ...                            # ... while the value projections run
+        kv = gather.start_values(v, keys)  # then as above
+
     Same result as ring attention without its split: one kernel over all keys instead of one per
     block plus the log-sum-exp merge. On FLUX's single blocks at 1024² on 2 GPUs the exchange hides
     under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge. It holds
@@ -290,13 +296,11 @@ class GatherAttention:
     def start_kv(self, k_BSHD: torch.Tensor | list[torch.Tensor], v_BSHD: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """Issue the all-gather of this rank's K/V; pass the result to attend_query(). Either may
         come in consecutive parts along the sequence (a list), as FLUX's text and image streams."""
-        keys, values = ([x] if isinstance(x, torch.Tensor) else list(x) for x in (k_BSHD, v_BSHD))
+        keys, values = _parts(k_BSHD), _parts(v_BSHD)
         mesh = self.mesh
         if mesh.all_to_all == "copy-engine":  # lands in the exchange buffer, read there by attend_query
             # each part pushed from where it was made: no stacking or concatenation copy first
-            # (SBHD: the gathered layout's order; with batch 1 the transpose moves no data)
-            return copy_engine.start_gather_kv([p.transpose(0, 1) for p in keys], [p.transpose(0, 1) for p in values],
-                                               mesh.ring_group_name, mesh.plan.ring)
+            return copy_engine.start_gather_kv(_sbhd(keys), _sbhd(values), mesh.ring_group_name, mesh.plan.ring)
         # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
         # sequence order
         kv = torch.stack((torch.cat(keys, dim=1), torch.cat(values, dim=1))).transpose(1, 2)
@@ -308,7 +312,7 @@ class GatherAttention:
         both in one collective, issued by start_values() (the result is then the keys themselves)."""
         mesh = self.mesh
         if mesh.all_to_all == "copy-engine":
-            return copy_engine.start_gather_kv([k_BSHD.transpose(0, 1)], [], mesh.ring_group_name, mesh.plan.ring)
+            return copy_engine.start_gather_kv(_sbhd([k_BSHD]), [], mesh.ring_group_name, mesh.plan.ring)
         return k_BSHD
 
     def start_values(self, v_BSHD: torch.Tensor | list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
@@ -316,9 +320,8 @@ class GatherAttention:
         pass the result to attend_query()."""
         mesh = self.mesh
         if mesh.all_to_all == "copy-engine":
-            values = [v_BSHD] if isinstance(v_BSHD, torch.Tensor) else list(v_BSHD)
-            return copy_engine.start_gather_kv([], [p.transpose(0, 1) for p in values], mesh.ring_group_name,
-                                               mesh.plan.ring, keys_sent=keys)
+            return copy_engine.start_gather_kv([], _sbhd(_parts(v_BSHD)), mesh.ring_group_name, mesh.plan.ring,
+                                               keys_sent=keys)
         return self.start_kv(keys, v_BSHD)
 
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -335,6 +338,16 @@ class GatherAttention:
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2)
+
+
+def _parts(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """A tensor, or its consecutive parts along the sequence, as a list of parts."""
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _sbhd(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """BSHD parts seen in the gathered layout's order, SBHD (with batch 1 the transpose moves no data)."""
+    return [p.transpose(0, 1) for p in parts]
 
 
 def _kv_attention(q_BSHD: torch.Tensor, kv: torch.Tensor, runs: Runs) -> torch.Tensor:

@@ -136,9 +136,10 @@ class FluxContextParallelProcessor:
     """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope).
 
     With 2 ring ranks (ring-only plan) a double-stream block's attention is reordered around one
-    K/V all-gather (GatherAttention): keys and values of both streams are projected first and their
-    all-gather issued, the queries are projected while it travels, then one attention kernel runs
-    over every key. Ring attention would instead hide its K/V pass under the attention to the own
+    K/V all-gather (GatherAttention): the keys of both streams are projected first and their
+    all-gather issued, the values are projected while the keys travel (on copy engines; NCCL
+    gathers both at once) and their all-gather issued, the queries are projected while the values
+    travel, then one attention kernel runs over every key. Ring attention would instead hide its K/V pass under the attention to the own
     K/V, but pays for it with two attention kernels and a log-sum-exp merge; a double block has no
     other compute to hide the exchange behind (docs/benchmarks.md, sixth session).
     """

@@ -37,6 +37,10 @@ COPY_ENGINE_ALL_TO_ALL = "ulysses_studio.copy_engine_all_to_all"
 START = {"nccl": NCCL_ALL_TO_ALL, "copy-engine": COPY_ENGINE_ALL_TO_ALL}
 
 
+MATMUL = re.compile(r"extern_kernels\.(addmm|mm)\(|ulysses_studio\.linear_after\.default\(")
+"""A matrix multiply in generated code: inductor's, or collectives.linear_after."""
+
+
 def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
     """Matrix multiplies (inductor's, or collectives.linear_after) between each all-to-all (a line
     calling `start`) and its wait, in generated-code order."""
@@ -47,7 +51,7 @@ def windows(code: str, start: str = NCCL_ALL_TO_ALL) -> list[int]:
         elif "_c10d_functional.wait_tensor" in line and open_count is not None:
             counts.append(open_count)
             open_count = None
-        elif open_count is not None and re.search(r"extern_kernels\.(addmm|mm)\(|ulysses_studio\.linear_after\.default\(", line):
+        elif open_count is not None and MATMUL.search(line):
             open_count += 1
     return counts
 

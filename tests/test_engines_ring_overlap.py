@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from test_engines_flux_overlap import MATMUL
 from test_engines_flux_overlap import windows as matmul_windows
 from test_engines_parallel import cosmos_inputs, flux_inputs, free_port, randomize, tiny_cosmos, tiny_flux
 
@@ -63,7 +63,7 @@ def keys_ahead(code: str, start: str) -> list[int]:
             open_count = 0
         elif "_c10d_functional.wait_tensor" in line:
             open_count = None
-        elif open_count is not None and re.search(r"extern_kernels\.(addmm|mm)\(|ulysses_studio\.linear_after\.default\(", line):
+        elif open_count is not None and MATMUL.search(line):
             open_count += 1
     return counts
 
