@@ -74,13 +74,26 @@ def _keys(
                   attn.norm_added_k, image_rotary_emb)
 
 
+def _projected_after(
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    proj: nn.Linear,
+    encoder_proj: nn.Linear,
+    after: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj(hidden_states) and encoder_proj(encoder_hidden_states) of a double-stream block, both
+    ordered after the op that produced `after` (collectives.linear_after)."""
+    return (linear_after(hidden_states, proj.weight, proj.bias, after),
+            linear_after(encoder_hidden_states, encoder_proj.weight, encoder_proj.bias, after))
+
+
 def _values(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
             after: torch.Tensor) -> list[torch.Tensor]:
     """v of a double-stream block (unfused projections) as its text and image parts, in the joint
     order: the K/V all-gather takes them apart, which spares their concatenation. Both projections
     are ordered after the op that produced `after` (the keys' all-gather, which travels meanwhile)."""
-    return [linear_after(x, proj.weight, proj.bias, after).unflatten(-1, (-1, attn.head_dim))
-            for x, proj in ((encoder_hidden_states, attn.add_v_proj), (hidden_states, attn.to_v))]
+    value, encoder_value = _projected_after(hidden_states, encoder_hidden_states, attn.to_v, attn.add_v_proj, after)
+    return [_joint(attn, encoder_value, None, None, None, None), _joint(attn, value, None, None, None, None)]
 
 
 def _queries(
@@ -92,8 +105,7 @@ def _queries(
 ) -> torch.Tensor:
     """q of a double-stream block (unfused projections), as _query_key_value makes it, with both
     projections ordered after the op that produced `after` (collectives.linear_after)."""
-    query = linear_after(hidden_states, attn.to_q.weight, attn.to_q.bias, after)
-    encoder_query = linear_after(encoder_hidden_states, attn.add_q_proj.weight, attn.add_q_proj.bias, after)
+    query, encoder_query = _projected_after(hidden_states, encoder_hidden_states, attn.to_q, attn.add_q_proj, after)
     return _joint(attn, query, encoder_query, attn.norm_q, attn.norm_added_q, image_rotary_emb)
 
 
@@ -139,9 +151,10 @@ class FluxContextParallelProcessor:
     K/V all-gather (GatherAttention): the keys of both streams are projected first and their
     all-gather issued, the values are projected while the keys travel (on copy engines; NCCL
     gathers both at once) and their all-gather issued, the queries are projected while the values
-    travel, then one attention kernel runs over every key. Ring attention would instead hide its K/V pass under the attention to the own
-    K/V, but pays for it with two attention kernels and a log-sum-exp merge; a double block has no
-    other compute to hide the exchange behind (docs/benchmarks.md, sixth session).
+    travel, then one attention kernel runs over every key. Ring attention would instead hide its
+    K/V pass under the attention to the own K/V, but pays for it with two attention kernels and a
+    log-sum-exp merge; a double block has no other compute to hide the exchange behind
+    (docs/benchmarks.md, sixth session).
     """
 
     def __init__(self, mesh: ParallelMesh) -> None:
