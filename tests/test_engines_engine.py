@@ -73,6 +73,7 @@ def test_inductor_engine_matches_eager_and_cache_hit_skips_compile(tmp_path: Pat
         for r in rows:
             assert r["err"] <= TOLERANCE, r
             assert not r["hit"] and r["saved"] and Path(r["saved"]).name == f"rank{rank}.bin", r
+            assert r["fx_miss"] > 0, r  # really cold: inductor's own cache is inside the empty cache folder
     keys = {Path(r["saved"]).parent.name for rows in cold for r in rows}
     assert len(keys) == 4  # per model and rank: each rank compiles its own shard offsets
     warm = _spawn(tmp_path / "warm", cache, ["flux"])
