@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import re
 import statistics
@@ -42,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from engines.compile import EngineOptions, prepare_engine
 from engines.copy_engine import TRANSPORTS
-from engines.distributed import ParallelContext, init_parallel, shutdown
+from engines.distributed import CUBLAS_WITHOUT_WORKSPACE, ParallelContext, init_parallel, shutdown
 from engines.parallelize import parallelize_transformer
 from engines.peers import (
     PEERS,
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> None:
             nccl=".".join(map(str, torch.cuda.nccl.version())) if ctx.device.type == "cuda" else None,
             device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
             dtype="float32" if args.tiny else "bfloat16", backends=args.backends, warmup=args.warmup,
-            iters=args.iters,
+            iters=args.iters, cublas_env={name: os.environ.get(name) for name in CUBLAS_WITHOUT_WORKSPACE},
         )
 
         def save(rows: list[dict[str, Any]]) -> None:

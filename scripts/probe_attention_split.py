@@ -70,7 +70,7 @@ def main() -> None:
     k = torch.randn(1, heads, keys, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        for queries in (1152, 2048, 2304, 2560, 2816, 3072, 4608):
+        for queries in (1152, 2048, 2112, 2176, 2304, 2560, 2816, 3072, 4608):
             q = torch.randn(1, heads, queries, dim, device="cuda", dtype=torch.bfloat16)
             result["us"][f"one kernel, {queries} queries"] = replay_us(lambda q=q: F.scaled_dot_product_attention(q, k, v))
     q = torch.randn(1, heads, 2304, dim, device="cuda", dtype=torch.bfloat16)
