@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def replay_us(fn, calls: int = 20, repeats: int = 20) -> float:
-    """Median microseconds per call of `fn`, captured `calls` times in one CUDA graph."""
+def capture(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of `fn` (after 3 warm-up calls on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -36,6 +37,11 @@ def replay_us(fn, calls: int = 20, repeats: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, calls: int, repeats: int = 20) -> float:
+    """Median microseconds per call over `repeats` replays of `graph` (which holds `calls` calls)."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -45,6 +51,11 @@ def replay_us(fn, calls: int = 20, repeats: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
+
+
+def replay_us(fn: Callable[[], object], calls: int = 20, repeats: int = 20) -> float:
+    """Median microseconds per call of `fn`, captured `calls` times in one CUDA graph."""
+    return time_replays(capture(fn, calls), calls, repeats)
 
 
 def cudnn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,38 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-
-def graphed(fn, calls: int):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def replay_us(graph, calls: int, repeats: int = 20) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+from probe_attention_split import capture, time_replays  # this folder (run as scripts/probe_gemm_memsets.py)
 
 
 def main() -> None:
@@ -63,8 +38,8 @@ def main() -> None:
             x, w = torch.randn(m, k, **bf16), torch.randn(n, k, **bf16) * 0.02
             b = torch.randn(n, **bf16) if bias else None
             calls = 20
-            graph = graphed(lambda x=x, w=w, b=b: F.linear(x, w, b), calls)
-            us = replay_us(graph, calls)
+            graph = capture(lambda x=x, w=w, b=b: F.linear(x, w, b), calls)
+            us = time_replays(graph, calls)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 graph.replay()
                 torch.cuda.synchronize()
