@@ -52,8 +52,9 @@ def _query_key_value(
     query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
         attn, hidden_states, encoder_hidden_states
     )
-    if encoder_query is None:  # a single-stream block
-        encoder_norm_q = encoder_norm_k = None
+    if encoder_hidden_states is None or attn.added_kv_proj_dim is None:  # a single-stream block
+        # (diffusers' fused projections give (None,) for the missing text stream, not None)
+        encoder_query = encoder_key = encoder_value = encoder_norm_q = encoder_norm_k = None
     else:
         encoder_norm_q, encoder_norm_k = attn.norm_added_q, attn.norm_added_k
     return (

@@ -104,6 +104,8 @@ def cases(world_size: int) -> list[tuple[str, dict, tuple]]:
     for plan in plans:
         out += [("flux", plan, shape) for shape in FLUX_SHAPES]
         out += [("cosmos", plan, shape) for shape in COSMOS_SHAPES]
+        if world_size == 2:  # FLUX with diffusers' fused q/k/v projections (fuse_qkv_projections)
+            out.append(("flux-fused", plan, FLUX_SHAPES[0]))
     return out
 
 
@@ -119,10 +121,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     for name, plan, shape in cases(world_size):
         if name not in models:
             torch.manual_seed(0)
-            models[name] = randomize(tiny_flux() if name == "flux" else tiny_cosmos())
+            models[name] = randomize(tiny_cosmos() if name == "cosmos" else tiny_flux())
+            if name == "flux-fused":
+                models[name].fuse_qkv_projections()
         model = models[name]
         torch.manual_seed(1)
-        kwargs = flux_inputs(*shape) if name == "flux" else cosmos_inputs(shape)
+        kwargs = cosmos_inputs(shape) if name == "cosmos" else flux_inputs(*shape)
         with torch.no_grad():
             expected = model(**kwargs)[0]
             parallel = parallelize_transformer(model, ctx, plan)
