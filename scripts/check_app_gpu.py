@@ -1,0 +1,183 @@
+"""GPU check of the application itself: the README's main command on every visible GPU, driven
+through gradio_client, then batch generation, then a second launch on the warm engine cache.
+
+    python scripts/check_app_gpu.py --out DIR [--ranks N] [--backend B] [--strategy S] [--all-to-all T]
+
+Steps (each timed; everything on the embedded tiny models, one rank per GPU over NCCL, the default
+backend for GPUs, inductor-blocks, unless --backend, --strategy or --all-to-all say otherwise; the
+one-process `generate` takes the backend only):
+1. `python -m app launch --nproc N serve` with an empty engine cache, until its URL answers;
+2. through gradio_client: /status, an image (twice, same seed: the two must be equal), a request
+   with a bad size (must come back as an error) and a valid one after it, a video (an MP4 that
+   imageio-ffmpeg decodes, with the asked number of frames);
+3. Ctrl-C (SIGINT) to the launcher: every rank must stop;
+4. `python -m app generate` of the same image in one process on one GPU: its largest pixel
+   difference from the served image;
+5. `python -m app launch --nproc N batch` of a prompt file (2 images), with its manifest;
+6. `serve` again on the now warm cache: the time until its URL answers, against step 1's.
+Writes DIR/summary.json with what it saw, DIR/image.png, DIR/video.mp4 and DIR/logs.txt. Exits 1
+if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+IMAGE = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
+VIDEO = ("a red circle moving right on a black background", "", None, 17, 8, 3, False, 8, 3.0, 128, 128)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m app launch --nproc N serve` in its own process group, its output in a log file."""
+
+    def __init__(self, ranks: int, cache: Path, log: Path, options: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log = log
+        command = [sys.executable, "-m", "app", "launch", "--nproc", str(ranks), "serve", "--port", str(self.port),
+                   "--engine-cache", str(cache), *options]
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_up(self, timeout: float) -> float:
+        """Seconds from launch until the UI answers."""
+        while time.monotonic() - self.started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return time.monotonic() - self.started
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"serve did not answer within {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> tuple[int, float]:
+        """Ctrl-C to the launcher; (exit status, seconds until it exited)."""
+        started = time.monotonic()
+        self.process.send_signal(signal.SIGINT)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            code = self.process.wait()
+        return code, time.monotonic() - started
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    started = time.monotonic()
+    result = fn(*args, **kwargs)
+    return result, time.monotonic() - started
+
+
+def pixels(path: str | Path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ranks", type=int, default=None, help="default: every visible GPU (2 CPU ranks without one)")
+    parser.add_argument("--backend", default=None, help="--backend of serve, batch and generate (default: theirs)")
+    parser.add_argument("--strategy", default=None, help="--strategy of serve and batch (default: theirs)")
+    parser.add_argument("--all-to-all", default=None, help="--all-to-all of serve and batch (default: theirs)")
+    args = parser.parse_args()
+    import imageio.v3 as iio
+    import torch
+    from gradio_client import Client
+
+    ranks = args.ranks or torch.cuda.device_count() or 2  # no GPU: 2 CPU ranks, as `launch` runs them
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    cache = work / "engines"
+    work.mkdir(exist_ok=True)
+    summary: dict[str, Any] = {"ranks": ranks, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+                               "checks": {}}
+    checks = summary["checks"]
+    backend = ["--backend", args.backend] if args.backend else []
+    options = backend + [item for flag, value in (("--strategy", args.strategy), ("--all-to-all", args.all_to_all))
+                         if value for item in (flag, value)]
+    summary["options"] = options
+
+    server = Server(ranks, cache, work / "serve-cold.log", options)
+    try:
+        summary["cold_start_s"] = server.wait_up(900)
+        client = Client(server.url, verbose=False)
+        summary["status"] = client.predict(api_name="/status")
+        (_, first, settings, status), summary["image_first_s"] = timed(client.predict, *IMAGE, api_name="/generate_image")
+        (_, second, _, _), summary["image_again_s"] = timed(client.predict, *IMAGE, api_name="/generate_image")
+        summary["image_settings"], summary["status_after_image"] = settings, status
+        checks["image twice, same seed: equal"] = bool(np.array_equal(pixels(first), pixels(second)))
+        shutil.copy(first, out / "image.png")
+        try:
+            client.predict(*IMAGE[:5], 256, 65, api_name="/generate_image")
+            checks["bad size rejected"] = False
+        except Exception as error:  # noqa: BLE001 - gradio_client raises AppError with the server's message
+            summary["bad_size_error"] = str(error)
+            checks["bad size rejected"] = "65" in str(error)
+        checks["valid request after the bad one"] = client.predict(*IMAGE, api_name="/generate_image")[2]["seed"] == 7
+        (_, mp4, video_settings, _), summary["video_s"] = timed(client.predict, *VIDEO, api_name="/generate_video")
+        summary["video_settings"] = video_settings
+        frames = np.stack(list(iio.imiter(mp4)))
+        summary["video_frames"] = list(frames.shape)
+        checks["video decodes with the asked frames"] = frames.shape[0] == VIDEO[3]
+        shutil.copy(mp4, out / "video.mp4")
+    finally:
+        code, seconds = server.stop()
+    summary["stop"] = {"exit": code, "seconds": seconds}
+    checks["Ctrl-C stops the job"] = code == 130 and "Traceback" not in server.log.read_text()
+
+    single = work / "single.png"
+    prompt, seed, _, steps, guidance, width, height = IMAGE
+    _, summary["generate_one_process_s"] = timed(subprocess.run, [
+        sys.executable, "-m", "app", "generate", "--model", "tiny-flux", "--prompt", prompt, "--seed", str(seed),
+        "--steps", str(steps), "--guidance", str(guidance), "--size", f"{width}x{height}", "--out", str(single),
+        "--engine-cache", str(cache), "--quiet", *backend], check=True, capture_output=True)
+    summary["served_vs_one_process_max_pixel_diff"] = int(np.abs(pixels(out / "image.png") - pixels(single)).max())
+
+    prompts = work / "prompts.txt"
+    prompts.write_text("a small blue circle at the top left on a black background\na green square on a white background\n")
+    batch = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", str(ranks), "batch", str(prompts),
+                            "--out", str(work / "batch"), "--engine-cache", str(cache), *options],
+                           capture_output=True, text=True)
+    manifest = work / "batch" / "manifest.jsonl"
+    lines = manifest.read_text().splitlines() if manifest.exists() else []
+    summary["batch"] = {"exit": batch.returncode, "files": len(lines), "tail": batch.stdout[-500:] + batch.stderr[-1500:]}
+    checks["batch wrote both images"] = batch.returncode == 0 and len(lines) == 2
+
+    server = Server(ranks, cache, work / "serve-warm.log", options)
+    try:
+        summary["warm_start_s"] = server.wait_up(900)
+        _, summary["warm_image_s"] = timed(Client(server.url, verbose=False).predict, *IMAGE, api_name="/generate_image")
+    finally:
+        summary["warm_stop"] = dict(zip(("exit", "seconds"), server.stop()))
+
+    logs = "\n".join(f"===== {p.name}\n{p.read_text()[-20000:]}" for p in sorted(work.glob("*.log")))
+    (out / "logs.txt").write_text(logs)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(json.dumps(summary, indent=1, default=str))
+    sys.exit(0 if all(checks.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
