@@ -15,8 +15,9 @@ one-process `generate` takes the backend only):
    difference from the served image;
 5. `python -m app launch --nproc N batch` of a prompt file (2 images), with its manifest;
 6. `serve` again on the now warm cache: the time until its URL answers, against step 1's.
-Writes DIR/summary.json with what it saw, DIR/image.png, DIR/video.mp4 and DIR/logs.txt. Exits 1
-if a check failed.
+Each step has --step-timeout seconds. After each step DIR/summary.json (what it saw so far) and
+DIR/logs.txt (every command's output) are rewritten, so a step that hangs leaves them behind;
+also DIR/image.png and DIR/video.mp4. Exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ def pixels(path: str | Path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
 
 
+def run_logged(command: list[str], log: Path, timeout: float) -> int | None:
+    """Run `command` with its output in `log`; its exit status, or None if it ran past `timeout`
+    seconds (then its process group is killed)."""
+    with log.open("w") as stream:
+        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -100,28 +114,36 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="--backend of serve, batch and generate (default: theirs)")
     parser.add_argument("--strategy", default=None, help="--strategy of serve and batch (default: theirs)")
     parser.add_argument("--all-to-all", default=None, help="--all-to-all of serve and batch (default: theirs)")
+    parser.add_argument("--step-timeout", type=float, default=300, help="seconds each step may take (default 300)")
     args = parser.parse_args()
     import imageio.v3 as iio
     import torch
     from gradio_client import Client
 
     ranks = args.ranks or torch.cuda.device_count() or 2  # no GPU: 2 CPU ranks, as `launch` runs them
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out, limit = args.out, args.step_timeout
     work = out / "work"
     cache = work / "engines"
-    work.mkdir(exist_ok=True)
-    summary: dict[str, Any] = {"ranks": ranks, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-                               "checks": {}}
+    work.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    summary: dict[str, Any] = {"ranks": ranks, "gpu": gpu, "torch": torch.__version__, "checks": {}, "steps_done": []}
     checks = summary["checks"]
     backend = ["--backend", args.backend] if args.backend else []
     options = backend + [item for flag, value in (("--strategy", args.strategy), ("--all-to-all", args.all_to_all))
                          if value for item in (flag, value)]
     summary["options"] = options
 
+    def save(step: str) -> None:
+        """Record `step` as done and write the summary and the logs so far (a later step may hang)."""
+        summary["steps_done"].append(step)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        logs = "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-20000:]}" for p in sorted(work.glob("*.log")))
+        (out / "logs.txt").write_text(logs)
+
+    # 1-3: serve on a cold cache, requests through gradio_client, Ctrl-C
     server = Server(ranks, cache, work / "serve-cold.log", options)
     try:
-        summary["cold_start_s"] = server.wait_up(900)
+        summary["cold_start_s"] = server.wait_up(limit)
         client = Client(server.url, verbose=False)
         summary["status"] = client.predict(api_name="/status")
         (_, first, settings, status), summary["image_first_s"] = timed(client.predict, *IMAGE, api_name="/generate_image")
@@ -129,6 +151,7 @@ def main() -> None:
         summary["image_settings"], summary["status_after_image"] = settings, status
         checks["image twice, same seed: equal"] = bool(np.array_equal(pixels(first), pixels(second)))
         shutil.copy(first, out / "image.png")
+        save("image")
         try:
             client.predict(*IMAGE[:5], 256, 65, api_name="/generate_image")
             checks["bad size rejected"] = False
@@ -142,39 +165,45 @@ def main() -> None:
         summary["video_frames"] = list(frames.shape)
         checks["video decodes with the asked frames"] = frames.shape[0] == VIDEO[3]
         shutil.copy(mp4, out / "video.mp4")
+        save("video")
     finally:
         code, seconds = server.stop()
-    summary["stop"] = {"exit": code, "seconds": seconds}
-    checks["Ctrl-C stops the job"] = code == 130 and "Traceback" not in server.log.read_text()
+        summary["stop"] = {"exit": code, "seconds": seconds}
+        checks["Ctrl-C stops the job"] = code == 130 and "Traceback" not in server.log.read_text()
+        save("stop")
 
+    # 4: the same image from one process on one GPU
     single = work / "single.png"
     prompt, seed, _, steps, guidance, width, height = IMAGE
-    _, summary["generate_one_process_s"] = timed(subprocess.run, [
+    code, summary["generate_one_process_s"] = timed(run_logged, [
         sys.executable, "-m", "app", "generate", "--model", "tiny-flux", "--prompt", prompt, "--seed", str(seed),
         "--steps", str(steps), "--guidance", str(guidance), "--size", f"{width}x{height}", "--out", str(single),
-        "--engine-cache", str(cache), "--quiet", *backend], check=True, capture_output=True)
-    summary["served_vs_one_process_max_pixel_diff"] = int(np.abs(pixels(out / "image.png") - pixels(single)).max())
+        "--engine-cache", str(cache), "--quiet", *backend], work / "generate.log", limit)
+    checks["one-process generate"] = code == 0
+    if code == 0:
+        summary["served_vs_one_process_max_pixel_diff"] = int(np.abs(pixels(out / "image.png") - pixels(single)).max())
+    save("generate")
 
+    # 5: batch generation from a prompt file
     prompts = work / "prompts.txt"
     prompts.write_text("a small blue circle at the top left on a black background\na green square on a white background\n")
-    batch = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", str(ranks), "batch", str(prompts),
-                            "--out", str(work / "batch"), "--engine-cache", str(cache), *options],
-                           capture_output=True, text=True)
+    code, summary["batch_s"] = timed(run_logged, [
+        sys.executable, "-m", "app", "launch", "--nproc", str(ranks), "batch", str(prompts), "--out", str(work / "batch"),
+        "--engine-cache", str(cache), *options], work / "batch.log", limit)
     manifest = work / "batch" / "manifest.jsonl"
     lines = manifest.read_text().splitlines() if manifest.exists() else []
-    summary["batch"] = {"exit": batch.returncode, "files": len(lines), "tail": batch.stdout[-500:] + batch.stderr[-1500:]}
-    checks["batch wrote both images"] = batch.returncode == 0 and len(lines) == 2
+    summary["batch"] = {"exit": code, "files": len(lines)}
+    checks["batch wrote both images"] = code == 0 and len(lines) == 2
+    save("batch")
 
+    # 6: serve again, on the warm engine cache
     server = Server(ranks, cache, work / "serve-warm.log", options)
     try:
-        summary["warm_start_s"] = server.wait_up(900)
+        summary["warm_start_s"] = server.wait_up(limit)
         _, summary["warm_image_s"] = timed(Client(server.url, verbose=False).predict, *IMAGE, api_name="/generate_image")
     finally:
         summary["warm_stop"] = dict(zip(("exit", "seconds"), server.stop()))
-
-    logs = "\n".join(f"===== {p.name}\n{p.read_text()[-20000:]}" for p in sorted(work.glob("*.log")))
-    (out / "logs.txt").write_text(logs)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        save("warm serve")
     print(json.dumps(summary, indent=1, default=str))
     sys.exit(0 if all(checks.values()) else 1)
 
