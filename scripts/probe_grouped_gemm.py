@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from engines.distributed import use_cublas_without_workspace
@@ -31,16 +30,8 @@ use_cublas_without_workspace()  # before the first cuBLAS call
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from probe_attention_split import replay_us  # noqa: E402  (this folder: run as scripts/probe_grouped_gemm.py)
-
-
-def two_streams(side: torch.cuda.Stream, first: Callable[[], object], second: Callable[[], object]) -> None:
-    """`first` on the current stream and `second` on `side`, joined."""
-    side.wait_stream(torch.cuda.current_stream())
-    first()
-    with torch.cuda.stream(side):
-        second()
-    torch.cuda.current_stream().wait_stream(side)
+from probe_attention_beside import beside  # noqa: E402  (this folder: run as scripts/probe_grouped_gemm.py)
+from probe_attention_split import replay_us  # noqa: E402
 
 
 def main() -> None:
@@ -75,8 +66,8 @@ def main() -> None:
                 "image": replay_us(lambda: F.linear(x_image, w[1], b[1])),
                 "text": replay_us(lambda: F.linear(x_text, w[0], b[0])),
                 "separate": replay_us(lambda: (F.linear(x_text, w[0], b[0]), F.linear(x_image, w[1], b[1]))),
-                "two streams": replay_us(lambda: two_streams(side, lambda: F.linear(x_image, w[1], b[1]),
-                                                             lambda: F.linear(x_text, w[0], b[0]))),
+                "two streams": replay_us(lambda: beside(side, lambda: F.linear(x_image, w[1], b[1]),
+                                                        lambda: F.linear(x_text, w[0], b[0]), other_first=False)),
                 "one GEMM, joined rows": replay_us(lambda: F.linear(x, w[1], b[1])),
             }
             errors = {}
