@@ -81,6 +81,10 @@ CU_STREAM_WAIT_VALUE_EQ = 0x1
 # keeps its own symmetric-memory workspaces.
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _exchanges: dict[tuple[str, str], _Exchange] = {}  # (group name, "slots" or "gather")
+# Buffers replaced by bigger ones. Never freed: a CUDA graph captured while one was current has its
+# addresses (and the peers') baked in, and a server replays that graph whenever a request of its
+# shape comes back (engines.compile keeps one graph per input signature).
+_retired: list[_Exchange] = []
 _cpu_gathered: dict[str, torch.Tensor] = {}  # on CPU: the last K/V all-gather of each group
 _cpu_keys: dict[str, list[torch.Tensor]] = {}  # on CPU: keys sent ahead of their values
 
@@ -210,7 +214,8 @@ def _exchange(group_name: str, kind: str, nbytes: int, device: torch.device) -> 
             raise RuntimeError("copy-engine exchange: its buffer must grow, which cannot happen during "
                                "CUDA graph capture; run the shape once before capturing")
         if exchange is not None:
-            exchange.release()  # every rank is past its last use of the old buffer
+            exchange.release()  # every rank is past its last use of the old buffer, for now
+            _retired.append(exchange)  # graphs captured on it may replay it: keep it mapped
         size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
         exchange = _exchanges[group_name, kind] = _Exchange(group_name, size, device)
     return exchange
