@@ -10,8 +10,8 @@ halve with the rows; in one grouped GEMM (torch._grouped_mm) their tiles would f
 GEMM's last wave instead. Times (CUDA-graph replays, median of 20 replays of 20 calls, us), per
 shape (K -> N) of the block's GEMMs:
 - image alone, text alone, both one after the other (what the engines run now), both on two streams;
-- grouped: torch._grouped_mm over the joined rows, with the weights stacked as the kernel wants
-  them, without and with the two biases added;
+- grouped: torch._grouped_mm over the joined rows, the stacked weights as views of the Linear
+  weights (column-major), without and with the two biases added, and copied row-major;
 - one cuBLAS GEMM over the joined rows with one weight (a floor: no grouping overhead);
 and the grouped result's largest difference from the separate GEMMs.
 cuBLAS runs without its workspace, as the engines set it on GPUs (engines.distributed).
@@ -49,7 +49,7 @@ def main() -> None:
             w = torch.randn(2, n, k, **bf16) * 0.02  # (text, image) weights as nn.Linear holds them
             b = torch.randn(2, n, **bf16)
             offsets = torch.tensor([text_rows, text_rows + image_rows], device="cuda", dtype=torch.int32)
-            w_t = w.transpose(1, 2)  # (2, K, N), column-major: the layout the grouped kernel reads fast
+            w_t = w.transpose(1, 2)  # (2, K, N): a view of the Linear weights (column-major)
             reference = torch.cat([F.linear(x_text, w[0], b[0]), F.linear(x_image, w[1], b[1])])
             row_bias = torch.cat([b[0].expand(text_rows, n), b[1].expand(image_rows, n)])
 
