@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,14 +38,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from app.launch import default_nproc, free_port
+
 IMAGE = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
 VIDEO = ("a red circle moving right on a black background", "", None, 17, 8, 3, False, 8, 3.0, 128, 128)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -121,7 +116,7 @@ def main() -> None:
     import torch
     from gradio_client import Client
 
-    ranks = args.ranks or torch.cuda.device_count() or 2  # no GPU: 2 CPU ranks, as `launch` runs them
+    ranks = args.ranks or default_nproc()
     out, limit = args.out, args.step_timeout
     work = out / "work"
     cache = work / "engines"
