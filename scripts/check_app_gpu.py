@@ -14,7 +14,9 @@ one-process `generate` takes the backend only):
 4. `python -m app generate` of the same image in one process on one GPU: its largest pixel
    difference from the served image;
 5. `python -m app launch --nproc N batch` of a prompt file (2 images), with its manifest;
-6. `serve` again on the now warm cache: the time until its URL answers, against step 1's.
+6. `serve` again on the now warm cache: the time until its URL answers, against step 1's;
+7. `python -m app build` of the image's shape into an empty cache (--ranks N, same options);
+8. `serve` on that cache: its first image (must equal step 2's) and how long it took.
 Each step has --step-timeout seconds. After each step DIR/summary.json (what it saw so far) and
 DIR/logs.txt (every command's output) are rewritten, so a step that hangs leaves them behind;
 also DIR/image.png and DIR/video.mp4. Exits 1 if a check failed.
@@ -39,6 +41,7 @@ import numpy as np
 from PIL import Image
 
 from app.launch import default_nproc, free_port
+from app.runtime import default_backend
 
 IMAGE = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
 VIDEO = ("a red circle moving right on a black background", "", None, 17, 8, 3, False, 8, 3.0, 128, 128)
@@ -206,6 +209,26 @@ def main() -> None:
     finally:
         summary["warm_stop"] = dict(zip(("exit", "seconds"), server.stop()))
         save("warm serve")
+
+    # 7-8: `build` ahead of time into an empty cache, then serve on what it built
+    built = work / "engines-built"
+    width, height = IMAGE[5:]
+    # build's default backend is the GPUs' one; serve's on CPUs is eager
+    build_backend = [] if backend else ["--backend", default_backend("cuda" if gpu else "cpu")]
+    code, summary["build_s"] = timed(run_logged, [
+        sys.executable, "-m", "app", "build", "--model", "tiny-flux", "--size", f"{width}x{height}", "--ranks", str(ranks),
+        "--engine-cache", str(built), *options, *build_backend], work / "build.log", limit)
+    checks["build"] = code == 0
+    save("build")
+    server = Server(ranks, built, work / "serve-built.log", options)
+    try:
+        summary["built_start_s"] = server.wait_up(limit)
+        job = Client(server.url, verbose=False).submit(*IMAGE, api_name="/generate_image")
+        (_, image, _, _), summary["built_image_s"] = timed(job.result, timeout=limit)
+        checks["serve on the built cache: same image"] = bool(np.array_equal(pixels(image), pixels(out / "image.png")))
+    finally:
+        summary["built_stop"] = dict(zip(("exit", "seconds"), server.stop()))
+        save("serve on the built cache")
     print(json.dumps(summary, indent=1, default=str))
     sys.exit(0 if all(checks.values()) else 1)
 
