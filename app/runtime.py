@@ -106,6 +106,7 @@ def start_runtime(
 
     ctx = init_parallel(device)
     lost = False
+    pipelines = {}
     try:
         if cfg_parallel and (ctx.world_size < 2 or ctx.world_size % 2):
             # Every rank sees the same world size: all of them stop here, before any collective.
@@ -115,7 +116,7 @@ def start_runtime(
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
         dtype = default_dtype(ctx.device)
-        pipelines, failure = {}, None
+        failure = None
         try:
             for spec, folder in models:
                 pipelines[spec.media] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
@@ -154,6 +155,7 @@ def start_runtime(
         raise
     finally:
         if not lost:
+            release_engines(pipelines.values())
             shutdown(ctx)
 
 
@@ -199,6 +201,21 @@ def build_engines(pipelines: Iterable, ctx, backend: str | None, engine_cache: P
         pipeline.use_transformer(prepare_engine(pipeline.transformer, options, cache_dir=engine_cache_dir(engine_cache),
                                                 rank=ctx.rank))
     return options.label
+
+
+def release_engines(pipelines: Iterable) -> None:
+    """Drop the engines' CUDA graphs before the process group is destroyed (engines.distributed.shutdown).
+
+    A CUDA graph that captured NCCL kernels (the engines' collectives) must go before its
+    communicator: on 2x H200 the ranks of a `+cudagraph` backend otherwise hung in
+    destroy_process_group() after their last result was written, and minutes after SIGKILL they
+    still held their GPU memory.
+    """
+    from engines.compile import Engine
+
+    for pipeline in pipelines:
+        if isinstance(pipeline.transformer, Engine):
+            pipeline.transformer.release()
 
 
 def _agree_on_startup(ctx, failure: str | None) -> None:

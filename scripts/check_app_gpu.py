@@ -16,7 +16,8 @@ one-process `generate` takes the backend only):
 5. `python -m app launch --nproc N batch` of a prompt file (2 images), with its manifest;
 6. `serve` again on the now warm cache: the time until its URL answers, against step 1's;
 7. `python -m app build` of the image's shape into an empty cache (--ranks N, same options);
-8. `serve` on that cache: its first image (must equal step 2's) and how long it took.
+8. `serve` on that cache: its first image must take less than half of step 2's first image (no
+   compiling) and be within RELAUNCH_TOLERANCE levels of step 2's (step 6's image is compared too).
 Each step has --step-timeout seconds. After each step DIR/summary.json (what it saw so far) and
 DIR/logs.txt (every command's output) are rewritten, so a step that hangs leaves them behind;
 also DIR/image.png and DIR/video.mp4. Exits 1 if a check failed.
@@ -44,6 +45,11 @@ from app.launch import default_nproc, free_port
 from app.runtime import default_backend
 
 IMAGE = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
+# Largest pixel difference (of 255) allowed between the same image from two launches. Not 0: on GPUs
+# (bfloat16) a launch compiles its kernels, or loads them, with its own autotuned choices, which may sum
+# in another order; on 2x H200 a launch on a `build` cache differed from the first launch's image
+# (equal within one launch), and one process differs from the served image by 9-10.
+RELAUNCH_TOLERANCE = 16
 VIDEO = ("a red circle moving right on a black background", "", None, 17, 8, 3, False, 8, 3.0, 128, 128)
 
 
@@ -128,8 +134,9 @@ def main() -> None:
     summary: dict[str, Any] = {"ranks": ranks, "gpu": gpu, "torch": torch.__version__, "checks": {}, "steps_done": []}
     checks = summary["checks"]
     backend = ["--backend", args.backend] if args.backend else []
-    options = backend + [item for flag, value in (("--strategy", args.strategy), ("--all-to-all", args.all_to_all))
-                         if value for item in (flag, value)]
+    plan = [item for flag, value in (("--strategy", args.strategy), ("--all-to-all", args.all_to_all))
+            if value for item in (flag, value)]
+    options = backend + plan
     summary["options"] = options
 
     def save(step: str) -> None:
@@ -205,7 +212,8 @@ def main() -> None:
     try:
         summary["warm_start_s"] = server.wait_up(limit)
         job = Client(server.url, verbose=False).submit(*IMAGE, api_name="/generate_image")
-        _, summary["warm_image_s"] = timed(job.result, timeout=limit)
+        (_, image, _, _), summary["warm_image_s"] = timed(job.result, timeout=limit)
+        summary["warm_vs_cold_max_pixel_diff"] = int(np.abs(pixels(image) - pixels(out / "image.png")).max())
     finally:
         summary["warm_stop"] = dict(zip(("exit", "seconds"), server.stop()))
         save("warm serve")
@@ -213,11 +221,10 @@ def main() -> None:
     # 7-8: `build` ahead of time into an empty cache, then serve on what it built
     built = work / "engines-built"
     width, height = IMAGE[5:]
-    # build's default backend is the GPUs' one; serve's on CPUs is eager
-    build_backend = [] if backend else ["--backend", default_backend("cuda" if gpu else "cpu")]
+    served_backend = args.backend or default_backend("cuda" if gpu else "cpu")  # build's default is the GPUs'
     code, summary["build_s"] = timed(run_logged, [
         sys.executable, "-m", "app", "build", "--model", "tiny-flux", "--size", f"{width}x{height}", "--ranks", str(ranks),
-        "--engine-cache", str(built), *options, *build_backend], work / "build.log", limit)
+        "--engine-cache", str(built), *plan, "--backend", served_backend], work / "build.log", limit)
     checks["build"] = code == 0
     save("build")
     server = Server(ranks, built, work / "serve-built.log", options)
@@ -225,7 +232,12 @@ def main() -> None:
         summary["built_start_s"] = server.wait_up(limit)
         job = Client(server.url, verbose=False).submit(*IMAGE, api_name="/generate_image")
         (_, image, _, _), summary["built_image_s"] = timed(job.result, timeout=limit)
-        checks["serve on the built cache: same image"] = bool(np.array_equal(pixels(image), pixels(out / "image.png")))
+        summary["built_vs_cold_max_pixel_diff"] = diff = int(np.abs(pixels(image) - pixels(out / "image.png")).max())
+        if not served_backend.startswith("eager"):  # eager has nothing to build
+            checks["serve on the built cache: the first image does not compile"] = (
+                summary["built_image_s"] < summary["image_first_s"] / 2)
+        checks[f"serve on the built cache: within {RELAUNCH_TOLERANCE} levels of the first launch's image"] = (
+            diff <= RELAUNCH_TOLERANCE)
     finally:
         summary["built_stop"] = dict(zip(("exit", "seconds"), server.stop()))
         save("serve on the built cache")

@@ -45,3 +45,31 @@ def test_bad_backend_is_a_usage_error():
     result = cli("build", "--model", "tiny-flux", "--backend", "warp-drive")
     assert result.returncode == 2
     assert "is not an engine" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch):
+    """A CUDA graph that captured NCCL kernels hangs NCCL's teardown while it is alive (2x H200), so
+    the runtime that serve, batch and build share drops its engines' graphs first."""
+    import threading
+
+    import engines.distributed
+    from app.runtime import start_runtime
+    from engines.compile import Engine
+    from pipelines.registry import resolve_model
+
+    seen = []
+    real_shutdown = engines.distributed.shutdown
+
+    def shutdown(ctx):
+        seen.append({media: dict(pipeline.transformer._graphs) for media, pipeline in pipelines.items()})
+        real_shutdown(ctx)
+
+    monkeypatch.setattr(engines.distributed, "shutdown", shutdown)
+    spec, folder = resolve_model("tiny-flux", None)
+    with start_runtime([(spec, folder)], device="cpu", strategy="ulysses", rank_timeout=60, stop=threading.Event(),
+                       backend="inductor-blocks") as runtime:
+        pipelines = runtime.service.pipelines
+        engine = pipelines["image"].transformer
+        assert isinstance(engine, Engine)
+        engine._graphs["a captured shape"] = object()  # what a +cudagraph engine holds after a request
+    assert seen == [{"image": {}}]
