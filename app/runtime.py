@@ -208,7 +208,7 @@ def release_engines(pipelines: Iterable) -> None:
 
     A CUDA graph that captured NCCL kernels (the engines' collectives) must go before its
     communicator: on 2x H200 the ranks of a `+cudagraph` backend otherwise hung in
-    destroy_process_group() after their last result was written, and minutes after SIGKILL they
+    destroy_process_group() after their last result was written, and 100 s after SIGKILL they
     still held their GPU memory.
     """
     from engines.compile import Engine

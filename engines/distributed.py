@@ -120,7 +120,7 @@ def shutdown(ctx: ParallelContext) -> None:
 
     Drop every CUDA graph that captured this group's collectives first (Engine.release): measured on
     2x H200 (torch 2.11, NCCL 2.28), destroy_process_group() never returns while such a graph is
-    alive, and minutes after SIGKILL the rank still holds its GPU memory. Graphs only reachable
+    alive, and 100 s after SIGKILL the rank still held its GPU memory. Graphs only reachable
     through reference cycles are collected here.
     """
     if ctx.is_distributed and dist.is_initialized():
