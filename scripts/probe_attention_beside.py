@@ -17,10 +17,8 @@ cuBLAS runs without its workspace, as the engines set it on GPUs (engines.distri
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 from engines.distributed import use_cublas_without_workspace
 
@@ -30,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from probe_attention_split import replay_us  # noqa: E402  (this folder: run as scripts/probe_attention_beside.py)
+from probe_attention_split import probe_output, replay_us, write_result  # noqa: E402  (this folder: run as scripts/probe_attention_beside.py)
 
 
 def beside(side: torch.cuda.Stream, main: Callable[[], object], other: Callable[[], object], other_first: bool) -> None:
@@ -52,9 +50,7 @@ def beside(side: torch.cuda.Stream, main: Callable[[], object], other: Callable[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    out = probe_output(__doc__)
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
@@ -89,8 +85,7 @@ def main() -> None:
         key = f"{queries} queries"
         result["shapes"][key] = times
         print(key, json.dumps({name: round(us, 1) for name, us in times.items()}), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    write_result(result, out)
 
 
 if __name__ == "__main__":

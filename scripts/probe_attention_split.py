@@ -25,6 +25,20 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+def probe_output(doc: str) -> Path | None:
+    """A probe's command line (described by the first line of `doc`): --out FILE, where its JSON
+    result goes; returns FILE, or None without it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args().out
+
+
+def write_result(result: dict, out: Path | None) -> None:
+    """Write a probe's result as JSON to `out`, if given."""
+    if out:
+        out.write_text(json.dumps(result, indent=1))
+
+
 def capture(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `calls` calls of `fn` (after 3 warm-up calls on a side stream)."""
     stream = torch.cuda.Stream()
@@ -71,9 +85,7 @@ def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    out = probe_output(__doc__)
     torch.manual_seed(0)
     heads, dim, keys = 24, 128, 4608
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -117,8 +129,7 @@ def main() -> None:
     result["us"]["split: merge alone"] = replay_us(lambda: merge(*a, *b))
     result["us"]["split: halves on two streams + merge"] = replay_us(split)
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    write_result(result, out)
 
 
 if __name__ == "__main__":

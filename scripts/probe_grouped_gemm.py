@@ -19,9 +19,7 @@ cuBLAS runs without its workspace, as the engines set it on GPUs (engines.distri
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 from engines.distributed import use_cublas_without_workspace
 
@@ -31,13 +29,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from probe_attention_beside import beside  # noqa: E402  (this folder: run as scripts/probe_grouped_gemm.py)
-from probe_attention_split import replay_us  # noqa: E402
+from probe_attention_split import probe_output, replay_us, write_result  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    out = probe_output(__doc__)
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
@@ -85,8 +81,7 @@ def main() -> None:
             key = f"{image_rows}+{text_rows} rows, {k}->{n}"
             result["shapes"][key] = {"us": times, "max_abs_diff": errors}
             print(key, json.dumps(times), errors, flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    write_result(result, out)
 
 
 if __name__ == "__main__":
