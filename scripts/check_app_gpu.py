@@ -47,9 +47,9 @@ from app.runtime import default_backend
 
 IMAGE = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
 # Largest pixel difference (of 255) allowed between the same image from two launches. Not 0 on GPUs
-# (bfloat16): the process that compiled the kernels picked some of them by timing, and a pick may sum
-# in another order. Measured on one H200: a launch on a `build` cache 9 from the first launch, a
-# relaunch on the first launch's cache 0; on 2 H200s one process against the served image 6-10.
+# (bfloat16). Measured on one H200: a launch on a `build` cache 9 from the first launch (10 with
+# TORCHINDUCTOR_DETERMINISTIC=1, so not inductor's timing of kernels; cause not found), a relaunch on
+# the first launch's cache 0; on 2 H200s one process against the served image 6-10.
 RELAUNCH_TOLERANCE = 16
 VIDEO = ("a red circle moving right on a black background", "", None, 17, 8, 3, False, 8, 3.0, 128, 128)
 
