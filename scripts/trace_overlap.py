@@ -64,7 +64,7 @@ def summarise(path: str) -> str:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
-    nccl = [e for e in events if "nccl" in e["name"].lower()]
+    nccl = [e for e in events if kind(e["name"]) == "NCCL"]
     start = min(e["ts"] for e in events)
     first = None
     if nccl:
@@ -75,13 +75,14 @@ def summarise(path: str) -> str:
     def spans(kernels: list[dict]) -> list[tuple[float, float]]:
         return _union([(max(e["ts"], start), e["ts"] + e["dur"]) for e in kernels if e["ts"] + e["dur"] > start])
 
-    compute = spans([e for e in events if "nccl" not in e["name"].lower()])
+    compute = spans([e for e in events if kind(e["name"]) != "NCCL"])
     comm = spans(nccl)
     window = end - start
     by_kind: dict[str, float] = {}
     for e in events:
         if e is not first:
-            by_kind[kind(e["name"])] = by_kind.get(kind(e["name"]), 0.0) + e["dur"]
+            name = kind(e["name"])
+            by_kind[name] = by_kind.get(name, 0.0) + e["dur"]
     return (f"{path}: window {window / 1e3:.1f} ms, compute {_length(compute) / 1e3:.1f} ms, "
             f"NCCL {_length(comm) / 1e3:.1f} ms, overlapped {_intersection(compute, comm) / 1e3:.1f} ms, "
             f"no compute {(window - _length(compute)) / 1e3:.1f} ms\n  kernel time by kind: "
