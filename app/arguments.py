@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
 from pathlib import Path
 
+from engines.options import (
+    DEFAULT_RANK_TIMEOUT,
+    DEFAULT_STRATEGY,
+    DEFAULT_TRANSPORT,
+    ENGINE_CACHE_ENV,
+    STRATEGIES,
+    TRANSPORTS,
+    EngineOptions,
+    RunOptions,
+)
 from pipelines.registry import MODELS, MODELS_ENV
 from pipelines.requests import RequestError
-
-STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
-"""The sequence strategies of engines.plan (repeated here so that `--help` needs no torch import)."""
-
-TRANSPORTS = ("nccl", "copy-engine")
-"""The all-to-all transports of engines.copy_engine (repeated for the same reason)."""
-
-BACKEND_PATTERN = re.compile(
-    r"(eager|inductor|tensorrt)(-blocks)?(-(default|max-autotune-no-cudagraphs|reduce-overhead))?(\+overlap)?(\+cudagraph)?"
-)
-"""Engine labels of engines.compile.EngineOptions (repeated here so that `--help` needs no torch import)."""
-
-DEFAULT_RANK_TIMEOUT = 30.0
-ENGINE_CACHE_ENV = "ULYSSES_STUDIO_ENGINE_CACHE"
-
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -51,25 +44,28 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
                             help="image or video whose frames start the video (video-to-world)")
 
 
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES,
-                        help="how ranks split the transformer's token sequence when several run (default ulysses)")
-    parser.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
-                        help="how the Ulysses all-to-alls and ring K/V passes travel between GPUs: nccl (default), "
+def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: str | None = None) -> None:
+    """The RunOptions arguments (read back with run_options); `backend_default` None: by device."""
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES,
+                        help="how ranks split the transformer's token sequence when several run: ulysses "
+                             "(all-to-all to head shards; default), ring (K/V passed around the ranks), allgather "
+                             "(K/V gathered once, one attention over every key), ulysses-ring (both)")
+    parser.add_argument("--all-to-all", default=DEFAULT_TRANSPORT, choices=TRANSPORTS,
+                        help="how the Ulysses all-to-alls and K/V exchanges travel between GPUs: nccl (default), "
                              "or copy-engine (peer copies through symmetric memory, no SM kernels; all ranks on one "
-                             "host; no watchdog; with --strategy ring the fastest FLUX setting measured on 2x H200, "
-                             "docs/benchmarks.md)")
+                             "host; no watchdog; with --strategy allgather the fastest FLUX setting measured on "
+                             "2x H200, docs/benchmarks.md)")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="video (Cosmos-style) models: run classifier-free guidance's two branches on two halves "
                              "of the ranks, each half splitting the sequence (needs an even number of ranks; "
                              "requests then need guidance above 1). Image (FLUX-style) models have one branch "
                              "and are unaffected")
-    parser.add_argument("--backend", default=None, type=backend_label,
+    default = backend_default or "inductor-blocks on GPUs, eager on CPUs"
+    parser.add_argument("--backend", default=backend_default, type=backend_label,
                         help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
                              "compile), inductor...+overlap (keeps FLUX's all-to-all overlap through compilation), any "
-                             "of them +cudagraph (CUDA only), tensorrt (where installed); default "
-                             "inductor-blocks on GPUs, eager on CPUs")
-    parser.add_argument("--engine-cache", type=Path, default=None, metavar="DIR",
+                             f"of them +cudagraph (CUDA only), tensorrt (where installed); default {default}")
+    parser.add_argument("--engine-cache", "--cache-dir", dest="engine_cache", type=Path, default=None, metavar="DIR",
                         help=f"compiled-engine cache (default ${ENGINE_CACHE_ENV} or ~/.cache/ulysses-studio/engines)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
@@ -98,18 +94,17 @@ def request_fields(args: argparse.Namespace) -> dict:
     )
 
 
-def engine_cache_dir(given: Path | None) -> Path:
-    """--engine-cache, else $ULYSSES_STUDIO_ENGINE_CACHE, else ~/.cache/ulysses-studio/engines."""
-    if given is not None:
-        return Path(given).expanduser()
-    return Path(os.environ.get(ENGINE_CACHE_ENV, "~/.cache/ulysses-studio/engines")).expanduser()
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The RunOptions of a command line built with add_model_arguments and add_parallel_arguments."""
+    return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
+                      all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
+                      rank_timeout=args.rank_timeout)
 
 
 def backend_label(text: str) -> str:
-    """argparse type of --backend: a valid engine label, or a usage error naming the choices."""
-    if not BACKEND_PATTERN.fullmatch(text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not an engine; use eager, inductor or tensorrt, optionally with -blocks, +overlap "
-            "(inductor) and +cudagraph (e.g. inductor-blocks+cudagraph)"
-        )
+    """argparse type of --backend: a valid engine label, or a usage error saying what is wrong."""
+    try:
+        EngineOptions.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text

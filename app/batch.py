@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields
+from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields, run_options
 from app.outputs import EXTENSIONS, settings_of
 from app.prompt_files import SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
@@ -83,11 +83,8 @@ def run_batch(args: argparse.Namespace) -> int:
 
     from app.runtime import start_runtime
 
-    with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], device=args.device,
-                                                  strategy=args.strategy, rank_timeout=args.rank_timeout,
-                                                  stop=stop, backend=args.backend, engine_cache=args.engine_cache,
-                                                  cfg_parallel=args.cfg_parallel,
-                                                  all_to_all=args.all_to_all) as runtime:
+    with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], run_options(args),
+                                                  stop=stop) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -17,17 +17,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from app.arguments import (
-    DEFAULT_RANK_TIMEOUT,
-    ENGINE_CACHE_ENV,
-    STRATEGIES,
-    TRANSPORTS,
-    add_model_arguments,
-    backend_label,
-    request_fields,
-)
+from app.arguments import add_model_arguments, add_parallel_arguments, request_fields, run_options
 
 DEFAULT_BACKEND = "inductor-blocks"
 
@@ -43,25 +34,13 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks the engines are built for (default 1)")
-    parser.add_argument("--strategy", default="ulysses", choices=STRATEGIES)
-    parser.add_argument("--cfg-parallel", action="store_true",
-                        help="build for serve/batch/generate --cfg-parallel (video models: guidance branches on "
-                             "two halves of the ranks)")
-    parser.add_argument("--all-to-all", default="nccl", choices=TRANSPORTS,
-                        help="build for serve/batch/generate --all-to-all (default nccl)")
-    parser.add_argument("--backend", default=DEFAULT_BACKEND, type=backend_label,
-                        help="engine: eager, inductor, inductor-blocks, ...+cudagraph, tensorrt "
-                             f"(default {DEFAULT_BACKEND})")
     parser.add_argument("--steps", type=int, default=2, help="denoising steps run while building (default 2)")
-    parser.add_argument("--engine-cache", "--cache-dir", dest="engine_cache", type=Path, default=None, metavar="DIR",
-                        help=f"engine cache folder (default ${ENGINE_CACHE_ENV} or ~/.cache/ulysses-studio/engines)")
-    parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
-                        help="how long a rank waits for the others after each step before it ends the job")
+    add_parallel_arguments(parser, backend_default=DEFAULT_BACKEND)
 
 
 def check_build(args: argparse.Namespace):
-    """Validate the command line without loading anything; returns (spec, folder, request, options)."""
-    from engines.compile import EngineOptions
+    """Validate the command line without loading anything; returns (spec, folder, request, engine options)."""
+    from engines.options import EngineOptions
     from pipelines.registry import resolve_model
     from pipelines.requests import make_request, read_limits
 
@@ -89,7 +68,7 @@ def run_build(args: argparse.Namespace) -> int:
     engines it compiles are called with exactly the inputs theirs will be, and land under the keys
     they will look up.
     """
-    spec, folder, request, options = check_build(args)
+    spec, folder, request, engine = check_build(args)
     if args.ranks > 1 and "WORLD_SIZE" not in os.environ:
         from app.launch import free_port, torchrun_command
 
@@ -97,25 +76,22 @@ def run_build(args: argparse.Namespace) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) != args.ranks:
         raise BuildError(f"--ranks {args.ranks} but {os.environ.get('WORLD_SIZE', '1')} ranks are running")
 
-    from app.arguments import engine_cache_dir
     from app.runtime import start_runtime
     from app.stopping import stop_on_signals
 
     started = time.perf_counter()
-    cache_dir = engine_cache_dir(args.engine_cache)
-    with stop_on_signals() as stop, start_runtime([(spec, folder)], device=args.device, strategy=args.strategy,
-                                                  rank_timeout=args.rank_timeout, stop=stop, backend=args.backend,
-                                                  engine_cache=cache_dir, cfg_parallel=args.cfg_parallel,
-                                                  all_to_all=args.all_to_all) as runtime:
+    options = run_options(args)
+    cache_dir = options.cache_dir
+    with stop_on_signals() as stop, start_runtime([(spec, folder)], options, stop=stop) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0
         shape = f"{request.width}x{request.height}" + (f"x{request.frames}" if spec.media == "video" else "")
-        _progress(f"building {options.label} engine of {spec.name} for {shape} on {runtime.world_size} "
+        _progress(f"building {engine.label} engine of {spec.name} for {shape} on {runtime.world_size} "
                   "rank(s); the first step compiles")
         runtime.service.run(spec.media, request, on_step=lambda done, total: _progress(f"step {done}/{total}"))
-        engine = runtime.service.pipelines[spec.media].transformer
-        for record in getattr(engine, "builds", {}).values():
+        built = runtime.service.pipelines[spec.media].transformer
+        for record in getattr(built, "builds", {}).values():
             state = "cache hit" if record.cache_hit else "built"
             _progress(f"rank 0: {state} in {record.seconds:.1f} s, key {record.key} under {cache_dir}")
     _progress(f"done in {time.perf_counter() - started:.1f} s")

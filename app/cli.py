@@ -1,4 +1,8 @@
-"""Command line: `ulysses-studio generate|serve|batch|launch` (also `python -m app`).
+"""Command line: `ulysses-studio generate|serve|batch|build|bench|launch` (also `python -m app`).
+
+Environment: HF_HUB_OFFLINE=1, and for the commands that run models the variables of
+engines.options.run_environment (cuBLAS without a workspace, inductor's kernels beside the engine
+cache), each set here, before the first model is loaded, unless the user set it.
 
 User mistakes (unknown model, missing weights, bad sizes, unwritable output, a busy port, a missing
 prompt file) end with one line on stderr and exit status 2, before any model is loaded. A rank that
@@ -14,13 +18,14 @@ import sys
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
-from app.bench import BenchError, add_bench_arguments, run_bench
 from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
+from benchmarks import cli as bench_module
+from benchmarks.cli import BenchError, add_bench_arguments, run_bench
 from app.outputs import OutputError
-from app import bench as bench_module
+from engines.options import engine_cache_dir, run_environment, set_environment
 from app import serve as serve_module
 from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from pipelines.registry import ModelNotFoundError
@@ -100,6 +105,8 @@ def _run(argv: list[str] | None) -> int:
     # can still set HF_HUB_OFFLINE=0 explicitly.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    if hasattr(args, "engine_cache"):  # a command that runs models here (launch and bench start processes that do)
+        set_environment(run_environment(engine_cache_dir(args.engine_cache)))
     try:
         return args.func(args)
     except USER_ERRORS as error:

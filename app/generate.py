@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.arguments import request_fields
+from app.arguments import request_fields, run_options
 from app.outputs import check_output_path
 from app.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
@@ -45,11 +45,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from app.runtime import start_runtime
 
     started = time.perf_counter()
-    with stop_on_signals() as stop, start_runtime([(job.spec, job.folder)], device=args.device,
-                                                  strategy=args.strategy, rank_timeout=args.rank_timeout,
-                                                  stop=stop, backend=args.backend, engine_cache=args.engine_cache,
-                                                  cfg_parallel=args.cfg_parallel,
-                                                  all_to_all=args.all_to_all) as runtime:
+    with stop_on_signals() as stop, start_runtime([(job.spec, job.folder)], run_options(args), stop=stop) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
-from pipelines.registry import ModelSpec
+from engines.options import RunOptions
+from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import MediaLimits, read_limits, uses_guidance_batch
 
 if TYPE_CHECKING:  # the module stays light to import: torch comes in with start_runtime
@@ -45,17 +46,18 @@ class Runtime:
     """Service key -> model."""
     world_size: int
     is_main: bool
-    strategy: str
-    """How the ranks split each transformer, e.g. 'ulysses (ulysses=2)' or 'none (1 rank)'."""
+    plan: str
+    """How the ranks split each transformer (its plan), e.g. 'allgather-2, all-to-all copy-engine' or
+    'none (1 rank)'."""
     backend: str
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
 
     def describe(self, last_step_seconds: float | None = None) -> str:
-        """Status line: models, ranks, strategy, backend and (if known) the last request's step time."""
+        """Status line: models, ranks, plan, backend and (if known) the last request's step time."""
         models = ", ".join(f"{m.spec.name} ({m.spec.media})" for m in self.models.values())
         step = "—" if last_step_seconds is None else f"{last_step_seconds * 1000:.0f} ms"
         return (f"model {models} · {self.world_size} rank{'s' if self.world_size > 1 else ''} · "
-                f"strategy {self.strategy} · backend {self.backend} · last request {step}/step")
+                f"plan {self.plan} · backend {self.backend} · last request {step}/step")
 
 
 def usable_cores() -> int:
@@ -71,18 +73,8 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
 
 
 @contextmanager
-def start_runtime(
-    models: list[tuple[ModelSpec, Path]],
-    *,
-    device: str | None,
-    strategy: str,
-    rank_timeout: float,
-    stop: threading.Event,
-    backend: str | None = None,
-    engine_cache: Path | None = None,
-    cfg_parallel: bool = False,
-    all_to_all: str = "nccl",
-) -> Iterator[Runtime]:
+def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, stop: threading.Event
+                  ) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
 
     Enter it inside app.stopping.stop_on_signals, so that a Ctrl-C during the (long) imports and
@@ -104,11 +96,11 @@ def start_runtime(
     from engines.distributed import init_parallel, shutdown
     from pipelines.factory import default_dtype, load_pipeline
 
-    ctx = init_parallel(device)
+    ctx = init_parallel(options.device)
     lost = False
     pipelines = {}
     try:
-        if cfg_parallel and (ctx.world_size < 2 or ctx.world_size % 2):
+        if options.cfg_parallel and (ctx.world_size < 2 or ctx.world_size % 2):
             # Every rank sees the same world size: all of them stop here, before any collective.
             raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it needs "
                                f"an even number of ranks, this run has {ctx.world_size}")
@@ -125,23 +117,19 @@ def start_runtime(
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
         _agree_on_startup(ctx, failure)
 
-        strategy_label = "none (1 rank)"
+        plan_label = "none (1 rank)"
         if ctx.is_distributed:
-            strategy_label = " / ".join(dict.fromkeys(
-                parallelize_pipelines([pipeline], ctx, strategy,
-                                      cfg=2 if cfg_parallel and uses_guidance_batch(pipeline.spec) else 1,
-                                      all_to_all=all_to_all)
-                for pipeline in pipelines.values()))
-        engine_label = build_engines(pipelines.values(), ctx, backend, engine_cache)
+            plan_label = parallelize_pipelines(pipelines.values(), ctx, options)
+        engine_label = build_engines(pipelines.values(), ctx, options)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
 
-        service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=rank_timeout)
+        service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout)
         served = {spec.media: ServedModel(spec=spec, folder=folder,
-                                          limits=read_limits(spec, folder, cfg_parallel=cfg_parallel))
+                                          limits=read_limits(spec, folder, cfg_parallel=options.cfg_parallel))
                   for spec, folder in models}
         runtime = Runtime(service=service, models=served, world_size=ctx.world_size, is_main=ctx.is_main,
-                          strategy=strategy_label, backend=backend)
+                          plan=plan_label, backend=backend)
         try:
             yield runtime
         except RankLost:
@@ -159,48 +147,45 @@ def start_runtime(
             shutdown(ctx)
 
 
-def parallelize_pipelines(pipelines: Iterable, ctx, strategy: str, cfg: int = 1, all_to_all: str = "nccl") -> str:
-    """Swap each pipeline's transformer for its context-parallel wrapper (collective); returns the plans' label.
+def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
+    """Swap each pipeline's transformer for its family's context-parallel wrapper (collective);
+    returns the plans' description for the status line.
 
-    Args:
-        cfg: rank groups that each run one classifier-free-guidance branch (Cosmos), 1 for none.
-        all_to_all: transport of the Ulysses all-to-alls and ring K/V passes, "nccl" or "copy-engine"
-            (engines/copy_engine.py).
+    With options.cfg_parallel, guidance-batched models (their family's record says which) run their
+    two guidance branches on two halves of the ranks.
     """
     from engines.parallelize import parallelize_transformer
     from engines.plan import ParallelPlan
+    from pipelines.family import load
 
     labels = []
     for pipeline in pipelines:
+        family = family_of(pipeline.spec)
+        cfg = 2 if options.cfg_parallel and uses_guidance_batch(pipeline.spec) else 1
         heads = pipeline.transformer_config.num_attention_heads
-        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=strategy, cfg=cfg)
-        pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, all_to_all=all_to_all))
-        transport = f", all-to-all {all_to_all}" if plan.has_exchanges and all_to_all != "nccl" else ""
-        labels.append(f"{plan.strategy} (ulysses={plan.ulysses}, ring={plan.ring}, cfg={plan.cfg}{transport})")
+        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=options.strategy, cfg=cfg)
+        pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, load(family.parallelize),
+                                                         all_to_all=options.all_to_all))
+        labels.append(plan.describe(options.all_to_all))
     return " / ".join(dict.fromkeys(labels))
 
 
-def default_backend(device_type: str) -> str:
-    """Per-block compiled engines on GPUs (compile is seconds, steps are faster); eager on CPUs."""
-    return "inductor-blocks" if device_type == "cuda" else "eager"
-
-
-def build_engines(pipelines: Iterable, ctx, backend: str | None, engine_cache: Path | None) -> str:
-    """Turn each pipeline's (parallel) transformer into an engine of `backend`; returns its label.
+def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
+    """Turn each pipeline's (parallel) transformer into an engine of options' backend; returns its label.
 
     Compilation itself happens at the first call of each input shape, from the engine cache when
     `ulysses-studio build` (or an earlier request) left artifacts for it there.
     """
-    from app.arguments import engine_cache_dir
-    from engines.compile import EngineOptions, prepare_engine
+    from engines.compile import prepare_engine
 
-    options = EngineOptions.parse(backend or default_backend(ctx.device.type))
-    if options.backend == "eager" and not options.cuda_graph:
-        return options.label
+    engine = options.engine(ctx.device.type)
+    if engine.backend == "eager" and not engine.cuda_graph:
+        return engine.label
     for pipeline in pipelines:
-        pipeline.use_transformer(prepare_engine(pipeline.transformer, options, cache_dir=engine_cache_dir(engine_cache),
-                                                rank=ctx.rank))
-    return options.label
+        repeated_blocks = family_of(pipeline.spec).repeated_blocks
+        pipeline.use_transformer(prepare_engine(pipeline.transformer, engine, repeated_blocks=repeated_blocks,
+                                                cache_dir=options.cache_dir, rank=ctx.rank))
+    return engine.label
 
 
 def release_engines(pipelines: Iterable) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.arguments import add_parallel_arguments
+from app.arguments import add_parallel_arguments, run_options
 from app.failures import RankLost
 from app.stopping import stop_on_signals
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
@@ -105,11 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from app.runtime import start_runtime
 
-    with stop_on_signals() as stop, start_runtime(plan.models, device=args.device, strategy=args.strategy,
-                                                  rank_timeout=args.rank_timeout, stop=stop,
-                                                  backend=args.backend, engine_cache=args.engine_cache,
-                                                  cfg_parallel=args.cfg_parallel,
-                                                  all_to_all=args.all_to_all) as runtime:
+    with stop_on_signals() as stop, start_runtime(plan.models, run_options(args), stop=stop) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from engines import copy_engine
 from engines.collectives import (
-    all_gather,
     all_to_all,
     finish,
     finish_all_gather,
@@ -40,10 +39,14 @@ def context_parallel_attention(
     """Attention of this rank's query shard over the keys/values of all shards; returns BSHD.
 
     Ulysses (if ulysses > 1) first trades sequence shards for head shards inside the ulysses
-    group; the ring axis (if ring > 1) then shares K/V by passing them around ("ring") or by one
-    all-gather ("allgather"). Padded key positions (see ShardLayout) are left out of the softmax.
+    group; the K/V axis (if ring > 1) then shares K/V by passing them around ("ring") or by one
+    all-gather ("allgather", GatherAttention). Padded key positions (see ShardLayout) are left out
+    of the softmax.
     """
     plan = mesh.plan
+    if plan.ring > 1 and plan.kv_exchange == "allgather":  # a plan with no Ulysses axis (ParallelPlan)
+        gather = GatherAttention(mesh=mesh, layout=layout)
+        return gather.finish(gather.attend(gather.start(q_BSHD, k_BSHD, v_BSHD)))
     if plan.ulysses > 1:
         q, k, v = _ulysses_scatter_heads(q_BSHD, k_BSHD, v_BSHD, mesh)
     else:
@@ -51,8 +54,6 @@ def context_parallel_attention(
 
     if plan.ring == 1:
         out = _attention(q, k, v, layout.valid_runs(mesh.ring_shards(mesh.ring_rank)))
-    elif plan.kv_exchange == "allgather":
-        out = _allgather_attention(q, k, v, mesh, layout)
     else:
         out = _ring_attention(q, k, v, mesh, layout)
 
@@ -258,8 +259,9 @@ class RingAttention:
 
 
 class GatherAttention:
-    """Attention over all keys of a ring-only plan with ONE K/V exchange, in UlyssesAttention's
-    three calls (for a block that has independent compute to hide the exchange behind):
+    """Attention over all keys of an all-gather plan ("allgather": no Ulysses axis) with ONE K/V
+    exchange, in UlyssesAttention's three calls (for a block that has independent compute to hide
+    the exchange behind):
 
         pending = gather.start(q, k, v)   # all-gather of this rank's K/V issued
         ...independent compute...          # runs during the transfer
@@ -280,8 +282,9 @@ class GatherAttention:
 
     Same result as ring attention without its split: one kernel over all keys instead of one per
     block plus the log-sum-exp merge. On FLUX's single blocks at 1024² on 2 GPUs the exchange hides
-    under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge. It holds
-    every rank's K/V at once, so parallelize_flux uses it with 2 ring ranks only.
+    under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge
+    (docs/benchmarks.md). It holds every rank's K/V at once, which ring attention does not: the
+    memory the choice between the two strategies trades.
     """
 
     def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
@@ -376,14 +379,6 @@ def gathered_attention(q_BSHD: torch.Tensor, token: torch.Tensor, group_name: st
 def _gathered_attention_fake(q_BSHD: torch.Tensor, token: torch.Tensor, group_name: str, size: int,
                              runs: list[int]) -> torch.Tensor:
     return torch.empty_like(q_BSHD, memory_format=torch.contiguous_format)
-
-
-def _allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
-) -> torch.Tensor:
-    """AllGather-KV attention (BHSD): one all-gather of packed K/V over the ring group, then local attention."""
-    kv = all_gather(torch.stack((k, v)), 3, mesh.ring_group, mesh.plan.ring)
-    return _attention(q, kv[0], kv[1], _gathered_runs(mesh, layout))
 
 
 def _gathered_runs(mesh: ParallelMesh, layout: ShardLayout) -> Runs:

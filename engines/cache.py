@@ -30,10 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-DEFAULT_CACHE_DIR = Path("~/.cache/ulysses-studio/engines")
-CACHE_DIR_ENV = "ULYSSES_STUDIO_ENGINE_CACHE"
-"""Environment variable naming the cache directory (read by the app, not by this module)."""
-
 
 def _describe(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
@@ -60,25 +56,6 @@ def library_versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
-
-
-def use_inductor_cache_dir(folder: Path) -> Path:
-    """Point inductor's own on-disk cache (TORCHINDUCTOR_CACHE_DIR) at `folder` unless the user set it.
-
-    Inductor reads the variable whenever it looks up its cache, so this must run before the first
-    compile of the process; returns the folder in effect. Importing torch._dynamo sets the variable
-    to inductor's default folder (torch 2.13), so only another value counts as the user's: taking
-    the default for it sent the kernels to the machine-wide folder, where a "cold" engine cache
-    found them warm.
-    """
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
-        return Path(current)
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    return folder
 
 
 def _plain(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """Compile backends of a rank's transformer (eager, inductor, tensorrt) behind one interface: Engine.
 
-    options = EngineOptions(backend="inductor", scope="whole", cuda_graph=True)
-    engine = prepare_engine(parallel_transformer, options, cache_dir=Path("~/.cache/ulysses-studio"))
+    options = EngineOptions.parse("inductor-blocks+cudagraph")     # engines.options
+    engine = prepare_engine(parallel_transformer, options, repeated_blocks=("transformer_blocks",),
+                            cache_dir=Path("~/.cache/ulysses-studio/engines"))
     out = engine(**same_kwargs_as_diffusers)[0]     # first call per input signature builds (or loads)
     pipeline.use_transformer(engine)
 
@@ -10,7 +11,8 @@ Backends:
 - "inductor": torch.compile of the rank's sharded forward with the functional collectives inside
   the graph. scope="whole" compiles the whole forward with fullgraph=True (sharding, blocks,
   gather: one graph); scope="blocks" compiles each repeated transformer block (fullgraph=True),
-  which builds once per block class instead of once per model (regional compilation).
+  which builds once per block class instead of once per model (regional compilation). Which
+  ModuleLists hold the repeated blocks is the model family's record's to say (repeated_blocks).
 - "tensorrt": torch-tensorrt's dynamo backend (torch.compile(backend="torch_tensorrt")), with its
   distributed tracing for the NCCL collective converters (TensorRT >= 10.16). Import-gated: it is
   written against torch-tensorrt's documented options and has NOT been run here (TensorRT's
@@ -32,7 +34,8 @@ class and config, dtype, device kind, the signature, the plan and rank, the back
 the library versions (engines.cache). A hit loads them before compiling (inductor: FX graph,
 AOTAutograd and autotuning caches via torch.compiler.load_cache_artifacts, so only dynamo's trace
 runs); a miss compiles and saves them. A changed component gives another key: stale artifacts are
-never loaded.
+never loaded. The kernels inductor builds go to TORCHINDUCTOR_CACHE_DIR, which the entry points
+point beside the engine cache (engines.options.run_environment); this module sets no variable.
 """
 
 from __future__ import annotations
@@ -49,84 +52,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from engines.cache import EngineCache, input_signature, use_inductor_cache_dir
-
-BACKENDS = ("eager", "inductor", "tensorrt")
-SCOPES = ("whole", "blocks")
-INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+from engines.cache import EngineCache, input_signature
+from engines.options import EngineOptions
 
 OVERLAP_INDUCTOR_OPTIONS = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
 """Inductor settings of EngineOptions.overlap: its scheduler then keeps the traced order of independent
 nodes. (Its reorder_for_compute_comm_overlap passes were tried first: on a FLUX single block they
 moved the MLP into the output all-to-all's window but never into the q/k/v all-to-all's.)"""
 
-# Repeated blocks per diffusers model class (regional compilation): attribute names of ModuleLists.
-REPEATED_BLOCKS = {
-    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "CosmosTransformer3DModel": ("transformer_blocks",),
-}
-
 
 class BackendUnavailable(RuntimeError):
     """The requested backend's library is not installed here."""
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class EngineOptions:
-    """How a rank's transformer is turned into an engine."""
-
-    backend: str = "eager"
-    """"eager", "inductor" or "tensorrt"."""
-    scope: str = "whole"
-    """"whole" (one fullgraph compile of the rank forward) or "blocks" (each repeated block)."""
-    mode: str = "default"
-    """torch.compile mode for inductor: "default", "max-autotune-no-cudagraphs" or "reduce-overhead"."""
-    cuda_graph: bool = False
-    """Capture the whole rank forward into one CUDA graph per input signature (CUDA only)."""
-    overlap: bool = False
-    """inductor only: keep the program's order of collectives and compute (inductor's locality and
-    peak-memory reorderings off). Blocks that write their compute between a collective's start and
-    its wait (engines.flux.OverlappedSingleBlock) then run it during the transfer; with the default
-    reorderings inductor moves that compute after the wait (tests/test_engines_flux_overlap.py)."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"unknown compile scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
-        if self.mode not in INDUCTOR_MODES:
-            raise ValueError(f"unknown inductor mode {self.mode!r}; choose one of {', '.join(INDUCTOR_MODES)}")
-        if self.mode != "default" and self.backend != "inductor":
-            raise ValueError(f"mode {self.mode!r} applies to the inductor backend only")
-        if self.mode == "reduce-overhead" and self.cuda_graph:
-            raise ValueError("mode 'reduce-overhead' already uses CUDA graphs; drop cuda_graph or pick another mode")
-        if self.overlap and (self.backend != "inductor" or self.mode != "default"):
-            raise ValueError("overlap applies to the inductor backend in its default mode only")
-
-    @property
-    def label(self) -> str:
-        """Short name, e.g. "eager", "inductor", "inductor-blocks+overlap+cudagraph"."""
-        name = self.backend
-        if self.backend != "eager":
-            name += "-blocks" if self.scope == "blocks" else ""
-        if self.mode != "default":
-            name += f"-{self.mode}"
-        return name + ("+overlap" if self.overlap else "") + ("+cudagraph" if self.cuda_graph else "")
-
-    @classmethod
-    def parse(cls, text: str) -> EngineOptions:
-        """Inverse of `label`: "inductor-blocks+overlap+cudagraph" -> EngineOptions(...)."""
-        name, *flags = text.split("+")
-        unknown = set(flags) - {"overlap", "cudagraph"}
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {', '.join(sorted(unknown))} in {text!r}; "
-                             "options are +overlap and +cudagraph")
-        backend, _, rest = name.partition("-")
-        scope = "whole"
-        if rest.startswith("blocks"):
-            scope, rest = "blocks", rest.removeprefix("blocks").removeprefix("-")
-        return cls(backend=backend, scope=scope, mode=rest or "default", cuda_graph="cudagraph" in flags,
-                   overlap="overlap" in flags)
 
 
 @dataclass(kw_only=True)
@@ -268,11 +204,10 @@ class Engine:
 
 
 def _inductor_compile(module: nn.Module, options: EngineOptions) -> Callable[..., Any]:
-    """torch.compile with inductor, fullgraph and static shapes, in `options`' mode (or with overlap)."""
+    """torch.compile with inductor, fullgraph and static shapes (with overlap: OVERLAP_INDUCTOR_OPTIONS)."""
     if options.overlap:
-        # torch.compile takes a mode or an options dict, not both; overlap is refused outside "default".
         return torch.compile(module, fullgraph=True, dynamic=False, options=OVERLAP_INDUCTOR_OPTIONS)
-    return torch.compile(module, fullgraph=True, dynamic=False, mode=options.mode)
+    return torch.compile(module, fullgraph=True, dynamic=False)
 
 
 def _inner_model(module: nn.Module) -> nn.Module:
@@ -284,6 +219,7 @@ def prepare_engine(
     transformer: nn.Module,
     options: EngineOptions,
     *,
+    repeated_blocks: tuple[str, ...] = (),
     cache_dir: Path | str | None = None,
     rank: int | None = None,
 ) -> Engine:
@@ -293,11 +229,8 @@ def prepare_engine(
     loading that signature's artifacts from `cache_dir` if they are there (see the module
     docstring). Call the engine once with a request's inputs to build ahead of time.
 
-    With a cache_dir and the inductor backend, TORCHINDUCTOR_CACHE_DIR (unless already set) points
-    at <cache_dir>/inductor, so that the kernels inductor builds (C++ .so on CPU, Triton on GPU)
-    live with the engine cache: on a CPU the portable artifacts alone leave the C++ compile to do.
-
     Args:
+        repeated_blocks: names of the model's ModuleLists of repeated blocks (scope "blocks").
         rank: this process's rank, part of the cache key (default: torch.distributed's, else 0).
     """
     if options.cuda_graph and transformer.device.type != "cuda":
@@ -306,11 +239,7 @@ def prepare_engine(
         _tensorrt_compile(transformer, transformer.dtype, None)  # raises BackendUnavailable with the reason
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-    cache = None
-    if cache_dir is not None:
-        cache = EngineCache(Path(cache_dir).expanduser())
-        if options.backend == "inductor":
-            use_inductor_cache_dir(cache.root / "inductor")
+    cache = EngineCache(Path(cache_dir).expanduser()) if cache_dir is not None else None
     engine = Engine(module=transformer, options=options, cache=cache, rank=rank)
     backend = options.backend
     if backend == "eager":
@@ -323,10 +252,9 @@ def prepare_engine(
             engine._forward = _tensorrt_compile(transformer, transformer.dtype, trt_cache)
     else:
         model = _inner_model(transformer)
-        names = REPEATED_BLOCKS.get(type(model).__name__)
-        if names is None:
-            raise ValueError(f"no repeated blocks known for {type(model).__name__}; use scope='whole'")
-        for name in names:
+        if not repeated_blocks:
+            raise ValueError(f"no repeated blocks named for {type(model).__name__}; use scope 'whole'")
+        for name in repeated_blocks:
             blocks: nn.ModuleList = getattr(model, name)
             for index, block in enumerate(blocks):
                 if backend == "inductor":

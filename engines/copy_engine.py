@@ -37,6 +37,13 @@ a barrier queued beside a GEMM waits for the whole GEMM, which ends the overlap.
 stream-ordered, so it records into CUDA graphs; the flags end every exchange as they began it, so
 graphs replay.
 
+State: the buffers and side streams belong to a CopyEngineTransport, one per ParallelMesh using
+this transport (engines.mesh.build_mesh makes it, ParallelMesh.close() frees it); the ops, which
+traced code calls with only a group name, find it through the one module-level lookup
+(_TRANSPORTS_BY_GROUP). A buffer replaced by a bigger one is freed at once, unless a CUDA graph was
+captured while it was in use: that graph may replay, so it stays until the mesh closes
+(replace_exchange; a group that two open meshes share, until both have).
+
 Measured: see docs/benchmarks.md (bit-identical to NCCL on 2x H200; step times there).
 
 Needs: CUDA, and every rank of the group on one host with peer access (NVLink or PCIe P2P).
@@ -76,17 +83,12 @@ exchanged data follows."""
 FLAG_OFFSETS = {"ready": 0, "keys_ready": FLAGS_BYTES // 4, "free": FLAGS_BYTES // 2}
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
-# Per-process state: the op is called from compiled graphs with only a tensor and a group name, so
-# what lasts between calls (two side streams per GPU, up to two buffers per group) is kept here, as torch
-# keeps its own symmetric-memory workspaces.
-_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
-_exchanges: dict[tuple[str, str], _Exchange] = {}  # (group name, "slots" or "gather")
-# Buffers replaced by bigger ones. Never freed: a CUDA graph captured while one was current has its
-# addresses (and the peers') baked in, and a server replays that graph whenever a request of its
-# shape comes back (engines.compile keeps one graph per input signature).
-_retired: list[_Exchange] = []
-_cpu_gathered: dict[str, torch.Tensor] = {}  # on CPU: the last K/V all-gather of each group
-_cpu_keys: dict[str, list[torch.Tensor]] = {}  # on CPU: keys sent ahead of their values
+_TRANSPORTS_BY_GROUP: dict[str, CopyEngineTransport] = {}
+"""The only module state: group name -> the CopyEngineTransport that holds that group's exchanges.
+The ops are called from compiled graphs with only a tensor and a group name (traced code carries
+strings, not objects), so they find their buffers and streams from the name, as torch's own
+symmetric memory finds its workspaces. Entries come and go with the meshes: build_mesh registers
+(CopyEngineTransport()), ParallelMesh.close() unregisters."""
 
 
 class _Done(Work):
@@ -102,16 +104,6 @@ class _Done(Work):
         if self.event is not None:
             self.event.wait()  # the current stream waits; the host does not
         return True
-
-
-def _side_stream(device: torch.device, role: str = "exchange") -> torch.cuda.Stream:
-    """The GPU's side stream for `role`: "exchange" (pushes, waits, copy-outs) or "own" (this
-    rank's own slices, copied while the pushes travel)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, role) not in _side_streams:
-        # only copies and waits run on it; priority as measured
-        _side_streams[index, role] = torch.cuda.Stream(device=index, priority=-1)
-    return _side_streams[index, role]
 
 
 @functools.cache
@@ -174,6 +166,8 @@ class _Exchange:
         self.landed: tuple[tuple[int, ...], torch.dtype] | None = None
         # a "gather" exchange whose keys went ahead of their values: those keys (kept alive)
         self.keys_sent: list[torch.Tensor] | None = None
+        # used during a CUDA graph capture: that graph holds its addresses (and the peers')
+        self.captured = False
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are set before anyone writes
 
@@ -202,23 +196,140 @@ class _Exchange:
         return self.handle.get_buffer(rank, shape, dtype, FLAGS_BYTES // dtype.itemsize)
 
     def release(self) -> None:
+        """Return once every rank of the group is past its last use of this buffer (collective)."""
         torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=c10d._resolve_process_group(self.group_name))
 
+    def free(self) -> None:
+        """release(), then drop the buffer and its view of the peers' buffers: these were the last
+        references, so the symmetric-memory allocator takes the memory back (collective)."""
+        self.release()
+        del self.buffer, self.handle, self.one
 
-def _exchange(group_name: str, kind: str, nbytes: int, device: torch.device) -> _Exchange:
-    """The group's exchange of `kind` ("slots" or "gather"), with at least `nbytes` of data."""
-    exchange = _exchanges.get((group_name, kind))
-    if exchange is None or exchange.data_bytes < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("copy-engine exchange: its buffer must grow, which cannot happen during "
-                               "CUDA graph capture; run the shape once before capturing")
-        if exchange is not None:
-            exchange.release()  # every rank is past its last use of the old buffer, for now
-            _retired.append(exchange)  # graphs captured on it may replay it: keep it mapped
-        size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
-        exchange = _exchanges[group_name, kind] = _Exchange(group_name, size, device)
-    return exchange
+
+def replace_exchange(old: _Exchange | None, nbytes: int, capturing: bool) -> str:
+    """What a group's exchange of one kind needs before a call moving `nbytes`: "use" the current
+    one (`old`, big enough), "create" the first, or, when `old` is too small, replace it and "free"
+    it, or "retire" it (keep it until close()) if a CUDA graph was captured on it: that graph holds
+    its addresses and the peers', and a server replays it whenever a request of its shape comes
+    back (engines.compile keeps one graph per input signature). Freed, those addresses would be
+    reused, and the replay would wait on flags in someone else's memory. Growing during a capture
+    is refused: the rendezvous and barrier it takes cannot be captured."""
+    if old is not None and old.data_bytes >= nbytes:
+        return "use"
+    if capturing:
+        raise RuntimeError("copy-engine exchange: its buffer must grow, which cannot happen during "
+                           "CUDA graph capture; run the shape once before capturing")
+    if old is None:
+        return "create"
+    return "retire" if old.captured else "free"
+
+
+class CopyEngineTransport:
+    """The copy-engine exchanges of one ParallelMesh: per process group, its symmetric buffers
+    (up to two in use, "slots" and "gather", plus those retired while CUDA graphs may replay them)
+    and, on CPU, the K/V gathers waiting to be read; per GPU, the two side streams they run on.
+
+    Made by engines.mesh.build_mesh for a mesh whose all_to_all is "copy-engine"; registered in
+    _TRANSPORTS_BY_GROUP under each of its groups' names, for the ops. Buffers are allocated at
+    the first exchange that needs them (the warm-up, never inside a CUDA graph capture) and grown
+    when a later one is bigger: every rank makes the same calls, so they stay in step.
+
+    Two meshes may share a process group (torch's DeviceMesh gives an axis that spans the whole
+    job the default group): the first transport registered under its name keeps that group's
+    buffers, the later ones use them, and they are freed when the last of those meshes closes.
+    """
+
+    def __init__(self, groups: list[dist.ProcessGroup]) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group_names = tuple(dict.fromkeys(group.group_name for group in groups))
+        self.closed = False
+        self._side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+        self._exchanges: dict[tuple[str, str], _Exchange] = {}  # (group name, "slots" or "gather")
+        self._retired: list[_Exchange] = []  # replaced, but captured in a CUDA graph: see replace_exchange
+        self._cpu_gathered: dict[str, torch.Tensor] = {}  # on CPU: the last K/V all-gather of each group
+        self._cpu_keys: dict[str, list[torch.Tensor]] = {}  # on CPU: keys sent ahead of their values
+        self._holders: dict[str, int] = {}  # group name -> open transports using this one's state for it
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # torch < 2.12 needs it
+        for name in self.group_names:
+            if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(name):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # deprecated (and unneeded) in newer torch
+                    enable(name)  # no collective
+            owner = _TRANSPORTS_BY_GROUP.setdefault(name, self)
+            owner._holders[name] = owner._holders.get(name, 0) + 1
+
+    def close(self) -> None:
+        """Unregister this mesh's groups and free each one's buffers, retired ones included, unless
+        another open mesh still uses that group (idempotent). Collective where it frees a buffer:
+        every rank closes its meshes in the same order. Drop the CUDA graphs captured on them first
+        (engines.compile.Engine.release): a graph replayed on a freed buffer reads and writes
+        memory that is no longer its own."""
+        if self.closed:
+            return
+        self.closed = True
+        for name in self.group_names:
+            owner = _TRANSPORTS_BY_GROUP[name]
+            owner._holders[name] -= 1
+            if owner._holders[name] == 0:
+                del owner._holders[name], _TRANSPORTS_BY_GROUP[name]
+                owner._drop_group(name)
+
+    def _drop_group(self, name: str) -> None:
+        """Free group `name`'s buffers and forget its CPU results."""
+        for key in [key for key in self._exchanges if key[0] == name]:
+            self._exchanges.pop(key).free()
+        for exchange in [exchange for exchange in self._retired if exchange.group_name == name]:
+            self._retired.remove(exchange)
+            exchange.free()
+        self._cpu_gathered.pop(name, None)
+        self._cpu_keys.pop(name, None)
+
+    def side_stream(self, device: torch.device, role: str = "exchange") -> torch.cuda.Stream:
+        """The GPU's side stream for `role`: "exchange" (pushes, waits, copy-outs) or "own" (this
+        rank's own slices, copied while the pushes travel)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if (index, role) not in self._side_streams:
+            # only copies and waits run on it; priority as measured
+            self._side_streams[index, role] = torch.cuda.Stream(device=index, priority=-1)
+        return self._side_streams[index, role]
+
+    def exchange(self, group_name: str, kind: str, nbytes: int, device: torch.device) -> _Exchange:
+        """The group's exchange of `kind` ("slots" or "gather"), with at least `nbytes` of data,
+        grown if needed (replace_exchange decides what becomes of the old one), and marked as
+        captured if this call runs during a CUDA graph capture."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        exchange = self._exchanges.get((group_name, kind))
+        action = replace_exchange(exchange, nbytes, capturing)
+        if action != "use":
+            if action == "retire":
+                exchange.release()  # every rank is past its last use of the old buffer, for now
+                self._retired.append(exchange)  # graphs captured on it may replay it: keep it mapped
+            elif action == "free":
+                exchange.free()  # released too
+            size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
+            exchange = self._exchanges[group_name, kind] = _Exchange(group_name, size, device)
+        exchange.captured = exchange.captured or capturing
+        return exchange
+
+    def gathered(self, group_name: str) -> _Exchange:
+        """The group's "gather" exchange, as its last K/V gather left it (marked as captured if
+        read during a CUDA graph capture)."""
+        if (group_name, "gather") not in self._exchanges:
+            raise RuntimeError(f"no copy-engine K/V gather of {group_name} has run")
+        exchange = self._exchanges[group_name, "gather"]
+        exchange.captured = exchange.captured or torch.cuda.is_current_stream_capturing()
+        return exchange
+
+
+def transport_for(group_name: str) -> CopyEngineTransport:
+    """The CopyEngineTransport that holds group `group_name`'s exchanges (the ops' one lookup)."""
+    transport = _TRANSPORTS_BY_GROUP.get(group_name)
+    if transport is None:
+        raise RuntimeError(f"process group {group_name!r} has no copy-engine transport: build its mesh with "
+                           "all_to_all='copy-engine' (engines.mesh.build_mesh), and do not use it after close()")
+    return transport
 
 
 def _push_and_collect(
@@ -234,19 +345,17 @@ def _push_and_collect(
     copy the slot that peer wrote here into the destinations (one: the whole slot, seen in its
     shape; several: the slot's pieces along dim 0, in order); then register the work that funcol's
     wait_tensor waits for on `out`. Every sent slice has the same shape.
-
-    The buffer is allocated at the first call (the warm-up, never inside a CUDA graph capture) and
-    grown if a later call is bigger: every rank makes the same calls, so they stay in step.
     """
     like = sends[0][1]
     group_size = c10d._resolve_process_group(group_name).size()
-    ex = _exchange(group_name, "slots", group_size * like.numel() * like.element_size(), x.device)
+    transport = transport_for(group_name)
+    ex = transport.exchange(group_name, "slots", group_size * like.numel() * like.element_size(), x.device)
     rank = ex.rank
     compute = torch.cuda.current_stream()
-    stream = _side_stream(x.device)
+    stream = transport.side_stream(x.device)
     stream.wait_stream(compute)  # x is ready, out is allocated
     if own:  # on a stream of their own, so that they run while the pushes travel
-        own_stream = _side_stream(x.device, "own")
+        own_stream = transport.side_stream(x.device, "own")
         own_stream.wait_stream(compute)
         with torch.cuda.stream(own_stream):
             for destination, source in own:
@@ -338,7 +447,8 @@ def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_
     parts, rows = _kv_pieces(keys, values, keys_sent)
     like = (parts[0] or parts[1])[0]
     shape = (2, size * rows, *like.shape[1:])
-    ex = _exchange(group_name, "gather", 2 * size * rows * like[0].numel() * like.element_size(), like.device)
+    transport = transport_for(group_name)
+    ex = transport.exchange(group_name, "gather", 2 * size * rows * like[0].numel() * like.element_size(), like.device)
     rank = ex.rank
     peers = [(rank + i) % size for i in range(1, size)]
     opens, completes = bool(keys), bool(values)  # the call with the keys opens the gather, with the values ends it
@@ -357,7 +467,7 @@ def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_
         return copies
 
     compute = torch.cuda.current_stream()
-    stream, own_stream = _side_stream(like.device), _side_stream(like.device, "own")
+    stream, own_stream = transport.side_stream(like.device), transport.side_stream(like.device, "own")
     stream.wait_stream(compute)  # the parts are ready, and the attention that read the last gather has run
     own_stream.wait_stream(compute)
     with torch.cuda.stream(own_stream):  # this rank's own piece, while the pushes travel
@@ -396,15 +506,16 @@ def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_
 def _gather_kv_cpu(keys: list[torch.Tensor], values: list[torch.Tensor], group_name: str, size: int,
                    keys_sent: torch.Tensor | None = None) -> torch.Tensor:
     parts, _ = _kv_pieces(keys, values, keys_sent)
+    transport = transport_for(group_name)
     if not values:  # the values follow in another call, which gathers both
-        _cpu_keys[group_name] = parts[0]
+        transport._cpu_keys[group_name] = parts[0]
         return keys[0].new_zeros(1)
     if not keys:
-        parts[0] = _cpu_keys.pop(group_name)
+        parts[0] = transport._cpu_keys.pop(group_name)
     x = torch.stack([torch.cat(kind) for kind in parts])
     pieces = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(pieces, x, group=c10d._resolve_process_group(group_name))
-    _cpu_gathered[group_name] = torch.cat(pieces, dim=1)
+    transport._cpu_gathered[group_name] = torch.cat(pieces, dim=1)
     token = x.new_zeros(1)
     torch._C._distributed_c10d._register_work(token, _Done(None))
     return token
@@ -412,6 +523,7 @@ def _gather_kv_cpu(keys: list[torch.Tensor], values: list[torch.Tensor], group_n
 
 @torch.library.impl(_lib, "copy_engine_all_to_all", "CPU")
 def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    transport_for(group_name)  # nothing kept, but refused as on CUDA where no mesh registered the group
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=c10d._resolve_process_group(group_name))
@@ -421,6 +533,7 @@ def _all_to_all_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @torch.library.impl(_lib, "copy_engine_shift", "CPU")
 def _shift_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    transport_for(group_name)  # likewise
     x = x.contiguous()
     out = torch.empty_like(x)
     group = c10d._resolve_process_group(group_name)
@@ -453,11 +566,12 @@ def start_gather_kv(keys: list[torch.Tensor], values: list[torch.Tensor], group_
 def gathered_kv(group_name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The group's last all-gather (start_gather_kv), of `shape` and `dtype`, where it landed: the
     exchange buffer on CUDA (read it before the group's next gather; do not write it)."""
+    transport = transport_for(group_name)
     if device.type == "cpu":
-        gathered = _cpu_gathered[group_name]
+        gathered = transport._cpu_gathered[group_name]
         landed = (tuple(gathered.shape), gathered.dtype)
     else:
-        ex = _exchanges[group_name, "gather"]
+        ex = transport.gathered(group_name)
         landed = ex.landed
     if landed != (tuple(shape), dtype):
         raise RuntimeError(f"the last K/V gather of {group_name} landed as {landed}, not as {(tuple(shape), dtype)}")
@@ -487,14 +601,3 @@ def check_transport(transport: str, group: dist.ProcessGroup | None, device: tor
             f"the copy-engine all-to-all needs every rank on one host ({world} ranks, {local} on this "
             "host); use --all-to-all nccl across hosts"
         )
-
-
-def prepare(group: dist.ProcessGroup) -> None:
-    """Register `group` for symmetric memory (once, no collective; torch < 2.12 needs it)."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecated (and unneeded) in newer torch
-            enable(group.group_name)

@@ -1,21 +1,15 @@
 """Process groups of one run: the tensor group (NCCL on GPUs, gloo on CPU) and a CPU control group.
 
 Environment (set by torchrun): WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Without
-them, or with WORLD_SIZE=1, the run is a single plain process and nothing is initialised.
-
-On a GPU, init_parallel also runs cuBLAS without a workspace (CUBLAS_WORKSPACE_CONFIG=:0:0,
-CUBLASLT_WORKSPACE_SIZE=0) unless either variable is already set. With a workspace, cuBLAS picks
-variants of its Hopper GEMM kernels that need a 4-byte memset before each launch; inside a CUDA
-graph each memset costs 4-9 us of idle GPU, ~300 a FLUX step. Without one it picks the same tiles
-without the memset. Measured on H200 (docs/benchmarks.md, ninth session): FLUX.1-dev 1024² 3.2%
-faster on 1 GPU and 2.5% on ring-2, 2048² 1.3% faster, Cosmos-Predict2-2B unchanged.
+them, or with WORLD_SIZE=1, the run is a single plain process and nothing is initialised. The
+variables a run itself sets (cuBLAS without a workspace, ...) are the entry points' to set, before
+torch is imported: engines.options.run_environment.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -56,19 +50,6 @@ def _default_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-CUBLAS_WITHOUT_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
-
-
-def use_cublas_without_workspace(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Set CUBLAS_WITHOUT_WORKSPACE in `environ` unless the user set either variable; returns
-    whether it did. Takes effect only before this process's first cuBLAS call (see the module
-    docstring for why)."""
-    if any(name in environ for name in CUBLAS_WITHOUT_WORKSPACE):
-        return False
-    environ.update(CUBLAS_WITHOUT_WORKSPACE)
-    return True
-
-
 def init_parallel(device: str | torch.device | None = None) -> ParallelContext:
     """Join the torchrun job (env:// rendezvous) or, without one, return a single-process context.
 
@@ -91,7 +72,6 @@ def init_parallel(device: str | torch.device | None = None) -> ParallelContext:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {dev} requested but CUDA is not available")
-        use_cublas_without_workspace()
         torch.cuda.set_device(dev)
 
     if world_size == 1 and not dist.is_initialized():

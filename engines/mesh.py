@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engines.copy_engine import check_transport, prepare
+from engines.copy_engine import CopyEngineTransport, check_transport
 from engines.distributed import ParallelContext
 from engines.plan import ParallelPlan
 
@@ -38,6 +38,9 @@ class ParallelMesh:
     """ulysses_group.group_name, read here once (traced code takes a plain string)."""
     ring_group_name: str = ""
     """ring_group.group_name, likewise."""
+    copy_engine: CopyEngineTransport | None = None
+    """The copy-engine exchanges' buffers and streams of this mesh's groups, when all_to_all is
+    "copy-engine" and there is more than one process; freed by close()."""
 
     @property
     def seq_rank(self) -> int:
@@ -48,6 +51,19 @@ class ParallelMesh:
         """Sequence shards held, after the Ulysses all-to-all, by the ring member `ring_rank`."""
         u = self.plan.ulysses
         return list(range(ring_rank * u, (ring_rank + 1) * u))
+
+    def close(self) -> None:
+        """Free this mesh's copy-engine exchange buffers, retired ones included, and unregister its
+        groups (idempotent; nothing to do for the "nccl" transport). Collective where it frees a
+        buffer (a device synchronize and a barrier over the group first): every rank closes its
+        meshes in the same order, before the process group is destroyed.
+
+        Drop every CUDA graph captured on those buffers first: engines.compile.Engine.release(),
+        before ParallelTransformer.restore(), which calls this. A graph replayed on a freed buffer
+        would wait on flags, and write, in memory that is no longer its own.
+        """
+        if self.copy_engine is not None:
+            self.copy_engine.close()
 
 
 def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl") -> ParallelMesh:
@@ -64,22 +80,19 @@ def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl
             ulysses_rank=0, ring_rank=0, cfg_rank=0,
         )
     mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses), mesh_dim_names=AXES)
-    parallel = ParallelMesh(
+    ulysses, ring = mesh.get_group("ulysses"), mesh.get_group("ring")
+    return ParallelMesh(
         plan=plan,
         device_mesh=mesh,
-        ulysses_group=mesh.get_group("ulysses"),
-        ring_group=mesh.get_group("ring"),
+        ulysses_group=ulysses,
+        ring_group=ring,
         cfg_group=mesh.get_group("cfg"),
         ulysses_rank=mesh.get_local_rank("ulysses"),
         ring_rank=mesh.get_local_rank("ring"),
         cfg_rank=mesh.get_local_rank("cfg"),
         all_to_all=all_to_all,
-        ulysses_group_name=mesh.get_group("ulysses").group_name,
-        ring_group_name=mesh.get_group("ring").group_name,
+        ulysses_group_name=ulysses.group_name,
+        ring_group_name=ring.group_name,
+        # the copy-engine ops find their buffers by group name: registered here, until close()
+        copy_engine=CopyEngineTransport([ulysses, ring]) if all_to_all == "copy-engine" else None,
     )
-    if all_to_all == "copy-engine":
-        if plan.ulysses > 1:
-            prepare(parallel.ulysses_group)
-        if plan.ring > 1 and plan.kv_exchange == "ring":
-            prepare(parallel.ring_group)
-    return parallel

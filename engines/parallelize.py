@@ -1,39 +1,42 @@
-"""Entry point: apply a ParallelPlan to a diffusers transformer (torchtitan's "parallelize" style)."""
+"""Entry point: apply a ParallelPlan to a diffusers transformer (torchtitan's "parallelize" style).
+
+Which adapter a transformer takes is its model family's choice (pipelines.families: each family's
+record names its parallelize function); engines/ knows no families.
+"""
 
 from __future__ import annotations
 
-from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
-from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+from collections.abc import Callable
+
 from torch import nn
 
-from engines.cosmos import parallelize_cosmos
 from engines.distributed import ParallelContext
-from engines.flux import parallelize_flux
-from engines.mesh import build_mesh
+from engines.mesh import ParallelMesh, build_mesh
+from engines.options import DEFAULT_TRANSPORT
 from engines.plan import ParallelPlan
 from engines.wrapper import ParallelTransformer
 
+Adapter = Callable[[nn.Module, ParallelMesh], ParallelTransformer]
+"""A model's parallelize function, e.g. engines.flux.parallelize_flux."""
+
 
 def parallelize_transformer(
-    transformer: nn.Module, ctx: ParallelContext, plan: ParallelPlan | None = None, *, all_to_all: str = "nccl"
+    transformer: nn.Module,
+    ctx: ParallelContext,
+    plan: ParallelPlan | None,
+    adapter: Adapter,
+    *,
+    all_to_all: str = DEFAULT_TRANSPORT,
 ) -> ParallelTransformer:
-    """Wrap `transformer` so that it runs across all ranks of `ctx` according to `plan`.
+    """Wrap `transformer` with `adapter` so that it runs across all ranks of `ctx` according to `plan`.
 
     Collective: every rank calls it with the same model architecture and plan. The result is
     called with exactly the diffusers model's keyword arguments and returns the full output on
     every rank. `plan=None` means ParallelPlan.auto(ctx.world_size, heads) (Ulysses, no CFG split).
-    `all_to_all`: how the Ulysses all-to-alls and ring K/V exchanges travel, "nccl" or "copy-engine"
-    (engines/copy_engine.py).
+    `all_to_all`: how the exchanges travel, "nccl" or "copy-engine" (engines/copy_engine.py).
     """
     num_heads = transformer.config.num_attention_heads
     plan = plan or ParallelPlan.auto(ctx.world_size, num_heads)
     # Validate before build_mesh: a bad plan must fail on every rank before any collective.
     plan.check(world_size=ctx.world_size, num_heads=num_heads)
-    if isinstance(transformer, FluxTransformer2DModel):
-        return parallelize_flux(transformer, build_mesh(ctx, plan, all_to_all))
-    if isinstance(transformer, CosmosTransformer3DModel):
-        return parallelize_cosmos(transformer, build_mesh(ctx, plan, all_to_all))
-    raise TypeError(
-        f"no parallel plan for {type(transformer).__name__}; supported: FluxTransformer2DModel, "
-        "CosmosTransformer3DModel"
-    )
+    return adapter(transformer, build_mesh(ctx, plan, all_to_all))

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
+from engines.options import STRATEGIES
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -23,7 +23,8 @@ class ParallelPlan:
     ulysses: int = 1
     """Ranks that trade sequence shards for head shards with an all-to-all (must divide the heads)."""
     ring: int = 1
-    """Ranks that exchange K/V: passed around a ring ("ring", "ulysses-ring") or all-gathered ("allgather")."""
+    """Ranks that share K/V (the K/V axis): passed around a ring ("ring", "ulysses-ring") or
+    gathered once ("allgather"); kv_exchange names which."""
     cfg: int = 1
     """Rank groups that each run one slice of the batch (conditional / unconditional branch)."""
 
@@ -60,14 +61,32 @@ class ParallelPlan:
 
     @property
     def kv_exchange(self) -> str:
-        """How the ring axis shares K/V: "ring" (pass chunks around) or "allgather"."""
+        """How the K/V axis shares K/V: "ring" (blocks passed around, one attention per block, merged
+        by log-sum-exp) or "allgather" (one gather, one attention over every key). Every model runs
+        exactly this exchange: it is never swapped for the other."""
         return "allgather" if self.strategy == "allgather" else "ring"
 
     @property
     def has_exchanges(self) -> bool:
         """Whether the plan moves tokens with the exchanges that the transport option (nccl or
-        copy-engine) carries: Ulysses all-to-alls, ring K/V passes."""
-        return self.ulysses > 1 or (self.ring > 1 and self.kv_exchange == "ring")
+        copy-engine) carries: Ulysses all-to-alls, K/V passes and gathers."""
+        return self.seq_degree > 1
+
+    @property
+    def label(self) -> str:
+        """Short name naming every axis and the K/V exchange, e.g. "ulysses-2", "allgather-2",
+        "ulysses-2xring-2", "cfg-2xulysses-2"; "1" for a single rank."""
+        parts = [f"cfg-{self.cfg}"] if self.cfg > 1 else []
+        if self.ulysses > 1:
+            parts.append(f"ulysses-{self.ulysses}")
+        if self.ring > 1:
+            parts.append(f"{self.kv_exchange}-{self.ring}")
+        return "x".join(parts) or "1"
+
+    def describe(self, transport: str) -> str:
+        """The plan as the status line and benchmark rows name it, with the transport of its
+        exchanges when it has any, e.g. "allgather-2, all-to-all copy-engine"."""
+        return self.label + (f", all-to-all {transport}" if self.has_exchanges else "")
 
     def check(self, *, world_size: int | None = None, num_heads: int | None = None) -> None:
         """Raise ValueError if this plan cannot run on `world_size` ranks or split `num_heads` heads."""

@@ -14,7 +14,8 @@ class ParallelTransformer(nn.Module):
     """A diffusers transformer run across the ranks of `mesh`; called like the model itself.
 
     The model's attention processors are replaced in place while this wrapper is in use (call
-    `restore()` to put the originals back); the model's classes and code are untouched.
+    `restore()` to put the originals back and close the mesh); the model's classes and code are
+    untouched.
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, replaced: list[tuple[nn.Module, Any]]) -> None:
@@ -39,10 +40,12 @@ class ParallelTransformer(nn.Module):
         return self.model.device
 
     def restore(self) -> nn.Module:
-        """Put the original attention processors back and return the plain model."""
+        """Put the original attention processors back, close the mesh (its copy-engine buffers are
+        freed: release the compiled Engine, and its CUDA graphs, first) and return the plain model."""
         for module, processor in self._replaced:
             module.set_processor(processor)
         self._replaced = []
+        self.mesh.close()  # nothing runs on the mesh once the processors are back
         return self.model
 
 

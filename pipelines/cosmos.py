@@ -57,6 +57,10 @@ class CosmosConditioning:
 class CosmosPipeline:
     """Prompt (and optional input frames) -> video, or image for text2image checkpoints."""
 
+    COMPONENT_DTYPES = {"vae": torch.float32}
+    """Components kept in their own dtype whatever the run's: the Wan VAE runs in float32 in
+    diffusers' Cosmos examples; bf16 costs visible banding."""
+
     def __init__(
         self,
         *,
@@ -102,8 +106,7 @@ class CosmosPipeline:
     ) -> CosmosPipeline:
         """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 and VAE (ranks > 0)."""
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
-        # The Wan VAE runs in float32 in diffusers' Cosmos examples; bf16 costs visible banding.
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes={"vae": torch.float32})
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
     @property

@@ -1,19 +1,14 @@
-"""Pick and load the pipeline class for a model spec."""
+"""Load a model's pipeline: the class its family's record names."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from pipelines.registry import ModelSpec
-
-if TYPE_CHECKING:
-    from pipelines.cosmos import CosmosPipeline
-    from pipelines.flux import FluxImagePipeline
-
-    Pipeline = FluxImagePipeline | CosmosPipeline
+from pipelines.family import load
+from pipelines.registry import ModelSpec, family_of
 
 
 def load_pipeline(
@@ -23,13 +18,12 @@ def load_pipeline(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     with_encoders: bool = True,
-) -> Pipeline:
-    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False."""
-    # Import only the family asked for: diffusers' Cosmos pipeline module alone costs seconds of start-up.
-    if spec.family == "flux":
-        from pipelines.flux import FluxImagePipeline as cls
-    else:
-        from pipelines.cosmos import CosmosPipeline as cls
+) -> Any:
+    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False.
+
+    Only the family asked for is imported: diffusers' Cosmos pipeline module alone costs seconds of start-up.
+    """
+    cls = load(family_of(spec).pipeline)
     return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders)
 
 

@@ -44,6 +44,9 @@ class FluxText:
 class FluxImagePipeline:
     """Prompt -> image with a FluxTransformer2DModel; see the module docstring for the stages."""
 
+    COMPONENT_DTYPES: dict[str, torch.dtype] = {}
+    """Components kept in their own dtype whatever the run's: none (every component in the run's dtype)."""
+
     def __init__(
         self,
         *,
@@ -86,7 +89,8 @@ class FluxImagePipeline:
         names = ["transformer", "scheduler"]
         if with_encoders:
             names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae"]
-        return cls(spec=spec, folder=folder, device=device, **load_parts(folder, names, dtype=dtype, device=device))
+        return cls(spec=spec, folder=folder, device=device,
+                   **load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES))
 
     def limits(self) -> MediaLimits:
         return read_limits(self.spec, self.folder)

@@ -1,95 +1,67 @@
-"""Named model specs and where their weights live on this machine.
+"""The registry: model families and their named checkpoints, and where their weights live here.
 
-A spec says what a model is (family, media, defaults); a folder says where its diffusers-format
-weights are. Nothing here downloads: real checkpoints are local folders, found under the models
-root ($ULYSSES_STUDIO_MODELS, default ~/models) or given with --model-path.
+A family record (pipelines.family, the built-in ones in pipelines.families) says what a model is
+and what runs it; a folder says where its diffusers-format weights are. Nothing here downloads:
+real checkpoints are local folders, found under the models root ($ULYSSES_STUDIO_MODELS, default
+~/models) or given with --model-path. Torch-free: the CLI checks requests with it before loading.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+
+from pipelines.families import BUILT_IN
+from pipelines.family import ModelFamily, ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS_DIR = REPO_ROOT / "assets"
 MODELS_ENV = "ULYSSES_STUDIO_MODELS"
+DEFAULT_IMAGE_MODEL = "tiny-flux"
+DEFAULT_VIDEO_MODEL = "tiny-cosmos"
+
+__all__ = ["FAMILIES", "MODELS", "ModelFamily", "ModelNotFoundError", "ModelSpec", "family_of", "get_family",
+           "get_spec", "register_family", "resolve_model"]
 
 
 class ModelNotFoundError(Exception):
     """A model name is unknown, or its weights are not where they were looked for."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelSpec:
-    """What a model is and how it is run by default."""
-
-    name: str
-    """Registry name, e.g. 'flux-dev'."""
-    family: Literal["flux", "cosmos"]
-    """Which pipeline runs it."""
-    media: Literal["image", "video"]
-    """What one request produces."""
-    folder: str
-    """Folder name under the models root (or under assets/ for embedded models)."""
-    source: str
-    """Where a user gets the weights (a hub id to copy locally, or 'embedded')."""
-    height: int
-    width: int
-    steps: int
-    guidance: float
-    frames: int = 1
-    fps: int = 16
-    max_sequence_length: int = 512
-    negative_prompt: str = ""
-    embedded: bool = False
-    """True for the tiny models shipped in assets/."""
-
-    @property
-    def pipeline_class(self) -> str:
-        """The diffusers pipeline class whose model_index.json layout this model uses."""
-        if self.family == "flux":
-            return "FluxPipeline"
-        return "Cosmos2VideoToWorldPipeline" if self.media == "video" else "Cosmos2TextToImagePipeline"
+FAMILIES: dict[str, ModelFamily] = {}
+"""Family name -> record."""
+MODELS: dict[str, ModelSpec] = {}
+"""Checkpoint name -> spec, over every family."""
 
 
-COSMOS_NEGATIVE_PROMPT = (
-    "The video captures a series of frames showing ugly scenes, static with no motion, motion blur, "
-    "over-saturation, shaky footage, low resolution, grainy texture, pixelated images, poorly lit areas, "
-    "underexposed and overexposed scenes, poor color balance, washed out colors, choppy sequences, "
-    "jerky movements, low frame rate, artifacting, color banding, unnatural transitions, outdated special effects, "
-    "fake elements, unconvincing visuals, poorly edited content, jump cuts, visual noise, and flickering. "
-    "Overall, the video is of poor quality."
-)
+def register_family(family: ModelFamily) -> None:
+    """Make `family` and its named checkpoints known (the built-in ones are registered at import).
+    ValueError if it or one of its checkpoints reuses a registered name."""
+    if family.name in FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    taken = [spec.name for spec in family.models if spec.name in MODELS]
+    if taken:
+        raise ValueError(f"model name(s) {', '.join(taken)} already registered")
+    FAMILIES[family.name] = family
+    MODELS.update({spec.name: spec for spec in family.models})
 
-_SPECS = (
-    ModelSpec(name="flux-dev", family="flux", media="image", folder="FLUX.1-dev",
-              source="black-forest-labs/FLUX.1-dev", height=1024, width=1024, steps=28, guidance=3.5),
-    ModelSpec(name="flux-schnell", family="flux", media="image", folder="FLUX.1-schnell",
-              source="black-forest-labs/FLUX.1-schnell", height=1024, width=1024, steps=4, guidance=0.0,
-              max_sequence_length=256),
-    ModelSpec(name="cosmos-predict2-2b-text2image", family="cosmos", media="image",
-              folder="Cosmos-Predict2-2B-Text2Image", source="nvidia/Cosmos-Predict2-2B-Text2Image",
-              height=768, width=1360, steps=35, guidance=7.0, negative_prompt=COSMOS_NEGATIVE_PROMPT),
-    ModelSpec(name="cosmos-predict2-2b-video2world", family="cosmos", media="video",
-              folder="Cosmos-Predict2-2B-Video2World", source="nvidia/Cosmos-Predict2-2B-Video2World",
-              height=704, width=1280, steps=35, guidance=7.0, frames=93, fps=16,
-              negative_prompt=COSMOS_NEGATIVE_PROMPT),
-    ModelSpec(name="cosmos-predict2-14b-video2world", family="cosmos", media="video",
-              folder="Cosmos-Predict2-14B-Video2World", source="nvidia/Cosmos-Predict2-14B-Video2World",
-              height=704, width=1280, steps=35, guidance=7.0, frames=93, fps=16,
-              negative_prompt=COSMOS_NEGATIVE_PROMPT),
-    ModelSpec(name="tiny-flux", family="flux", media="image", folder="tiny-flux", source="embedded",
-              height=256, width=256, steps=8, guidance=3.5, max_sequence_length=64, embedded=True),
-    ModelSpec(name="tiny-cosmos", family="cosmos", media="video", folder="tiny-cosmos", source="embedded",
-              height=128, width=128, steps=8, guidance=3.0, frames=17, fps=8, max_sequence_length=64,
-              negative_prompt="blurry, static", embedded=True),
-)
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in _SPECS}
-DEFAULT_IMAGE_MODEL = "tiny-flux"
-DEFAULT_VIDEO_MODEL = "tiny-cosmos"
+
+for _family in BUILT_IN:
+    register_family(_family)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family registered under `name`."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ModelNotFoundError(f"unknown model family '{name}'; known: {', '.join(FAMILIES)}") from None
+
+
+def family_of(spec: ModelSpec) -> ModelFamily:
+    """The family record of a checkpoint."""
+    return get_family(spec.family)
 
 
 def models_root() -> Path:
@@ -116,17 +88,18 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
     class_name = index.get("_class_name", "")
     if name is not None:
         spec = get_spec(name)
-        if spec.pipeline_class != class_name:
+        if spec.checkpoint_class != class_name:
             raise ModelNotFoundError(
-                f"{folder} holds a {class_name or 'unknown'} checkpoint, but model '{name}' is a {spec.pipeline_class}"
+                f"{folder} holds a {class_name or 'unknown'} checkpoint, but model '{name}' is a {spec.checkpoint_class}"
             )
         return spec
     for spec in MODELS.values():
-        if spec.pipeline_class == class_name and not spec.embedded:
+        if spec.checkpoint_class == class_name and not spec.embedded:
             return spec
+    supported = dict.fromkeys(spec.checkpoint_class for spec in MODELS.values())
     raise ModelNotFoundError(
         f"{folder}: model_index.json names '{class_name}', which ulysses-studio cannot run "
-        "(supported: FluxPipeline, Cosmos2VideoToWorldPipeline, Cosmos2TextToImagePipeline)"
+        f"(supported: {', '.join(supported)})"
     )
 
 
@@ -153,7 +126,7 @@ def resolve_model(name: str | None, model_path: str | Path | None) -> tuple[Mode
     if not (folder / "model_index.json").is_file():
         if spec.embedded:
             raise ModelNotFoundError(
-                f"embedded model '{spec.name}' is missing from {folder}; rebuild it with: python scripts/make_tiny_models.py"
+                f"embedded model '{spec.name}' is missing from {folder}; rebuild it with: python -m training.tiny_models"
             )
         raise ModelNotFoundError(
             f"weights for '{spec.name}' not found in {folder}: copy a diffusers-format checkout of {spec.source} "

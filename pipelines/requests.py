@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipelines.registry import ModelSpec, read_component_config
+from pipelines.family import load
+from pipelines.registry import ModelSpec, family_of, read_component_config
 
 MAX_PROMPT_CHARS = 4000
 MAX_STEPS = 500
@@ -65,22 +66,33 @@ class GenerationRequest:
 
 
 def uses_guidance_batch(spec: ModelSpec) -> bool:
-    """True for models whose transformer call batches classifier-free guidance's two branches (Cosmos);
-    FLUX-style models are guidance-distilled: one branch."""
-    return spec.family == "cosmos"
+    """True for models whose transformer call batches classifier-free guidance's two branches
+    (their family's record says so: Cosmos-style yes, FLUX-style, guidance-distilled, no)."""
+    return family_of(spec).guidance_batch
 
 
 def read_limits(spec: ModelSpec, folder: Path, *, cfg_parallel: bool = False) -> MediaLimits:
-    """What `folder`'s model accepts, from its VAE and transformer configs (no weights are loaded).
+    """What `folder`'s model accepts, from its configs (no weights are loaded), by its family's
+    limits function.
 
     cfg_parallel: the run splits guidance branches across ranks (it applies to uses_guidance_batch models).
     """
+    limits = load(family_of(spec).limits)(spec, folder)
+    return replace(limits, guidance_split=cfg_parallel and uses_guidance_batch(spec))
+
+
+def flux_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """FLUX-style: VAE downsampling x the 2x2 latent packing. FLUX's rotary ids have no table limit;
+    4096 px is the largest size its authors report."""
     vae = read_component_config(folder, "vae")
-    if spec.family == "flux":
-        # VAE downsampling x the 2x2 latent packing. FLUX's rotary ids have no table limit; 4096 px is
-        # the largest size its authors report.
-        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2
-        return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
+    multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2
+    return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
+
+
+def cosmos_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """Cosmos-style: the Wan VAE's compression x the transformer's patch, up to its position table
+    (max_size); frames 1 + k x the VAE's temporal factor."""
+    vae = read_component_config(folder, "vae")
     transformer = read_component_config(folder, "transformer")
     spatial = 2 ** len(vae["temperal_downsample"])
     temporal = 2 ** sum(vae["temperal_downsample"])
@@ -92,7 +104,6 @@ def read_limits(spec: ModelSpec, folder: Path, *, cfg_parallel: bool = False) ->
         max_width=max_w * patch_w * spatial,
         frame_multiple=temporal,
         max_frames=(max_t - 1) * temporal + 1 if spec.media == "video" else 1,
-        guidance_split=cfg_parallel and uses_guidance_batch(spec),
     )
 
 

@@ -47,7 +47,7 @@ def test_bad_backend_is_a_usage_error():
     assert "is not an engine" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch):
+def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch, tmp_path):
     """A CUDA graph that captured NCCL kernels hangs NCCL's teardown while it is alive (2x H200), so
     the runtime that serve, batch and build share drops its engines' graphs first."""
     import threading
@@ -55,6 +55,7 @@ def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch):
     import engines.distributed
     from app.runtime import start_runtime
     from engines.compile import Engine
+    from engines.options import RunOptions
     from pipelines.registry import resolve_model
 
     seen = []
@@ -66,8 +67,8 @@ def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch):
 
     monkeypatch.setattr(engines.distributed, "shutdown", shutdown)
     spec, folder = resolve_model("tiny-flux", None)
-    with start_runtime([(spec, folder)], device="cpu", strategy="ulysses", rank_timeout=60, stop=threading.Event(),
-                       backend="inductor-blocks") as runtime:
+    options = RunOptions(device="cpu", rank_timeout=60, backend="inductor-blocks", engine_cache=tmp_path)
+    with start_runtime([(spec, folder)], options, stop=threading.Event()) as runtime:
         pipelines = runtime.service.pipelines
         engine = pipelines["image"].transformer
         assert isinstance(engine, Engine)

@@ -7,44 +7,42 @@ by the request check, an odd number of ranks by every rank at start-up, before a
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
 
 from pipelines.factory import load_pipeline
 from pipelines.registry import resolve_model
 from pipelines.requests import RequestError, make_request, read_limits
-from test_parallel_pipelines import free_port
+from engines.options import RunOptions
+from tests.helpers import join_ranks, spawn_ranks
 
 FIELDS = dict(prompt="a blue square moving right on a white background", seed=4, steps=3, frames=9, height=48,
               width=80)
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+def _rank(rank: int, world_size: int, port: int, out: str) -> None:
+    join_ranks(rank, world_size, port)
     from app.runtime import start_runtime
 
     spec, folder = resolve_model("tiny-cosmos", None)
-    with start_runtime([(spec, folder)], device="cpu", strategy="ulysses", rank_timeout=60,
-                       stop=threading.Event(), cfg_parallel=True) as runtime:
+    with start_runtime([(spec, folder)], RunOptions(device="cpu", rank_timeout=60, cfg_parallel=True),
+                       stop=threading.Event()) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return
         request = make_request(spec, runtime.models["video"].limits, **FIELDS)
         frames = np.asarray(runtime.service.run("video", request).result)
         np.save(out, frames)
-        Path(out).with_suffix(".txt").write_text(runtime.strategy)
+        Path(out).with_suffix(".txt").write_text(runtime.plan)
 
 
 def test_cfg_parallel_video_equals_one_process(tmp_path: Path) -> None:
     out = tmp_path / "frames.npy"
-    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=2, join=True)
-    assert "cfg=2" in out.with_suffix(".txt").read_text()
+    spawn_ranks(_rank, 2, str(out))
+    assert "cfg-2" in out.with_suffix(".txt").read_text()
     spec, folder = resolve_model("tiny-cosmos", None)
     single = np.asarray(load_pipeline(spec, folder).generate(make_request(spec, read_limits(spec, folder), **FIELDS)))
     parallel = np.load(out)
@@ -68,6 +66,6 @@ def test_cfg_parallel_needs_an_even_number_of_ranks() -> None:
 
     spec, folder = resolve_model("tiny-cosmos", None)
     with pytest.raises(StartupError, match="even number of ranks, this run has 1"):
-        with start_runtime([(spec, folder)], device="cpu", strategy="ulysses", rank_timeout=5,
-                           stop=threading.Event(), cfg_parallel=True):
+        with start_runtime([(spec, folder)], RunOptions(device="cpu", rank_timeout=5, cfg_parallel=True),
+                           stop=threading.Event()):
             pass

@@ -18,13 +18,11 @@ outside this layer; FLUX and Cosmos-Predict2 configs are unaffected.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from tests.helpers import cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos, tiny_flux
 
-from test_engines_parallel import cosmos_inputs, flux_inputs, free_port, randomize, tiny_cosmos, tiny_flux
 
 # (model, strategy, backend)
 CASES = [
@@ -38,16 +36,15 @@ CASES = [
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    join_ranks(rank, world_size, port)
     import torch.distributed._functional_collectives as funcol
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("_maybe_view_chunk_cat reached: torch 2.11's dynamo cannot trace it")
 
     funcol._maybe_view_chunk_cat = refuse  # test-only: stand in for torch 2.11's graph break
-    from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
+    from engines.distributed import init_parallel, shutdown
+    from engines.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     results = []
@@ -60,7 +57,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         plan = ParallelPlan(cfg=2) if strategy == "cfg" else ParallelPlan.auto(world_size, 6, strategy=strategy)
         torch._dynamo.reset()
         with torch.no_grad():
-            parallel = parallelize_transformer(model, ctx, plan)
+            parallel = parallelize(model, ctx, plan)
             eager = parallel(**kwargs)[0]
             compiled = torch.compile(parallel, fullgraph=True, backend=backend)(**kwargs)[0]
             parallel.restore()
@@ -71,7 +68,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def test_compiled_fullgraph_matches_eager(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp_path))
     for rank in range(2):
         for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
             assert r["err"] == 0.0, r

@@ -8,28 +8,33 @@ them (cache hit: inductor's FX graph cache hits, no miss) and builds faster than
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from test_engines_parallel import cosmos_inputs, flux_inputs, free_port, randomize, tiny_cosmos, tiny_flux
+from tests.helpers import FLUX_TINY, cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, \
+    tiny_cosmos, tiny_flux
 
 TOLERANCE = 2e-4  # inductor vs eager in float32 (a single process shows ~7e-5 on these outputs)
+BLOCKS = {"flux": ("transformer_blocks", "single_transformer_blocks"), "cosmos": ("transformer_blocks",)}
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, cache_dir: str, models: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # prepare_engine points it into cache_dir
-    torch.set_num_threads(1)
+    join_ranks(rank, world_size, port)
+    from engines.options import run_environment, set_environment
+
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    set_environment(run_environment(Path(cache_dir)))  # as the CLI does: inductor's kernels inside the cache folder
     from torch._dynamo.utils import counters
 
-    from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
-    from engines.compile import EngineOptions, prepare_engine
+    from engines.distributed import init_parallel, shutdown
+    from engines.plan import ParallelPlan
+    from engines.compile import prepare_engine
+    from engines.options import EngineOptions
 
     ctx = init_parallel("cpu")
     results = []
@@ -38,13 +43,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, cache_dir: str,
         model = randomize(tiny_flux() if name == "flux" else tiny_cosmos())
         torch.manual_seed(1)
         kwargs = flux_inputs((3, 3), 5) if name == "flux" else cosmos_inputs((3, 3, 3))
-        parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6))
+        parallel = parallelize(model, ctx, ParallelPlan.auto(world_size, 6))
         counters.clear()
         with torch.no_grad():
             eager = parallel(**kwargs)[0]
             # Cosmos with inductor's compute/collective reordering (overlap): same numbers, other graphs.
             options = EngineOptions(backend="inductor", scope="blocks", overlap=name == "cosmos")
-            engine = prepare_engine(parallel, options, cache_dir=cache_dir)
+            engine = prepare_engine(parallel, options, repeated_blocks=BLOCKS[name], cache_dir=cache_dir)
             first = engine(**kwargs)[0]
             second = engine(**kwargs)[0]
         build = next(iter(engine.builds.values()))
@@ -62,7 +67,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, cache_dir: str,
 
 def _spawn(out: Path, cache: Path, models: list[str]) -> list[list[dict]]:
     out.mkdir()
-    mp.spawn(_worker, args=(2, free_port(), str(out), str(cache), models), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(out), str(cache), models)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -87,8 +92,7 @@ def test_inductor_engine_matches_eager_and_cache_hit_skips_compile(tmp_path: Pat
 def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch) -> None:
     from engines import cache as cache_module
     from engines.cache import EngineCache, input_signature
-    from engines.compile import EngineOptions
-    from engines.specs import SPECS
+    from engines.options import EngineOptions
 
     store = EngineCache(Path("/nonexistent"))
     model = tiny_flux()
@@ -97,7 +101,7 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
     opts = EngineOptions(backend="inductor")
     base = store.key(model, sig, opts, 0)
     assert store.key(model, sig, opts, 0) == base  # deterministic
-    other_config = type(model)(**{**SPECS["flux-tiny"].config, "num_single_layers": 2})
+    other_config = type(model)(**{**FLUX_TINY, "num_single_layers": 2})
     variants = {
         "config": store.key(other_config, sig, opts, 0),
         "dtype": store.key(tiny_flux().to(torch.bfloat16), sig, opts, 0),
@@ -132,12 +136,13 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_engine_options_validate_and_round_trip() -> None:
-    from engines.compile import EngineOptions, prepare_engine
+    from engines.compile import prepare_engine
+    from engines.options import EngineOptions
 
     from app.arguments import backend_label
 
-    for label in ("eager", "inductor", "inductor-blocks", "inductor+cudagraph", "inductor-blocks-max-autotune-no-cudagraphs",
-                  "eager+cudagraph", "tensorrt", "inductor-blocks+overlap+cudagraph", "inductor-blocks+overlap"):
+    for label in ("eager", "inductor", "inductor-blocks", "inductor+cudagraph", "eager+cudagraph", "tensorrt",
+                  "tensorrt-blocks", "inductor-blocks+overlap+cudagraph", "inductor-blocks+overlap"):
         assert EngineOptions.parse(label).label == label
         assert backend_label(label) == label  # the CLI's torch-free check accepts every engine label
     with pytest.raises(ValueError, match="unknown backend"):
@@ -146,14 +151,20 @@ def test_engine_options_validate_and_round_trip() -> None:
         EngineOptions.parse("eager+overlap")
     with pytest.raises(ValueError, match="unknown engine option"):
         EngineOptions.parse("inductor+fast")
-    with pytest.raises(ValueError, match="reduce-overhead"):
-        EngineOptions(backend="inductor", mode="reduce-overhead", cuda_graph=True)
+    for removed in ("inductor-blocks-max-autotune-no-cudagraphs", "inductor-reduce-overhead", "eager-blocks"):
+        with pytest.raises(ValueError):  # modes measured slower or never faster (docs/benchmarks.md)
+            EngineOptions.parse(removed)
+        with pytest.raises(argparse.ArgumentTypeError):
+            backend_label(removed)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        prepare_engine(tiny_flux(), EngineOptions.parse("inductor-blocks"))
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA"):
         prepare_engine(tiny_flux(), EngineOptions(cuda_graph=True))
 
 
 def test_tensorrt_backend() -> None:
-    from engines.compile import BackendUnavailable, EngineOptions, prepare_engine, tensorrt_available
+    from engines.compile import BackendUnavailable, prepare_engine, tensorrt_available
+    from engines.options import EngineOptions
 
     model = randomize(tiny_flux())
     if not tensorrt_available():

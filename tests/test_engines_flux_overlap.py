@@ -1,11 +1,11 @@
 """FLUX single-stream blocks under Ulysses: the MLP runs inside the all-to-alls' windows, eager and compiled.
 
-engines.flux.OverlappedSingleBlock issues the q/k/v all-to-all, computes the MLP, waits, attends,
+engines.flux_blocks.OverlappedSingleBlock issues the q/k/v all-to-all, computes the MLP, waits, attends,
 issues the output all-to-all, computes the MLP's share of proj_out, waits. On 2 gloo ranks this test
 checks that
-- parallelize_flux installs it on every single-stream block for a Ulysses plan (and a ring plan:
-  tests/test_engines_ring_overlap.py; not for allgather) and restore() puts diffusers' blocks back;
-- the AdaLN modulation projections are shared out over the ranks (engines.flux.SharedModulation:
+- parallelize_flux installs it on every single-stream block for a Ulysses plan (and ring and
+  all-gather plans: tests/test_engines_ring_overlap.py) and restore() puts diffusers' blocks back;
+- the AdaLN modulation projections are shared out over the ranks (engines.flux_modulation.SharedModulation:
   both ranks own some, the norms skip theirs), and restore() puts them back too: the plain model
   then gives its original output;
 - the parallel model (eager) equals the one-process model;
@@ -19,15 +19,13 @@ all-to-all is left in the compiled code. GPU runs of the copy-engine op are in d
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from tests.helpers import flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_flux
 
-from test_engines_parallel import flux_inputs, free_port, randomize, tiny_flux
 
 TOLERANCE = 1e-4
 
@@ -65,14 +63,14 @@ def norms(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    join_ranks(rank, world_size, port)
     from torch._inductor.utils import run_and_get_code
 
-    from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
-    from engines.compile import EngineOptions, prepare_engine
-    from engines.flux import OverlappedSingleBlock
+    from engines.distributed import init_parallel, shutdown
+    from engines.plan import ParallelPlan
+    from engines.compile import prepare_engine
+    from engines.options import EngineOptions
+    from engines.flux_blocks import OverlappedSingleBlock
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
@@ -85,13 +83,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         expected = model(**kwargs)[0]
 
         for strategy in ("ring", "allgather"):
-            other = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6, strategy=strategy),
-                                            all_to_all=transport)
+            other = parallelize(model, ctx, ParallelPlan.auto(world_size, 6, strategy=strategy), all_to_all=transport)
             result[f"{strategy}_blocks_replaced"] = [isinstance(b, OverlappedSingleBlock)
                                                      for b in model.single_transformer_blocks]
             other.restore()
 
-        parallel = parallelize_transformer(model, ctx, ParallelPlan.auto(world_size, 6), all_to_all=transport)
+        parallel = parallelize(model, ctx, ParallelPlan.auto(world_size, 6), all_to_all=transport)
         result["ulysses_blocks_replaced"] = all(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
         # the modulation projections are shared out: both ranks own some, and the norms skip theirs
         result["modulation_owners"] = sorted(set(parallel.modulation.owner))
@@ -100,7 +97,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         result["eager_err"] = (eager - expected).abs().max().item()
 
         block = model.single_transformer_blocks[0]
-        engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks", overlap=True))
+        engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks", overlap=True),
+                                repeated_blocks=("transformer_blocks", "single_transformer_blocks"))
         compiled, codes = run_and_get_code(lambda: engine(**kwargs)[0])
         again = engine(**kwargs)[0]  # a second call: the copy-engine op reuses its buffer
         engine.release()
@@ -124,11 +122,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
 
 @pytest.mark.parametrize("transport", ["nccl", "copy-engine"])
 def test_single_blocks_overlap_their_all_to_alls(tmp_path: Path, transport: str) -> None:
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), transport), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp_path), transport)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["ulysses_blocks_replaced"] and all(r["ring_blocks_replaced"]), r
-        assert not any(r["allgather_blocks_replaced"]), r
+        assert r["ulysses_blocks_replaced"] and all(r["ring_blocks_replaced"]) and all(r["allgather_blocks_replaced"]), r
         assert r["block_kept"] and r["restored"], r
         assert r["modulation_owners"] == [0, 1] and r["projections_skipped"], r
         assert r["projections_restored"] and r["restored_err"] == 0.0, r

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines import ParallelContext, ParallelPlan, ShardLayout, parallelize_transformer, resize_padding_mask
-from engines.specs import SPECS, build_random
+from engines.distributed import ParallelContext
+from engines.plan import ParallelPlan
+from engines.sharding import ShardLayout
+from engines.cosmos import resize_padding_mask
+from tests.helpers import COSMOS_TINY, flux_inputs, parallelize, randomize, tiny_flux
 
 
 @pytest.mark.parametrize(
@@ -77,32 +80,45 @@ def test_resize_padding_mask_is_nearest() -> None:
 def test_single_process_wrapper_is_the_model() -> None:
     """World size 1: the wrapper runs the model unchanged (and Cosmos' padding-mask concat works
     without torchvision through the adapter)."""
-    from engines.benchmark import Shape, make_inputs
+    from diffusers import CosmosTransformer3DModel
+
+    from benchmarks.inputs import Shape, cosmos_inputs
 
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
                           control_group=None)
-    spec = SPECS["flux-tiny"]
-    model = build_random(spec, device=torch.device("cpu"), dtype=torch.float32)
-    kwargs = make_inputs(spec, Shape(height=80, width=48, text_tokens=5), batch=2, device=ctx.device,
-                         dtype=torch.float32)
+    torch.manual_seed(0)
+    model = randomize(tiny_flux())
+    kwargs = flux_inputs((5, 3), 5)
     with torch.no_grad():
-        assert torch.equal(parallelize_transformer(model, ctx)(**kwargs)[0], model(**kwargs)[0])
-    cosmos = SPECS["cosmos-tiny"]
-    model = build_random(cosmos, device=torch.device("cpu"), dtype=torch.float32)
-    kwargs = make_inputs(cosmos, Shape(frames=9, height=32, width=48, text_tokens=5), batch=2,
-                         device=ctx.device, dtype=torch.float32)
+        assert torch.equal(parallelize(model, ctx)(**kwargs)[0], model(**kwargs)[0])
+    model = randomize(CosmosTransformer3DModel(**COSMOS_TINY))
+    kwargs, _ = cosmos_inputs(COSMOS_TINY, Shape(frames=9, height=32, width=48, text_tokens=5), batch=2,
+                              device=ctx.device, dtype=torch.float32)
     with torch.no_grad():
-        out = parallelize_transformer(model, ctx)(**kwargs)[0]
+        out = parallelize(model, ctx)(**kwargs)[0]
     assert out.shape == kwargs["hidden_states"].shape and torch.isfinite(out).all()
 
 
-def test_unsupported_model() -> None:
+def test_plan_is_checked_before_the_adapter_runs() -> None:
+    from engines.parallelize import parallelize_transformer
+
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
                           control_group=None)
-    model = torch.nn.Linear(2, 2)
-    model.config = type("Config", (), {"num_attention_heads": 1})()
-    with pytest.raises(TypeError, match="no parallel plan for Linear"):
-        parallelize_transformer(model, ctx)
+    called = []
+    with pytest.raises(ValueError, match="but 1 are running"):
+        parallelize_transformer(tiny_flux(), ctx, ParallelPlan(ulysses=2), lambda model, mesh: called.append(mesh))
+    assert not called
+
+
+def test_plan_names_its_kv_exchange() -> None:
+    assert ParallelPlan(strategy="ring", ring=2).label == "ring-2"
+    assert ParallelPlan(strategy="allgather", ring=2).label == "allgather-2"
+    assert ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2, cfg=2).label == "cfg-2xulysses-2xring-2"
+    assert ParallelPlan().label == "1"
+    assert ParallelPlan(strategy="allgather", ring=2).describe("copy-engine") == "allgather-2, all-to-all copy-engine"
+    assert ParallelPlan(cfg=2).describe("copy-engine") == "cfg-2"  # nothing for a transport to carry
+    assert ParallelPlan(strategy="ring", ring=2).kv_exchange == "ring"
+    assert ParallelPlan(strategy="allgather", ring=2).kv_exchange == "allgather"
 
 
 def test_shard_tokens_pads_and_batch_checks() -> None:

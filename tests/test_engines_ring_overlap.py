@@ -1,11 +1,12 @@
-"""Ring plans on 2 gloo ranks: K/V exchanges run under compute, eager and compiled.
+"""K/V-axis plans on 2 gloo ranks: ring passes and all-gathers run under compute, eager and compiled.
 
-engines.attention._ring_attention issues the pass of the K/V block it holds (start_ring_shift),
-attends to that block, then waits (finish) before the next (Cosmos). With 2 ring ranks FLUX's blocks
-instead issue one all-gather of K/V (GatherAttention) and compute before waiting: the single-stream
-blocks (OverlappedSingleBlock) their MLP and its share of proj_out, the double-stream blocks their
-queries. This test checks, for FLUX and Cosmos and both transports
-(NCCL's collectives, gloo here; the copy-engine ops, which run gloo on CPU):
+"ring": engines.attention._ring_attention issues the pass of the K/V block it holds
+(start_ring_shift), attends to that block, then waits (finish) before the next, in FLUX and Cosmos
+alike. "allgather": one all-gather of K/V (GatherAttention); FLUX's blocks compute before waiting:
+the single-stream blocks (OverlappedSingleBlock) their MLP and its share of proj_out, the
+double-stream blocks their queries. Each strategy runs exactly the exchange it names. This test
+checks, for FLUX and Cosmos, both strategies and both transports (NCCL's collectives, gloo here;
+the copy-engine ops, which run gloo on CPU):
 - the parallel model (eager) equals the one-process model;
 - compiled with inductor and EngineOptions.overlap, the result equals eager (also on a second
   call, where the copy-engine ops reuse their buffer), and the generated code keeps an attention
@@ -19,16 +20,14 @@ GPU runs of the copy-engine pass are in docs/benchmarks.md.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from test_engines_flux_overlap import MATMUL
-from test_engines_flux_overlap import windows as matmul_windows
-from test_engines_parallel import cosmos_inputs, flux_inputs, free_port, randomize, tiny_cosmos, tiny_flux
+from tests.test_engines_flux_overlap import MATMUL
+from tests.test_engines_flux_overlap import windows as matmul_windows
+from tests.helpers import cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos, tiny_flux
 
 TOLERANCE = 1e-4
 NCCL_SHIFT = "_c10d_functional.all_to_all_single"
@@ -36,6 +35,7 @@ COPY_ENGINE_SHIFT = "ulysses_studio.copy_engine_shift"
 START = {"nccl": NCCL_SHIFT, "copy-engine": COPY_ENGINE_SHIFT}
 GATHER = {"nccl": "_c10d_functional.all_gather_into_tensor", "copy-engine": "ulysses_studio.copy_engine_gather_kv"}
 ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
+BLOCKS = {"flux": ("transformer_blocks", "single_transformer_blocks"), "cosmos": ("transformer_blocks",)}
 
 
 def attention_windows(code: str, start: str) -> list[int]:
@@ -69,17 +69,17 @@ def keys_ahead(code: str, start: str) -> list[int]:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    join_ranks(rank, world_size, port)
     from torch._inductor.utils import run_and_get_code
 
-    from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
-    from engines.compile import EngineOptions, prepare_engine
+    from engines.distributed import init_parallel, shutdown
+    from engines.plan import ParallelPlan
+    from engines.compile import prepare_engine
+    from engines.options import EngineOptions
 
     ctx = init_parallel("cpu")
     results = {}
-    for name in ("flux", "cosmos"):
+    for name, strategy in (("flux", "ring"), ("flux", "allgather"), ("cosmos", "ring"), ("cosmos", "allgather")):
         torch.manual_seed(0)
         model = randomize(tiny_flux() if name == "flux" else tiny_cosmos()).eval()
         torch.manual_seed(1)
@@ -89,10 +89,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
         torch._dynamo.reset()
         with torch.no_grad():
             expected = model(**kwargs)[0]
-            plan = ParallelPlan.auto(world_size, 6, strategy="ring")
-            parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
+            plan = ParallelPlan.auto(world_size, 6, strategy=strategy)
+            parallel = parallelize(model, ctx, plan, all_to_all=transport)
             eager = parallel(**kwargs)[0]
-            engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks", overlap=True))
+            engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks", overlap=True),
+                                    repeated_blocks=BLOCKS[name])
             compiled, codes = run_and_get_code(lambda: engine(**kwargs)[0])
             again = engine(**kwargs)[0]
             engine.release()
@@ -108,34 +109,42 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
                                            for code in codes for line in code.splitlines())
         result["nccl_ops"] = sum(code.count(NCCL_SHIFT) + code.count(GATHER["nccl"]) for code in codes)
         result["scale"] = expected.abs().max().item()
-        results[name] = result
+        results[f"{name} {plan.label}"] = result
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown(ctx)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "copy-engine"])
-def test_ring_pass_overlaps_local_attention(tmp_path: Path, transport: str) -> None:
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), transport), nprocs=2, join=True)
+def test_kv_exchanges_overlap_compute(tmp_path: Path, transport: str) -> None:
+    spawn_ranks(_worker, 2, str(tmp_path), transport)
     for rank in range(2):
-        for name, r in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+        for case, r in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            case = f"{case}, {transport}, rank {rank}"
             bound = TOLERANCE * max(r["scale"], 1.0)
-            assert r["eager_err"] <= bound, (name, r)
-            assert r["compiled_err"] <= bound, (name, r)
-            assert r["again_err"] == 0.0, (name, r)
+            assert r["eager_err"] <= bound, (case, r)
+            assert r["compiled_err"] <= bound, (case, r)
+            assert r["again_err"] == 0.0, (case, r)
             if transport == "copy-engine":
-                assert r["nccl_ops"] == 0, (name, r)  # every K/V pass went through the op
-            if name == "flux":
-                # 2 ring ranks: no K/V pass; each block gathers K/V once. The double block projects
-                # its queries (image and text: 2 matrix multiplies) while K/V travel, the single
-                # block runs its MLP and the MLP's share of proj_out (2).
-                assert not r["windows"], r
-                assert r["gather_windows"] == [[2], [2]], r
+                assert r["nccl_ops"] == 0, (case, r)  # every K/V exchange went through the ops
+            if case.startswith("flux allgather"):
+                # each block gathers K/V once: the double block projects its queries (image and text:
+                # 2 matrix multiplies) while K/V travel, the single block runs its MLP and the MLP's
+                # share of proj_out (2).
+                assert not r["windows"], (case, r)
+                assert r["gather_windows"] == [[2], [2]], (case, r)
                 # copy engines: the double block's keys go ahead, and its value projections (image
                 # and text) run while they travel; NCCL gathers keys and values in one collective
-                assert r["keys_ahead"] == ([[2]] if transport == "copy-engine" else []), r
+                assert r["keys_ahead"] == ([[2]] if transport == "copy-engine" else []), (case, r)
                 # copy engines: each block graph reads the gathered K/V in the exchange buffer
-                assert r["gathered_attention"] == (2 if transport == "copy-engine" else 0), r
+                assert r["gathered_attention"] == (2 if transport == "copy-engine" else 0), (case, r)
+            elif case.startswith("cosmos allgather"):
+                # one gather per block, waited for at once (Cosmos' blocks have nothing to put beside it)
+                assert not r["windows"] and r["gather_windows"], (case, r)
+                assert all(w == [0] for w in r["gather_windows"]), (case, r)
+                graphs = len(r["gather_windows"])  # one per compiled block graph
+                assert r["gathered_attention"] == (graphs if transport == "copy-engine" else 0), (case, r)
             else:
-                # every compiled block graph that passes K/V does it once, with its local attention inside the window
-                assert r["windows"] and all(w == [1] for w in r["windows"]), (name, r["windows"])
-                assert not r["gather_windows"], r
+                # ring: every compiled block graph that passes K/V does it once, its local attention
+                # inside the window; no all-gather
+                assert r["windows"] and all(w == [1] for w in r["windows"]), (case, r["windows"])
+                assert not r["gather_windows"], (case, r)

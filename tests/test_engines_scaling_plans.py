@@ -1,4 +1,4 @@
-"""The plans chosen for the real models at the GPU counts our users have (2-8), issue 7's layouts."""
+"""The plans chosen for the real models at the GPU counts our users have (2-8)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,21 @@
 """Whole pipelines at N=2 gloo ranks equal the one-process result (image within 1/255, video too).
 
 Rank 0 encodes and decodes, every rank denoises through the context-parallel transformer: the data
-flow of DESIGN.md, written out plainly here so the test depends on pipelines/ and engines/ only.
+flow of the app, written out plainly here so the test depends on pipelines/ and engines/ only.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipelines.factory import load_pipeline
 from pipelines.registry import resolve_model
 from pipelines.requests import make_request, read_limits
+from tests.helpers import join_ranks, parallelize, spawn_ranks
 
 CASES = {
     # name: (model, request fields, plan arguments)
@@ -26,6 +23,8 @@ CASES = {
                      dict(strategy="ulysses")),
     "flux-ring": ("tiny-flux", dict(prompt="a red circle", seed=11, steps=3, height=80, width=112),
                   dict(strategy="ring")),
+    "flux-allgather": ("tiny-flux", dict(prompt="a red circle", seed=11, steps=3, height=80, width=112),
+                       dict(strategy="allgather")),
     "cosmos-ulysses": ("tiny-cosmos", dict(prompt="a square moving up", seed=5, steps=3, frames=9, height=48,
                                            width=80), dict(strategy="ulysses")),
     "cosmos-cfg": ("tiny-cosmos", dict(prompt="a square moving up", seed=5, steps=3, frames=9, height=48,
@@ -44,10 +43,9 @@ def generate_one_process(model: str, fields: dict) -> np.ndarray:
 
 
 def _rank(rank: int, world_size: int, port: int, case: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
+    join_ranks(rank, world_size, port)
+    from engines.distributed import init_parallel, shutdown
+    from engines.plan import ParallelPlan
 
     model, fields, plan_args = CASES[case]
     ctx = init_parallel("cpu")
@@ -55,7 +53,7 @@ def _rank(rank: int, world_size: int, port: int, case: str, out: str) -> None:
     pipeline = load_pipeline(spec, folder, with_encoders=ctx.is_main)
     heads = pipeline.transformer_config.num_attention_heads
     plan = ParallelPlan.auto(world_size, heads, **plan_args)
-    pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan))
+    pipeline.use_transformer(parallelize(pipeline.transformer, ctx, plan))
 
     encoded = [pipeline.encode(request) if ctx.is_main else None]
     dist.broadcast_object_list(encoded, src=0, group=ctx.control_group)
@@ -65,16 +63,10 @@ def _rank(rank: int, world_size: int, port: int, case: str, out: str) -> None:
     shutdown(ctx)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_one_process(case: str, tmp_path: Path) -> None:
     out = tmp_path / "parallel.npy"
-    mp.spawn(_rank, args=(2, free_port(), case, str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank, 2, case, str(out))
     model, fields, _ = CASES[case]
     parallel = np.load(out).astype(np.int16)
     single = generate_one_process(model, fields).astype(np.int16)

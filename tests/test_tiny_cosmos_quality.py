@@ -12,19 +12,18 @@ score holds there. (tiny-flux's check is tests/test_tiny_quality.py.)
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
 
 from pipelines.registry import default_folder, get_spec
 from pipelines.requests import make_request
-from test_parallel_pipelines import free_port
 from training import shapes
 from training.evaluate import generate, judge_videos
+from engines.options import RunOptions
+from tests.helpers import join_ranks, spawn_ranks
 
 PROMPTS = shapes.held_out_video_prompts()[:20]
 
@@ -46,13 +45,12 @@ def test_tiny_cosmos_moves_the_object_the_asked_way(one_process_videos):
     _check_motion(one_process_videos)
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+def _rank(rank: int, world_size: int, port: int, out: str) -> None:
+    join_ranks(rank, world_size, port)
     from app.runtime import start_runtime
 
     spec = get_spec("tiny-cosmos")
-    with start_runtime([(spec, default_folder(spec))], device="cpu", strategy="ulysses", rank_timeout=120,
+    with start_runtime([(spec, default_folder(spec))], RunOptions(device="cpu", rank_timeout=120),
                        stop=threading.Event()) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
@@ -61,13 +59,13 @@ def _rank(rank: int, port: int, out: str) -> None:
         videos = [np.asarray(runtime.service.run("video", make_request(spec, limits, prompt=prompt, seed=i)).result)
                   for i, (prompt, _, _, _) in enumerate(PROMPTS)]
         np.save(out, np.stack(videos))
-        Path(out).with_suffix(".txt").write_text(f"{runtime.world_size} ranks, {runtime.strategy}")
+        Path(out).with_suffix(".txt").write_text(f"{runtime.world_size} ranks, {runtime.plan}")
 
 
 def test_tiny_cosmos_moves_the_same_on_two_ranks(one_process_videos, tmp_path: Path):
     out = tmp_path / "videos.npy"
-    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=2, join=True)
-    assert out.with_suffix(".txt").read_text().startswith("2 ranks, ulysses")
+    spawn_ranks(_rank, 2, str(out))
+    assert out.with_suffix(".txt").read_text().startswith("2 ranks, ulysses-2")
     videos = list(np.load(out))
     assert len(videos) == len(one_process_videos)
     for i, (parallel, single) in enumerate(zip(videos, one_process_videos)):

@@ -9,8 +9,8 @@ import torch
 from pipelines.factory import load_pipeline
 from pipelines.registry import default_folder, get_spec
 from pipelines.requests import make_request, read_limits
-from scripts.make_tiny_models import CAPTION_WORDS, t5_tokenizer
 from training import judge, shapes
+from training.tiny_models import CAPTION_WORDS, t5_tokenizer
 
 
 def _truth_colour(scenes: shapes.Scenes, i: int) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,12 +21,11 @@ from pathlib import Path
 import torch
 
 from pipelines.loading import load_parts
-from scripts.make_tiny_models import TEXT_WIDTH, cosmos_components, flux_components, save_cosmos, save_flux
 from training.card import write_card
 from training.cosmos import CosmosSettings, train_cosmos
 from training.flux import FluxSettings, train_flux
 from training.loop import PhaseResult
-
+from training.tiny_models import TEXT_WIDTH, cosmos_components, flux_components, save_cosmos, save_flux
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     for model in models:
         seconds[f"{model}-vae"] = per_model * args.vae_share
         seconds[f"{model}-dit"] = per_model * (1 - args.vae_share)
-    command = "python -m training " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python -m training " + " ".join(argv if argv is not None else sys.argv[1:])
     run = {"command": command, "seed": args.seed, "device": _device_name(device), "torch": torch.__version__}
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def _start(args: argparse.Namespace, name: str, fresh) -> tuple[dict, list[dict]
     history_file = folder / "training.json"
     history = json.loads(history_file.read_text()) if history_file.is_file() else [
         {"command": "(unrecorded)", "seed": None, "device": None, "torch": None, "settings": {}, "phases": []}]
-    print(f"[{name}] starting from {folder} ({len(history)} earlier run(s))", flush=True)
+    print(f"[{name}] starting from {folder} ({len(history)} run(s) in its training history)", flush=True)
     return parts, history
 
 

@@ -15,9 +15,9 @@ LIMITS = """\
 ## Limits
 
 - It draws one flat-coloured shape on a plain background, nothing else: no textures, no scenes, no
-  people, no text. Prompts outside the caption grammar below fall back to character-level T5 tokens and
+  people, no text. Prompts outside the caption grammar above fall back to character-level T5 tokens and
   give some shape in some colour.
-- Sizes far from the training sizes (below) place and scale shapes less reliably.
+- Sizes far from the training sizes (above) place and scale shapes less reliably.
 - It is a test fixture and a demonstration of the code path, not a generative model of the world.
 """
 VIDEO_LIMITS = """\
@@ -27,8 +27,8 @@ VIDEO_LIMITS = """\
   second on a CPU) and loses the colour and shape of small moving objects (its own reconstructions of
   held-out clips already get the colour wrong in about 70% of them and the shape in about 75%).
 """
-"""The shipped tiny-cosmos' limit (assets/tiny-cosmos, runs 1-4 of its training.json; scores measured on
-it, not by this run): review the numbers when the model is retrained."""
+"""The tiny-cosmos limit, with numbers measured on assets/tiny-cosmos (the four runs of its training.json),
+not by the run that writes the card: review them when the model is retrained."""
 
 
 def _parameters(parts: dict) -> str:
@@ -96,11 +96,12 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
         else:
             method += (" Random guidance input in [1, 5] (guidance-distilled in form only: the value has no "
                        "effect).")
+    regenerate = ("this command:" if len(runs) == 1 else
+                  "these commands, in order\n(`--init` makes a command start from the weights the command above it wrote):")
     text = f"""# {name}
 
 Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural
-shapes in a few minutes. Regenerate with {"this command" if len(runs) == 1 else "these commands, in order"}
-(each run after the first starts from the previous one's weights, `--init`):
+shapes in a few minutes. Regenerate with {regenerate}
 
 {commands}
 

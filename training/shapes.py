@@ -4,7 +4,7 @@ Everything is drawn from a seed with torch on the training device (no files, no 
 batch costs microseconds and the data set is endless. A scene is a handful of numbers (shape,
 colour, centre, half-size, background); `render` turns scenes into antialiased RGB in [-1, 1].
 
-Captions use only words that the tiny models' T5 tokenizer keeps whole (scripts/make_tiny_models.py
+Captions use only words that the tiny models' T5 tokenizer keeps whole (training/tiny_models.py
 CAPTION_WORDS), e.g. "a big red circle at the top left on a white background" or
 "a blue square moving right on a black background". A fixed set of (colour, shape, background)
 and (colour, shape, motion) combinations is never drawn in training: the quality tests prompt for

@@ -1,0 +1,15 @@
+"""The GPU benchmark harness, apart from the product (random weights of the real architectures; no download).
+
+- step.py: one transformer forward, 1 GPU against every plan on N ranks, diffusers-native Ulysses and
+  peers (`torchrun -m benchmarks.step`, or `ulysses-studio bench`).
+- generation.py: whole generations through our pipelines and lockstep service, stage by stage
+  (`torchrun -m benchmarks.generation`, or `ulysses-studio bench --end-to-end`).
+- peers.py: xDiT and cache-dit on the same FLUX weights, set up and compiled as their runners do.
+- inputs.py: sizes, random weights and call arguments of a registered architecture.
+- cli.py: `ulysses-studio bench` (torchrun around step or generation, and a PNG chart).
+- trace_overlap.py: compute against NCCL time, and kernel time by kind, in a profile that step wrote.
+- scaling_sweep.sh: every model, plan and GPU count in one command.
+- checks/: the acceptance checks that need GPUs (each file says how to run it): app_on_gpus.py (the
+  app itself on GPUs through gradio_client), copy_engine_vs_nccl.py (copy-engine exchanges equal
+  NCCL's, and their timing).
+"""

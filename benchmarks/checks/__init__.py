@@ -1,0 +1,1 @@
+"""Acceptance checks that need GPUs (run through the device machines; see each module's docstring)."""

@@ -1,0 +1,157 @@
+"""What the benchmarks feed a transformer: sizes, random weights of a named architecture, call arguments.
+
+An architecture is a registered checkpoint's published config (pipelines.families: ModelSpec.architecture),
+or with `tiny` the family's embedded model's config (assets/), for CPU smoke tests. Each family's
+record names its input builder here (BenchShapes.inputs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipelines.family import ModelFamily, load
+from pipelines.registry import MODELS, ModelNotFoundError, default_folder, family_of, get_spec
+
+VAE_TIME, VAE_SPACE = 4, 8  # latent = ((frames - 1) / 4 + 1, height / 8, width / 8)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Shape:
+    """One input size: an image (frames=1) or a video, in pixels."""
+
+    height: int
+    width: int
+    frames: int = 1
+    text_tokens: int = 512
+
+    @property
+    def label(self) -> str:
+        """Human-readable size."""
+        return f"{self.height}x{self.width}" if self.frames == 1 else f"{self.frames}x{self.height}x{self.width}"
+
+
+@dataclass(kw_only=True, frozen=True)
+class BenchModel:
+    """A transformer architecture to measure: its registry name, family and config."""
+
+    name: str
+    family: ModelFamily
+    config: dict[str, Any]
+
+    @property
+    def model_class(self) -> type[nn.Module]:
+        """The diffusers class that `config` configures."""
+        return load(self.family.transformer)
+
+    def inputs(self, shape: Shape, *, batch: int, device: torch.device, dtype: torch.dtype
+               ) -> tuple[dict[str, Any], int]:
+        """The transformer's keyword arguments for `shape`, and the image/video tokens it attends over."""
+        return load(self.family.bench.inputs)(self.config, shape, batch=batch, device=device, dtype=dtype)
+
+
+def benchmarkable() -> list[str]:
+    """Registered checkpoints with a published architecture (what --model may name)."""
+    return [name for name, spec in MODELS.items() if spec.architecture is not None]
+
+
+def bench_model(name: str, *, tiny: bool = False) -> BenchModel:
+    """The architecture of checkpoint `name`, or with `tiny` its family's embedded model's (read from assets/)."""
+    spec = get_spec(name)
+    family = family_of(spec)
+    if tiny:
+        embedded = next((s for s in family.models if s.embedded), None)
+        if embedded is None:
+            raise ModelNotFoundError(f"family {family.name!r} has no embedded model for --tiny")
+        config = json.loads((default_folder(embedded) / "transformer" / "config.json").read_text())
+        return BenchModel(name=embedded.name, family=family,
+                          config={k: v for k, v in config.items() if not k.startswith("_")})
+    if spec.architecture is None:
+        raise ModelNotFoundError(f"no published architecture is recorded for '{name}'; "
+                                 f"benchmarkable: {', '.join(benchmarkable())}")
+    return BenchModel(name=name, family=family, config=dict(spec.architecture.transformer))
+
+
+def parse_shapes(text: str, *, video: bool, text_tokens: int) -> list[Shape]:
+    """"1024x1024,2048x2048" (images: height x width) or "93x704x1280" (videos: frames x height x width)."""
+    shapes = []
+    for item in text.split(","):
+        dims = [int(d) for d in item.lower().split("x")]
+        if video and len(dims) == 3:
+            shapes.append(Shape(frames=dims[0], height=dims[1], width=dims[2], text_tokens=text_tokens))
+        elif not video and len(dims) == 2:
+            shapes.append(Shape(height=dims[0], width=dims[1], text_tokens=text_tokens))
+        else:
+            raise ValueError(f"bad {'video' if video else 'image'} size {item!r}")
+    return shapes
+
+
+def build_random(model: BenchModel, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Build `model` directly on `device` in `dtype` with random weights (same seed -> same weights).
+
+    The model is created on the meta device and materialised uninitialised, then filled in place:
+    a 12B model never exists in float32, and no nn.init pass runs (slow for 12B on a CPU).
+    """
+    with torch.device("meta"):
+        module = model.model_class(**model.config)
+    # nn.Module.to, not diffusers' override: its fp32-module warning is about checkpoints, moot here.
+    module = nn.Module.to(module, dtype=dtype).to_empty(device=device)
+    if any(True for _ in module.buffers()):
+        raise RuntimeError(f"{model.name} has buffers, which random init would leave uninitialised")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim == 1:  # norm scales
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return module.eval().requires_grad_(False)
+
+
+def flux_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[dict[str, Any], int]:
+    """FluxTransformer2DModel keyword arguments for a packed latent of `shape` (2x2 latent patches)."""
+    rows, cols = shape.height // (VAE_SPACE * 2), shape.width // (VAE_SPACE * 2)
+    g = torch.Generator().manual_seed(0)
+    img_ids = torch.zeros(rows, cols, 3)
+    img_ids[..., 1] = torch.arange(rows)[:, None]
+    img_ids[..., 2] = torch.arange(cols)[None, :]
+    inputs = dict(
+        hidden_states=torch.randn(batch, rows * cols, config["in_channels"], generator=g),
+        encoder_hidden_states=torch.randn(batch, shape.text_tokens, config["joint_attention_dim"], generator=g),
+        pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=g),
+        timestep=torch.full((batch,), 0.5),
+        img_ids=img_ids.reshape(-1, 3),
+        txt_ids=torch.zeros(shape.text_tokens, 3),
+        guidance=torch.full((batch,), 3.5) if config.get("guidance_embeds") else None,
+    )
+    out = {k: v.to(device, dtype if k not in ("img_ids", "txt_ids") else v.dtype) if v is not None else None
+           for k, v in inputs.items()}
+    return {**out, "joint_attention_kwargs": None, "return_dict": False}, rows * cols
+
+
+def cosmos_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: torch.device,
+                  dtype: torch.dtype) -> tuple[dict[str, Any], int]:
+    """CosmosTransformer3DModel (Video2World) keyword arguments for a video of `shape`."""
+    frames = (shape.frames - 1) // VAE_TIME + 1
+    height, width = shape.height // VAE_SPACE, shape.width // VAE_SPACE
+    g = torch.Generator().manual_seed(0)
+    latent = (batch, config["out_channels"], frames, height, width)
+    inputs: dict[str, Any] = dict(
+        hidden_states=torch.randn(*latent, generator=g),
+        timestep=torch.rand(batch, 1, frames, 1, 1, generator=g),
+        encoder_hidden_states=torch.randn(batch, shape.text_tokens, config["text_embed_dim"], generator=g),
+        padding_mask=torch.zeros(1, 1, shape.height, shape.width),
+    )
+    if config["in_channels"] == config["out_channels"] + 1:
+        inputs["condition_mask"] = torch.zeros(batch, 1, frames, height, width)
+    inputs = {k: v.to(device, dtype) for k, v in inputs.items()}
+    p_t, p_h, p_w = config["patch_size"]
+    tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+    return {**inputs, "fps": 16, "return_dict": False}, tokens

@@ -1,0 +1,513 @@
+"""Benchmark: one transformer forward; 1 GPU, ours per plan (+CFG), diffusers-native Ulysses and peers (FLUX).
+
+One launch measures every mode: the 1-GPU baseline runs on rank 0 alone while the other ranks
+wait at a barrier, then all ranks run each parallel mode, then diffusers' own context
+parallelism (last of ours, because enable_parallelism cannot be undone), then the peers asked
+for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled as it advises.
+
+    torchrun --nproc-per-node 2 -m benchmarks.step --model flux-dev --out flux.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --model cosmos-predict2-2b-video2world --out cosmos.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --all-to-all nccl,copy-engine --out transports.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --strategies "" --no-diffusers --peers xdit --out xdit.json
+    python -m benchmarks.step --model flux-dev                    # 1 GPU only
+    torchrun --nproc-per-node 1 -m benchmarks.step --strategies "" --peers xdit   # xDiT on 1 GPU
+    torchrun --nproc-per-node 2 -m benchmarks.step --tiny         # CPU, gloo, tiny configs
+
+Weights are random bf16 (no download); timings are of the forward only: CUDA events around
+each call, warmup first (at least 3 calls for peers: CUDA graphs of mode="reduce-overhead" are
+recorded at the second), median of the timed calls, the slowest rank's median. Parallel ranks
+start each call together on the CPU and, on GPUs, on the devices (start_together). A peer that cannot
+run gets rows whose "error" says why; its compiled rows carry a "note" with its exact recipe. The
+1 GPU mode runs the model through its family's adapter on a mesh of one rank (no exchange). Rows
+name their plan (with its K/V exchange) and transport.
+
+Entry point: sets the run environment (engines.options.run_environment) before importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, EngineOptions, run_environment, \
+    set_environment
+
+import diffusers  # noqa: E402 - after the environment is set (main), see the module docstring
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from benchmarks.inputs import BenchModel, Shape, bench_model, benchmarkable, build_random, parse_shapes  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
+    PEERS,
+    Peer,
+    compile_peer,
+    compiler_settings_restored,
+    import_peer,
+    parallelize_peer,
+    peer_mode,
+    set_input_shape,
+    unavailable_reason,
+)
+from engines.compile import prepare_engine  # noqa: E402
+from engines.distributed import ParallelContext, init_parallel, shutdown  # noqa: E402
+from engines.parallelize import parallelize_transformer  # noqa: E402
+from engines.plan import ParallelPlan  # noqa: E402
+from pipelines.family import load  # noqa: E402
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
+PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd
+
+
+def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
+    """FLOPs of one forward, counted on the meta device (no memory, no compute)."""
+    try:
+        with torch.device("meta"):
+            model = torch.nn.Module.to(spec.model_class(**spec.config), torch.bfloat16)
+        forward = single_process_forward(spec, model, torch.device("meta"))
+        kwargs, _ = spec.inputs(shape, batch=batch, device=torch.device("meta"), dtype=torch.bfloat16)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            forward(**kwargs)
+        return float(counter.get_total_flops())
+    except Exception as error:  # FLOPs only feed the MFU column; never lose the timings for them
+        print(f"[benchmark] FLOP count failed for {spec.name} {shape.label}: {error!r}", file=sys.stderr)
+        return None
+
+
+def single_process_forward(spec: BenchModel, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The 1-GPU forward: the family's adapter on a mesh of one rank (the model's own submodules in
+    its own order, no exchange; diffusers' Cosmos forward would need torchvision)."""
+    local = ParallelContext(rank=0, world_size=1, local_rank=0, device=device, group=None, control_group=None)
+    return parallelize_transformer(model, local, ParallelPlan(), load(spec.family.parallelize))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (CUDA; nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def start_together(device: torch.device, group: dist.ProcessGroup | None,
+                   device_group: dist.ProcessGroup | None) -> None:
+    """Return when every rank of `group` is here with an idle device; with `device_group` (the
+    ranks' NCCL group), when their GPUs are too.
+
+    The CPU barrier alone releases the ranks up to a millisecond or more apart: in a profile of
+    FLUX ring-2 (docs/bench/profile-2026-11-22-s5-ring) rank 1's first K/V exchange waited 1.3 ms
+    for rank 0, and the slowest rank's time then counts that skew, which a generation loop does
+    not pay at every step (its ranks stay in step; the host runs ahead). A one-element all-reduce
+    on the GPUs, waited for by each host, releases the ranks together; the time measured is then
+    one call's, launch included, as for 1 GPU.
+    """
+    sync(device)
+    if group is not None:
+        dist.barrier(group=group)
+    if device_group is not None and device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=device_group)
+        sync(device)
+
+
+def time_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
+                 group: dist.ProcessGroup | None, warmup: int, iters: int,
+                 device_group: dist.ProcessGroup | None = None) -> tuple[float, float, float]:
+    """Median milliseconds of `forward(**kwargs)`, peak GiB allocated, and the pipelined
+    milliseconds per call, on this rank.
+
+    Ranks of `group` start every call together (start_together), so the median is the latency of
+    one call. The pipelined time is that of `iters` calls issued back to back (started together
+    once), divided by `iters`: a generation loop's rate, where the host queues the next call while
+    the GPUs run this one.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + iters):
+            start_together(device, group, device_group)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                forward(**kwargs)
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                forward(**kwargs)
+                elapsed = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                times.append(elapsed)
+        start_together(device, group, device_group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            forward(**kwargs)
+        sync(device)
+        pipelined = (time.perf_counter() - t0) * 1e3 / iters
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return statistics.median(times), peak, pipelined
+
+
+def profile_forward(forward: Callable[..., Any], kwargs: dict[str, Any], *, device: torch.device,
+                    group: dist.ProcessGroup | None, path: Path,
+                    device_group: dist.ProcessGroup | None = None) -> None:
+    """Profile one call; write `path`.json (chrome trace) and `path`.txt (top ops by self time)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    start_together(device, group, device_group)
+    with torch.profiler.profile(activities=activities) as prof, torch.no_grad():
+        forward(**kwargs)
+        sync(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(f"{path}.json")
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    Path(f"{path}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=25))
+
+
+def gather_objects(ctx: ParallelContext, value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (over the control group; [value] in one process)."""
+    if not ctx.is_distributed:
+        return [value]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, value, group=ctx.control_group)
+    return out
+
+
+def mode_label(plan: ParallelPlan, transport: str) -> str:
+    """Row name of our parallel mode, e.g. "ours ring-2", "ours allgather-2 copy-engine": the transport
+    is named when it is not NCCL and the plan has exchanges for it to carry."""
+    named = transport != "nccl" and plan.has_exchanges
+    return f"ours {plan.label}" + (f" {transport}" if named else "")
+
+
+def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: bool) -> list[ParallelPlan]:
+    """Distinct plans to measure on ctx.world_size ranks (strategies that degenerate are skipped)."""
+    n = ctx.world_size
+    plans: list[ParallelPlan] = []
+    if n == 1:
+        return plans
+    for strategy in strategies:
+        plan = ParallelPlan.auto(n, num_heads, strategy=strategy)
+        if plan.strategy == strategy and plan not in plans:
+            plans.append(plan)
+    if cfg and n % 2 == 0:
+        plan = ParallelPlan.auto(n, num_heads, cfg=2)
+        if plan not in plans:
+            plans.append(plan)
+    return plans
+
+
+def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, ctx: ParallelContext,
+              *, cfg: bool, rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Measure every mode x backend of one model on every shape; rows are complete on rank 0.
+
+    `rows` (if given) receives each row as soon as it is measured (the caller may save partial
+    results); the same list is returned.
+    """
+    device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
+    batch = args.batch or spec.family.bench.batch
+    model = build_random(spec, device=device, dtype=dtype)
+    adapter = load(spec.family.parallelize)
+    built = {s.label: spec.inputs(s, batch=batch, device=device, dtype=dtype) for s in shapes}
+    inputs = {label: kwargs for label, (kwargs, _) in built.items()}
+    tokens = {label: count for label, (_, count) in built.items()}
+    flops = {s.label: count_flops(spec, s, batch) for s in shapes}
+    rows = [] if rows is None else rows
+    on_row = getattr(args, "on_row", None)
+
+    def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
+               options: EngineOptions, error: str | None = None, *, backend: str | None = None,
+               note: str | None = None, warmup: int | None = None, plan: ParallelPlan | None = None,
+               transport: str | None = None) -> None:
+        """Time one row (`backend` names it when `forward` is compiled by someone else than `options`)."""
+        ms, peak, build_s, pipelined = float("nan"), 0.0, None, float("nan")
+        label = backend or options.label
+        if forward is not None and error is None:
+            engine = None
+            try:
+                engine = prepare_engine(forward, options, repeated_blocks=spec.family.repeated_blocks,
+                                        cache_dir=args.cache_dir, rank=ctx.rank if gpus > 1 else 0)
+                device_group = ctx.group if group is not None else None
+                ms, peak, pipelined = time_forward(engine, inputs[shape.label], device=device, group=group,
+                                        warmup=args.warmup if warmup is None else warmup, iters=args.iters,
+                                        device_group=device_group)
+                build_s = next(iter(engine.builds.values())).seconds
+                if args.profile:
+                    # plain file names (labels hold "+", which some file transfers refuse)
+                    slug = re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label)))
+                    profile_forward(engine, inputs[shape.label], device=device, group=group,
+                                    path=args.profile / f"{slug}.rank{ctx.rank}", device_group=device_group)
+            except Exception as exc:  # keep the other modes' numbers; this row says what failed
+                error = repr(exc)[:2000]
+            finally:
+                if engine is not None:
+                    engine.release()
+                torch._dynamo.reset()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        results = gather_objects(ctx, (ms, peak, error, build_s, pipelined))
+        ran = results[:gpus]  # the 1-GPU mode runs on rank 0 only
+        errors = [r[2] for r in ran if r[2]]
+        builds = [r[3] for r in ran if r[3] is not None]
+        rows.append(dict(
+            model=spec.name, mode=mode, backend=label, shape=shape.label, tokens=tokens[shape.label],
+            plan=plan.label if plan is not None else None,
+            all_to_all=transport if plan is not None and plan.has_exchanges else None,
+            batch=batch, text_tokens=shape.text_tokens, gpus=gpus,
+            ms=max(r[0] for r in ran), ms_per_rank=[r[0] for r in ran], pipelined_ms=max(r[4] for r in ran),
+            peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
+            build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
+        ))
+        if ctx.is_main:
+            print(f"[benchmark] {spec.name} {mode} [{label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
+                  f" (ranks {', '.join(f'{t:.1f}' for t in rows[-1]['ms_per_rank'])};"
+                  f" back to back {rows[-1]['pipelined_ms']:.1f} ms/call)"
+                  + (f" (build {rows[-1]['build_s']:.1f} s)" if rows[-1]["build_s"] else "")
+                  + (f" ERROR {rows[-1]['error']}" if rows[-1]["error"] else ""), file=sys.stderr, flush=True)
+            if on_row is not None:
+                on_row(rows)
+
+    backends = [EngineOptions.parse(b) for b in args.backends]
+    if not args.tiny and device.type != "cuda":
+        backends = [b for b in backends if not b.cuda_graph]
+    # 1. one GPU: rank 0 alone; the others wait at the gather in record()
+    single = single_process_forward(spec, model, device) if ctx.is_main else None
+    for options in backends:
+        for shape in shapes:
+            record("1 GPU", shape, 1, single, None, options)
+    if single is not None:
+        single.restore()
+    # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
+    for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
+        for transport in (args.all_to_all if plan.has_exchanges else ["nccl"]):
+            parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
+            mode = mode_label(plan, transport)
+            for options in backends:
+                for shape in shapes:
+                    record(mode, shape, ctx.world_size, parallel, ctx.control_group, options, plan=plan,
+                           transport=transport)
+            parallel.restore()
+    # 3. diffusers-native Ulysses (families whose record says it runs them; CUDA only: it divides by the
+    # accelerator count)
+    if spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers:
+        from diffusers import ContextParallelConfig
+
+        setup_error = None
+        try:
+            model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ctx.world_size))
+        except Exception as exc:  # same on every rank (before any collective): report it in the rows
+            setup_error = repr(exc)
+        for shape in shapes:
+            # eager only: diffusers' own CLI skips torch.compile with context parallelism
+            record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group,
+                   EngineOptions(), error=setup_error)
+    # 4. peers (xDiT, cache-dit), last of all: they change process-wide state (compiler settings,
+    # xDiT's process groups) and are the likeliest to fail.
+    for name in args.peers:
+        measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
+    del model
+    # The model is also held in reference cycles (diffusers' parallelism hooks, compiled wrappers):
+    # without a collection the next model's rows counted this one's weights in their peak memory
+    # (Cosmos-2B after FLUX: 29-37 GiB per rank instead of 11-15).
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
+    """Every rank's errors joined (None when no rank failed): the same answer on every rank."""
+    errors = [e for e in gather_objects(ctx, error) if e]
+    return "; ".join(dict.fromkeys(errors)) or None
+
+
+def measure_peer(peer: Peer, spec: BenchModel, model: torch.nn.Module, shapes: list[Shape],
+                 ctx: ParallelContext, record: Callable[..., None], *, warmup: int) -> None:
+    """Rows of one peer on every shape: eager, then compiled as the peer advises (benchmarks/peers.py).
+
+    A peer that cannot run (not installed, no CUDA, import or set-up error) gets rows that say why.
+    All ranks agree on each stage's outcome (import, set-up, compile) before the next one, so a
+    failure on one rank never leaves another waiting in a collective the first will not join.
+    """
+    mode = peer_mode(peer, ctx.world_size)
+    error = agreed_error(ctx, unavailable_reason(peer, ctx, spec))
+    if error is None:
+        error = agreed_error(ctx, _attempt(import_peer, peer))
+    with compiler_settings_restored():
+        transformer = None
+        if error is None:
+            first = shapes[0]
+            try:
+                transformer = parallelize_peer(peer, spec, model, ctx, height=first.height, width=first.width,
+                                               text_tokens=first.text_tokens)
+            except Exception as exc:  # noqa: BLE001 - recorded in the rows, agreed below
+                error = repr(exc)[:2000]
+            error = agreed_error(ctx, error)
+        for backend in ("eager", peer.compiled_backend):
+            forward, note = transformer, None
+            if backend != "eager":
+                note = peer.compile_note
+                if error is None:
+                    try:
+                        forward = compile_peer(peer, transformer)
+                    except Exception as exc:  # noqa: BLE001
+                        forward, error = None, repr(exc)[:2000]
+                    error = agreed_error(ctx, error)
+            for shape in shapes:
+                shape_error = error
+                if error is None:
+                    shape_error = agreed_error(ctx, _attempt(set_input_shape, peer, height=shape.height,
+                                                              width=shape.width, text_tokens=shape.text_tokens))
+                record(mode, shape, ctx.world_size, forward, ctx.control_group, EngineOptions(), error=shape_error,
+                       backend=backend, note=note, warmup=warmup)
+
+
+def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """None if fn(*args, **kwargs) returns, else its exception's repr."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - e.g. a peer's missing dependency
+        return repr(exc)[:2000]
+    return None
+
+
+def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
+    """Add speedup vs the 1-GPU row of the same model, shape and backend, and MFU where the peak is known."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    base = {(r["model"], r["shape"], r["backend"]): r["ms"] for r in rows if r["mode"] == "1 GPU"}
+    for r in rows:
+        b = base.get((r["model"], r["shape"], r["backend"]))
+        r["speedup"] = b / r["ms"] if b and r["ms"] == r["ms"] and r["ms"] > 0 else None
+        r["mfu"] = r["flops"] / (r["ms"] / 1e3 * r["gpus"] * peak) if peak and r["flops"] and r["ms"] > 0 else None
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Compact text table of the rows."""
+    head = f"{'model':<11} {'mode':<34} {'backend':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        mfu = f"{r['mfu']:.0%}" if r["mfu"] else "-"
+        lines.append(f"{r['model']:<11} {r['mode']:<34} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
+                     f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else ""))
+    return "\n".join(lines)
+
+
+def comma_list(parser: argparse.ArgumentParser, text: str, what: str, choices: tuple[str, ...]) -> list[str]:
+    """The items of a comma-separated option; parser.error (exit 2) names the first one not in `choices`."""
+    items = [item for item in text.split(",") if item]
+    for item in items:
+        if item not in choices:
+            parser.error(f"unknown {what} {item!r}; choose from {', '.join(choices)}")
+    return items
+
+
+def engine_labels(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The engine labels of a comma-separated --backends; parser.error names the first bad one and why."""
+    labels = [label for label in text.split(",") if label]
+    for label in labels:
+        try:
+            EngineOptions.parse(label)
+        except ValueError as error:
+            parser.error(f"bad backend {label!r}: {error}")
+    return labels
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="flux-dev",
+                   help=f"comma-separated registered checkpoints: {', '.join(benchmarkable())} (default flux-dev; "
+                        "random weights of the published architecture)")
+    p.add_argument("--sizes", default=None,
+                   help="image sizes HxW, comma-separated (default: the family's, e.g. 1024x1024,2048x2048)")
+    p.add_argument("--video", default=None,
+                   help="video sizes FxHxW, comma-separated (default: the family's, e.g. 93x704x1280)")
+    p.add_argument("--text-tokens", type=int, default=512, help="text tokens (T5), default 512")
+    p.add_argument("--batch", type=int, default=0,
+                   help="batch (default: the family's: 1, or 2 = cond+uncond for guidance-batched families)")
+    p.add_argument("--strategies", default="ulysses,ring,allgather,ulysses-ring",
+                   help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    p.add_argument("--cfg", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure CFG-parallel plans (default: on for guidance-batched families, Cosmos)")
+    p.add_argument("--all-to-all", default="nccl",
+                   help=f"comma-separated transports of the Ulysses all-to-alls and K/V exchanges to measure: "
+                        f"{', '.join(TRANSPORTS)} "
+                        "(default nccl; engines/copy_engine.py)")
+    p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
+    p.add_argument("--peers", default="",
+                   help=f"comma-separated peers to measure last: {', '.join(PEERS)} (default none), on the families "
+                        "whose record names them (FLUX); each is timed eager and compiled as it advises "
+                        "(benchmarks/peers.py); one that cannot run gets rows with the reason")
+    p.add_argument("--backends", default="eager",
+                   help="comma-separated engine labels (engines.options.EngineOptions): eager, inductor, "
+                        "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (rank 0)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after timing each mode, profile one call per rank into this folder (trace + top-ops table)")
+    args = p.parse_args(argv)
+    args.models = comma_list(p, args.model, "model", tuple(benchmarkable()))
+    args.backends = engine_labels(p, args.backends)
+    args.peers = comma_list(p, args.peers, "peer", tuple(PEERS))
+    args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
+    args.all_to_all = comma_list(p, args.all_to_all, "all-to-all transport", TRANSPORTS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Benchmark entry point (see the module docstring)."""
+    args = parse_args(argv)
+    # As the app runs: cuBLAS without a workspace; inductor's kernels beside the engine cache if one is used.
+    set_environment(run_environment(args.cache_dir) if args.cache_dir else CUBLAS_WITHOUT_WORKSPACE)
+    ctx = init_parallel("cpu" if args.tiny else None)
+    try:
+        meta = dict(all_to_all=args.all_to_all,
+            command=" ".join(sys.argv), world_size=ctx.world_size, torch=torch.__version__,
+            diffusers=diffusers.__version__, cuda=torch.version.cuda,
+            nccl=".".join(map(str, torch.cuda.nccl.version())) if ctx.device.type == "cuda" else None,
+            device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+            dtype="float32" if args.tiny else "bfloat16", backends=args.backends, warmup=args.warmup,
+            iters=args.iters, cublas_env={name: os.environ.get(name) for name in CUBLAS_WITHOUT_WORKSPACE},
+        )
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if args.out:  # after every row, so a run cut short still leaves its numbers
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(dict(meta=meta, rows=finish(rows, ctx.device)), indent=2))
+
+        args.on_row = save
+        rows: list[dict[str, Any]] = []
+        for name in args.models:
+            spec = bench_model(name, tiny=args.tiny)
+            bench = spec.family.bench
+            given = args.video if bench.video else args.sizes
+            sizes = given or ",".join(bench.tiny_sizes if args.tiny else bench.sizes)
+            shapes = parse_shapes(sizes, video=bench.video, text_tokens=args.text_tokens)
+            cfg = spec.family.guidance_batch if args.cfg is None else args.cfg  # only guidance-batched calls split
+            run_model(spec, shapes, args, ctx, cfg=cfg, rows=rows)
+        if ctx.is_main:
+            rows = finish(rows, ctx.device)
+            print(table(rows), flush=True)
+            save(rows)
+    finally:
+        shutdown(ctx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""FLUX's attention made context-parallel: q/k/v as diffusers' FluxAttnProcessor makes them, and the
+processor that installs in each FluxAttention of a parallelized FluxTransformer2DModel.
+
+The projections are written here, not imported (diffusers keeps its own helper private): plain
+to_q/to_k/to_v and add_*_proj, or diffusers' fused to_qkv/to_added_qkv after fuse_qkv_projections().
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from torch import nn
+
+from engines.attention import GatherAttention, context_parallel_attention
+from engines.collectives import linear_after
+from engines.mesh import ParallelMesh
+from engines.plan import ParallelPlan
+from engines.sharding import ShardLayout
+
+
+def _projections(attn: Any, x: torch.Tensor, *, fused: str, plain: tuple[str, str, str]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v projections of one stream: the fused projection `fused` when the module's projections
+    are fused, else the three `plain` ones."""
+    if attn.fused_projections:
+        query, key, value = getattr(attn, fused)(x).chunk(3, dim=-1)
+        return query, key, value
+    return tuple(getattr(attn, name)(x) for name in plain)
+
+
+def query_key_value(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (BSHD) as diffusers' FluxAttnProcessor makes them: projections, q/k norms, the text
+    stream's in front (double-stream blocks), rotary embedding."""
+    query, key, value = _projections(attn, hidden_states, fused="to_qkv", plain=("to_q", "to_k", "to_v"))
+    if encoder_hidden_states is None or attn.added_kv_proj_dim is None:  # a single-stream block
+        encoder_query = encoder_key = encoder_value = encoder_norm_q = encoder_norm_k = None
+    else:
+        encoder_query, encoder_key, encoder_value = _projections(
+            attn, encoder_hidden_states, fused="to_added_qkv", plain=("add_q_proj", "add_k_proj", "add_v_proj"))
+        encoder_norm_q, encoder_norm_k = attn.norm_added_q, attn.norm_added_k
+    return (
+        _joint(attn, query, encoder_query, attn.norm_q, encoder_norm_q, image_rotary_emb),
+        _joint(attn, key, encoder_key, attn.norm_k, encoder_norm_k, image_rotary_emb),
+        _joint(attn, value, encoder_value, None, None, None),
+    )
+
+
+def _keys(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """k of a double-stream block (unfused projections), as query_key_value makes it."""
+    return _joint(attn, attn.to_k(hidden_states), attn.add_k_proj(encoder_hidden_states), attn.norm_k,
+                  attn.norm_added_k, image_rotary_emb)
+
+
+def _projected_after(
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    proj: nn.Linear,
+    encoder_proj: nn.Linear,
+    after: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj(hidden_states) and encoder_proj(encoder_hidden_states) of a double-stream block, both
+    ordered after the op that produced `after` (collectives.linear_after)."""
+    return (linear_after(hidden_states, proj.weight, proj.bias, after),
+            linear_after(encoder_hidden_states, encoder_proj.weight, encoder_proj.bias, after))
+
+
+def _values(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+            after: torch.Tensor) -> list[torch.Tensor]:
+    """v of a double-stream block (unfused projections) as its text and image parts, in the joint
+    order: the K/V all-gather takes them apart, which spares their concatenation. Both projections
+    are ordered after the op that produced `after` (the keys' all-gather, which travels meanwhile)."""
+    value, encoder_value = _projected_after(hidden_states, encoder_hidden_states, attn.to_v, attn.add_v_proj, after)
+    return [_joint(attn, encoder_value, None, None, None, None), _joint(attn, value, None, None, None, None)]
+
+
+def _queries(
+    attn: Any,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    after: torch.Tensor,
+) -> torch.Tensor:
+    """q of a double-stream block (unfused projections), as query_key_value makes it, with both
+    projections ordered after the op that produced `after` (collectives.linear_after)."""
+    query, encoder_query = _projected_after(hidden_states, encoder_hidden_states, attn.to_q, attn.add_q_proj, after)
+    return _joint(attn, query, encoder_query, attn.norm_q, attn.norm_added_q, image_rotary_emb)
+
+
+def gathers_kv(plan: ParallelPlan) -> bool:
+    """Whether the plan shares K/V with ONE all-gather (GatherAttention): the "allgather" strategy."""
+    return plan.ring > 1 and plan.kv_exchange == "allgather"
+
+
+def _plain_projections(attn: Any) -> bool:
+    """Whether q and v come from plain nn.Linear projections (not fused, not wrapped by an adapter)."""
+    return not attn.fused_projections and all(
+        type(proj) is nn.Linear for proj in (attn.to_q, attn.add_q_proj, attn.to_v, attn.add_v_proj))
+
+
+def _joint(
+    attn: Any,
+    x: torch.Tensor,
+    encoder_x: torch.Tensor | None,
+    norm: nn.Module | None,
+    encoder_norm: nn.Module | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One of q, k, v (BSHD) from its projections of the image and (double blocks) text streams:
+    split into heads, the q/k norms (None for v), text in front, rotary embedding (None for v)."""
+    x = x.unflatten(-1, (-1, attn.head_dim))
+    if norm is not None:
+        x = norm(x)
+    if encoder_x is not None:
+        encoder_x = encoder_x.unflatten(-1, (-1, attn.head_dim))
+        if encoder_norm is not None:
+            encoder_x = encoder_norm(encoder_x)
+        x = torch.cat([encoder_x, x], dim=1)
+    if image_rotary_emb is not None:
+        x = apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)
+    return x
+
+
+class FluxContextParallelProcessor:
+    """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope).
+
+    With the "allgather" strategy a double-stream block's attention is reordered around its one
+    K/V all-gather (GatherAttention): the keys of both streams are projected first and their
+    all-gather issued, the values are projected while the keys travel (on copy engines; NCCL
+    gathers both at once) and their all-gather issued, the queries are projected while the values
+    travel, then one attention kernel runs over every key. (Ring attention hides its K/V pass
+    under the attention to the own K/V instead, and pays for it with one attention kernel per
+    block and a log-sum-exp merge; a double block has no other compute to hide the exchange
+    behind: docs/benchmarks.md.)
+    """
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+        self.gather_double = gathers_kv(mesh.plan)
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cp_layout: ShardLayout | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cp_layout is None:
+            raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
+        if attention_mask is not None:
+            raise ValueError("FLUX attention masks are not supported with context parallelism")
+        double = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if double and self.gather_double and _plain_projections(attn):
+            gather = GatherAttention(mesh=self.mesh, layout=cp_layout)
+            key = _keys(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            keys = gather.start_keys(key)
+            value = _values(attn, hidden_states, encoder_hidden_states, after=keys)
+            pending = gather.start_values(value, keys)
+            query = _queries(attn, hidden_states, encoder_hidden_states, image_rotary_emb, after=pending)
+            hidden_states = gather.finish(gather.attend_query(query, pending))
+        else:
+            query, key, value = query_key_value(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            hidden_states = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [text_len, hidden_states.shape[1] - text_len], dim=1
+        )
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states

@@ -1,0 +1,91 @@
+"""FLUX's single-stream block with its context-parallel exchanges overlapped by the block's own MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+from torch import nn
+
+from engines.attention import GatherAttention, RingAttention, UlyssesAttention
+from engines.flux_attention import query_key_value, gathers_kv
+from engines.mesh import ParallelMesh
+
+
+class OverlappedSingleBlock(nn.Module):
+    """diffusers' FluxSingleTransformerBlock for plans with one sequence axis (Ulysses, ring or
+    all-gather), with its exchanges overlapped.
+
+    The block computes mlp = GELU(proj_mlp(x)) and attention(x) side by side, then
+    proj_out(cat(attention, mlp)). diffusers runs the MLP first and the attention after, so each
+    exchange of the attention waits with nothing to do. Here (engines.attention's UlyssesAttention,
+    GatherAttention or RingAttention, as the plan says):
+    1. q/k/v are projected and their head-scatter all-to-all (Ulysses), the all-gather of this
+       rank's K/V (allgather) or its first K/V pass (ring) is issued;
+    2. the MLP runs while it travels (4x the FLOPs of the q/k/v projections);
+    3. Ulysses: attention, then its token-gather all-to-all is issued, and the MLP's share of
+       proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b, W_a and W_m
+       being column slices of proj_out's weight (views: no copy);
+       ring and allgather: the MLP's share of proj_out also runs before the attention (nothing
+       travels after it), so the K/V exchange has both GEMMs to hide under: inside a CUDA graph
+       its local copy-out may run as a kernel, which waits for free SMs (docs/benchmarks.md);
+    4. the attention's share is added. Residual and gate as in diffusers.
+    Splitting proj_out also spares the concatenation, which under ring fused with the LSE merge
+    into one slow kernel (150 us a block at FLUX 1024², against ~40 us for GELU alone).
+    Same parameters (the original block is a child; ParallelFlux.restore puts it back) and the same
+    result up to float rounding (tests/test_engines_flux_overlap.py). The waits are explicit ops,
+    so torch.compile keeps the order (with EngineOptions.overlap).
+    Measured on 2x H200 (docs/benchmarks.md, FLUX.1-dev 1024²): with NCCL the q/k/v all-to-all's
+    kernel starts only after the MLP GEMM, whose CTAs take every SM, so little is hidden; on copy
+    engines (no SM needed) the all-gather plan's K/V exchange runs entirely under the MLP GEMM.
+    """
+
+    def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh) -> None:
+        super().__init__()
+        self.block = block
+        self.mesh = mesh
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block, attn = self.block, self.block.attn
+        layout = (joint_attention_kwargs or {}).get("cp_layout")
+        if layout is None:
+            raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
+        mesh = self.mesh
+        if mesh.plan.ulysses > 1:
+            split = UlyssesAttention(degree=mesh.plan.ulysses, group_name=mesh.ulysses_group_name, layout=layout,
+                                     transport=mesh.all_to_all)
+        elif gathers_kv(mesh.plan):
+            split = GatherAttention(mesh=mesh, layout=layout)
+        else:
+            split = RingAttention(mesh=mesh, layout=layout)
+        text_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
+
+        query, key, value = query_key_value(attn, norm_hidden_states, None, image_rotary_emb)
+        pending = split.start(query, key, value)
+        mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
+        weight = block.proj_out.weight
+        width = weight.shape[1] - block.mlp_hidden_dim  # attention output width
+        if isinstance(split, UlyssesAttention):  # its second all-to-all travels under the MLP's proj_out share
+            pending = split.attend(pending)
+            out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
+        else:  # ring, allgather: no exchange after the attention; K/V get the MLP's proj_out share too
+            out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
+            pending = split.attend(pending)
+        attention = split.finish(pending).flatten(2, 3).to(query.dtype)
+        out = out + F.linear(attention, weight[:, :width])
+
+        hidden_states = hidden_states + gate.unsqueeze(1) * out
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states[:, :text_len], hidden_states[:, text_len:]

@@ -1,0 +1,179 @@
+"""Every run option's name, choices and default, and the environment a run sets: one torch-free module.
+
+The CLI (`--help`, the checks made before anything is loaded) and the engines read their choices
+from here, so the two can never disagree and `ulysses-studio --help` imports no torch.
+
+    options = RunOptions(strategy="allgather", all_to_all="copy-engine",
+                         backend="inductor-blocks+overlap+cudagraph")
+    engine = EngineOptions.parse(options.backend_for("cuda"))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
+"""How the ranks of one guidance branch split the token sequence (engines.plan.ParallelPlan):
+ulysses = all-to-all from sequence shards to head shards; ring = K/V passed around the ranks;
+allgather = K/V gathered once, one attention over every key; ulysses-ring = both axes."""
+
+TRANSPORTS = ("nccl", "copy-engine")
+"""How the context-parallel exchanges (Ulysses all-to-alls, ring K/V passes, K/V all-gathers)
+travel: the process group's collectives, or peer copies on the GPUs' copy engines
+(engines/copy_engine.py)."""
+
+BACKENDS = ("eager", "inductor", "tensorrt")
+SCOPES = ("whole", "blocks")
+
+DEFAULT_STRATEGY = "ulysses"
+DEFAULT_TRANSPORT = "nccl"
+DEFAULT_RANK_TIMEOUT = 30.0
+"""Seconds a rank waits for the others at an agreement point before it ends the job."""
+
+ENGINE_CACHE_ENV = "ULYSSES_STUDIO_ENGINE_CACHE"
+DEFAULT_ENGINE_CACHE = Path("~/.cache/ulysses-studio/engines")
+
+CUBLAS_WITHOUT_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+"""cuBLAS without a workspace. With one, cuBLAS picks variants of its Hopper GEMM kernels that need a
+4-byte memset before each launch; inside a CUDA graph each memset costs 4-9 us of idle GPU, ~300 a
+FLUX step. Without one it picks the same tiles without the memset. Measured on H200
+(docs/benchmarks.md): FLUX.1-dev 1024² steps 2.5-3.4% faster on 1 and 2 GPUs, 2048² 1.3%,
+Cosmos-Predict2-2B unchanged. It takes effect only before a process's first cuBLAS call, which is
+why entry points set it before they import torch."""
+
+
+def default_backend(device_type: str) -> str:
+    """Per-block compiled engines on GPUs (built in seconds, steps faster); eager on CPUs."""
+    return "inductor-blocks" if device_type == "cuda" else "eager"
+
+
+def engine_cache_dir(given: Path | str | None) -> Path:
+    """The engine cache folder: `given`, else $ULYSSES_STUDIO_ENGINE_CACHE, else ~/.cache/ulysses-studio/engines."""
+    if given is not None:
+        return Path(given).expanduser()
+    return Path(os.environ.get(ENGINE_CACHE_ENV) or DEFAULT_ENGINE_CACHE).expanduser()
+
+
+def run_environment(engine_cache: Path) -> dict[str, str]:
+    """The variables a run sets where the user has not: cuBLAS without a workspace (see
+    CUBLAS_WITHOUT_WORKSPACE), and inductor's kernel cache beside the engine cache, so that the
+    kernels an engine build makes (C++ on CPUs, Triton on GPUs) are found again with its artifacts."""
+    return {**CUBLAS_WITHOUT_WORKSPACE, "TORCHINDUCTOR_CACHE_DIR": str(engine_cache / "inductor")}
+
+
+def set_environment(values: dict[str, str], environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set each of `values` that the user has not set in `environ` (the two cuBLAS variables together:
+    either one set by the user keeps both as they are); returns what was set. For entry points,
+    before their first cuBLAS call and first compile."""
+    skip = set(CUBLAS_WITHOUT_WORKSPACE) if any(name in environ for name in CUBLAS_WITHOUT_WORKSPACE) else set()
+    applied = {name: value for name, value in values.items() if not _user_set(name, environ) and name not in skip}
+    environ.update(applied)
+    return applied
+
+
+def _user_set(name: str, environ: MutableMapping[str, str]) -> bool:
+    """Whether `name` in `environ` is the user's choice. Importing torch._dynamo fills in
+    TORCHINDUCTOR_CACHE_DIR with inductor's default folder (torch 2.13): that value is not a choice
+    (taking it for one sent the kernels to the machine-wide folder, where a "cold" engine cache
+    found them warm)."""
+    value = environ.get(name)
+    if name == "TORCHINDUCTOR_CACHE_DIR" and value and "torch._dynamo" in sys.modules:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+    return value is not None
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EngineOptions:
+    """How a rank's transformer is turned into an engine (engines.compile); written as a label,
+    e.g. "inductor-blocks+overlap+cudagraph"."""
+
+    backend: str = "eager"
+    """"eager", "inductor" or "tensorrt"."""
+    scope: str = "whole"
+    """"whole" (one fullgraph compile of the rank forward) or "blocks" (each repeated block)."""
+    cuda_graph: bool = False
+    """Capture the whole rank forward into one CUDA graph per input signature (CUDA only)."""
+    overlap: bool = False
+    """inductor only: keep the program's order of collectives and compute (inductor's locality and
+    peak-memory reorderings off). Blocks that write their compute between a collective's start and
+    its wait (engines.flux_blocks.OverlappedSingleBlock) then run it during the transfer; with the
+    default reorderings inductor moves that compute after the wait (tests/test_engines_flux_overlap.py)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"unknown compile scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
+        if self.scope == "blocks" and self.backend == "eager":
+            raise ValueError("the eager backend compiles nothing: it has no -blocks form")
+        if self.overlap and self.backend != "inductor":
+            raise ValueError("+overlap applies to the inductor backend only")
+
+    @property
+    def label(self) -> str:
+        """Short name, e.g. "eager", "inductor", "inductor-blocks+overlap+cudagraph"."""
+        name = self.backend + ("-blocks" if self.scope == "blocks" else "")
+        return name + ("+overlap" if self.overlap else "") + ("+cudagraph" if self.cuda_graph else "")
+
+    @classmethod
+    def parse(cls, text: str) -> EngineOptions:
+        """Inverse of `label`: "inductor-blocks+overlap+cudagraph" -> EngineOptions(...); ValueError
+        naming what is wrong."""
+        name, *flags = text.split("+")
+        unknown = set(flags) - {"overlap", "cudagraph"}
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(sorted(unknown))} in {text!r}; "
+                             "options are +overlap and +cudagraph")
+        backend, _, scope = name.partition("-")
+        if scope not in ("", "blocks"):
+            raise ValueError(f"{text!r} is not an engine; use eager, inductor, inductor-blocks or tensorrt(-blocks), "
+                             "optionally with +overlap (inductor) and +cudagraph")
+        return cls(backend=backend, scope="blocks" if scope else "whole", cuda_graph="cudagraph" in flags,
+                   overlap="overlap" in flags)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RunOptions:
+    """How a run spreads its models over the ranks and turns their transformers into engines: the
+    options `generate`, `serve`, `batch` and `build` share, checked once here."""
+
+    device: str | None = None
+    """"cuda", "cuda:1", "cpu", or None: this rank's GPU when there is one, else the CPU."""
+    strategy: str = DEFAULT_STRATEGY
+    """One of STRATEGIES."""
+    cfg_parallel: bool = False
+    """Guidance-batched (Cosmos-style) models: the conditional and unconditional branches run on two
+    halves of the ranks, each half splitting the sequence by `strategy`."""
+    all_to_all: str = DEFAULT_TRANSPORT
+    """One of TRANSPORTS."""
+    backend: str | None = None
+    """An EngineOptions label; None picks default_backend for the device."""
+    engine_cache: Path | None = None
+    """Engine cache folder; None: engine_cache_dir's default."""
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT
+    """Seconds a rank waits for the others at an agreement point."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.all_to_all not in TRANSPORTS:
+            raise ValueError(f"unknown all-to-all transport {self.all_to_all!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.backend is not None:
+            EngineOptions.parse(self.backend)
+        if not self.rank_timeout > 0:
+            raise ValueError(f"rank timeout must be positive, got {self.rank_timeout}")
+
+    def engine(self, device_type: str) -> EngineOptions:
+        """The engine this run builds on a `device_type` ("cuda" or "cpu") rank."""
+        return EngineOptions.parse(self.backend or default_backend(device_type))
+
+    @property
+    def cache_dir(self) -> Path:
+        """The engine cache folder in effect."""
+        return engine_cache_dir(self.engine_cache)

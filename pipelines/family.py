@@ -1,0 +1,123 @@
+"""What a model family and a named checkpoint are: the records pipelines.families fills in.
+
+A family (FLUX-style, Cosmos-style, ...) is everything that makes one diffusers transformer class
+run here: our pipeline for it, its parallelize function, its repeated blocks, how its requests are
+limited, how the benchmark calls it, and its named checkpoints with their defaults. Every place
+that needs to know about a model reads its family's record, so adding a family is one record plus
+its own modules (its pipeline, its engines adapter).
+
+Code is named as "module:attribute" and imported when first used (`load`): reading the records
+(`--help`, the checks made before anything is loaded) imports no torch, and a family whose
+pipeline module is heavy costs nothing until a model of it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def load(reference: str) -> Any:
+    """The object a "module:attribute" reference names (e.g. "engines.flux:parallelize_flux")."""
+    module, _, attribute = reference.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"{reference!r} is not a 'module:attribute' reference")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Architecture:
+    """A checkpoint's published component configs: enough to build it with random weights (benchmarks
+    measure speed on random weights of the real architectures; no download)."""
+
+    transformer: dict[str, Any]
+    """Keyword arguments of the family's diffusers transformer class."""
+    vae_class: str
+    """Reference of the VAE class, e.g. "diffusers:AutoencoderKL"."""
+    vae: dict[str, Any]
+    """Keyword arguments of vae_class (its defaults fill the rest)."""
+    text_encoders: dict[str, tuple[str, dict[str, Any]]]
+    """Component name -> (reference of its transformers model class, keyword arguments of its config)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A named checkpoint: what it makes, where its weights are looked for, how it runs by default."""
+
+    name: str
+    """Registry name, e.g. 'flux-dev'."""
+    family: str
+    """Name of its ModelFamily."""
+    media: Literal["image", "video"]
+    """What one request produces."""
+    checkpoint_class: str
+    """The diffusers pipeline class its model_index.json names, e.g. "FluxPipeline"."""
+    folder: str
+    """Folder name under the models root (or under assets/ for embedded models)."""
+    source: str
+    """Where a user gets the weights (a hub id to copy locally, or 'embedded')."""
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    frames: int = 1
+    fps: int = 16
+    max_sequence_length: int = 512
+    negative_prompt: str = ""
+    embedded: bool = False
+    """True for the tiny models shipped in assets/."""
+    architecture: Architecture | None = None
+    """Published configs of its components (for random-weight benchmarks), where known."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchShapes:
+    """How the benchmark calls a family's transformer."""
+
+    inputs: str
+    """Reference of the function that builds the transformer's keyword arguments for one size
+    (benchmarks.inputs)."""
+    sizes: tuple[str, ...]
+    """Default sizes: "HxW" for images, "FxHxW" for videos (pixels)."""
+    tiny_sizes: tuple[str, ...]
+    """Sizes for the tiny, CPU smoke-test configs."""
+    video: bool = False
+    """Sizes carry a frame count."""
+    batch: int = 1
+    """Batch of one transformer call (2 for guidance-batched families: conditional + unconditional)."""
+    peers: tuple[str, ...] = ()
+    """Peer implementations (benchmarks.peers) that run this family's transformer."""
+    diffusers_parallel: bool = False
+    """diffusers' own context parallelism (enable_parallelism) runs this family's transformer."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFamily:
+    """One family of diffusion models: see the module docstring."""
+
+    name: str
+    """Registry name, e.g. "flux"."""
+    title: str
+    """What a person calls it, e.g. "FLUX-style"."""
+    transformer: str
+    """Reference of its diffusers transformer class, e.g. "diffusers:FluxTransformer2DModel"."""
+    pipeline: str
+    """Reference of our pipeline class (encode -> denoise -> decode), e.g. "pipelines.flux:FluxImagePipeline"."""
+    parallelize: str
+    """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer."""
+    repeated_blocks: tuple[str, ...]
+    """Names of the transformer's ModuleLists of repeated blocks (per-block compilation)."""
+    limits: str
+    """Reference of the torch-free function (spec, folder, cfg_parallel) -> MediaLimits that reads
+    what sizes and frame counts a checkpoint accepts from its configs."""
+    guidance_batch: bool
+    """Its transformer call batches classifier-free guidance's two branches (--cfg-parallel applies)."""
+    bench: BenchShapes
+    models: tuple[ModelSpec, ...] = field(default=())
+    """Its named checkpoints."""
+
+    def __post_init__(self) -> None:
+        for spec in self.models:
+            if spec.family != self.name:
+                raise ValueError(f"model {spec.name!r} names family {spec.family!r}, not {self.name!r}")

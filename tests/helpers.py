@@ -1,0 +1,127 @@
+"""What many tests share: free ports, spawned gloo ranks, tiny transformers and their inputs.
+
+    def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+        join_ranks(rank, world_size, port)        # torchrun's variables, one CPU thread
+        ctx = init_parallel("cpu")
+        ...
+
+    spawn_ranks(_worker, 2, str(tmp_path))        # _worker(rank, 2, <free port>, str(tmp_path)) on 2 processes
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+# Tiny transformer configs: 6 heads (divisible by 2 and 3), token counts chosen by each test.
+FLUX_TINY = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=6,
+    joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)
+COSMOS_TINY = dict(
+    in_channels=4 + 1, out_channels=4, num_attention_heads=6, attention_head_dim=12, num_layers=2, mlp_ratio=2.0,
+    text_embed_dim=16, adaln_lora_dim=8, max_size=(16, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=True,
+    extra_pos_embed_type=None, rope_scale=(1.0, 3.0, 3.0),
+)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_ranks(rank: int, world_size: int, port: int) -> None:
+    """In a spawned rank: the environment torchrun would give it (all ranks on this host), one CPU thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+
+
+def spawn_ranks(worker: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run worker(rank, world_size, port, *args) on `world_size` processes; raise if any fails."""
+    mp.spawn(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=True)
+
+
+def torchrun(world_size: int, *args: str) -> list[str]:
+    """The command line of `python -m torch.distributed.run` on `world_size` local ranks and a free port."""
+    return [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), *args]
+
+
+def tiny_flux() -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(**FLUX_TINY)
+
+
+def tiny_cosmos() -> torch.nn.Module:
+    from diffusers import CosmosTransformer3DModel
+
+    # diffusers' own forward is the reference, so no padding-mask concat (it needs torchvision);
+    # the learnable position embedding is on to test its sharding.
+    return CosmosTransformer3DModel(**{**COSMOS_TINY, "concat_padding_mask": False, "extra_pos_embed_type": "learnable"})
+
+
+def randomize(model: torch.nn.Module) -> torch.nn.Module:
+    """Random values in every parameter: diffusers zero-initialises some (pos-emb, gates), random values test more."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def flux_inputs(image_tokens: tuple[int, int], text_tokens: int, batch: int = 2) -> dict:
+    h, w = image_tokens
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    return dict(
+        hidden_states=torch.randn(batch, h * w, 16),
+        encoder_hidden_states=torch.randn(batch, text_tokens, 32),
+        pooled_projections=torch.randn(batch, 32),
+        timestep=torch.rand(batch),
+        img_ids=img_ids.reshape(-1, 3),
+        txt_ids=torch.zeros(text_tokens, 3),
+        guidance=torch.full((batch,), 3.5),
+        return_dict=False,
+    )
+
+
+def cosmos_inputs(grid: tuple[int, int, int], batch: int = 2) -> dict:
+    t, h, w = grid
+    return dict(
+        hidden_states=torch.randn(batch, 4, t, 2 * h, 2 * w),
+        timestep=torch.rand(batch, 1, t, 1, 1),
+        encoder_hidden_states=torch.randn(batch, 7, 16),
+        fps=24,
+        condition_mask=torch.rand(batch, 1, t, 2 * h, 2 * w),
+        attention_mask=torch.ones(batch, 7),
+        return_dict=False,
+    )
+
+
+def parallelize(model: torch.nn.Module, ctx: Any, plan: Any = None, *, all_to_all: str = "nccl") -> Any:
+    """parallelize_transformer with the adapter of the registered family whose transformer `model` is."""
+    from engines.parallelize import parallelize_transformer
+    from pipelines.family import load
+    from pipelines.registry import FAMILIES
+
+    family = next(f for f in FAMILIES.values() if isinstance(model, load(f.transformer)))
+    return parallelize_transformer(model, ctx, plan, load(family.parallelize), all_to_all=all_to_all)
+
+
+def plan_id(plan: Any) -> str:
+    """A parametrized case's name for a ParallelPlan, e.g. "allgather-2" or "cfg-2xulysses-2"."""
+    return plan.label

@@ -1,0 +1,79 @@
+"""The whole-generation benchmark's code path (benchmarks/generation.py), tiny on CPU with 2 gloo ranks under torchrun.
+
+Whole generations through the pipelines and the lockstep service: the JSON says what a GPU run will
+say, and the image (or video) of every parallel mode equals the 1 GPU one within one level.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import PYTHON, REPO, torchrun
+
+FLUX_ARGS = ["--model", "flux-dev", "--steps", "2", "--height", "64", "--width", "64", "--runs", "2",
+             "--warmup-steps", "1"]
+COSMOS_ARGS = ["--model", "cosmos-predict2-2b-video2world", "--cfg", "--steps", "2", "--height", "48", "--width", "64", "--frames", "9",
+               "--runs", "1", "--warmup-steps", "1"]
+
+
+def check_result(path: Path, modes: set[str], runs: int) -> list[dict]:
+    """The JSON's fields, and every parallel mode's output equal to the 1 GPU one; returns the rows."""
+    result = json.loads(path.read_text())
+    meta, rows = result["meta"], result["rows"]
+    assert meta["world_size"] == 2 and len(meta["devices"]) == 2
+    assert meta["command"].startswith("torchrun --nproc-per-node 2 -m benchmarks.generation")
+    for key in ("date", "python", "torch", "diffusers", "transformers", "dtype", "backends", "models"):
+        assert meta[key], key
+    assert {r["mode"] for r in rows} == modes
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["runs"] == runs and r["backend"] == "eager" and r["warmup_s"] > 0
+        stages = r["encode_s"] + r["denoise_s"] + r["decode_s"]
+        assert 0 < stages <= r["total_s"] * 1.01, r  # medians of separate runs: allow a hair
+        assert r["step_ms"] == pytest.approx(r["denoise_s"] / r["steps"] * 1e3)
+        assert len(r["peak_gib"]) == r["gpus"] == (1 if r["mode"] == "1 GPU" else 2)
+        assert r["speedup"] > 0 and r["denoise_speedup"] > 0
+    single = np.load(next(r["media"] for r in rows if r["mode"] == "1 GPU")).astype(np.int16)
+    assert single.std() > 1  # an image, not a flat field: the comparison below means something
+    for r in rows:
+        parallel = np.load(r["media"]).astype(np.int16)
+        assert parallel.shape == single.shape
+        assert np.abs(parallel - single).max() <= 1, (r["mode"], np.abs(parallel - single).max())
+    return rows
+
+
+def test_bench_end_to_end_command_tiny_flux(tmp_path: Path) -> None:
+    cmd = [PYTHON, "-m", "app", "bench", "--ranks", "2", "--tiny", "--end-to-end", "--out", str(tmp_path),
+           "--", *FLUX_ARGS, "--media-dir", str(tmp_path / "media")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = check_result(tmp_path / "e2e.json", {"1 GPU", "ours ulysses-2"}, runs=2)
+    assert {(r["shape"], r["steps"]) for r in rows} == {("64x64", 2)}
+    assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+    assert "ours ulysses-2" in proc.stdout  # the table is printed on rank 0
+
+
+def test_e2e_tiny_cosmos_ulysses_and_cfg(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", *COSMOS_ARGS, "--media-dir", str(tmp_path / "media"),
+                   "--out", str(out))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = check_result(out, {"1 GPU", "ours ulysses-2", "ours cfg-2"}, runs=1)
+    assert {r["shape"] for r in rows} == {"9x48x64"}
+
+
+def test_baseline_gives_the_speedup_of_a_run_without_1_gpu() -> None:
+    from benchmarks.generation import finish
+
+    def row(mode: str, total: float, denoise: float) -> dict:
+        return dict(model="m", shape="64x64", backend="eager", mode=mode, total_s=total, denoise_s=denoise)
+
+    rows = finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[row("1 GPU", 3.0, 2.5)])
+    assert rows[0]["speedup"] == pytest.approx(1.5) and rows[0]["denoise_speedup"] == pytest.approx(2.5)
+    assert finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[])[0]["speedup"] is None

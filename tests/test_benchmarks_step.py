@@ -1,0 +1,64 @@
+"""The GPU benchmark's code path, run tiny on CPU with 2 gloo ranks (torchrun)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from tests.helpers import PYTHON, REPO, torchrun
+
+
+def test_benchmark_tiny_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux-dev,cosmos-predict2-2b-video2world",
+                   "--warmup", "1", "--iters", "2", "--out", str(out))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    modes = {(r["model"], r["mode"]) for r in rows}
+    for model in ("tiny-flux", "tiny-cosmos"):
+        for mode in ("1 GPU", "ours ulysses-2", "ours ring-2", "ours allgather-2"):
+            assert (model, mode) in modes
+    assert ("tiny-cosmos", "ours cfg-2") in modes
+    assert all(r["error"] is None and r["ms"] > 0 and r["speedup"] for r in rows), rows
+    plans = {r["mode"]: r["plan"] for r in rows}  # each row names its plan, K/V exchange included
+    assert plans["ours ring-2"] == "ring-2" and plans["ours allgather-2"] == "allgather-2"
+    assert plans["1 GPU"] is None
+    assert "ours ulysses-2" in proc.stdout  # the table is printed on rank 0
+
+
+def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
+    cmd = [PYTHON, "-m", "app", "bench", "--ranks", "2", "--tiny", "--out", str(tmp_path), "--",
+           "--model", "flux-dev", "--sizes", "64x64", "--strategies", "ulysses", "--warmup", "1", "--iters", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {(r["mode"], r["backend"]) for r in rows} == {("1 GPU", "eager"), ("ours ulysses-2", "eager")}
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_benchmark_tiny_peers_rows_say_why_they_did_not_run(tmp_path: Path) -> None:
+    import importlib.util
+
+    out = tmp_path / "bench.json"
+    cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux-dev", "--sizes", "64x64", "--strategies", "",
+                   "--no-diffusers", "--peers", "xdit,cache-dit", "--warmup", "1", "--iters", "1", "--out", str(out))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {(r["mode"], r["backend"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("1 GPU", "eager"), ("xDiT ulysses-2", "eager"),
+                         ("xDiT ulysses-2", "inductor-reduce-overhead"), ("cache-dit ulysses-2", "eager"),
+                         ("cache-dit ulysses-2", "inductor-blocks")}
+    assert rows[("1 GPU", "eager")]["error"] is None  # a peer that cannot run does not stop the others
+    for backend in ("eager", "inductor-reduce-overhead"):  # no CUDA here
+        assert rows[("xDiT ulysses-2", backend)]["error"] in (
+            "xDiT is not installed (no module 'xfuser')", "xDiT needs CUDA (xfuser raises at import without a GPU)")
+    for backend in ("eager", "inductor-blocks"):  # cache-dit runs on gloo ranks where it is installed
+        row = rows[("cache-dit ulysses-2", backend)]
+        if importlib.util.find_spec("cache_dit") is None:
+            assert row["error"] == "cache-dit is not installed (no module 'cache_dit')"
+        else:
+            assert row["error"] is None and row["ms"] > 0
+    assert "compile_repeated_blocks" in rows[("cache-dit ulysses-2", "inductor-blocks")]["note"]

@@ -1,0 +1,81 @@
+"""engines.options: the run options, checked once, and the environment only entry points set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engines.options import CUBLAS_WITHOUT_WORKSPACE, RunOptions, run_environment, set_environment
+from tests.helpers import PYTHON, REPO
+
+
+def test_cublas_without_workspace_and_inductor_cache_when_unset() -> None:
+    environ = {"PATH": "/usr/bin"}
+    applied = set_environment(run_environment(Path("/cache")), environ)
+    assert environ == {"PATH": "/usr/bin", "CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0",
+                       "TORCHINDUCTOR_CACHE_DIR": "/cache/inductor"}
+    assert applied == {k: v for k, v in environ.items() if k != "PATH"}
+
+
+@pytest.mark.parametrize("name", sorted(CUBLAS_WITHOUT_WORKSPACE))
+def test_users_cublas_setting_is_kept(name: str) -> None:
+    environ = {name: "1024"}  # the user's own choice of either variable leaves both as they are
+    set_environment(dict(CUBLAS_WITHOUT_WORKSPACE), environ)
+    assert environ == {name: "1024"}
+
+
+def test_users_inductor_cache_is_kept() -> None:
+    environ = {"TORCHINDUCTOR_CACHE_DIR": "/mine"}
+    set_environment(run_environment(Path("/cache")), environ)
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+
+
+def test_library_functions_leave_the_environment_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from engines.compile import prepare_engine
+    from engines.distributed import init_parallel
+    from engines.options import EngineOptions
+    from tests.helpers import tiny_flux
+
+    import torch._dynamo  # noqa: F401  (its import fills in inductor's default cache folder: torch's doing, not ours)
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *CUBLAS_WITHOUT_WORKSPACE):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    assert not init_parallel("cpu").is_distributed
+    prepare_engine(tiny_flux(), EngineOptions.parse("inductor-blocks"), repeated_blocks=("transformer_blocks",),
+                   cache_dir=tmp_path)
+    assert dict(os.environ) == before
+
+
+def test_the_cli_sets_the_run_environment_before_it_runs_a_model(tmp_path: Path) -> None:
+    """The entry point sets the variables (the user's own are kept): seen by a bad request, which ends
+    before any model is loaded but after the environment is set."""
+    env = {k: v for k, v in os.environ.items() if k not in (*CUBLAS_WITHOUT_WORKSPACE, "TORCHINDUCTOR_CACHE_DIR")}
+    code = ("import os, sys\nfrom app.cli import _run\n_run(sys.argv[1:])\n"
+            "print(os.environ['CUBLAS_WORKSPACE_CONFIG'], os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    result = subprocess.run([PYTHON, "-c", code, "generate", "--model", "tiny-flux", "--prompt", "x", "--steps", "0",
+                             "--engine-cache", str(tmp_path), "--out", str(tmp_path / "x.png")],
+                            cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert "steps must be between" in result.stderr
+    assert result.stdout.split() == [":0:0", str(tmp_path / "inductor")]
+
+
+def test_run_options_are_checked_once() -> None:
+    with pytest.raises(ValueError, match="unknown strategy"):
+        RunOptions(strategy="spiral")
+    with pytest.raises(ValueError, match="unknown all-to-all transport"):
+        RunOptions(all_to_all="carrier-pigeon")
+    with pytest.raises(ValueError, match="not an engine"):
+        RunOptions(backend="inductor-sideways")
+    assert RunOptions().engine("cuda").label == "inductor-blocks"
+    assert RunOptions().engine("cpu").label == "eager"
+    assert RunOptions(backend="inductor+cudagraph").engine("cpu").cuda_graph
+
+
+def test_help_needs_no_torch() -> None:
+    code = "import sys\nfrom app.cli import build_parser\nbuild_parser()\nprint('torch' in sys.modules)"
+    result = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
