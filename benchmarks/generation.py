@@ -162,7 +162,7 @@ def construct(make: Callable[..., nn.Module], *args: Any, device: torch.device, 
 def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with_encoders: bool) -> Any:
     """The checkpoint's pipeline (its family's class) with random weights; ranks > 0 build no encoders."""
     spec = arch.spec
-    cls = load(family_of(spec).pipeline)
+    pipeline_class = load(family_of(spec).pipeline)
     dtype = default_dtype(device)
     torch.manual_seed(0)
     parts: dict[str, Any] = {
@@ -170,14 +170,14 @@ def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with
         "scheduler": load_component(arch.assets, "scheduler"),
     }
     if with_encoders:
-        for name, (cls, config) in arch.text_encoders.items():
+        for name, (encoder_class, config) in arch.text_encoders.items():
             tokenizer = name.replace("text_encoder", "tokenizer")
-            parts[name] = construct(cls, config, device=device, dtype=dtype)
+            parts[name] = construct(encoder_class, config, device=device, dtype=dtype)
             parts[tokenizer] = load_component(arch.assets, tokenizer)
         # As the pipeline loads checkpoints: in the run's dtype unless the pipeline keeps the VAE in its own.
-        vae_dtype = cls.COMPONENT_DTYPES.get("vae", dtype)
+        vae_dtype = pipeline_class.COMPONENT_DTYPES.get("vae", dtype)
         parts["vae"] = construct(arch.vae_class.from_config, arch.vae_config, device=device, dtype=vae_dtype)
-    return cls(spec=spec, folder=folder, device=device, **parts)
+    return pipeline_class(spec=spec, folder=folder, device=device, **parts)
 
 
 class StageTimer:

@@ -21,7 +21,8 @@ run gets rows whose "error" says why; its compiled rows carry a "note" with its 
 1 GPU mode runs the model through its family's adapter on a mesh of one rank (no exchange). Rows
 name their plan (with its K/V exchange) and transport.
 
-Entry point: sets the run environment (engines.options.run_environment) before importing torch.
+Entry point: main() sets cuBLAS's variables (and with --cache-dir inductor's cache folder) as the app
+does (engines.options.run_environment), before the first cuBLAS call and the first compile.
 """
 
 from __future__ import annotations
@@ -39,16 +40,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, EngineOptions, run_environment, \
-    set_environment
+import diffusers
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
-import diffusers  # noqa: E402 - after the environment is set (main), see the module docstring
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-from benchmarks.inputs import BenchModel, Shape, bench_model, benchmarkable, build_random, parse_shapes  # noqa: E402
-from benchmarks.peers import (  # noqa: E402
+from benchmarks.inputs import BenchModel, Shape, bench_model, benchmarkable, build_random, parse_shapes
+from benchmarks.peers import (
     PEERS,
     Peer,
     compile_peer,
@@ -59,11 +57,13 @@ from benchmarks.peers import (  # noqa: E402
     set_input_shape,
     unavailable_reason,
 )
-from engines.compile import prepare_engine  # noqa: E402
-from engines.distributed import ParallelContext, init_parallel, shutdown  # noqa: E402
-from engines.parallelize import parallelize_transformer  # noqa: E402
-from engines.plan import ParallelPlan  # noqa: E402
-from pipelines.family import load  # noqa: E402
+from engines.compile import prepare_engine
+from engines.distributed import ParallelContext, init_parallel, shutdown
+from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, EngineOptions, run_environment, \
+    set_environment
+from engines.parallelize import parallelize_transformer
+from engines.plan import ParallelPlan
+from pipelines.family import load
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
 PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd
@@ -103,7 +103,7 @@ def start_together(device: torch.device, group: dist.ProcessGroup | None,
     ranks' NCCL group), when their GPUs are too.
 
     The CPU barrier alone releases the ranks up to a millisecond or more apart: in a profile of
-    FLUX ring-2 (docs/bench/profile-2026-11-22-s5-ring) rank 1's first K/V exchange waited 1.3 ms
+    FLUX on 2 GPUs (2x H200, 2026-11-22) rank 1's first K/V exchange waited 1.3 ms
     for rank 0, and the slowest rank's time then counts that skew, which a generation loop does
     not pay at every step (its ranks stay in step; the host runs ahead). A one-element all-reduce
     on the GPUs, waited for by each host, releases the ranks together; the time measured is then

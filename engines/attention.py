@@ -161,9 +161,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     """Attention (BHSD) and its float32 log-sum-exp (BHS), for merging partial results.
 
     Uses the SDPA kernels that return the LSE: cuDNN (CUDA fp16/bf16, head dim <= 128: on H200 it
-    ran one FLUX ring-2 rank's attention in 0.27 ms where flash took 0.48, scripts/check_ring_split.py),
-    flash (CPU; other CUDA fp16/bf16), memory-efficient (CUDA fp32); a plain float32 implementation
-    elsewhere.
+    ran one FLUX ring-2 rank's attention in 0.27 ms where flash took 0.48; docs/bench/
+    2026-11-22-h200x2-flux-ring-attention.json), flash (CPU; other CUDA fp16/bf16), memory-efficient
+    (CUDA fp32); a plain float32 implementation elsewhere.
     """
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]

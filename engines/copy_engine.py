@@ -26,7 +26,7 @@ receiver sets the peers' "free" flags at its next gather, once its stream has pa
 Its keys may go ahead of its values (FLUX's double blocks: they travel while the values are
 projected); the peers then signal "keys_ready" for them, and "ready" for the values.
 In FLUX at 1024² on 2 GPUs the copy-outs were 114 copies of 14 MB a step per rank, run as
-`memcpy128` kernels inside the CUDA graph on one of the ranks (docs/benchmarks.md, seventh session).
+`memcpy128` kernels inside the CUDA graph on one of the ranks (docs/benchmarks.md).
 Each rank pushes as soon as it is ready (no rank waits for the slowest to start), and the caller's
 stream does no copy at all. Copies are plain tensor copies (cudaMemcpyAsync: copy engines; a
 peer's flag is set by a 4-byte peer copy), waits are cuStreamWaitValue32 (the GPU's front end

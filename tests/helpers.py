@@ -1,5 +1,7 @@
 """What many tests share: free ports, spawned gloo ranks, tiny transformers and their inputs.
 
+free_port is the launcher's own (app.launch): one way to find a free port.
+
     def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         join_ranks(rank, world_size, port)        # torchrun's variables, one CPU thread
         ctx = init_parallel("cpu")
@@ -11,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,11 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from app.launch import free_port
+
+__all__ = ["COSMOS_TINY", "FLUX_TINY", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
+           "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -33,13 +39,6 @@ COSMOS_TINY = dict(
     text_embed_dim=16, adaln_lora_dim=8, max_size=(16, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=True,
     extra_pos_embed_type=None, rope_scale=(1.0, 3.0, 3.0),
 )
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join_ranks(rank: int, world_size: int, port: int) -> None:
@@ -120,8 +119,3 @@ def parallelize(model: torch.nn.Module, ctx: Any, plan: Any = None, *, all_to_al
 
     family = next(f for f in FAMILIES.values() if isinstance(model, load(f.transformer)))
     return parallelize_transformer(model, ctx, plan, load(family.parallelize), all_to_all=all_to_all)
-
-
-def plan_id(plan: Any) -> str:
-    """A parametrized case's name for a ParallelPlan, e.g. "allgather-2" or "cfg-2xulysses-2"."""
-    return plan.label

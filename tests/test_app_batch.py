@@ -13,8 +13,8 @@ from pathlib import Path
 from PIL import Image
 
 from app.prompt_files import BadLine, PromptLine, output_name, read_prompt_file, request_fields, sanitize_name
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 LINES = [
     '{"prompt": "a red circle", "seed": 1, "name": "red"}',

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -16,9 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipelines.requests import GenerationRequest
+from tests.helpers import join_ranks, spawn_ranks
 
 RANK_TIMEOUT = 2.0
 CONTROL_TIMEOUT = 3.0
@@ -66,10 +65,8 @@ def outcome(fn) -> str:
         return f"{type(error).__name__}: {error}"
 
 
-def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, port: int, out_dir: str, scenario: str) -> None:
+    join_ranks(rank, world_size, port)
     from app.lockstep import LockstepService
     from engines.distributed import ParallelContext
 
@@ -117,14 +114,8 @@ def _worker(rank: int, port: int, out_dir: str, scenario: str) -> None:
         os._exit(0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_scenario(scenario: str, tmp_path: Path) -> tuple[dict, dict]:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), scenario), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp_path), scenario)
     return (json.loads((tmp_path / "rank0.json").read_text()), json.loads((tmp_path / "rank1.json").read_text()))
 
 

@@ -23,18 +23,12 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from pipelines.media import read_png_settings, read_video
+from tests.helpers import REPO, free_port
 
-REPO = Path(__file__).resolve().parent.parent
 START_SECONDS = 180
 DEAD_RANK_BOUND_SECONDS = 35
 """The stated bound: torchrun sees a dead rank within 0.1 s and gives the others 30 s before SIGKILL;
 our ranks stop at their next collective, which fails at once when its peer's connection closes."""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class AppProcess:
@@ -46,7 +40,8 @@ class AppProcess:
             text=True, start_new_session=True,
         )
         self.lines: list[str] = []
-        threading.Thread(target=self._collect, daemon=True).start()
+        self._reader = threading.Thread(target=self._collect, daemon=True)
+        self._reader.start()
 
     def _collect(self) -> None:
         for line in self.process.stdout:
@@ -55,6 +50,12 @@ class AppProcess:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+    def final_output(self, timeout: float = 10) -> str:
+        """Everything the process wrote, once it has exited and its output is read to the end."""
+        self.process.wait(timeout=timeout)
+        self._reader.join(timeout=timeout)
+        return self.output
 
     def wait_for(self, text: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -193,24 +194,30 @@ def test_progress_is_reported_per_step(server):
     assert seen, "no per-step progress was reported"
 
 
-def test_status_line_names_model_ranks_strategy_and_backend(server):
+def test_status_line_names_model_ranks_plan_and_backend(server):
     status = Client(server.url, verbose=False).predict(api_name="/status")
-    for part in ("tiny-flux (image)", "tiny-cosmos (video)", "2 ranks", "strategy ulysses", "backend gloo, cpu"):
+    for part in ("tiny-flux (image)", "tiny-cosmos (video)", "2 ranks", "plan ulysses-2, all-to-all nccl",
+                 "backend gloo, cpu"):
         assert part in status
 
 
-def test_ctrl_c_stops_every_rank_cleanly(server):
-    """Runs last in this module: it stops the module's server."""
-    ranks = server.rank_pids()
-    assert sorted(ranks) == [0, 1]
-    started = time.monotonic()
-    server.process.send_signal(signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
-    assert server.process.wait(timeout=30) == 130
-    assert time.monotonic() - started < 30
-    time.sleep(0.5)
-    assert "stopped" in server.output
-    assert "Traceback" not in server.output, server.output
-    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())
+def test_ctrl_c_stops_every_rank_cleanly():
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        ranks = app.rank_pids()
+        assert sorted(ranks) == [0, 1]
+        started = time.monotonic()
+        app.process.send_signal(signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
+        assert app.process.wait(timeout=30) == 130
+        assert time.monotonic() - started < 30
+        output = app.final_output()
+        assert "stopped" in output
+        assert "Traceback" not in output, output
+        assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())
+    finally:
+        app.stop()
 
 
 def test_a_killed_rank_ends_the_job_within_the_bound():
@@ -231,9 +238,9 @@ def test_a_killed_rank_ends_the_job_within_the_bound():
         assert status != 0
         with pytest.raises(AppError, match="lost a rank"):
             job.result(timeout=10)
-        time.sleep(0.5)
-        assert "error: the job ends: rank 0: another rank died" in app.output, app.output
-        assert "error: the job ended because a rank failed" in app.output
+        output = app.final_output()
+        assert "error: the job ends: rank 0: another rank died" in output, output
+        assert "error: the job ended because a rank failed" in output
     finally:
         app.stop()
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers import REPO
+
 from pipelines.media import read_png_settings, read_video
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 from pathlib import Path
@@ -39,7 +40,8 @@ def test_library_functions_leave_the_environment_alone(monkeypatch: pytest.Monke
     from engines.options import EngineOptions
     from tests.helpers import tiny_flux
 
-    import torch._dynamo  # noqa: F401  (its import fills in inductor's default cache folder: torch's doing, not ours)
+    # importing torch._dynamo fills in inductor's default cache folder: torch's doing, not ours
+    importlib.import_module("torch._dynamo")
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *CUBLAS_WITHOUT_WORKSPACE):
         monkeypatch.delenv(name, raising=False)

@@ -28,6 +28,7 @@ from tests.helpers import COSMOS_TINY, flux_inputs, parallelize, randomize, tiny
         (8, 24, "ulysses-ring", 1, ParallelPlan(ulysses=8)),  # hybrid not needed: plain ulysses
         (1, 24, "ulysses", 1, ParallelPlan()),
     ],
+    ids=lambda value: value.label if isinstance(value, ParallelPlan) else None,
 )
 def test_auto(world_size: int, heads: int, strategy: str, cfg: int, expected: ParallelPlan) -> None:
     plan = ParallelPlan.auto(world_size, heads, strategy=strategy, cfg=cfg)

@@ -24,6 +24,7 @@ FLUX_HEADS, COSMOS_2B_HEADS, COSMOS_14B_HEADS = 24, 16, 40
         (8, COSMOS_14B_HEADS, 1, dict(strategy="ulysses", ulysses=8, ring=1, cfg=1)),
         (6, COSMOS_14B_HEADS, 2, dict(strategy="ring", ulysses=1, ring=3, cfg=2)),
     ],
+    ids=lambda value: ParallelPlan(**value).label if isinstance(value, dict) else None,
 )
 def test_auto_plans_for_real_head_counts(world, heads, cfg, expected):
     plan = ParallelPlan.auto(world, heads, cfg=cfg)

@@ -2,7 +2,7 @@
 through gradio_client, then batch generation, a second launch on the warm engine cache, and a
 launch on a cache that `build` filled.
 
-    python scripts/check_app_gpu.py --out DIR [--ranks N] [--backend B] [--strategy S] [--all-to-all T]
+    python -m benchmarks.checks.app_on_gpus --out DIR [--ranks N] [--backend B] [--strategy S] [--all-to-all T]
 
 Steps (each timed; everything on the embedded tiny models, one rank per GPU over NCCL, the default
 backend for GPUs, inductor-blocks, unless --backend, --strategy or --all-to-all say otherwise; the
@@ -43,7 +43,7 @@ import numpy as np
 from PIL import Image
 
 from app.launch import default_nproc, free_port
-from app.runtime import default_backend
+from engines.options import default_backend
 
 IMAGE = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
 # Largest pixel difference (of 255) allowed between the same image from two launches. Not 0 on GPUs

@@ -1,12 +1,12 @@
 """GPU check of the copy-engine all-to-all (engines/copy_engine.py) against NCCL, on one host.
 
-    torchrun --nproc-per-node 2 scripts/check_copy_engine.py [--out result.json]
+    torchrun --nproc-per-node 2 -m benchmarks.checks.copy_engine_vs_nccl [--out result.json]
 
 1. Correctness: the all-to-all, the ring pass, and the K/V all-gather (in one call, and with the
    keys sent ahead of the values) with the attention that reads it in the exchange buffer, equal
-   NCCL's (and the same attention), bit for bit, called directly and replayed from a CUDA graph; a random-weight FLUX.1-dev (1024², bf16, eager) under Ulysses and
-   under ring gives the same output with either transport (and, on rank 0, its difference from
-   the one-GPU model).
+   NCCL's (and the same attention), bit for bit, called directly and replayed from a CUDA graph; a
+   random-weight FLUX.1-dev (1024², bf16, eager) under Ulysses, ring and all-gather gives the same
+   output with either transport (and, on rank 0, its difference from the one-GPU model).
 2. Speed of the exchange alone and under a GEMM (the FLUX single block's q/k/v exchange, 21 MB a
    rank, beside its MLP GEMM, 2304x3072 @ 3072x12288): CUDA-graph replays, CUDA events, median;
    and a bare 21 MB peer pull alone and beside the GEMM (the floor for any copy-engine design).
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from engines import ParallelPlan, init_parallel, parallelize_transformer, shutdown
-from engines.benchmark import Shape, gather_objects, make_inputs
+from benchmarks.inputs import Shape, bench_model, build_random
+from benchmarks.step import gather_objects
 from engines.collectives import (
     all_to_all,
     finish,
@@ -35,8 +35,12 @@ from engines.collectives import (
     start_ring_shift,
 )
 from engines.attention import _kv_attention, gathered_attention
-from engines.copy_engine import prepare, start_gather_kv
-from engines.specs import SPECS, build_random
+from engines.copy_engine import CopyEngineTransport, start_gather_kv
+from engines.distributed import init_parallel, shutdown
+from engines.options import CUBLAS_WITHOUT_WORKSPACE, set_environment
+from engines.parallelize import parallelize_transformer
+from engines.plan import ParallelPlan
+from pipelines.family import load
 
 
 def graphed(fn, *, warmup: int = 3) -> torch.cuda.CUDAGraph:
@@ -70,14 +74,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None, help="also write profiler traces of the GEMM runs here")
     args = parser.parse_args()
-    run_on_ranks("check_copy_engine", lambda ctx, result: check(ctx, result, args.trace), args.out)
+    set_environment(dict(CUBLAS_WITHOUT_WORKSPACE))  # as the app runs
+    run_on_ranks("copy_engine_vs_nccl", lambda ctx, result: check(ctx, result, args.trace), args.out)
 
 
 def run_on_ranks(name: str, check_fn, out: Path | None) -> None:
     """Run `check_fn(ctx, result)` on every rank, then print every rank's result dict and write them
     all as JSON to `out` (rank 0). A failure is recorded in that rank's result, never left hanging."""
     ctx = init_parallel()
-    prepare(ctx.group)
+    transport = CopyEngineTransport([ctx.group])  # the exchanges below run on the whole job's group
     result: dict = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), world_size=ctx.world_size,
                         nccl=".".join(map(str, torch.cuda.nccl.version())))
     try:
@@ -89,6 +94,7 @@ def run_on_ranks(name: str, check_fn, out: Path | None) -> None:
         print(f"[{name}] rank {rank}: {json.dumps(r)}", file=sys.stderr, flush=True)
     if ctx.is_main and out:
         out.write_text(json.dumps(everyone, indent=2))
+    transport.close()
     shutdown(ctx)
 
 
@@ -218,20 +224,21 @@ def check(ctx, result: dict, trace: Path | None = None) -> None:
     result["qkv_mbytes_per_rank"] = x.numel() * x.element_size() / 1e6
 
     # 1d. FLUX.1-dev (random weights, eager, 1024²): same output with either transport
-    spec = SPECS["flux-dev"]
+    spec = bench_model("flux-dev")
     model = build_random(spec, device=device, dtype=torch.bfloat16)
-    shape = Shape(height=1024, width=1024)
-    inputs = make_inputs(spec, shape, batch=1, device=device, dtype=torch.bfloat16)
+    inputs, _ = spec.inputs(Shape(height=1024, width=1024), batch=1, device=device, dtype=torch.bfloat16)
+    adapter = load(spec.family.parallelize)
+    strategies = ("ulysses", "ring", "allgather")
     outputs = {}
     with torch.no_grad():
         for transport in ("nccl", "copy-engine"):
-            for strategy in ("ulysses", "ring"):
+            for strategy in strategies:
                 plan = ParallelPlan.auto(size, 24, strategy=strategy)
-                parallel = parallelize_transformer(model, ctx, plan, all_to_all=transport)
+                parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
                 outputs[strategy, transport] = parallel(**inputs)[0].float()
                 parallel.restore()
         single = model(**inputs)[0].float() if ctx.rank == 0 else None
-    for strategy in ("ulysses", "ring"):
+    for strategy in strategies:
         nccl, copy = outputs[strategy, "nccl"], outputs[strategy, "copy-engine"]
         result[f"flux_{strategy}_max_diff_transports"] = (nccl - copy).abs().max().item()
         if single is not None:
