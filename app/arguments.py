@@ -29,13 +29,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: bool = True) -> None:
     if prompt_required:
-        parser.add_argument("--prompt", required=True)
+        parser.add_argument("--prompt", required=True, help="what to draw, in words")
     parser.add_argument("--negative-prompt", default=None, help="what to steer away from (Cosmos models)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed: the same seed and settings give the same result (default 0)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (model default if omitted)")
     parser.add_argument("--guidance", type=float, default=None, help="guidance scale (model default if omitted)")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--height", type=int, default=None,
+                        help="pixels (model default if omitted; a multiple of the model's size step)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="pixels (model default if omitted; a multiple of the model's size step)")
     parser.add_argument("--size", default=None, metavar="WxH", help="shorthand for --width and --height")
     parser.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     parser.add_argument("--fps", type=int, default=None, help="video frame rate (video models)")

@@ -19,7 +19,7 @@ from typing import Any
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields, run_options
 from app.outputs import EXTENSIONS, settings_of
-from app.prompt_files import SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
+from app.prompt_files import FIELDS, SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
 from app.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
@@ -52,7 +52,10 @@ class Task:
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", metavar="PROMPTS",
-                        help=f"prompt file: {', '.join(SUFFIXES)} (see app/prompt_files.py for the fields)")
+                        help=f"prompt file: {', '.join(SUFFIXES)}. A .txt holds one prompt a line; each .jsonl "
+                             f"object or .csv column may set {', '.join(FIELDS)} (prompt is required; size is "
+                             "WxH; input is a conditioning image or video, relative to the prompt file; name is "
+                             "the output file's name). The command line's settings apply where a line sets none")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
     add_model_arguments(parser)
     add_request_arguments(parser, prompt_required=False)

@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import REPO
-
 from pipelines.media import read_png_settings, read_video
-
+from tests.helpers import REPO
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -108,3 +106,17 @@ def test_output_that_is_a_folder_is_refused(tmp_path):
     folder.mkdir()
     result = cli("generate", "--prompt", "x", "--out", str(folder))
     assert result.returncode == 2 and "it is a folder" in result.stderr
+
+
+def test_help_names_every_command_and_every_batch_field() -> None:
+    from app.prompt_files import FIELDS
+
+    top = cli("--help")
+    for command in ("generate", "serve", "batch", "build", "bench", "launch"):
+        assert command in top.stdout
+    batch = cli("batch", "--help").stdout
+    assert all(field in batch for field in FIELDS) and "prompt_files.py" not in batch
+    generate = cli("generate", "--help").stdout
+    for option, words in (("--prompt", "what to draw"), ("--seed", "same seed"), ("--height", "pixels"),
+                          ("--width", "pixels")):
+        assert option in generate and words in generate, option
