@@ -28,6 +28,7 @@ from app.outputs import OutputError
 from engines.options import engine_cache_dir, run_environment, set_environment
 from app import serve as serve_module
 from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
+from app.stopping import end_process
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 
@@ -116,12 +117,7 @@ def _run(argv: list[str] | None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RankLost as error:
-        print(f"error: the job ends: {error}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        # The process group cannot be torn down while a collective with a dead peer is pending
-        # (its gloo threads never return), so the interpreter's normal exit could hang here.
-        os._exit(1)
+        end_process(str(error))  # os._exit: a normal exit could hang on the dead peer's collective
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

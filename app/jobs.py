@@ -1,8 +1,8 @@
 """Rank 0's request queue: UI threads submit jobs, the main thread runs them one at a time.
 
 Concurrent users are queued, never interleaved: the lockstep service runs one request on all ranks
-at a time, in arrival order. Each job carries its own event stream (step progress, then a result
-or a failure) back to the thread that submitted it.
+at a time, in arrival order. Each job carries its own event stream (Started when its turn comes, step
+progress, then a result or a failure) back to the thread that submitted it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ POLL_SECONDS = 0.2
 
 class ServiceClosed(RuntimeError):
     """The server is shutting down and takes no more requests."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """The job left the queue: the ranks are encoding its prompt (its first Step follows)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,10 @@ class Job:
     def __init__(self, model: str, request: GenerationRequest) -> None:
         self.model = model
         self.request = request
-        self._events: queue.Queue[Step | Finished | Failed] = queue.Queue()
+        self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
+
+    def start(self) -> None:
+        self._events.put(Started())
 
     def step(self, done: int, total: int) -> None:
         self._events.put(Step(done, total))
@@ -57,12 +65,12 @@ class Job:
     def fail(self, message: str) -> None:
         self._events.put(Failed(message))
 
-    def events(self) -> Iterator[Step | Finished | Failed]:
-        """Steps as they happen, ending with the job's Finished or Failed."""
+    def events(self) -> Iterator[Started | Step | Finished | Failed]:
+        """Started and the steps as they happen, ending with the job's Finished or Failed."""
         while True:
             event = self._events.get()
             yield event
-            if not isinstance(event, Step):
+            if isinstance(event, (Finished, Failed)):
                 return
 
 
@@ -109,6 +117,7 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event) 
             if job is None:
                 service.keep_alive()
                 continue
+            job.start()
             try:
                 generation = service.run(job.model, job.request, on_step=job.step)
             except RankLost as error:

@@ -12,8 +12,10 @@ interrupted itself, would print a traceback). A second Ctrl-C kills torchrun and
 Exit status: torchrun treats any non-zero rank exit as a crash (and prints a traceback), so under
 this launcher rank 0 writes its command's status (0, 1 for a partly failed batch, 2 for a user error,
 130 after Ctrl-C) to the file named by $ULYSSES_STUDIO_EXIT_STATUS_FILE and exits 0; the launcher
-exits with that status. When a rank dies, torchrun notices within 0.1 s and sends SIGTERM to the others (SIGKILL 30 s
-later); this launcher then reports the failure in one line.
+exits with that status. When a rank dies, torchrun notices within 0.1 s and sends SIGTERM to the others;
+they report and exit within about 3 s (app.stopping), and this launcher reports the failure in one
+line. torchrun's own SIGKILL comes only 30 s later, so the launcher watches the ranks too: when one
+has exited and the others still run RANK_EXIT_GRACE_SECONDS later, it kills them itself.
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ import argparse
 import ctypes
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
+
+from app.stopping import process_running, temporary_folder
 
 LAUNCHABLE = ("serve", "batch", "generate")
 EXIT_STATUS_ENV = "ULYSSES_STUDIO_EXIT_STATUS_FILE"
 """Set by the launcher for its ranks: rank 0 writes its exit status there and exits 0 (see hand_over_exit_status)."""
 DEFAULT_CPU_RANKS = 2
+RANK_EXIT_GRACE_SECONDS = 4.0
+"""How long the other ranks may run after one rank exited (they normally follow within a second)."""
+POLL_SECONDS = 0.1
 
 
 class LaunchError(ValueError):
@@ -91,8 +99,9 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     command = torchrun_command(nproc, command_line, free_port())
     print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
           f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="ulysses-studio-launch-") as folder:
-        status_file = Path(folder) / "exit-status"
+    folder = temporary_folder("ulysses-studio-launch")
+    try:
+        status_file = folder / "exit-status"
         env[EXIT_STATUS_ENV] = str(status_file)
         status, interrupted = _run_torchrun(command, env)
         if status != 0:
@@ -101,6 +110,8 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             return status
         reported = int(status_file.read_text()) if status_file.is_file() else 0
         return 130 if interrupted and reported == 0 else reported
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def hand_over_exit_status(status: int) -> int:
@@ -134,21 +145,49 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
 
     previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = process.wait()
+        status = _wait_for_ranks(process)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status, bool(interrupts)
 
 
-def _signal_ranks(torchrun_pid: int, sig: signal.Signals) -> None:
-    """Send `sig` to torchrun's children (the ranks), or to its whole session where /proc is missing."""
-    children = []
-    for task in Path(f"/proc/{torchrun_pid}/task").glob("*/children"):
+def _wait_for_ranks(torchrun: subprocess.Popen) -> int:
+    """torchrun's exit status; if a rank exits and another still runs RANK_EXIT_GRACE_SECONDS later (stuck
+    where it cannot answer torchrun's SIGTERM), SIGKILL them all rather than wait torchrun's 30 s."""
+    seen: set[int] = set()
+    first_exit = None
+    while True:
         try:
-            children += [int(pid) for pid in task.read_text().split()]
+            return torchrun.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        running = set(_children(torchrun.pid))
+        if first_exit is None:
+            if seen - running:
+                first_exit = time.monotonic()
+            seen |= running
+        elif running and time.monotonic() - first_exit > RANK_EXIT_GRACE_SECONDS:
+            print(f"launch: a rank exited and the others still ran {RANK_EXIT_GRACE_SECONDS:g} s later: "
+                  "killing them", file=sys.stderr, flush=True)
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            return torchrun.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The running (not exited) children of process `pid`, read from /proc (none where it is missing)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(child) for child in task.read_text().split()]
         except OSError:
             pass
+    return [child for child in children if process_running(child)]
+
+
+def _signal_ranks(torchrun_pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to torchrun's children (the ranks), or to its whole session where /proc is missing."""
+    children = _children(torchrun_pid)
     if not children:
         os.killpg(torchrun_pid, sig)
     for pid in children:

@@ -5,7 +5,8 @@ traffic goes over the context's CPU control group (gloo), one request at a time:
 
     rank 0:      broadcast Run(request); encode; broadcast the encoding (or the error it raised)
     every rank:  denoise, with an agreement point after every step and one after the loop
-    rank 0:      decode, and hand the result back to the caller
+    rank 0:      decode; every rank: one last meeting (the decode's outcome, and proof that all ranks live)
+    rank 0:      hand the result back to the caller
 
 Requests are validated (pipelines.requests.make_request) before `run`, so nothing invalid reaches a
 collective. An agreement point is one all_reduce of [stop wanted, failed] with a time limit: a rank
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import socket
 import threading
 import time
 import traceback
@@ -31,10 +33,13 @@ import torch
 import torch.distributed as dist
 
 from app.failures import JobCancelled, JobFailed, RankLost, describe
+from app.stopping import process_running
 from engines.distributed import ParallelContext
 from pipelines.requests import GenerationRequest
 
 HEARTBEAT_SECONDS = 5.0
+DEAD_RANK_WAIT_SECONDS = 0.3
+"""How long a rank whose collective failed looks for the dead peer's process before giving up naming it."""
 
 StepCallback = Callable[[int, int], None]
 
@@ -96,6 +101,8 @@ class LockstepService:
         rank_timeout: seconds a rank waits for the others at an agreement point before RankLost.
         heartbeat_seconds: how often an idle rank 0 tells the followers it is alive (well under the
             control group's timeout, 30 min by default).
+        rank_processes: rank -> (host name, pid) of every rank (runtime gathers them at start-up), so
+            that a RankLost can name the rank that died.
     """
 
     def __init__(
@@ -106,12 +113,14 @@ class LockstepService:
         stop: threading.Event,
         rank_timeout: float,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        rank_processes: Mapping[int, tuple[str, int]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.pipelines = dict(pipelines)
         self.stop_event = stop
         self.rank_timeout = rank_timeout
         self.heartbeat_seconds = heartbeat_seconds
+        self.rank_processes = dict(rank_processes or {})
         self.last_step_seconds: float | None = None
         self._jobs = 0
         self._last_contact = time.monotonic()
@@ -201,15 +210,24 @@ class LockstepService:
                 raise
         self._agree(None)  # a failure after the last step meets the others here
         step_seconds = (time.perf_counter() - denoise_started) / request.steps
+
+        # 3. Rank 0 decodes, then every rank meets once more: a decode failure reaches them all, and rank 0
+        #    hands a result back only once it knows that no rank died meanwhile (else RankLost).
+        result, failure = None, None
+        if self.ctx.is_main:
+            try:
+                result = pipeline.decode(request, latents)
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                failure = f"rank 0 (decoding): {describe(error)}"
+        if self.ctx.is_distributed:
+            reports: list[str | None] = [None] * self.ctx.world_size
+            self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
+            failure = next((r for r in reports if r), None)
+        if failure is not None:
+            raise JobFailed(failure)
         if not self.ctx.is_main:
             return None
-
-        # 3. Rank 0 decodes; the followers are already waiting for the next message.
-        try:
-            result = pipeline.decode(request, latents)
-        except Exception as error:  # noqa: BLE001
-            traceback.print_exc()
-            raise JobFailed(f"rank 0 (decoding): {describe(error)}") from error
         return Generation(result=result, model=message.model, request=request,
                           seconds=time.perf_counter() - started, step_seconds=step_seconds)
 
@@ -228,9 +246,8 @@ class LockstepService:
         except Exception as error:  # noqa: BLE001 - a timeout or a closed connection
             if "timed out" in str(error).lower():
                 reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
-            else:
-                reason = f"another rank died or closed its connection ({_short(error)})"
-            raise RankLost(f"rank {self.ctx.rank}: {reason}") from error
+                raise RankLost(f"rank {self.ctx.rank}: {reason}") from error
+            raise self._peer_lost(_short(error)) from error
         stop_wanted, failed = flags.tolist()
         if failed:
             reports: list[str | None] = [None] * self.ctx.world_size
@@ -253,7 +270,31 @@ class LockstepService:
         try:
             fn(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError when a peer is gone
-            raise RankLost(f"rank {self.ctx.rank}: another rank died or closed its connection ({_short(error)})") from error
+            raise self._peer_lost(_short(error)) from error
+
+    def lost_message(self) -> str:
+        """Why this rank ends, for a SIGTERM that came while it was busy (app.stopping's watchdog)."""
+        if self.dead_ranks(wait=0.0):
+            return str(self._peer_lost("torchrun stopped this rank"))
+        return f"rank {self.ctx.rank}: stopped by SIGTERM while busy"
+
+    def dead_ranks(self, wait: float = DEAD_RANK_WAIT_SECONDS) -> list[int]:
+        """The ranks on this host whose process has exited, looking for up to `wait` seconds (a killed
+        process closes its sockets a moment before it shows as dead)."""
+        host = socket.gethostname()
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [rank for rank, (rank_host, pid) in sorted(self.rank_processes.items())
+                    if rank != self.ctx.rank and rank_host == host and not process_running(pid)]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
+
+    def _peer_lost(self, detail: str) -> RankLost:
+        """RankLost naming the dead ranks where they can be seen (same host), with the collective's `detail`."""
+        dead = self.dead_ranks()
+        names = f": rank {', '.join(map(str, dead))} is gone" if dead else ""
+        return RankLost(f"rank {self.ctx.rank}: another rank died or closed its connection{names} ({detail})")
 
     def _require_main(self, what: str) -> None:
         if not self.ctx.is_main:

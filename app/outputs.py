@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +53,28 @@ def write_result(result: Any, path: Path, request: GenerationRequest, spec: Mode
     if spec.media == "image":
         return save_png(result, path, settings_of(request, spec))
     return save_mp4(result, path, request.fps)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One written result file and the settings that made it."""
+
+    path: Path
+    settings: dict[str, Any]
+
+
+class RecentResults:
+    """A server's latest results per model, newest first (the UI's recent-results galleries)."""
+
+    def __init__(self, keep: int = 24) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._results: dict[str, deque[Result]] = {}
+
+    def add(self, model: str, path: Path, settings: dict[str, Any]) -> None:
+        with self._lock:
+            self._results.setdefault(model, deque(maxlen=self._keep)).appendleft(Result(path, settings))
+
+    def of(self, model: str) -> list[Result]:
+        with self._lock:
+            return list(self._results.get(model, ()))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
+from app.stopping import StopRequest
 from engines.options import RunOptions
 from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import MediaLimits, read_limits, uses_guidance_batch
@@ -115,7 +116,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                                                       with_encoders=ctx.is_main)
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
-        _agree_on_startup(ctx, failure)
+        rank_processes = _agree_on_startup(ctx, failure)
 
         plan_label = "none (1 rank)"
         if ctx.is_distributed:
@@ -124,7 +125,10 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
 
-        service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout)
+        service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout,
+                                  rank_processes=rank_processes)
+        if isinstance(stop, StopRequest):  # a SIGTERM that finds this rank stuck ends it naming the lost rank
+            stop.abandon = service.lost_message
         served = {spec.media: ServedModel(spec=spec, folder=folder,
                                           limits=read_limits(spec, folder, cfg_parallel=options.cfg_parallel))
                   for spec, folder in models}
@@ -203,16 +207,21 @@ def release_engines(pipelines: Iterable) -> None:
             pipeline.transformer.release()
 
 
-def _agree_on_startup(ctx, failure: str | None) -> None:
-    """Raise StartupError on every rank if any rank failed to load (no time limit: loads differ in length)."""
+def _agree_on_startup(ctx, failure: str | None) -> dict[int, tuple[str, int]]:
+    """Raise StartupError on every rank if any rank failed to load (no time limit: loads differ in length);
+    returns rank -> (host name, pid) of every rank, for naming a rank that dies later."""
+    import socket
+
+    here = (socket.gethostname(), os.getpid())
     if not ctx.is_distributed:
         if failure:
             raise StartupError(failure)
-        return
+        return {ctx.rank: here}
     import torch.distributed as dist
 
-    reports: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(reports, failure, group=ctx.control_group)
-    failures = [r for r in reports if r]
+    reports: list[tuple[str | None, tuple[str, int]] | None] = [None] * ctx.world_size
+    dist.all_gather_object(reports, (failure, here), group=ctx.control_group)
+    failures = [failed for failed, _ in reports if failed]
     if failures:
         raise StartupError("; ".join(failures))
+    return {rank: process for rank, (_, process) in enumerate(reports)}

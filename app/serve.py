@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.arguments import add_parallel_arguments, run_options
 from app.failures import RankLost
-from app.stopping import stop_on_signals
+from app.stopping import stop_on_signals, temporary_folder
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 
 
@@ -92,7 +92,11 @@ def check_port(host: str, port: int) -> None:
         raise ServeError(f"--port must be between 1 and 65535, got {port}")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As uvicorn binds: with SO_REUSEADDR, so that the TIME_WAIT connections a server that just
+            # ended left behind do not refuse the port, while a live listener still does (Linux).
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
+            probe.listen(1)
     except OSError as error:
         raise ServeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
@@ -112,9 +116,37 @@ def run_serve(args: argparse.Namespace) -> int:
         from app.jobs import JobQueue, serve_jobs
         from app.ui import build_ui
 
-        out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ulysses-studio-"))
+        class TrackedJobs(JobQueue):
+            """A JobQueue that remembers the job the main thread took last, so that the SIGTERM
+            watchdog (abandon, below) can fail it while the main thread is stuck running it."""
+
+            current = None
+
+            def take(self, timeout: float):
+                job = super().take(timeout)
+                if job is not None:
+                    self.current = job
+                return job
+
+        out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
-        jobs = JobQueue()
+        jobs = TrackedJobs()
+
+        def abandon() -> str:
+            # app.stopping's watchdog, when SIGTERM found the main thread stuck (in a collective with a
+            # dead rank): tell the waiting clients why, give them a moment to hear it, clean up.
+            message = runtime.service.lost_message()
+            lost = bool(runtime.service.dead_ranks(wait=0.0))
+            reason = f"the server {'lost a rank and is ending' if lost else 'is shutting down'}: {message}"
+            if jobs.current is not None:
+                jobs.current.fail(reason)
+            jobs.close(reason)
+            time.sleep(CLIENT_GRACE_SECONDS)
+            if not args.out:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            return message
+
+        stop.abandon = abandon
         demo = build_ui(runtime, jobs, out_dir)
         try:
             try:
@@ -134,6 +166,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise
         finally:
             jobs.close("the server is shutting down")
+            if not args.out:  # a folder this run made; the user's own --out stays
+                shutil.rmtree(out_dir, ignore_errors=True)
             demo.close()
     print("stopped", file=sys.stderr)
     return 0

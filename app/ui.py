@@ -1,10 +1,14 @@
 """The Gradio UI (rank 0): an image tab and a video tab, a status line, and named API endpoints.
 
 Handlers run in Gradio's worker threads. They validate a request (make_request, the one place a
-request is checked), submit it to the JobQueue, relay its per-step progress to the page, and write
-the result file. The lockstep service runs one job at a time on the main thread, in arrival order.
+request is checked), submit it to the JobQueue, relay its progress to the page (on the result only:
+stage, step k/n and time left), and write the result file. The lockstep service runs one job at a
+time on the main thread, in arrival order. The seed used goes back into the Seed box (so unticking
+"Random seed" repeats a result); a second, private, event then refreshes the tab's recent-results
+gallery, where clicking an item puts its settings back into the inputs.
 
-API (gradio_client): /generate_image, /generate_video, /status; see `Client(url).view_api()`.
+API (gradio_client): /generate_image, /generate_video, /status; see `Client(url).view_api()`. The
+generate endpoints return (media path, file path, settings, status line, seed used).
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gradio as gr
 
-from app.jobs import Failed, JobQueue, ServiceClosed, Step
-from app.outputs import EXTENSIONS, settings_of, write_result
+from app.jobs import Failed, Finished, JobQueue, ServiceClosed, Started, Step
+from app.outputs import EXTENSIONS, RecentResults, settings_of, write_result
 from app.runtime import Runtime, ServedModel
 from pipelines.requests import RequestError, make_request
 
@@ -27,6 +31,16 @@ MAX_WAITING = 64
 """Requests Gradio holds beyond the ones waiting in our JobQueue; more are refused with a message."""
 MAX_WAITING_HANDLERS = 16
 """Handler threads that may wait on the JobQueue at once (each holds one queued request)."""
+MAX_MEDIA_PX = 512
+"""Results are shown at their own size up to this width (never upscaled); the file is full size."""
+
+# Media at native size (no upscaling), at most MAX_MEDIA_PX wide; Gradio's own rules stretch it to its box.
+CSS = f"""
+.native-media img, .native-media video {{
+  width: auto !important; height: auto !important; max-width: min(100%, {MAX_MEDIA_PX}px) !important;
+  max-height: {MAX_MEDIA_PX}px !important; object-fit: contain; margin: 0 auto; display: block;
+}}
+"""
 
 
 def build_ui(runtime: Runtime, jobs: JobQueue, out_dir: Path) -> gr.Blocks:
@@ -35,7 +49,9 @@ def build_ui(runtime: Runtime, jobs: JobQueue, out_dir: Path) -> gr.Blocks:
     def status() -> str:
         return runtime.describe(runtime.service.last_step_seconds)
 
+    recent = RecentResults()
     with gr.Blocks(title="ulysses-studio") as demo:
+        gr.HTML(f"<style>{CSS}</style>", container=False, padding=False)
         gr.Markdown("## ulysses-studio")
         status_line = gr.Markdown(status(), label="Status", elem_id="status")
         with gr.Tab("Image", id="image"):
@@ -43,89 +59,187 @@ def build_ui(runtime: Runtime, jobs: JobQueue, out_dir: Path) -> gr.Blocks:
             if image is None:
                 gr.Markdown("This server runs no image model: start it with `--model NAME` (e.g. tiny-flux).")
             else:
-                _image_tab(image, jobs, out_dir, status, status_line)
+                _image_tab(demo, image, jobs, out_dir, recent, status, status_line)
         with gr.Tab("Video", id="video"):
             video = runtime.models.get("video")
             if video is None:
                 gr.Markdown("This server runs no video model: start it with `--video-model NAME` (e.g. tiny-cosmos).")
             else:
-                _video_tab(video, jobs, out_dir, status, status_line)
+                _video_tab(demo, video, jobs, out_dir, recent, status, status_line)
         demo.load(status, outputs=status_line, api_name="status", queue=False)
     demo.queue(max_size=MAX_WAITING)
     return demo
 
 
-def _seed_inputs() -> tuple[gr.Number, gr.Checkbox]:
+def _seed_inputs(prefix: str) -> tuple[gr.Number, gr.Checkbox]:
     with gr.Row():
-        seed = gr.Number(label="Seed", value=0, precision=0)
-        random_seed = gr.Checkbox(label="Random seed", value=True)
+        seed = gr.Number(label="Seed", value=0, precision=0, elem_id=f"{prefix}-seed")
+        random_seed = gr.Checkbox(label="Random seed", value=True, elem_id=f"{prefix}-random-seed")
     return seed, random_seed
 
 
-def _size_inputs(model: ServedModel) -> tuple[gr.Number, gr.Number, gr.Number, gr.Number]:
+def _size_inputs(model: ServedModel, prefix: str) -> tuple[gr.Number, gr.Number, gr.Number, gr.Number]:
     spec, multiple = model.spec, model.limits.size_multiple
     with gr.Row():
-        width = gr.Number(label=f"Width (multiple of {multiple})", value=spec.width, precision=0)
-        height = gr.Number(label=f"Height (multiple of {multiple})", value=spec.height, precision=0)
-        steps = gr.Number(label="Steps", value=spec.steps, precision=0)
-        guidance = gr.Number(label="Guidance", value=spec.guidance)
+        width = gr.Number(label=f"Width (multiple of {multiple})", value=spec.width, precision=0,
+                          elem_id=f"{prefix}-width")
+        height = gr.Number(label=f"Height (multiple of {multiple})", value=spec.height, precision=0,
+                           elem_id=f"{prefix}-height")
+        steps = gr.Number(label="Steps", value=spec.steps, precision=0, elem_id=f"{prefix}-steps")
+        guidance = gr.Number(label="Guidance", value=spec.guidance, elem_id=f"{prefix}-guidance")
     return width, height, steps, guidance
 
 
-def _image_tab(model: ServedModel, jobs: JobQueue, out_dir: Path, status, status_line: gr.Markdown) -> None:
+def _recent_gallery(prefix: str) -> tuple[gr.Gallery, gr.State]:
+    """The tab's recent results (newest first) and, per page, the settings of what it shows."""
+    gallery = gr.Gallery(label="Recent results (click one to restore its settings)", columns=8, height=170,
+                         fit_columns=False, allow_preview=False, object_fit="contain", interactive=False,
+                         elem_id=f"{prefix}-recent")
+    return gallery, gr.State([])
+
+
+def _gallery_of(recent: RecentResults, key: str) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    results = recent.of(key)
+    items = [(str(result.path), f"seed {result.settings['seed']}: {result.settings['prompt'][:40]}")
+             for result in results]
+    return items, [result.settings for result in results]
+
+
+def _image_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Path, recent: RecentResults,
+               status: Callable[[], str], status_line: gr.Markdown) -> None:
     gr.Markdown(f"Text to image with **{model.spec.name}**.")
-    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="image-prompt")
-    seed, random_seed = _seed_inputs()
-    width, height, steps, guidance = _size_inputs(model)
-    button = gr.Button("Generate", variant="primary", elem_id="image-generate")
-    result = gr.Image(label="Image", type="filepath", format="png", elem_id="image-result")
-    download = gr.File(label="PNG with its settings")
-    settings = gr.JSON(label="Settings")
+    with gr.Row():
+        with gr.Column():
+            prompt = gr.Textbox(label="Prompt", lines=2, elem_id="image-prompt")
+            seed, random_seed = _seed_inputs("image")
+            width, height, steps, guidance = _size_inputs(model, "image")
+            button = gr.Button("Generate", variant="primary", elem_id="image-generate")
+        with gr.Column():
+            result = gr.Image(label="Image", type="filepath", format="png", elem_id="image-result",
+                              elem_classes="native-media", buttons=[])
+            download = gr.File(label="PNG with its settings (full size)", elem_id="image-file")
+            with gr.Accordion("Settings", open=False):
+                settings = gr.JSON(label="Settings", elem_id="image-settings")
+    gallery, shown = _recent_gallery("image")
 
     def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
                        width: float, height: float, progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = _generate(model, jobs, out_dir, progress, random_seed, prompt=prompt, seed=seed, steps=steps,
-                               guidance=guidance, width=width, height=height)
-        return str(path), str(path), used, status()
+        path, used = _generate(model, jobs, out_dir, recent, progress, random_seed, prompt=prompt, seed=seed,
+                               steps=steps, guidance=guidance, width=width, height=height)
+        return str(path), str(path), used, status(), used["seed"]
 
-    button.click(generate_image, inputs=[prompt, seed, random_seed, steps, guidance, width, height],
-                 outputs=[result, download, settings, status_line], api_name="generate_image",
-                 concurrency_limit=MAX_WAITING_HANDLERS, concurrency_id="generate")
+    def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
+        used = shown[event.index]
+        return (used["prompt"], used["seed"], False, used["steps"], used["guidance"], used["width"], used["height"],
+                used)
+
+    inputs = [prompt, seed, random_seed, steps, guidance, width, height]
+    _wire(demo, model, recent, button, generate_image, inputs, [result, download, settings, status_line, seed],
+          "generate_image", gallery, shown)
+    gallery.select(restore, inputs=shown, outputs=[*inputs, settings], api_visibility="private",
+                   show_progress="hidden")
 
 
-def _video_tab(model: ServedModel, jobs: JobQueue, out_dir: Path, status, status_line: gr.Markdown) -> None:
+def _video_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Path, recent: RecentResults,
+               status: Callable[[], str], status_line: gr.Markdown) -> None:
     gr.Markdown(f"Text or image/video to video with **{model.spec.name}**.")
-    prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
-    negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
-    condition = gr.File(label="Input image or video (optional: video-to-world)", type="filepath", height=120)
     with gr.Row():
-        frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
-                           value=model.spec.frames, precision=0)
-        fps = gr.Number(label="Frames per second", value=model.spec.fps, precision=0)
-    seed, random_seed = _seed_inputs()
-    width, height, steps, guidance = _size_inputs(model)
-    button = gr.Button("Generate", variant="primary", elem_id="video-generate")
-    result = gr.Video(label="Video", elem_id="video-result")
-    download = gr.File(label="MP4")
-    settings = gr.JSON(label="Settings")
+        with gr.Column():
+            prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
+            negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
+            condition = gr.File(label="Input image or video (optional: video-to-world)", type="filepath",
+                                value=None, height=120)
+            with gr.Row():
+                frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
+                                   value=model.spec.frames, precision=0)
+                fps = gr.Number(label="Frames per second", value=model.spec.fps, precision=0)
+            seed, random_seed = _seed_inputs("video")
+            width, height, steps, guidance = _size_inputs(model, "video")
+            button = gr.Button("Generate", variant="primary", elem_id="video-generate")
+        with gr.Column():
+            result = gr.Video(label="Video", elem_id="video-result", elem_classes="native-media", autoplay=True,
+                              loop=True, buttons=[])
+            download = gr.File(label="MP4 (full size)", elem_id="video-file")
+            with gr.Accordion("Settings", open=False):
+                settings = gr.JSON(label="Settings", elem_id="video-settings")
+    gallery, shown = _recent_gallery("video")
 
-    def generate_video(prompt: str, negative_prompt: str, condition: str | None, frames: float, fps: float,
-                       seed: float, random_seed: bool, steps: float, guidance: float, width: float, height: float,
+    # condition and what follows it default to None (the model's defaults), so clients may leave them out.
+    def generate_video(prompt: str, negative_prompt: str | None = None, condition: str | None = None,
+                       frames: float | None = None, fps: float | None = None, seed: float | None = None,
+                       random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
+                       width: float | None = None, height: float | None = None,
                        progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = _generate(model, jobs, out_dir, progress, random_seed, prompt=prompt,
+        path, used = _generate(model, jobs, out_dir, recent, progress, random_seed, prompt=prompt,
                                negative_prompt=negative_prompt, condition=condition or None, frames=frames,
                                fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height)
-        return str(path), str(path), used, status()
+        return str(path), str(path), used, status(), used["seed"]
 
-    button.click(generate_video,
-                 inputs=[prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance,
-                         width, height],
-                 outputs=[result, download, settings, status_line], api_name="generate_video",
-                 concurrency_limit=MAX_WAITING_HANDLERS, concurrency_id="generate")
+    def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
+        used = shown[event.index]
+        return (used["prompt"], used["negative_prompt"], used["frames"], used["fps"], used["seed"], False,
+                used["steps"], used["guidance"], used["width"], used["height"], used)
+
+    inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height]
+    _wire(demo, model, recent, button, generate_video, inputs, [result, download, settings, status_line, seed],
+          "generate_video", gallery, shown)
+    restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, width, height]
+    gallery.select(restore, inputs=shown, outputs=[*restored, settings], api_visibility="private",
+                   show_progress="hidden")
 
 
-def _generate(model: ServedModel, jobs: JobQueue, out_dir: Path, progress: gr.Progress, random_seed: bool,
-              **fields: Any) -> tuple[Path, dict[str, Any]]:
+def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, button: gr.Button,
+          handler: Callable[..., tuple], inputs: list, outputs: list, api_name: str, gallery: gr.Gallery,
+          shown: gr.State) -> None:
+    """The tab's API endpoint on its button (progress and errors on the result only), then its gallery."""
+
+    def refresh() -> tuple:
+        return _gallery_of(recent, model.key)
+
+    event = button.click(handler, inputs=inputs, outputs=outputs, api_name=api_name, show_progress_on=outputs[0],
+                         concurrency_limit=MAX_WAITING_HANDLERS, concurrency_id="generate")
+    event.success(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
+    demo.load(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
+
+
+class _Progress:
+    """Relays a job's events to Gradio's progress: the stage, step k/n, and time left from the step times."""
+
+    def __init__(self, progress: gr.Progress, steps: int, step_seconds: float | None) -> None:
+        self._progress = progress
+        self._steps = steps
+        self._step_seconds = step_seconds  # the model's last request's, until this one has taken two steps
+        self._first_step_at: float | None = None
+
+    def _left(self, steps_left: int) -> str:
+        if self._step_seconds is None:
+            return ""
+        seconds = steps_left * self._step_seconds
+        return f" · about {seconds:.1f} s left" if seconds < 10 else f" · about {seconds:.0f} s left"
+
+    def queued(self) -> None:
+        self._progress(0, desc="queued", unit=f"steps{self._left(self._steps)}")
+
+    def started(self) -> None:
+        self._progress((0, self._steps), desc="encoding", unit=f"steps{self._left(self._steps)}")
+
+    def step(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self._first_step_at is None:
+            self._first_step_at = now
+        elif done > 1:
+            self._step_seconds = (now - self._first_step_at) / (done - 1)
+        if done < total:
+            self._progress((done, total), desc="denoising", unit=f"steps{self._left(total - done)}")
+        else:
+            self._progress((done, total), desc="decoding", unit="steps")
+
+    def writing(self) -> None:
+        self._progress((self._steps, self._steps), desc="writing", unit="steps")
+
+
+def _generate(model: ServedModel, jobs: JobQueue, out_dir: Path, recent: RecentResults, progress: gr.Progress,
+              random_seed: bool, **fields: Any) -> tuple[Path, dict[str, Any]]:
     """Validate, queue, wait (relaying progress), write the file; returns its path and its settings."""
     if random_seed:
         fields["seed"] = secrets.randbelow(RANDOM_SEED_LIMIT)
@@ -134,16 +248,22 @@ def _generate(model: ServedModel, jobs: JobQueue, out_dir: Path, progress: gr.Pr
         job = jobs.submit(model.key, request)
     except (RequestError, ServiceClosed) as error:
         raise gr.Error(str(error), print_exception=False) from None
-    progress(0, desc="queued")
+    earlier = recent.of(model.key)
+    relay = _Progress(progress, request.steps, earlier[0].settings["step_seconds"] if earlier else None)
+    relay.queued()
     for event in job.events():
-        if isinstance(event, Step):
-            progress((event.done, event.total), desc="denoising", unit="steps")
+        if isinstance(event, Started):
+            relay.started()
+        elif isinstance(event, Step):
+            relay.step(event.done, event.total)
         elif isinstance(event, Failed):
             raise gr.Error(event.message, print_exception=False)  # the failing rank logged its traceback
-        else:
+        elif isinstance(event, Finished):
             generation = event.generation
+    relay.writing()
     name = f"{model.key}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"
     path = write_result(generation.result, out_dir / f"{name}{EXTENSIONS[model.spec.media]}", request, model.spec)
     settings = settings_of(request, model.spec)
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
+    recent.add(model.key, path, settings)
     return path, settings

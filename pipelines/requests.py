@@ -2,7 +2,8 @@
 
 Every way in (CLI, UI, batch file) builds a GenerationRequest with `make_request`, which fills the
 model's defaults and validates everything before any model work or collective starts: an invalid
-request is a RequestError with a message a person understands, never a crash on some rank.
+request is one RequestError naming every bad field in words a person understands, never a crash on
+some rank.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipelines.family import load
 from pipelines.registry import ModelSpec, family_of, read_component_config
@@ -23,7 +24,22 @@ VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
 
 
 class RequestError(ValueError):
-    """A request a model cannot run, with a message meant for the person who made it."""
+    """A request a model cannot run, with a message meant for the person who made it.
+
+    `problems` lists one message per bad field; the message joins them (one problem: that message alone).
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+    @classmethod
+    def of(cls, problems: list[str]) -> RequestError:
+        """One error for all of `problems` (at least one)."""
+        if len(problems) == 1:
+            return cls(problems[0])
+        numbered = " ".join(f"({number}) {problem}" for number, problem in enumerate(problems, 1))
+        return cls(f"{len(problems)} problems with this request: {numbered}", problems)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,77 +165,135 @@ def _check_size(name: str, value: int, multiple: int, maximum: int) -> None:
         raise RequestError(f"{name} {value} is larger than this model accepts ({maximum})")
 
 
-def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> GenerationRequest:
-    """Fill `spec`'s defaults for missing (or None) fields and validate the result.
+def _check_video_frames(limits: MediaLimits, frames: int) -> None:
+    if frames <= 0:
+        raise RequestError(f"frames must be positive, got {frames}")
+    if (frames - 1) % limits.frame_multiple:
+        k = (frames - 1) // limits.frame_multiple
+        options = sorted({1 + k * limits.frame_multiple, 1 + (k + 1) * limits.frame_multiple})
+        raise RequestError(
+            f"frames {frames} is not 1 + a multiple of {limits.frame_multiple}, which this model needs; "
+            f"use {' or '.join(map(str, options))}"
+        )
+    if frames > limits.max_frames:
+        raise RequestError(f"frames {frames} is more than this model accepts ({limits.max_frames})")
 
-    Raises RequestError naming the first field that is wrong and what would be right.
-    """
-    unknown = set(fields) - set(GenerationRequest.__dataclass_fields__)
-    if unknown:
-        raise RequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
-    given = {key: value for key, value in fields.items() if value is not None}
 
-    prompt = given.get("prompt", "")
+class _Problems:
+    """Collects every field's error, so that one RequestError names all of them."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def check(self, check: Callable[..., Any], *args: Any) -> Any:
+        """check(*args), or None (and its message noted) if it raises RequestError."""
+        try:
+            return check(*args)
+        except RequestError as error:
+            self.messages.extend(error.problems)
+            return None
+
+
+def _check_prompt(prompt: Any) -> None:
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt is empty: describe what to generate")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise RequestError(f"prompt is {len(prompt)} characters long; the limit is {MAX_PROMPT_CHARS}")
-    negative_prompt = given.get("negative_prompt", spec.negative_prompt)
+
+
+def _check_negative(negative_prompt: Any) -> None:
     if not isinstance(negative_prompt, str) or len(negative_prompt) > MAX_PROMPT_CHARS:
         raise RequestError(f"negative prompt must be text of at most {MAX_PROMPT_CHARS} characters")
 
-    height = _as_int("height", given.get("height", spec.height))
-    width = _as_int("width", given.get("width", spec.width))
-    _check_size("height", height, limits.size_multiple, limits.max_height)
-    _check_size("width", width, limits.size_multiple, limits.max_width)
 
-    steps = _as_int("steps", given.get("steps", spec.steps))
+def _check_steps(steps: int) -> None:
     if not 1 <= steps <= MAX_STEPS:
         raise RequestError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
 
-    guidance = _as_float("guidance", given.get("guidance", spec.guidance))
+
+def _check_guidance(limits: MediaLimits, guidance: float) -> None:
     if not 0.0 <= guidance <= 100.0:
         raise RequestError(f"guidance must be between 0 and 100, got {guidance}")
     if limits.guidance_split and guidance <= 1.0:
         raise RequestError(f"guidance must be above 1 here (got {guidance:g}): this run splits classifier-free "
                            "guidance's two branches across ranks (--cfg-parallel), and without guidance there is one")
 
-    seed = _as_int("seed", given.get("seed", 0))
+
+def _check_seed(seed: int) -> None:
     if not 0 <= seed <= MAX_SEED:
         raise RequestError(f"seed must be between 0 and {MAX_SEED}, got {seed}")
 
-    frames = _as_int("frames", given.get("frames", spec.frames))
-    fps = _as_int("fps", given.get("fps", spec.fps))
+
+def _check_fps(fps: int) -> None:
+    if not 1 <= fps <= 240:
+        raise RequestError(f"fps must be between 1 and 240, got {fps}")
+
+
+def _check_condition(condition: Any) -> str:
+    path = Path(str(condition))
+    if not path.is_file():
+        raise RequestError(f"input file {path} does not exist")
+    if path.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
+        raise RequestError(
+            f"input file {path} is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor a video ({', '.join(VIDEO_SUFFIXES)})"
+        )
+    return str(path)
+
+
+def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> GenerationRequest:
+    """Fill `spec`'s defaults for missing (or None) fields and validate the result.
+
+    Raises one RequestError naming every field that is wrong and what would be right.
+    """
+    unknown = set(fields) - set(GenerationRequest.__dataclass_fields__)
+    if unknown:
+        raise RequestError(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    given = {key: value for key, value in fields.items() if value is not None}
+    problems = _Problems()
+
+    prompt = given.get("prompt", "")
+    problems.check(_check_prompt, prompt)
+    negative_prompt = given.get("negative_prompt", spec.negative_prompt)
+    problems.check(_check_negative, negative_prompt)
+
+    height = problems.check(_as_int, "height", given.get("height", spec.height))
+    width = problems.check(_as_int, "width", given.get("width", spec.width))
+    if height is not None:
+        problems.check(_check_size, "height", height, limits.size_multiple, limits.max_height)
+    if width is not None:
+        problems.check(_check_size, "width", width, limits.size_multiple, limits.max_width)
+
+    steps = problems.check(_as_int, "steps", given.get("steps", spec.steps))
+    if steps is not None:
+        problems.check(_check_steps, steps)
+
+    guidance = problems.check(_as_float, "guidance", given.get("guidance", spec.guidance))
+    if guidance is not None:
+        problems.check(_check_guidance, limits, guidance)
+
+    seed = problems.check(_as_int, "seed", given.get("seed", 0))
+    if seed is not None:
+        problems.check(_check_seed, seed)
+
+    frames = problems.check(_as_int, "frames", given.get("frames", spec.frames))
+    fps = problems.check(_as_int, "fps", given.get("fps", spec.fps))
     condition = given.get("condition")
     if spec.media == "image":
-        if frames != 1:
-            raise RequestError(f"model '{spec.name}' makes images; frames must be 1, got {frames}")
+        if frames is not None and frames != 1:
+            problems.messages.append(f"model '{spec.name}' makes images; frames must be 1, got {frames}")
         if condition is not None:
-            raise RequestError(f"model '{spec.name}' makes images from text alone; it takes no input image or video")
+            problems.messages.append(
+                f"model '{spec.name}' makes images from text alone; it takes no input image or video")
     else:
-        if frames <= 0:
-            raise RequestError(f"frames must be positive, got {frames}")
-        if (frames - 1) % limits.frame_multiple:
-            k = (frames - 1) // limits.frame_multiple
-            options = sorted({1 + k * limits.frame_multiple, 1 + (k + 1) * limits.frame_multiple})
-            raise RequestError(
-                f"frames {frames} is not 1 + a multiple of {limits.frame_multiple}, which this model needs; "
-                f"use {' or '.join(map(str, options))}"
-            )
-        if frames > limits.max_frames:
-            raise RequestError(f"frames {frames} is more than this model accepts ({limits.max_frames})")
-        if not 1 <= fps <= 240:
-            raise RequestError(f"fps must be between 1 and 240, got {fps}")
+        if frames is not None:
+            problems.check(_check_video_frames, limits, frames)
+        if fps is not None:
+            problems.check(_check_fps, fps)
         if condition is not None:
-            path = Path(str(condition))
-            if not path.is_file():
-                raise RequestError(f"input file {path} does not exist")
-            if path.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
-                raise RequestError(
-                    f"input file {path} is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor a video ({', '.join(VIDEO_SUFFIXES)})"
-                )
-            condition = str(path)
+            condition = problems.check(_check_condition, condition)
 
+    if problems.messages:
+        raise RequestError.of(problems.messages)
     return GenerationRequest(
         prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, steps=steps,
         guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition,

@@ -121,7 +121,7 @@ def test_image_equals_the_single_process_image(server):
     from pipelines.registry import resolve_model
     from pipelines.requests import make_request, read_limits
 
-    image_path, file_path, settings, status = Client(server.url, verbose=False).predict(
+    image_path, file_path, settings, status, _ = Client(server.url, verbose=False).predict(
         *image_args("a red circle", 7), api_name="/generate_image")
     assert settings["seed"] == 7 and settings["model"] == "tiny-flux"
     assert read_png_settings(file_path)["seed"] == 7
@@ -139,7 +139,7 @@ def test_image_equals_the_single_process_image(server):
 
 def test_video_comes_back_as_a_decodable_mp4(server, tmp_path):
     client = Client(server.url, verbose=False)
-    video, mp4, settings, _ = client.predict(
+    video, mp4, settings, *_ = client.predict(
         "a blue square moving right", "blurry", None, 5, 8, 3, False, 2, 3.0, 64, 64, api_name="/generate_video")
     assert Path(mp4).suffix == ".mp4" and settings["frames"] == 5 and settings["seed"] == 3
     frames, fps = read_video(mp4)
@@ -148,7 +148,7 @@ def test_video_comes_back_as_a_decodable_mp4(server, tmp_path):
 
     start = tmp_path / "start.png"
     Image.new("RGB", (64, 64), (200, 30, 30)).save(start)
-    _, mp4, settings, _ = client.predict(
+    _, mp4, settings, *_ = client.predict(
         "the red square moves", "", handle_file(str(start)), 5, 8, 3, False, 2, 3.0, 64, 64,
         api_name="/generate_video")
     assert settings["condition"] is not None and len(read_video(mp4)[0]) == 5
@@ -176,7 +176,7 @@ def test_invalid_request_gets_an_error_and_the_next_valid_one_succeeds(server):
 
 
 def test_random_seed_is_chosen_and_reported(server):
-    _, file_path, settings, _ = Client(server.url, verbose=False).predict(
+    _, file_path, settings, *_ = Client(server.url, verbose=False).predict(
         *image_args("a random seed", 0, random_seed=True), api_name="/generate_image")
     assert isinstance(settings["seed"], int) and f"seed{settings['seed']}" in Path(file_path).name
     assert read_png_settings(file_path)["seed"] == settings["seed"]

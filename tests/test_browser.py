@@ -1,6 +1,8 @@
 """A real browser on the UI: headless Chromium (Debian's /usr/bin/chromium) driven by Playwright.
 
 The server runs as one plain process (`ulysses-studio serve`, no launcher): the same UI as on rank 0.
+Screenshots of both tabs go to a temporary folder, or to UI_SCREENSHOTS (e.g. docs/ui, relative to
+the repository) to refresh the checked-in ones.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from playwright.sync_api import sync_playwright
+from PIL import Image
+from playwright.sync_api import Page, sync_playwright
 
 from tests.helpers import REPO, free_port
 
@@ -20,6 +24,9 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--no-first-run"]
+PAGE_WIDTH = 1280
+MAX_MEDIA_PX = 512
+MAX_SCREENSHOT_BYTES = 300_000
 
 
 def wait_until_listening(port: int, server: subprocess.Popen, timeout: float) -> None:
@@ -59,6 +66,122 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
             finally:
                 browser.close()
         assert len(list(tmp_path.glob("image-*-seed*.png"))) == 1
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=30)
+
+
+def start_server(out: Path, *models: str) -> subprocess.Popen:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", *models, "--port", str(port), "--out", str(out)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    server.port = port
+    return server
+
+
+def save_screenshot(page: Page, folder: Path, name: str) -> None:
+    """A full-page PNG, reduced to a palette so that it stays small enough to check in."""
+    path = folder / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True, animations="disabled")
+    Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
+    assert path.stat().st_size <= MAX_SCREENSHOT_BYTES, (path, path.stat().st_size)
+
+
+def visible_boxes(page: Page, selector: str) -> list[dict]:
+    return page.evaluate(
+        "selector => [...document.querySelectorAll(selector)].filter(e => e.offsetParent !== null)"
+        ".map(e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width,"
+        " height: r.height, text: e.innerText}; }).filter(r => r.width > 0 && r.height > 0)",
+        selector,
+    )
+
+
+def overlaps(a: dict, b: dict) -> bool:
+    return (a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"]
+            and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
+
+
+def check_tab(page: Page, tab: str, folder: Path, steps: int) -> None:
+    """Before, during and after a random-seed request on `tab`, then a request with two bad fields."""
+    page.get_by_role("tab", name=tab.capitalize()).click()
+    page.locator(f"#{tab}-generate").wait_for()
+    prompt = f"a red circle on a blue background ({tab})"
+    page.locator(f"#{tab}-prompt textarea").fill(prompt)
+    page.locator(f"#{tab}-steps input").fill(str(steps))
+    save_screenshot(page, folder, f"{tab}-before")
+
+    page.locator(f"#{tab}-generate").click()
+    # Progress: once, on the result, with the stage, step k/n and the time left.
+    page.wait_for_function(
+        "tab => [...document.querySelectorAll(`#${tab}-result .meta-text`)].some(e => /left/.test(e.innerText))"
+        " && [...document.querySelectorAll(`#${tab}-result .progress-level`)].some(e => /denoising/.test(e.innerText))",
+        arg=tab, timeout=120_000, polling=20,
+    )
+    save_screenshot(page, folder, f"{tab}-during")
+    progress = visible_boxes(page, ".progress-level")
+    assert len(progress) == 1 and "denoising" in progress[0]["text"], progress
+    status = visible_boxes(page, "#status")[0]
+    texts = visible_boxes(page, ".meta-text, .progress-text, .progress-level")
+    assert all(not overlaps(status, box) for box in texts), (status, texts)
+    assert len([box for box in texts if "steps" in box["text"]]) == 1, texts
+
+    media = "img" if tab == "image" else "video"
+    page.wait_for_function(
+        "selector => { const m = document.querySelector(selector);"
+        " return m !== null && (m.naturalWidth || m.videoWidth) > 0; }",
+        arg=f"#{tab}-result {media}", timeout=120_000,
+    )
+    page.locator(f"#{tab}-recent img, #{tab}-recent video").first.wait_for(timeout=30_000)
+    save_screenshot(page, folder, f"{tab}-after")
+    native, shown = page.locator(f"#{tab}-result {media}").evaluate(
+        "m => [m.naturalWidth || m.videoWidth, m.getBoundingClientRect().width]")
+    assert 0 < shown <= min(2 * native, MAX_MEDIA_PX), (native, shown)
+    assert page.evaluate("document.documentElement.scrollHeight") < 1600
+    # The Seed box shows the seed used, the one in the result file's name.
+    seed = page.locator(f"#{tab}-seed input").input_value()
+    assert seed != "0" and f"-seed{seed}" in page.locator(f"#{tab}-file").inner_text()
+
+    # Clicking the newest recent result restores its settings, with "Random seed" off to repeat it.
+    page.locator(f"#{tab}-prompt textarea").fill("something else")
+    page.locator(f"#{tab}-recent .thumbnail-item").first.click()
+    page.wait_for_function("([tab, prompt]) => document.querySelector(`#${tab}-prompt textarea`).value === prompt",
+                           arg=[tab, prompt], timeout=10_000)
+    assert page.locator(f"#{tab}-seed input").input_value() == seed
+    assert not page.locator(f"#{tab}-random-seed input").is_checked()
+
+    # Two bad fields: one message naming both, once; the status line carries no error.
+    page.locator(f"#{tab}-width input").fill("100")
+    page.locator(f"#{tab}-steps input").fill("0")
+    page.locator(f"#{tab}-generate").click()
+    page.locator(".toast-body").first.wait_for(timeout=30_000)
+    page.wait_for_timeout(300)
+    save_screenshot(page, folder, f"{tab}-error")
+    messages = visible_boxes(page, ".toast-message-text")
+    assert len(messages) == 1, messages
+    assert "2 problems" in messages[0]["text"] and "width 100" in messages[0]["text"] and "steps" in messages[0]["text"]
+    badges = visible_boxes(page, ".wrap .error")
+    assert len(badges) <= 1 and not page.locator("#status .error").count(), badges
+    page.locator(".toast-close").first.click()
+    page.locator(f"#{tab}-width input").fill("64" if tab == "image" else "128")
+
+
+def test_both_tabs_before_during_after_a_request_and_after_an_error(tmp_path):
+    folder = REPO / os.environ["UI_SCREENSHOTS"] if os.environ.get("UI_SCREENSHOTS") else tmp_path / "screens"
+    folder.mkdir(parents=True, exist_ok=True)
+    server = start_server(tmp_path / "results")
+    try:
+        wait_until_listening(server.port, server, timeout=120)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": PAGE_WIDTH, "height": 900})
+                page.goto(f"http://127.0.0.1:{server.port}/", timeout=60_000)
+                check_tab(page, "image", folder, steps=12)
+                check_tab(page, "video", folder, steps=24)
+            finally:
+                browser.close()
     finally:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(timeout=30)

@@ -121,3 +121,21 @@ def test_cosmos_video_to_world_keeps_the_given_frame(cosmos, tmp_path):
     text_only_request = request.__class__(**{**request.to_dict(), "condition": None})
     text_only = cosmos.denoise(text_only_request, cosmos.encode(text_only_request))
     assert (text_only[:, :, :1] - given).abs().max() > 0.5
+
+
+def test_a_request_with_several_bad_fields_is_one_error_naming_them_all():
+    from pipelines.requests import RequestError
+
+    with pytest.raises(RequestError) as error:
+        tiny("tiny-cosmos", prompt=" ", width=100, steps=0, frames=6, fps=0)
+    assert error.value.problems == [
+        "prompt is empty: describe what to generate",
+        "width 100 is not a multiple of 16, which this model needs; use 96 or 112",
+        "steps must be between 1 and 500, got 0",
+        "frames 6 is not 1 + a multiple of 4, which this model needs; use 5 or 9",
+        "fps must be between 1 and 240, got 0",
+    ]
+    assert str(error.value).startswith("5 problems with this request: (1) prompt is empty")
+    with pytest.raises(RequestError) as error:
+        tiny("tiny-flux", prompt="x", height=65)
+    assert str(error.value) == "height 65 is not a multiple of 16, which this model needs; use 64 or 80"

@@ -1,0 +1,119 @@
+"""A rank killed (SIGKILL) at a random moment of a request: the client hears why, everything exits fast.
+
+Each try starts `launch --nproc 2 serve --model tiny-flux`, submits a 256x256 request through
+gradio_client, and kills rank 1 at a seeded random moment: while encoding, after a random
+denoising step, or just after the last step (decoding, the last meeting of the ranks, the file
+write). Required every time: the client's error names the lost rank, the terminal shows the app's
+"error: the job ends" line, and the launcher, torchrun and both ranks are gone within 5 s of the kill.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+
+from tests.helpers import free_port
+from tests.test_app_serve import START_SECONDS, AppProcess, descendants
+
+TRIES = 10
+SEED = 20261124
+EXIT_BOUND_SECONDS = 5.0
+STEPS = 40
+REQUEST = ("a big red star in the center on a white background", 1, False, STEPS, 3.5, 256, 256)
+"""prompt, seed, random seed, steps, guidance, width, height: 2.5 to 5 s on 2 CPU ranks."""
+
+_end_times: list[str] = []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _kill_moment(attempt: int, job) -> str:
+    """Wait for try `attempt`'s kill moment (seeded): tries 0-1 while encoding, 2-7 after a random step,
+    8-9 just after the last step (decoding, the last meeting, the file write); describes it."""
+    rng = random.Random(SEED + attempt)
+    if attempt < 2:
+        delay = rng.uniform(0.0, 0.4)
+        time.sleep(delay)
+        return f"{delay:.2f} s after the submit (encoding)"
+    step = rng.randint(1, STEPS - 1) if attempt < 8 else STEPS
+    jitter = rng.uniform(0.0, 0.03)
+    started = time.monotonic()
+    while max((unit.index or 0 for unit in job.status().progress_data or []), default=0) < step:
+        assert not job.done(), "the request ended before its kill moment"
+        assert time.monotonic() - started < 60
+        time.sleep(0.005)
+    time.sleep(jitter)
+    return f"{jitter * 1000:.0f} ms after step {step}/{STEPS}"
+
+
+@pytest.mark.parametrize("attempt", range(TRIES))
+def test_a_rank_killed_during_a_request_ends_everything_within_5_s(attempt):
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        processes = [app.process.pid, *descendants(app.process.pid)]  # launcher, torchrun, ranks
+        ranks = app.rank_pids()
+        assert sorted(ranks) == [0, 1]
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        job = client.submit(*REQUEST, api_name="/generate_image")
+        moment = _kill_moment(attempt, job)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        while any(_running(pid) for pid in processes) and time.monotonic() - killed < 60:
+            time.sleep(0.02)
+        ended = time.monotonic() - killed
+        _end_times.append(f"try {attempt}: killed {moment}, all gone {ended:.2f} s later")
+        print(_end_times[-1])
+
+        output = app.final_output()
+        assert ended < EXIT_BOUND_SECONDS, output
+        assert app.process.returncode != 0
+        with pytest.raises(AppError, match=r"lost a rank.*rank 1 is gone"):
+            job.result(timeout=10)
+        assert "error: the job ends: rank 0: another rank died or closed its connection: rank 1 is gone" in output, output
+    finally:
+        app.stop()
+        if attempt == TRIES - 1:
+            print("end times after the kill:\n" + "\n".join(_end_times))
+
+
+STUCK_RANK = """
+import sys, time
+from app.stopping import stop_on_signals
+
+with stop_on_signals(grace=0.5) as stop:
+    stop.abandon = lambda: "rank 0: told the clients"
+    print("ready", flush=True)
+    while True:  # busy and deaf to the stop request, like a rank stuck in a collective
+        time.sleep(0.05)
+"""
+
+
+def test_sigterm_ends_a_stuck_process_with_its_message():
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    process = subprocess.Popen([sys.executable, "-c", STUCK_RANK], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=10)
+    assert process.returncode == 1
+    assert 0.5 <= time.monotonic() - started < 3
+    assert err.strip() == "error: the job ends: rank 0: told the clients"

@@ -1,0 +1,61 @@
+"""The UI's contract through gradio_client, on one plain `ulysses-studio serve` process (tiny models).
+
+The seed used comes back for the Seed box, an invalid request is one error naming every bad field,
+and /generate_video's input file is optional in the API description.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+
+from tests.helpers import REPO, free_port
+from tests.test_browser import wait_until_listening
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--port", str(port), "--out", str(tmp_path_factory.mktemp("results"))],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        wait_until_listening(port, server, timeout=120)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=30)
+
+
+def test_the_seed_box_shows_the_random_seed_used(url):
+    client = Client(url, verbose=False)
+    *_, settings, _, seed_shown = client.predict("a random seed", 0, True, 2, 3.5, 64, 64, api_name="/generate_image")
+    assert seed_shown == settings["seed"] and seed_shown != 0
+    # Unticking "Random seed" with the seed shown repeats the result's settings.
+    *_, again, _, _ = client.predict("a random seed", seed_shown, False, 2, 3.5, 64, 64, api_name="/generate_image")
+    assert again["seed"] == settings["seed"]
+
+
+def test_an_invalid_request_is_one_error_naming_every_bad_field(url):
+    client = Client(url, verbose=False)
+    with pytest.raises(AppError) as error:
+        client.predict("two bad fields", 0, False, 0, 3.5, 100, 64, api_name="/generate_image")
+    message = str(error.value)
+    assert message.startswith("2 problems with this request")
+    assert "width 100 is not a multiple of 16" in message and "steps must be between 1 and 500, got 0" in message
+
+
+def test_the_video_input_file_is_optional_in_the_api(url):
+    api = Client(url, verbose=False).view_api(return_format="dict", print_info=False)
+    parameters = {p["parameter_name"]: p for p in api["named_endpoints"]["/generate_video"]["parameters"]}
+    assert parameters["condition"]["parameter_has_default"] and parameters["condition"]["parameter_default"] is None
+    assert not parameters["prompt"]["parameter_has_default"]
+    assert Client(url, verbose=False).predict(
+        "no input file", api_name="/generate_video", frames=5, steps=1, width=64, height=64)[2]["condition"] is None
