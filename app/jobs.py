@@ -81,6 +81,9 @@ class JobQueue:
         self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
         self._closed_because: str | None = None
+        self.current: Job | None = None
+        """The job the main loop took last: what a SIGTERM that finds the main thread stuck must fail
+        (app.serve's abandon)."""
 
     def submit(self, model: str, request: GenerationRequest) -> Job:
         """Queue a validated request; raises ServiceClosed once the server is stopping."""
@@ -92,18 +95,23 @@ class JobQueue:
         return job
 
     def take(self, timeout: float) -> Job | None:
-        """The next job, or None if none arrives within `timeout` seconds."""
+        """The next job (now the current one), or None if none arrives within `timeout` seconds."""
         try:
-            return self._queue.get(timeout=timeout)
+            job = self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
+        self.current = job
+        return job
 
     def close(self, reason: str) -> None:
         """Refuse new jobs and fail the waiting ones with `reason`."""
         with self._lock:
             self._closed_because = reason
-        while (job := self.take(timeout=0)) is not None:
-            job.fail(reason)
+        while True:
+            try:
+                self._queue.get_nowait().fail(reason)
+            except queue.Empty:
+                return
 
 
 def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event) -> None:

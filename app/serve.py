@@ -116,21 +116,13 @@ def run_serve(args: argparse.Namespace) -> int:
         from app.jobs import JobQueue, serve_jobs
         from app.ui import build_ui
 
-        class TrackedJobs(JobQueue):
-            """A JobQueue that remembers the job the main thread took last, so that the SIGTERM
-            watchdog (abandon, below) can fail it while the main thread is stuck running it."""
-
-            current = None
-
-            def take(self, timeout: float):
-                job = super().take(timeout)
-                if job is not None:
-                    self.current = job
-                return job
-
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
-        jobs = TrackedJobs()
+        jobs = JobQueue()
+
+        def remove_results() -> None:
+            if not args.out:  # a folder this run made; the user's own --out stays
+                shutil.rmtree(out_dir, ignore_errors=True)
 
         def abandon() -> str:
             # app.stopping's watchdog, when SIGTERM found the main thread stuck (in a collective with a
@@ -142,8 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 jobs.current.fail(reason)
             jobs.close(reason)
             time.sleep(CLIENT_GRACE_SECONDS)
-            if not args.out:
-                shutil.rmtree(out_dir, ignore_errors=True)
+            remove_results()
             return message
 
         stop.abandon = abandon
@@ -166,8 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise
         finally:
             jobs.close("the server is shutting down")
-            if not args.out:  # a folder this run made; the user's own --out stays
-                shutil.rmtree(out_dir, ignore_errors=True)
+            remove_results()
             demo.close()
     print("stopped", file=sys.stderr)
     return 0
