@@ -1,20 +1,28 @@
-"""Rank 0's request queue: UI threads submit jobs, the main thread runs them one at a time.
+"""Rank 0's request queue: UI handlers submit jobs, the main thread runs them one at a time.
 
 Concurrent users are queued, never interleaved: the lockstep service runs one request on all ranks
 at a time, in arrival order. Each job carries its own event stream (Started when its turn comes, step
-progress, then a result or a failure) back to the thread that submitted it.
+progress, then a result or a failure) back to the handler that submitted it. A handler whose client
+cancelled or left cancels its job: a waiting job is dropped when its turn comes, a running one is
+stopped by every rank at the next step. The queue holds at most `max_waiting` jobs besides the
+running one; more are refused (ServiceBusy), so that a flood of requests gets an answer at once
+rather than hours of waiting.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable
 
+from app.budget import RequestBudget, RequestClock
 from app.failures import JobFailed, RankLost
 from app.lockstep import Generation, LockstepService
 from pipelines.requests import GenerationRequest
+
+DEFAULT_MAX_WAITING = 32
 
 POLL_SECONDS = 0.2
 """How often the idle main loop looks at the stop flag and the heartbeat clock."""
@@ -22,6 +30,10 @@ POLL_SECONDS = 0.2
 
 class ServiceClosed(RuntimeError):
     """The server is shutting down and takes no more requests."""
+
+
+class ServiceBusy(RuntimeError):
+    """The queue is full; the message says so, and what the limit is."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,19 @@ class Job:
     def __init__(self, model: str, request: GenerationRequest) -> None:
         self.model = model
         self.request = request
+        self.cancelled: str | None = None
+        """Why the job's client no longer wants it (set once, by cancel)."""
         self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
+        self._when_done: list[Callable[[], None]] = []
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the job has finished or failed (e.g. to delete the upload it used)."""
+        self._when_done.append(callback)
+
+    def cancel(self, reason: str) -> None:
+        """Drop the job: at its turn if it waits, at the next step on every rank if it runs."""
+        if self.cancelled is None:
+            self.cancelled = reason
 
     def start(self) -> None:
         self._events.put(Started())
@@ -60,24 +84,33 @@ class Job:
         self._events.put(Step(done, total))
 
     def finish(self, generation: Generation) -> None:
-        self._events.put(Finished(generation))
+        self._end(Finished(generation))
 
     def fail(self, message: str) -> None:
-        self._events.put(Failed(message))
+        self._end(Failed(message))
 
-    def events(self) -> Iterator[Started | Step | Finished | Failed]:
-        """Started and the steps as they happen, ending with the job's Finished or Failed."""
-        while True:
-            event = self._events.get()
-            yield event
-            if isinstance(event, (Finished, Failed)):
-                return
+    def _end(self, event: Finished | Failed) -> None:
+        callbacks, self._when_done = self._when_done, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a clean-up that failed must not keep the job's client waiting
+                traceback.print_exc()
+        self._events.put(event)
+
+    def next_event(self, timeout: float) -> Started | Step | Finished | Failed | None:
+        """The next event, or None if none comes within `timeout` seconds (for a handler that polls)."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
 
 class JobQueue:
-    """First come, first served; closing it fails everything still waiting."""
+    """First come, first served, at most `max_waiting` waiting; closing it fails everything still waiting."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        self.max_waiting = max_waiting
         self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
         self._closed_because: str | None = None
@@ -86,22 +119,30 @@ class JobQueue:
         (app.serve's abandon)."""
 
     def submit(self, model: str, request: GenerationRequest) -> Job:
-        """Queue a validated request; raises ServiceClosed once the server is stopping."""
+        """Queue a validated request; raises ServiceClosed once the server is stopping, ServiceBusy when
+        `max_waiting` requests already wait."""
         job = Job(model, request)
         with self._lock:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)
+            if self._queue.qsize() >= self.max_waiting:
+                raise ServiceBusy(f"the server is busy: {self._queue.qsize()} requests are already waiting, its "
+                                  f"limit (--max-queue {self.max_waiting}); try again in a while")
             self._queue.put(job)
         return job
 
     def take(self, timeout: float) -> Job | None:
-        """The next job (now the current one), or None if none arrives within `timeout` seconds."""
-        try:
-            job = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        self.current = job
-        return job
+        """The next job that is still wanted (now the current one), or None if none arrives within `timeout`
+        seconds. Cancelled ones are failed with their reason on the way."""
+        while True:
+            try:
+                job = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if job.cancelled is None:
+                self.current = job
+                return job
+            job.fail(job.cancelled)
 
     def close(self, reason: str) -> None:
         """Refuse new jobs and fail the waiting ones with `reason`."""
@@ -114,10 +155,12 @@ class JobQueue:
                 return
 
 
-def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event) -> None:
+def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, budget: RequestBudget) -> None:
     """Rank 0's main loop: run queued jobs on all ranks until `stop` is set; heartbeat while idle.
 
-    A failed request is reported to its job and the loop goes on; RankLost ends the loop (and the run).
+    A running job stops at the next step when its client cancels it or `budget` says it is over the
+    server's time limit. A failed or stopped request is reported to its job and the loop goes on;
+    RankLost ends the loop (and the run).
     """
     try:
         while not stop.is_set():
@@ -126,14 +169,22 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event) 
                 service.keep_alive()
                 continue
             job.start()
+            clock = RequestClock(steps=job.request.steps)
+
+            def should_stop(done: int, total: int, job: Job = job, clock: RequestClock = clock) -> str | None:
+                if done:
+                    clock.step()
+                return job.cancelled or budget.overrun(clock, done)
+
             try:
-                generation = service.run(job.model, job.request, on_step=job.step)
+                generation = service.run(job.model, job.request, on_step=job.step, should_stop=should_stop)
             except RankLost as error:
                 job.fail(f"the server lost a rank and is ending: {error}")
                 raise
-            except JobFailed as error:
+            except JobFailed as error:  # JobCancelled too
                 job.fail(str(error))
                 continue
+            budget.record(job.model, job.request, generation.steady_step_seconds)
             job.finish(generation)
     finally:
         jobs.close("the server is shutting down")

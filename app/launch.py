@@ -16,6 +16,10 @@ exits with that status. When a rank dies, torchrun notices within 0.1 s and send
 they report and exit within about 3 s (app.stopping), and this launcher reports the failure in one
 line. torchrun's own SIGKILL comes only 30 s later, so the launcher watches the ranks too: when one
 has exited and the others still run RANK_EXIT_GRACE_SECONDS later, it kills them itself.
+
+A server's login (--auth or $ULYSSES_STUDIO_AUTH) is not passed on as given: the launcher writes it to
+a file only this user can read, in its temporary folder, and the ranks get `--auth-file` with that
+path, so that no rank's command line or environment holds the password.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from app.access import AUTH_ENV, read_logins, write_private_auth_file
 from app.stopping import process_running, temporary_folder
 
 LAUNCHABLE = ("serve", "batch", "generate")
@@ -96,11 +101,16 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         from app.runtime import cpu_threads_per_rank
 
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(nproc)))
-    command = torchrun_command(nproc, command_line, free_port())
-    print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
-          f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
     folder = temporary_folder("ulysses-studio-launch")
     try:
+        if inner.command == "serve" and (inner.auth or env.get(AUTH_ENV)):
+            logins = read_logins(inner.auth, None, env, warn=False)
+            env.pop(AUTH_ENV, None)
+            command_line = [*_without_option(command_line, "--auth"), "--auth-file",
+                            str(write_private_auth_file(logins, folder / "logins"))]
+        command = torchrun_command(nproc, command_line, free_port())
+        print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
+              f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
         status_file = folder / "exit-status"
         env[EXIT_STATUS_ENV] = str(status_file)
         status, interrupted = _run_torchrun(command, env)
@@ -112,6 +122,19 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return 130 if interrupted and reported == 0 else reported
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _without_option(command_line: list[str], option: str) -> list[str]:
+    """`command_line` without `option VALUE` and `option=VALUE` (exact spelling: check() has parsed it)."""
+    kept, skip = [], False
+    for word in command_line:
+        if skip:
+            skip = False
+        elif word == option:
+            skip = True
+        elif not word.startswith(f"{option}="):
+            kept.append(word)
+    return kept
 
 
 def hand_over_exit_status(status: int) -> int:

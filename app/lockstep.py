@@ -9,9 +9,12 @@ traffic goes over the context's CPU control group (gloo), one request at a time:
     rank 0:      hand the result back to the caller
 
 Requests are validated (pipelines.requests.make_request) before `run`, so nothing invalid reaches a
-collective. An agreement point is one all_reduce of [stop wanted, failed] with a time limit: a rank
-whose step raised meets the others at their next agreement point, every rank drops the request
-(JobFailed) and the service goes on. A rank that cannot be reached within `rank_timeout` seconds,
+collective. An agreement point is one all_reduce of [stop wanted, failed, cancelled] with a time limit:
+a rank whose step raised meets the others at their next agreement point, every rank drops the
+request (JobFailed) and the service goes on. Rank 0 alone decides a cancellation (its caller's
+`should_stop`: a client that cancelled or left, a request over the server's time limit): every rank
+drops the request at the next agreement point (JobCancelled) and the service goes on, as it does
+after a failure; a stop (Ctrl-C, SIGTERM) ends the service instead. A rank that cannot be reached within `rank_timeout` seconds,
 or whose connection closes (it died), is RankLost: the run ends, because a collective left half
 done cannot be taken back. While idle, rank 0 sends a heartbeat every HEARTBEAT_SECONDS so that the
 followers' wait never hits the process group's timeout.
@@ -42,6 +45,8 @@ DEAD_RANK_WAIT_SECONDS = 0.3
 """How long a rank whose collective failed looks for the dead peer's process before giving up naming it."""
 
 StepCallback = Callable[[int, int], None]
+StopCheck = Callable[[int, int], "str | None"]
+"""Rank 0's question at each agreement point, given (steps done, total): a reason to cancel, or None."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class Generation:
     """Wall time of the whole request (encode, denoise, decode)."""
     step_seconds: float
     """Mean wall time of one denoising step, agreement included."""
+    steady_step_seconds: float
+    """Mean wall time of the steps after the first (which may include compiling the engine for a new size)."""
 
 
 def _short(error: BaseException) -> str:
@@ -128,15 +135,20 @@ class LockstepService:
 
     # --- rank 0 -------------------------------------------------------------------------------
 
-    def run(self, model: str, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
-        """Run a validated request on every rank (rank 0 only); raises JobFailed, JobCancelled or RankLost."""
+    def run(self, model: str, request: GenerationRequest, on_step: StepCallback | None = None,
+            should_stop: StopCheck | None = None) -> Generation:
+        """Run a validated request on every rank (rank 0 only); raises JobFailed, JobCancelled or RankLost.
+
+        should_stop: asked after the encoding and at every agreement point; a reason it returns cancels
+        the request on every rank (JobCancelled with that reason), and the service goes on.
+        """
         self._require_main("run")
         if model not in self.pipelines:
             raise KeyError(f"no model '{model}' in this service; it has {', '.join(self.pipelines)}")
         self._jobs += 1
         message = Run(job=self._jobs, model=model, request=request)
         self._broadcast(message)
-        generation = self._execute(message, on_step)
+        generation = self._execute(message, on_step, should_stop)
         self.last_step_seconds = generation.step_seconds
         return generation
 
@@ -165,19 +177,23 @@ class LockstepService:
                 return
             if isinstance(message, Run):
                 try:
-                    self._execute(message, None)
-                except JobFailed:
+                    self._execute(message, None, None)
+                except JobFailed:  # JobCancelled too
                     pass  # rank 0 reports it; this rank waits for the next message
 
     # --- every rank ---------------------------------------------------------------------------
 
-    def _execute(self, message: Run, on_step: StepCallback | None) -> Generation | None:
+    def _execute(self, message: Run, on_step: StepCallback | None, should_stop: StopCheck | None
+                 ) -> Generation | None:
         pipeline = self.pipelines[message.model]
         request = message.request
         started = time.perf_counter()
 
-        # 1. Rank 0 encodes; its outcome (tensors or an error) reaches every rank in one broadcast.
-        encoded, failure = None, None
+        def stop_reason(done: int) -> str | None:
+            return should_stop(done, request.steps) if should_stop is not None else None
+
+        # 1. Rank 0 encodes; its outcome (tensors, an error or a cancellation) reaches every rank in one broadcast.
+        encoded, failure, cancelled = None, None, None
         if self.ctx.is_main:
             try:
                 encoded = pipeline.encode(request)
@@ -186,13 +202,21 @@ class LockstepService:
             except Exception as error:  # noqa: BLE001 - any failure drops the request on every rank
                 traceback.print_exc()
                 failure = f"rank 0 (encoding): {_short(error)}"
-        encoded, failure = self._broadcast((encoded, failure))
+            cancelled = stop_reason(0)
+            if cancelled is not None:
+                encoded = None
+        encoded, failure, cancelled = self._broadcast((encoded, failure, cancelled))
         if failure is not None:
             raise JobFailed(failure)
+        if cancelled is not None:
+            raise JobCancelled(cancelled)
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.
+        step_ends: list[float] = []
+
         def step_done(done: int, total: int) -> None:
-            self._agree(None)
+            self._agree(None, stop_reason(done) if self.ctx.is_main else None)
+            step_ends.append(time.perf_counter())
             if on_step is not None:
                 on_step(done, total)
 
@@ -210,6 +234,8 @@ class LockstepService:
                 raise
         self._agree(None)  # a failure after the last step meets the others here
         step_seconds = (time.perf_counter() - denoise_started) / request.steps
+        steady_step_seconds = ((step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1
+                               else step_seconds)
 
         # 3. Rank 0 decodes, then every rank meets once more: a decode failure reaches them all, and rank 0
         #    hands a result back only once it knows that no rank died meanwhile (else RankLost).
@@ -229,17 +255,22 @@ class LockstepService:
         if not self.ctx.is_main:
             return None
         return Generation(result=result, model=message.model, request=request,
-                          seconds=time.perf_counter() - started, step_seconds=step_seconds)
+                          seconds=time.perf_counter() - started, step_seconds=step_seconds,
+                          steady_step_seconds=steady_step_seconds)
 
-    def _agree(self, failure: str | None) -> None:
-        """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop."""
+    def _agree(self, failure: str | None, cancelled: str | None = None) -> None:
+        """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop (the
+        service then ends) or rank 0 cancels the request (`cancelled`: why; the service goes on)."""
         if not self.ctx.is_distributed:
             if failure is not None:
                 raise JobFailed(failure)
             if self.stop_event.is_set():
                 raise JobCancelled("stopped (interrupt or SIGTERM)")
+            if cancelled is not None:
+                raise JobCancelled(cancelled)
             return
-        flags = torch.tensor([int(self.stop_event.is_set()), int(failure is not None)], dtype=torch.int64)
+        flags = torch.tensor([int(self.stop_event.is_set()), int(failure is not None), int(cancelled is not None)],
+                             dtype=torch.int64)
         try:
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.rank_timeout))
@@ -248,7 +279,7 @@ class LockstepService:
                 reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
                 raise RankLost(f"rank {self.ctx.rank}: {reason}") from error
             raise self._peer_lost(_short(error)) from error
-        stop_wanted, failed = flags.tolist()
+        stop_wanted, failed, cancel_wanted = flags.tolist()
         if failed:
             reports: list[str | None] = [None] * self.ctx.world_size
             self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
@@ -256,6 +287,8 @@ class LockstepService:
         if stop_wanted:
             self.stop_event.set()
             raise JobCancelled("stopped (interrupt or SIGTERM)")
+        if cancel_wanted:
+            raise JobCancelled(cancelled or "cancelled on rank 0")
 
     def _broadcast(self, message: Any) -> Any:
         """Rank 0's `message` on every rank (the argument is ignored on ranks > 0)."""

@@ -1,9 +1,13 @@
-"""Output files: which extension a model's media takes, checks before work starts, and writing."""
+"""Output files: which extension a model's media takes, checks before work starts, writing, and a
+server's results folder with its optional cap."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
+import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +67,73 @@ class Result:
     settings: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class ResultsCap:
+    """The most result files a server keeps in its results folder: a number of files or of bytes."""
+
+    files: int | None = None
+    bytes: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> ResultsCap:
+        """'500' -> 500 files; '2GB', '500MB', '1.5G' -> bytes (1 GB = 10^9 bytes)."""
+        match = re.fullmatch(r"(\d+)|(\d+(?:\.\d+)?)\s*([kmgt])b?", text.strip().lower())
+        if match is None:
+            raise ValueError(f"expected a number of files (e.g. 500) or a size (e.g. 2GB), got {text!r}")
+        if match[1]:
+            cap = cls(files=int(match[1]))
+        else:
+            cap = cls(bytes=int(float(match[2]) * 1000 ** ("kmgt".index(match[3]) + 1)))
+        if (cap.files or cap.bytes or 0) < 1:
+            raise ValueError(f"a results cap keeps at least one file, got {text!r}")
+        return cap
+
+    def __str__(self) -> str:
+        return f"{self.files} files" if self.files is not None else f"{self.bytes / 1e6:g} MB"
+
+
+RESULT_NAME = re.compile(r"[a-z]+-\d{8}-\d{6}-[0-9a-f]{6}-seed\d+\.(?:png|mp4)")
+"""How ResultsFolder names its files (what its cap may remove: nothing else in the folder)."""
+
+
+class ResultsFolder:
+    """Where a server writes its results, named `<media>-<date>-<time>-<id>-seed<seed>.<ext>`; with a cap,
+    the oldest of those (by modification time) go once there are more than the cap allows."""
+
+    def __init__(self, folder: Path, cap: ResultsCap | None = None) -> None:
+        self.folder = folder
+        self.cap = cap
+        self._lock = threading.Lock()
+
+    def write(self, result: Any, request: GenerationRequest, spec: ModelSpec) -> Path:
+        """Write a result under a new name, then hold the folder to its cap."""
+        name = f"{spec.media}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"
+        path = write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec)
+        self.prune(keep=path)
+        return path
+
+    def prune(self, keep: Path | None = None) -> list[Path]:
+        """Remove the oldest results beyond the cap (never `keep`, the newest); returns what went."""
+        if self.cap is None:
+            return []
+        with self._lock:
+            results = []
+            for path in self.folder.iterdir():
+                if RESULT_NAME.fullmatch(path.name) and path.is_file():
+                    stat = path.stat()
+                    results.append((stat.st_mtime, stat.st_size, path))
+            results.sort(reverse=True)  # newest first
+            removed, count, size = [], 0, 0
+            for _, bytes_, path in results:
+                count, size = count + 1, size + bytes_
+                over = ((self.cap.files is not None and count > self.cap.files)
+                        or (self.cap.bytes is not None and size > self.cap.bytes))
+                if over and path != keep:
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+            return removed
+
+
 class RecentResults:
     """A server's latest results per model, newest first (the UI's recent-results galleries)."""
 
@@ -76,5 +147,6 @@ class RecentResults:
             self._results.setdefault(model, deque(maxlen=self._keep)).appendleft(Result(path, settings))
 
     def of(self, model: str) -> list[Result]:
+        """The model's recent results whose files still exist (a results cap may have removed some)."""
         with self._lock:
-            return list(self._results.get(model, ()))
+            return [result for result in self._results.get(model, ()) if result.path.is_file()]

@@ -4,6 +4,11 @@ A server runs at most one image model and one video model, each on every rank: `
 video) and `--video-model` (a second, video, model). With neither given it serves both embedded
 tiny models, tiny-flux and tiny-cosmos, so both tabs work out of the box; with real checkpoints,
 name only what fits in memory (each rank holds every transformer it serves).
+
+A shared server holds each client to limits an operator may change: the denoising time of one
+request (--max-request-seconds), the requests waiting (--max-queue), the size of an upload
+(--max-upload-mb), the results kept in a chosen --out (--keep-results), and, with a login, failed
+login attempts (app.access). Uploads and a temporary results folder go when the server ends.
 """
 
 from __future__ import annotations
@@ -17,13 +22,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.access import AUTH_ENV, AuthError, LoginThrottle, read_logins
 from app.arguments import add_parallel_arguments, run_options
+from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
+from app.jobs import DEFAULT_MAX_WAITING
+from app.outputs import ResultsCap
 from app.stopping import stop_on_signals, temporary_folder
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 
 
 CLIENT_GRACE_SECONDS = 1.0
+DEFAULT_MAX_UPLOAD_MB = 100.0
+UPLOADS_PREFIX = "ulysses-studio-uploads"
 
 
 class ServeError(ValueError):
@@ -35,7 +46,9 @@ class ServePlan:
     """A checked serve command line."""
 
     models: list[tuple[ModelSpec, Path]]
-    auth: tuple[str, str] | None
+    logins: list[tuple[str, str]] | None
+    """Rank 0's only: None on the other ranks, which never read them."""
+    keep_results: ResultsCap | None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +62,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for everyone)")
     parser.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (needs internet)")
-    parser.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="ask for this login")
+    parser.add_argument("--auth-file", default=None, metavar="FILE",
+                        help=f"ask for a login: FILE has one USER:PASSWORD a line (or set ${AUTH_ENV}=USER:PASSWORD); "
+                             "after 5 failed logins an address waits 1 s, then 2, 4, ... up to 60 s")
+    parser.add_argument("--auth", default=None, metavar="USER:PASSWORD",
+                        help="ask for this login (shows the password in the process list: prefer --auth-file)")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="folder for the results (default: a new temporary folder)")
+                        help="folder for the results (default: a new temporary folder, removed when the server ends)")
+    parser.add_argument("--keep-results", default=None, metavar="N|SIZE",
+                        help="keep at most N result files (e.g. 500) or SIZE of them (e.g. 2GB) in the results "
+                             "folder, removing the oldest (default: keep all)")
+    parser.add_argument("--max-request-seconds", type=float, default=DEFAULT_MAX_REQUEST_SECONDS, metavar="S",
+                        help="the most denoising time one request may take: longer ones are refused up front by an "
+                             "estimate from the server's measured step times, or stopped once they pass it "
+                             f"(default {DEFAULT_MAX_REQUEST_SECONDS:g}; 0: no limit)")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
+                        help=f"requests that may wait for their turn; more are refused (default {DEFAULT_MAX_WAITING})")
+    parser.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
+                        help=f"largest file a client may upload (default {DEFAULT_MAX_UPLOAD_MB:g})")
     add_parallel_arguments(parser)
 
 
@@ -77,13 +105,21 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             models.append((spec, folder))
         if len({spec.media for spec, _ in models}) < len(models):
             raise ServeError("both models make videos; a server runs one image model and one video model at most")
-    auth = None
-    if args.auth is not None:
-        user, colon, password = args.auth.partition(":")
-        if not (user and colon and password):
-            raise ServeError("--auth must look like USER:PASSWORD")
-        auth = (user, password)
-    return ServePlan(models=models, auth=auth)
+    if args.max_request_seconds < 0 or args.max_queue < 0 or args.max_upload_mb <= 0:
+        raise ServeError("--max-request-seconds and --max-queue must be at least 0, --max-upload-mb above 0")
+    keep_results = None
+    if args.keep_results is not None:
+        try:
+            keep_results = ResultsCap.parse(args.keep_results)
+        except ValueError as error:
+            raise ServeError(f"--keep-results: {error}") from None
+    logins = None
+    if int(os.environ.get("RANK", "0")) == 0:  # logins are rank 0's business alone
+        try:
+            logins = read_logins(args.auth, args.auth_file)
+        except AuthError as error:
+            raise ServeError(str(error)) from None
+    return ServePlan(models=models, logins=logins, keep_results=keep_results)
 
 
 def check_port(host: str, port: int) -> None:
@@ -113,20 +149,34 @@ def run_serve(args: argparse.Namespace) -> int:
         if not runtime.is_main:
             runtime.service.follow()
             return 0
+        # Gradio's cache (uploads, and copies of the results it serves) in a folder of this server's, read by
+        # Gradio when it is imported (just below): removed on exit, and by the next start after a SIGKILL.
+        uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
+        os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
+        from app.budget import RequestBudget, WorkModel
         from app.jobs import JobQueue, serve_jobs
-        from app.ui import build_ui
+        from app.outputs import ResultsFolder
+        from app.ui import Server, build_ui
+        from app.uploads import Uploads
+        from starlette.middleware import Middleware
 
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
-        jobs = JobQueue()
+        budget = RequestBudget(args.max_request_seconds or None,
+                               {key: WorkModel.of(model.spec, model.folder, model.limits)
+                                for key, model in runtime.models.items()})
+        server = Server(jobs=JobQueue(args.max_queue), budget=budget,
+                        results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir))
+        jobs = server.jobs
 
-        def remove_results() -> None:
+        def remove_files() -> None:
+            shutil.rmtree(uploads_dir, ignore_errors=True)
             if not args.out:  # a folder this run made; the user's own --out stays
                 shutil.rmtree(out_dir, ignore_errors=True)
 
         def abandon() -> str:
-            # app.stopping's watchdog, when SIGTERM found the main thread stuck (in a collective with a
-            # dead rank): tell the waiting clients why, give them a moment to hear it, clean up.
+            # app.stopping's watchdog, when SIGTERM found the main thread stuck (in a collective with a dead
+            # rank): tell the waiting clients why, give them a moment to hear it, clean up.
             message = runtime.service.lost_message()
             lost = bool(runtime.service.dead_ranks(wait=0.0))
             reason = f"the server {'lost a rank and is ending' if lost else 'is shutting down'}: {message}"
@@ -134,30 +184,32 @@ def run_serve(args: argparse.Namespace) -> int:
                 jobs.current.fail(reason)
             jobs.close(reason)
             time.sleep(CLIENT_GRACE_SECONDS)
-            remove_results()
+            remove_files()
             return message
 
         stop.abandon = abandon
-        demo = build_ui(runtime, jobs, out_dir)
+        demo = build_ui(runtime, server)
         try:
             try:
                 _, local_url, share_url = demo.launch(
-                    server_name=args.host, server_port=args.port, share=args.share, auth=plan.auth,
+                    server_name=args.host, server_port=args.port, share=args.share,
+                    auth=[tuple(login) for login in plan.logins] if plan.logins else None,
                     prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
-                    quiet=True,
+                    quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
+                    app_kwargs={"middleware": [Middleware(LoginThrottle)]},
                 )
             except OSError as error:
                 raise ServeError(f"cannot listen on {args.host}:{args.port}: {error}") from None
             print(f"serving on {local_url}" + (f" and {share_url}" if share_url else "")
                   + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
-            serve_jobs(runtime.service, jobs, stop)
+            serve_jobs(runtime.service, jobs, stop, budget)
         except RankLost:
             # Let the handler threads hand the failure to their pages before the server closes.
             time.sleep(CLIENT_GRACE_SECONDS)
             raise
         finally:
             jobs.close("the server is shutting down")
-            remove_results()
             demo.close()
+            remove_files()
     print("stopped", file=sys.stderr)
     return 0

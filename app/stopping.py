@@ -111,16 +111,19 @@ def _watch(read_fd: int, stop: StopRequest, done: threading.Event, grace: float)
             end_process(message)
 
 
-def temporary_folder(prefix: str) -> Path:
-    """A new folder /tmp/PREFIX-<pid>-XXXX for this process to remove when it ends; first removes the ones
-    of earlier processes that are gone (a SIGKILL leaves its folder behind: nothing runs to remove it)."""
-    remove_stale_folders(prefix)
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-"))
+def temporary_folder(prefix: str, parent: str | Path | None = None) -> Path:
+    """A new folder PARENT/PREFIX-<pid>-XXXX (PARENT: the system's temporary folder unless given) for this
+    process to remove when it ends; first removes the ones of earlier processes that are gone (a SIGKILL
+    leaves its folder behind: nothing runs to remove it)."""
+    parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_folders(prefix, parent)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=parent))
 
 
-def remove_stale_folders(prefix: str) -> None:
-    """Remove the temporary_folder(prefix) folders whose process no longer exists."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}-*-*"):
+def remove_stale_folders(prefix: str, parent: Path) -> None:
+    """Remove the temporary_folder(prefix) folders in `parent` whose process no longer exists."""
+    for folder in parent.glob(f"{prefix}-*-*"):
         owner = folder.name[len(prefix) + 1:].split("-", 1)[0]
         if owner.isdigit() and not process_running(int(owner)) and folder.is_dir() and not folder.is_symlink():
             shutil.rmtree(folder, ignore_errors=True)

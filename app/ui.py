@@ -1,9 +1,11 @@
 """The Gradio UI (rank 0): an image tab and a video tab, a status line, and named API endpoints.
 
-Handlers run in Gradio's worker threads. They validate a request (make_request, the one place a
-request is checked), submit it to the JobQueue, relay its progress to the page (on the result only:
-stage, step k/n and time left), and write the result file. The lockstep service runs one job at a
-time on the main thread, in arrival order. The seed used goes back into the Seed box (so unticking
+Handlers are coroutines on Gradio's event loop. They validate a request (make_request, the one place
+a request is checked, then the server's time limit), submit it to the JobQueue, relay its progress
+to the page (on the result only: stage, step k/n and time left), and write the result file. The
+lockstep service runs one job at a time on the main thread, in arrival order. A client that cancels
+(gradio_client's Job.cancel, Gradio's /cancel) or goes away (tab closed, process ended) cancels its
+job: every rank drops it at the next step. Error messages name files by their names alone. The seed used goes back into the Seed box (so unticking
 "Random seed" repeats a result); a second, private, event then refreshes the tab's recent-results
 gallery, where clicking an item puts its settings back into the inputs.
 
@@ -13,24 +15,28 @@ generate endpoints return (media path, file path, settings, status line, seed us
 
 from __future__ import annotations
 
+import asyncio
+import re
 import secrets
 import time
-import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import gradio as gr
+from gradio.context import LocalContext
 
-from app.jobs import Failed, Finished, JobQueue, ServiceClosed, Started, Step
-from app.outputs import EXTENSIONS, RecentResults, settings_of, write_result
+from app.budget import RequestBudget
+from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
+from app.outputs import RecentResults, ResultsFolder, settings_of
 from app.runtime import Runtime, ServedModel
+from app.uploads import Uploads
+from app.lockstep import Generation
 from pipelines.requests import RequestError, make_request
 
 RANDOM_SEED_LIMIT = 2**32
-MAX_WAITING = 64
-"""Requests Gradio holds beyond the ones waiting in our JobQueue; more are refused with a message."""
-MAX_WAITING_HANDLERS = 16
-"""Handler threads that may wait on the JobQueue at once (each holds one queued request)."""
+EVENT_POLL_SECONDS = 0.05
+"""How often a waiting handler looks at its job's events and at its client."""
 MAX_MEDIA_PX = 512
 """Results are shown at their own size up to this width (never upscaled); the file is full size."""
 
@@ -43,13 +49,24 @@ CSS = f"""
 """
 
 
-def build_ui(runtime: Runtime, jobs: JobQueue, out_dir: Path) -> gr.Blocks:
-    """The page for `runtime`'s models; results are written under `out_dir`."""
+@dataclass(frozen=True, kw_only=True)
+class Server:
+    """What the handlers share: the queue, the time limit, the results folder and the uploads in use."""
+
+    jobs: JobQueue
+    budget: RequestBudget
+    results: ResultsFolder
+    uploads: Uploads
+    recent: RecentResults = field(default_factory=RecentResults)
+
+
+def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
+    """The page for `runtime`'s models."""
 
     def status() -> str:
         return runtime.describe(runtime.service.last_step_seconds)
 
-    recent = RecentResults()
+    jobs = server.jobs
     with gr.Blocks(title="ulysses-studio") as demo:
         gr.HTML(f"<style>{CSS}</style>", container=False, padding=False)
         gr.Markdown("## ulysses-studio")
@@ -59,15 +76,18 @@ def build_ui(runtime: Runtime, jobs: JobQueue, out_dir: Path) -> gr.Blocks:
             if image is None:
                 gr.Markdown("This server runs no image model: start it with `--model NAME` (e.g. tiny-flux).")
             else:
-                _image_tab(demo, image, jobs, out_dir, recent, status, status_line)
+                _image_tab(demo, image, server, status, status_line)
         with gr.Tab("Video", id="video"):
             video = runtime.models.get("video")
             if video is None:
                 gr.Markdown("This server runs no video model: start it with `--video-model NAME` (e.g. tiny-cosmos).")
             else:
-                _video_tab(demo, video, jobs, out_dir, recent, status, status_line)
+                _video_tab(demo, video, server, status, status_line)
         demo.load(status, outputs=status_line, api_name="status", queue=False)
-    demo.queue(max_size=MAX_WAITING)
+    # Handlers for every request the JobQueue may hold (waiting and running) and a few more, so that the
+    # JobQueue's own refusal, which names --max-queue, is what a client over the limit hears; Gradio's
+    # queue holds about as many again, for bursts.
+    demo.queue(max_size=jobs.max_waiting + 2, default_concurrency_limit=jobs.max_waiting + 2)
     return demo
 
 
@@ -105,8 +125,8 @@ def _gallery_of(recent: RecentResults, key: str) -> tuple[list[tuple[str, str]],
     return items, [result.settings for result in results]
 
 
-def _image_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Path, recent: RecentResults,
-               status: Callable[[], str], status_line: gr.Markdown) -> None:
+def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
+               status_line: gr.Markdown) -> None:
     gr.Markdown(f"Text to image with **{model.spec.name}**.")
     with gr.Row():
         with gr.Column():
@@ -122,10 +142,10 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Pat
                 settings = gr.JSON(label="Settings", elem_id="image-settings")
     gallery, shown = _recent_gallery("image")
 
-    def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
-                       width: float, height: float, progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = _generate(model, jobs, out_dir, recent, progress, random_seed, prompt=prompt, seed=seed,
-                               steps=steps, guidance=guidance, width=width, height=height)
+    async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
+                             width: float, height: float, progress: gr.Progress = gr.Progress()) -> tuple:
+        path, used = await _generate(model, server, progress, random_seed, prompt=prompt, seed=seed,
+                                     steps=steps, guidance=guidance, width=width, height=height)
         return str(path), str(path), used, status(), used["seed"]
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
@@ -134,21 +154,22 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Pat
                 used)
 
     inputs = [prompt, seed, random_seed, steps, guidance, width, height]
-    _wire(demo, model, recent, button, generate_image, inputs, [result, download, settings, status_line, seed],
-          "generate_image", gallery, shown)
+    _wire(demo, model, server.recent, button, generate_image, inputs,
+          [result, download, settings, status_line, seed], "generate_image", gallery, shown)
     gallery.select(restore, inputs=shown, outputs=[*inputs, settings], api_visibility="private",
                    show_progress="hidden")
 
 
-def _video_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Path, recent: RecentResults,
-               status: Callable[[], str], status_line: gr.Markdown) -> None:
+def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
+               status_line: gr.Markdown) -> None:
     gr.Markdown(f"Text or image/video to video with **{model.spec.name}**.")
     with gr.Row():
         with gr.Column():
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
             negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
-            condition = gr.File(label="Input image or video (optional: video-to-world)", type="filepath",
-                                value=None, height=120)
+            condition = gr.File(label="Input image or video (optional: video-to-world; used once, then "
+                                      "deleted from the server)", type="filepath", value=None, height=120,
+                                elem_id="video-condition")
             with gr.Row():
                 frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
                                    value=model.spec.frames, precision=0)
@@ -165,14 +186,14 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Pat
     gallery, shown = _recent_gallery("video")
 
     # condition and what follows it default to None (the model's defaults), so clients may leave them out.
-    def generate_video(prompt: str, negative_prompt: str | None = None, condition: str | None = None,
-                       frames: float | None = None, fps: float | None = None, seed: float | None = None,
-                       random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
-                       width: float | None = None, height: float | None = None,
-                       progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = _generate(model, jobs, out_dir, recent, progress, random_seed, prompt=prompt,
-                               negative_prompt=negative_prompt, condition=condition or None, frames=frames,
-                               fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height)
+    async def generate_video(prompt: str, negative_prompt: str | None = None, condition: str | None = None,
+                             frames: float | None = None, fps: float | None = None, seed: float | None = None,
+                             random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
+                             width: float | None = None, height: float | None = None,
+                             progress: gr.Progress = gr.Progress()) -> tuple:
+        path, used = await _generate(model, server, progress, random_seed, prompt=prompt,
+                                     negative_prompt=negative_prompt, condition=condition or None, frames=frames,
+                                     fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height)
         return str(path), str(path), used, status(), used["seed"]
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
@@ -181,25 +202,29 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, jobs: JobQueue, out_dir: Pat
                 used["steps"], used["guidance"], used["width"], used["height"], used)
 
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height]
-    _wire(demo, model, recent, button, generate_video, inputs, [result, download, settings, status_line, seed],
-          "generate_video", gallery, shown)
+    event = _wire(demo, model, server.recent, button, generate_video, inputs,
+                  [result, download, settings, status_line, seed], "generate_video", gallery, shown)
+    # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
+    event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
     restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, width, height]
     gallery.select(restore, inputs=shown, outputs=[*restored, settings], api_visibility="private",
                    show_progress="hidden")
 
 
 def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, button: gr.Button,
-          handler: Callable[..., tuple], inputs: list, outputs: list, api_name: str, gallery: gr.Gallery,
-          shown: gr.State) -> None:
-    """The tab's API endpoint on its button (progress and errors on the result only), then its gallery."""
+          handler: Callable[..., Any], inputs: list, outputs: list, api_name: str, gallery: gr.Gallery,
+          shown: gr.State) -> Any:
+    """The tab's API endpoint on its button (progress and errors on the result only), then its gallery;
+    returns the endpoint's event."""
 
     def refresh() -> tuple:
         return _gallery_of(recent, model.key)
 
     event = button.click(handler, inputs=inputs, outputs=outputs, api_name=api_name, show_progress_on=outputs[0],
-                         concurrency_limit=MAX_WAITING_HANDLERS, concurrency_id="generate")
+                         concurrency_id="generate")
     event.success(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
     demo.load(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
+    return event
 
 
 class _Progress:
@@ -238,32 +263,82 @@ class _Progress:
         self._progress((self._steps, self._steps), desc="writing", unit="steps")
 
 
-def _generate(model: ServedModel, jobs: JobQueue, out_dir: Path, recent: RecentResults, progress: gr.Progress,
-              random_seed: bool, **fields: Any) -> tuple[Path, dict[str, Any]]:
-    """Validate, queue, wait (relaying progress), write the file; returns its path and its settings."""
+async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random_seed: bool,
+                    **fields: Any) -> tuple[Path, dict[str, Any]]:
+    """Validate, queue, wait (relaying progress), write the file; returns its path and its settings.
+
+    An upload the request brings is deleted once the request has ended (or was refused).
+    """
     if random_seed:
         fields["seed"] = secrets.randbelow(RANDOM_SEED_LIMIT)
+    upload = fields.get("condition")
+    job = None
+    if upload:
+        server.uploads.use(upload)
     try:
-        request = make_request(model.spec, model.limits, **fields)
-        job = jobs.submit(model.key, request)
-    except (RequestError, ServiceClosed) as error:
-        raise gr.Error(str(error), print_exception=False) from None
-    earlier = recent.of(model.key)
+        request = await asyncio.to_thread(make_request, model.spec, model.limits, **fields)
+        server.budget.check(model.key, request)
+        job = server.jobs.submit(model.key, request)
+    except (RequestError, ServiceClosed, ServiceBusy) as error:
+        raise gr.Error(public_message(str(error)), print_exception=False) from None
+    finally:
+        if upload:
+            if job is None:
+                server.uploads.release(upload)
+            else:
+                job.when_done(lambda: server.uploads.release(upload))
+    earlier = server.recent.of(model.key)
     relay = _Progress(progress, request.steps, earlier[0].settings["step_seconds"] if earlier else None)
-    relay.queued()
-    for event in job.events():
-        if isinstance(event, Started):
-            relay.started()
-        elif isinstance(event, Step):
-            relay.step(event.done, event.total)
-        elif isinstance(event, Failed):
-            raise gr.Error(event.message, print_exception=False)  # the failing rank logged its traceback
-        elif isinstance(event, Finished):
-            generation = event.generation
+    generation = await _wait(job, relay)
     relay.writing()
-    name = f"{model.key}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"
-    path = write_result(generation.result, out_dir / f"{name}{EXTENSIONS[model.spec.media]}", request, model.spec)
+    path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec)
     settings = settings_of(request, model.spec)
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
-    recent.add(model.key, path, settings)
+    server.recent.add(model.key, path, settings)
     return path, settings
+
+
+async def _wait(job: Job, relay: _Progress) -> Generation:
+    """Relay `job`'s progress until it ends; cancel it if this handler is cancelled or its client leaves."""
+    client_connected = _client_watch()
+    relay.queued()
+    try:
+        while True:
+            event = job.next_event(timeout=0)
+            if event is None:
+                if job.cancelled is None and not client_connected():
+                    job.cancel("the client went away")
+                await asyncio.sleep(EVENT_POLL_SECONDS)
+            elif isinstance(event, Started):
+                relay.started()
+            elif isinstance(event, Step):
+                relay.step(event.done, event.total)
+            elif isinstance(event, Failed):
+                raise gr.Error(public_message(event.message), print_exception=False)  # the failing rank logged it
+            elif isinstance(event, Finished):
+                return event.generation
+    except asyncio.CancelledError:  # Gradio's /cancel: the client cancelled
+        job.cancel("cancelled by the client")
+        raise
+
+
+def _client_watch() -> Callable[[], bool]:
+    """Whether this handler's client is still connected, as Gradio's queue knows it.
+
+    When a client's event stream closes, Gradio marks its events not alive (Queue.clean_events) but
+    stops only generator handlers; a coroutine like ours must look for itself. This reads Gradio's
+    queue (gradio>=6,<7, tests/test_app_limits.py checks it); outside a Gradio event it says True.
+    """
+    blocks, event_id = LocalContext.blocks.get(None), LocalContext.event_id.get(None)
+    queue = getattr(blocks, "_queue", None)
+    event = queue.event_ids_to_events.get(event_id) if queue is not None and event_id else None
+    return lambda: event is None or event.alive
+
+
+_SERVER_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s/'\"]+/)+([^\s/'\"]+)")
+
+
+def public_message(text: str) -> str:
+    """`text` with every absolute path cut to its last part: a client is told which file, never where the
+    server keeps it (uploads, results, model folders)."""
+    return _SERVER_PATH.sub(r"\1", text)

@@ -21,6 +21,7 @@ import numpy as np
 import PIL.Image
 import torch
 from diffusers.pipelines.cosmos.pipeline_cosmos2_video2world import retrieve_timesteps
+from diffusers.utils import PIL_INTERPOLATION
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
@@ -150,7 +151,11 @@ class CosmosPipeline:
         )
 
     def _encode_condition(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
-        frames = read_frames(request.condition)
+        # Only the last `request.frames` frames are used: read just those, resized as they stream (with the
+        # video processor's own filter, so that its resize below is the identity).
+        resample = PIL_INTERPOLATION[self.video_processor.config.resample]
+        frames = read_frames(request.condition, (request.width, request.height), last=request.frames,
+                             resample=resample)
         video = self.video_processor.preprocess_video([frames], request.height, request.width)
         video = video.to(self.device, torch.float32)
         num_given = video.shape[2]

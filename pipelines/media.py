@@ -1,8 +1,18 @@
-"""Reading and writing media files: PNG with generation settings, MP4 through imageio-ffmpeg."""
+"""Reading and writing media files: PNG with generation settings, MP4 through imageio-ffmpeg, and the
+checked, memory-bounded reading of a request's input image or video.
+
+An input file is probed (its header only: size, duration) and held to INPUT_LIMITS before it is
+decoded, and then decoded frame by frame: only the frames a request uses are kept, each resized to
+the request's size as it arrives, and a video is entered near its end (ffmpeg's -sseof) because
+video-to-world uses its last frames. A 20-second 1080p clip so costs the memory of a few small
+frames, not of 600 full ones.
+"""
 
 from __future__ import annotations
 
 import json
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +20,37 @@ import numpy as np
 import PIL.Image
 from PIL.PngImagePlugin import PngInfo
 
-from pipelines.requests import IMAGE_SUFFIXES
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputLimits:
+    """The largest input image or video a request may bring."""
+
+    image_pixels: int = 50_000_000
+    """An image's width x height (a 50-megapixel photo; PIL's own bomb check stops at 179 million)."""
+    video_side: int = 4096
+    """A video's width and height each (4K)."""
+    video_seconds: float = 300.0
+
+
+INPUT_LIMITS = InputLimits()
+
+
+class MediaError(ValueError):
+    """An input file that cannot be used; the message names the file by its name only (never a server path)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MediaInfo:
+    """What a file's header says."""
+
+    width: int
+    height: int
+    video: bool
+    fps: float | None = None
+    seconds: float | None = None
 
 
 def save_png(image: PIL.Image.Image, path: str | Path, settings: dict[str, Any]) -> Path:
@@ -45,7 +85,7 @@ def save_mp4(frames: np.ndarray, path: str | Path, fps: int) -> Path:
 
 
 def read_video(path: str | Path) -> tuple[list[np.ndarray], float]:
-    """All frames of a video file and its frame rate."""
+    """All frames of a (small) video file and its frame rate: for reading results back, not inputs."""
     import imageio.v2 as imageio
 
     with imageio.get_reader(path, format="FFMPEG") as reader:
@@ -54,11 +94,79 @@ def read_video(path: str | Path) -> tuple[list[np.ndarray], float]:
     return frames, fps
 
 
-def read_frames(path: str | Path) -> list[PIL.Image.Image]:
-    """An image file as one frame, or a video file's frames, as RGB PIL images."""
+def probe(path: str | Path) -> MediaInfo:
+    """Size (and for a video frame rate and duration) from `path`'s header, decoding nothing."""
     path = Path(path)
     if path.suffix.lower() in IMAGE_SUFFIXES:
+        try:
+            with PIL.Image.open(path) as image:
+                width, height = image.size
+        except (OSError, ValueError, PIL.Image.DecompressionBombError) as error:
+            raise MediaError(f"input file {path.name} is not an image this server can read "
+                             f"({type(error).__name__})") from None
+        return MediaInfo(width=width, height=height, video=False)
+    import imageio_ffmpeg
+
+    frames = imageio_ffmpeg.read_frames(str(path))
+    try:
+        meta = next(frames)  # ffmpeg's header report; closing the generator stops ffmpeg before it decodes
+    except (OSError, RuntimeError, StopIteration):
+        raise MediaError(f"input file {path.name} is not a video this server can read") from None
+    finally:
+        frames.close()
+    width, height = meta.get("source_size") or meta["size"]
+    duration = meta.get("duration")
+    return MediaInfo(width=width, height=height, video=True, fps=meta.get("fps") or None,
+                     seconds=float(duration) if duration and duration != float("inf") else None)
+
+
+def check_input(path: str | Path, limits: InputLimits = INPUT_LIMITS) -> MediaInfo:
+    """probe(path), or MediaError saying which limit it is over (checked before anything is decoded)."""
+    info = probe(path)
+    name = Path(path).name
+    if not info.video and info.width * info.height > limits.image_pixels:
+        raise MediaError(f"input image {name} is {info.width}x{info.height} ({info.width * info.height / 1e6:.0f} "
+                         f"megapixels); the limit is {limits.image_pixels / 1e6:.0f} megapixels")
+    if info.video and max(info.width, info.height) > limits.video_side:
+        raise MediaError(f"input video {name} is {info.width}x{info.height}; the limit is {limits.video_side} "
+                         f"pixels a side")
+    if info.video and info.seconds is not None and info.seconds > limits.video_seconds:
+        raise MediaError(f"input video {name} lasts {info.seconds:.0f} s; the limit is {limits.video_seconds:.0f} s")
+    return info
+
+
+def read_frames(path: str | Path, size: tuple[int, int], *, last: int = 1,
+                resample: int = PIL.Image.Resampling.LANCZOS) -> list[PIL.Image.Image]:
+    """The last `last` frames of a video (an image is one frame), RGB, each resized to `size` (width, height)
+    as it is decoded: memory holds `last` frames of `size` and one decoded frame, whatever the file's length.
+
+    The file is held to INPUT_LIMITS first (MediaError).
+    """
+    path = Path(path)
+    info = check_input(path)
+    if not info.video:
         with PIL.Image.open(path) as image:
-            return [image.convert("RGB")]
-    frames, _ = read_video(path)
-    return [PIL.Image.fromarray(frame).convert("RGB") for frame in frames]
+            image.draft("RGB", size)  # JPEG decodes at a reduced scale when that is still >= size
+            return [image.convert("RGB").resize(size, resample)]
+    import imageio_ffmpeg
+
+    input_params = []
+    if info.fps and info.seconds:
+        tail = (last + 2) / info.fps + 0.5  # a margin of frames: -sseof lands on a frame boundary
+        if info.seconds > tail + 1:
+            input_params = ["-sseof", f"-{tail:.3f}"]
+    kept: deque[PIL.Image.Image] = deque(maxlen=last)
+    frames = imageio_ffmpeg.read_frames(str(path), input_params=input_params)
+    try:
+        meta = next(frames)
+        width, height = meta["size"]
+        for raw in frames:
+            frame = PIL.Image.frombuffer("RGB", (width, height), raw, "raw", "RGB", 0, 1)
+            kept.append(frame.resize(size, resample))
+    except (OSError, RuntimeError) as error:
+        raise MediaError(f"input video {path.name} could not be decoded ({type(error).__name__})") from None
+    finally:
+        frames.close()
+    if not kept:
+        raise MediaError(f"input video {path.name} has no frames")
+    return list(kept)

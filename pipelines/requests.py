@@ -9,18 +9,18 @@ some rank.
 from __future__ import annotations
 
 import math
+import unicodedata
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from pipelines.family import load
+from pipelines.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, MediaError, check_input
 from pipelines.registry import ModelSpec, family_of, read_component_config
 
 MAX_PROMPT_CHARS = 4000
 MAX_STEPS = 500
 MAX_SEED = 2**63 - 1
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
 
 
 class RequestError(ValueError):
@@ -194,8 +194,14 @@ class _Problems:
             return None
 
 
+def visible(text: str) -> str:
+    """`text` without white space and without control, format (zero-width) and other invisible characters
+    (Unicode categories C*): what is left is what a person can see."""
+    return "".join(ch for ch in text if not ch.isspace() and not unicodedata.category(ch).startswith("C"))
+
+
 def _check_prompt(prompt: Any) -> None:
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str) or not visible(prompt):
         raise RequestError("prompt is empty: describe what to generate")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise RequestError(f"prompt is {len(prompt)} characters long; the limit is {MAX_PROMPT_CHARS}")
@@ -230,13 +236,18 @@ def _check_fps(fps: int) -> None:
 
 
 def _check_condition(condition: Any) -> str:
+    """The input file's path, once its header shows a readable file within pipelines.media's INPUT_LIMITS.
+    Messages name the file by its name alone: on a server its folder is the server's business."""
     path = Path(str(condition))
     if not path.is_file():
-        raise RequestError(f"input file {path} does not exist")
+        raise RequestError(f"input file {path.name} does not exist")
     if path.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
-        raise RequestError(
-            f"input file {path} is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor a video ({', '.join(VIDEO_SUFFIXES)})"
-        )
+        raise RequestError(f"input file {path.name} is neither an image ({', '.join(IMAGE_SUFFIXES)}) "
+                           f"nor a video ({', '.join(VIDEO_SUFFIXES)})")
+    try:
+        check_input(path)
+    except MediaError as error:
+        raise RequestError(str(error)) from None
     return str(path)
 
 

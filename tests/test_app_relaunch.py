@@ -54,7 +54,7 @@ def test_stale_temporary_folders_of_dead_processes_are_removed(tmp_path, monkeyp
     alive.mkdir()
     chosen = tmp_path / "ulysses-studio-mine"
     chosen.mkdir()
-    remove_stale_folders("ulysses-studio")
+    remove_stale_folders("ulysses-studio", tmp_path)
     assert not stale.exists() and alive.exists() and chosen.exists()
     made = temporary_folder("ulysses-studio")
     assert made.parent == tmp_path and made.name.startswith(f"ulysses-studio-{os.getpid()}-")

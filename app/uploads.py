@@ -1,0 +1,47 @@
+"""A server's uploads: Gradio's upload folder, private to the server, and each upload deleted once used.
+
+The server points Gradio's cache (GRADIO_TEMP_DIR) at a folder of its own (app.stopping's
+temporary_folder) and removes it on exit, so nothing a client sent outlives the server; an upload a
+request used is deleted as soon as that request ends. Gradio stores uploads by content (the same
+bytes land on the same path), so an upload is counted while requests use it and goes with the last.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+
+class Uploads:
+    """The uploads under `folder` that running or waiting requests use."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder.resolve()
+        self._users: Counter[Path] = Counter()
+        self._lock = threading.Lock()
+
+    def holds(self, path: str | Path) -> bool:
+        """Whether `path` is an upload (a file in this server's upload folder)."""
+        return Path(path).resolve().is_relative_to(self.folder)
+
+    def use(self, path: str | Path) -> None:
+        """A request uses the upload at `path` (files elsewhere are not uploads and are left alone)."""
+        if self.holds(path):
+            with self._lock:
+                self._users[Path(path).resolve()] += 1
+
+    def release(self, path: str | Path) -> None:
+        """A request that used `path` ended: delete the upload if no other request uses it."""
+        path = Path(path).resolve()
+        with self._lock:
+            if path not in self._users:
+                return
+            self._users[path] -= 1
+            if self._users[path] > 0:
+                return
+            del self._users[path]
+            path.unlink(missing_ok=True)
+            folder = path.parent
+            if folder != self.folder and folder.is_relative_to(self.folder) and not any(folder.iterdir()):
+                folder.rmdir()  # Gradio's per-upload folder
