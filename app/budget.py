@@ -2,27 +2,27 @@
 
 A request is held to the limit three times:
 
-1. up front, by an estimate: its steps x the step time this server measured for the model, scaled by
-   the work of one step. A transformer step costs about L x (24 n d^2 + 4 n^2 d) for n tokens of
-   width d (the projections and MLP, then attention's two n x n products), so step_work(n) =
-   n (6d + n) up to a constant factor per model, and the measured seconds per unit of that work
-   predict other sizes. Before the model's first request there is no measurement, and no estimate;
+1. up front, by an estimate: its steps x a step time this server measured for the model, from the
+   measured size nearest to the request's in tokens, scaled in proportion to tokens. That is exact
+   for a size served before; across sizes, per-step overheads grow slower than tokens and attention
+   faster (tiny-flux on 2 CPU ranks, each from the size before it: 512x512 estimated at 0.29 s a
+   step, measured 0.16; 1024x1024 0.62 s, measured 0.95; 2048x2048 3.8 s, measured 10.6). Before
+   the model's first request there is no estimate;
 2. while it runs, by projection: from its second step on, its own steps so far predict the rest;
 3. by the clock: past the limit it is stopped at the next step, whatever the estimates said.
 
-Steps and sizes are the request's; encoding and decoding are not counted (a small share next to the
-denoising steps). The step time measured skips each request's first step, which may include
-compiling the engine for a new size.
+Only the denoising steps count (encoding and decoding are a small share next to them). The step time
+measured skips each request's first step, which may include compiling the engine for a new size.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from pipelines.registry import ModelSpec, read_component_config
+from pipelines.registry import ModelSpec
 from pipelines.requests import GenerationRequest, MediaLimits, RequestError, uses_guidance_batch
 
 DEFAULT_MAX_REQUEST_SECONDS = 600.0
@@ -30,30 +30,19 @@ LIMIT_OPTION = "--max-request-seconds"
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkModel:
-    """What one denoising step of a model costs, in the units of step_work."""
+class TokenCount:
+    """How many tokens one transformer call of a model processes for a request."""
 
     spec: ModelSpec
     limits: MediaLimits
-    width: int
-    """The transformer's hidden width d (attention heads x head size)."""
 
-    @classmethod
-    def of(cls, spec: ModelSpec, folder: Path, limits: MediaLimits) -> WorkModel:
-        config = read_component_config(folder, "transformer")
-        return cls(spec=spec, limits=limits, width=config["num_attention_heads"] * config["attention_head_dim"])
-
-    def tokens(self, request: GenerationRequest) -> int:
-        """The transformer's tokens per step: latent patches of every latent frame, twice for models that
-        batch classifier-free guidance's two branches when guidance is on."""
+    def __call__(self, request: GenerationRequest) -> int:
+        """Latent patches of every latent frame, twice for models that batch classifier-free guidance's two
+        branches when guidance is on."""
         per_frame = (request.height // self.limits.size_multiple) * (request.width // self.limits.size_multiple)
         latent_frames = 1 + (request.frames - 1) // self.limits.frame_multiple
         branches = 2 if uses_guidance_batch(self.spec) and request.guidance > 1.0 else 1
         return per_frame * latent_frames * branches
-
-    def step_work(self, request: GenerationRequest) -> float:
-        n = self.tokens(request)
-        return n * (6 * self.width + n)
 
 
 @dataclass
@@ -75,25 +64,28 @@ class RequestClock:
 
 
 class RequestBudget:
-    """The server's limit on one request's denoising time, and what it has measured per model.
+    """The server's limit on one request's denoising time, and the step times it measured per model.
 
     Used by rank 0's threads: the UI checks requests (check), the main loop records finished ones
     (record) and asks about running ones (overrun).
     """
 
-    def __init__(self, max_seconds: float | None, models: dict[str, WorkModel]) -> None:
+    def __init__(self, max_seconds: float | None, token_counts: dict[str, TokenCount]) -> None:
         self.max_seconds = max_seconds
-        self._models = dict(models)
-        self._seconds_per_work: dict[str, float] = {}
+        self._tokens = dict(token_counts)
+        self._step_seconds: dict[str, dict[int, float]] = {key: {} for key in token_counts}
+        """Model key -> tokens -> the latest steady step time measured at that many tokens."""
         self._lock = threading.Lock()
 
     def estimate(self, key: str, request: GenerationRequest) -> float | None:
         """Seconds of denoising `request` on model `key` should take, or None before a measurement."""
+        tokens = self._tokens[key](request)
         with self._lock:
-            rate = self._seconds_per_work.get(key)
-        if rate is None:
+            measured = dict(self._step_seconds[key])
+        if not measured:
             return None
-        return request.steps * rate * self._models[key].step_work(request)
+        nearest = min(measured, key=lambda count: abs(math.log(count / tokens)))
+        return request.steps * measured[nearest] * tokens / nearest
 
     def check(self, key: str, request: GenerationRequest) -> None:
         """RequestError if `request`'s estimate is over the limit (before it is queued)."""
@@ -109,9 +101,9 @@ class RequestBudget:
                 f"{_duration(self.max_seconds)} a request ({LIMIT_OPTION}): ask for fewer steps or a smaller size")
 
     def record(self, key: str, request: GenerationRequest, steady_step_seconds: float) -> None:
-        """A finished request's step time: the model's measurement from now on."""
+        """A finished request's step time: the model's measurement at its token count from now on."""
         with self._lock:
-            self._seconds_per_work[key] = steady_step_seconds / self._models[key].step_work(request)
+            self._step_seconds[key][self._tokens[key](request)] = steady_step_seconds
 
     def overrun(self, clock: RequestClock, done: int, now: float | None = None) -> str | None:
         """Why a running request must stop now (over the limit, or certain to be), or None."""

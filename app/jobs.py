@@ -12,13 +12,14 @@ rather than hours of waiting.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 from app.budget import RequestBudget, RequestClock
-from app.failures import JobFailed, RankLost
+from app.failures import JobCancelled, JobFailed, RankLost
 from app.lockstep import Generation, LockstepService
 from pipelines.requests import GenerationRequest
 
@@ -126,8 +127,8 @@ class JobQueue:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)
             if self._queue.qsize() >= self.max_waiting:
-                raise ServiceBusy(f"the server is busy: {self._queue.qsize()} requests are already waiting, its "
-                                  f"limit (--max-queue {self.max_waiting}); try again in a while")
+                raise ServiceBusy(f"the server is busy: its queue is full ({self._queue.qsize()} waiting, "
+                                  f"--max-queue {self.max_waiting}); try again in a while")
             self._queue.put(job)
         return job
 
@@ -174,14 +175,20 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
             def should_stop(done: int, total: int, job: Job = job, clock: RequestClock = clock) -> str | None:
                 if done:
                     clock.step()
-                return job.cancelled or budget.overrun(clock, done)
+                if job.cancelled is not None:
+                    return f"{job.cancelled} (at step {done} of {total})"
+                return budget.overrun(clock, done)
 
             try:
                 generation = service.run(job.model, job.request, on_step=job.step, should_stop=should_stop)
             except RankLost as error:
                 job.fail(f"the server lost a rank and is ending: {error}")
                 raise
-            except JobFailed as error:  # JobCancelled too
+            except JobCancelled as error:
+                print(f"{job.model} request stopped: {error}", file=sys.stderr, flush=True)
+                job.fail(str(error))
+                continue
+            except JobFailed as error:
                 job.fail(str(error))
                 continue
             budget.record(job.model, job.request, generation.steady_step_seconds)

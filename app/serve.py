@@ -153,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Gradio when it is imported (just below): removed on exit, and by the next start after a SIGKILL.
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
         os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
-        from app.budget import RequestBudget, WorkModel
+        from app.budget import RequestBudget, TokenCount
         from app.jobs import JobQueue, serve_jobs
         from app.outputs import ResultsFolder
         from app.ui import Server, build_ui
@@ -163,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
         budget = RequestBudget(args.max_request_seconds or None,
-                               {key: WorkModel.of(model.spec, model.folder, model.limits)
+                               {key: TokenCount(spec=model.spec, limits=model.limits)
                                 for key, model in runtime.models.items()})
         server = Server(jobs=JobQueue(args.max_queue), budget=budget,
                         results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir))

@@ -67,7 +67,9 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
         return runtime.describe(runtime.service.last_step_seconds)
 
     jobs = server.jobs
-    with gr.Blocks(title="ulysses-studio") as demo:
+    # Gradio's cache holds uploads and a copy of every result it served: every half hour, files older than an
+    # hour go (the whole folder goes when the server ends, app.serve).
+    with gr.Blocks(title="ulysses-studio", delete_cache=(1800, 3600)) as demo:
         gr.HTML(f"<style>{CSS}</style>", container=False, padding=False)
         gr.Markdown("## ulysses-studio")
         status_line = gr.Markdown(status(), label="Status", elem_id="status")
@@ -294,6 +296,8 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec)
     settings = settings_of(request, model.spec)
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
+    if request.condition is not None:  # the upload by its name: where the server kept it is not the client's business
+        settings["condition"] = Path(request.condition).name
     server.recent.add(model.key, path, settings)
     return path, settings
 

@@ -34,10 +34,10 @@ our ranks stop at their next collective, which fails at once when its peer's con
 class AppProcess:
     """`python -m app ARGS` in its own process group, its output collected line by line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "app", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
+            text=True, start_new_session=True, env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._collect, daemon=True)

@@ -1,0 +1,359 @@
+"""A shared server held to its limits against careless and hostile clients.
+
+One `launch --nproc 2 serve` (2 gloo CPU ranks, both tiny models) with every limit set low serves
+the module's server tests in file order; the last one stops it and looks for what it left behind.
+The pieces the limits are made of are tested on their own first, without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import PIL.Image
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+from app.access import AUTH_ENV, FREE_FAILURES, AuthError, LoginThrottle, read_logins
+from app.budget import RequestBudget, RequestClock, TokenCount
+from app.launch import _without_option
+from app.outputs import ResultsCap, ResultsFolder
+from app.ui import public_message
+from pipelines.media import MediaError, check_input, read_frames
+from pipelines.registry import resolve_model
+from pipelines.requests import MediaLimits, RequestError, make_request
+from tests.helpers import REPO, free_port
+from tests.test_app_serve import START_SECONDS, AppProcess
+
+PASSWORD = "s3cret-Pa55word"
+LIMIT_SECONDS = 60
+"""The server's --max-request-seconds: tiny-flux at 256x256 takes about 0.07 s a step here (200 steps: under
+it), tiny-cosmos at 256x256 about 0.25 s (500 steps: over it)."""
+MEMORY_MARGIN = 300e6
+
+
+# --- the pieces -------------------------------------------------------------------------------------
+
+
+def _flux_request(**fields):
+    spec, _ = resolve_model("tiny-flux", None)
+    limits = MediaLimits(size_multiple=16, max_height=4096, max_width=4096)
+    return spec, limits, make_request(spec, limits, prompt="a red circle", **fields)
+
+
+def test_budget_estimates_from_the_nearest_measured_size_and_refuses_over_the_limit():
+    spec, limits, measured = _flux_request(width=256, height=256, steps=8)
+    budget = RequestBudget(100.0, {"image": TokenCount(spec=spec, limits=limits)})
+    big = make_request(spec, limits, prompt="x", width=2048, height=2048, steps=500)
+    assert budget.estimate("image", big) is None  # nothing measured yet: nothing refused up front
+    budget.check("image", big)
+    budget.record("image", measured, 0.05)
+    assert budget.estimate("image", measured) == pytest.approx(8 * 0.05)
+    assert budget.estimate("image", big) == pytest.approx(500 * 0.05 * 64)  # 64x the tokens
+    with pytest.raises(RequestError, match=r"would take about 27 min .*limit is 100 s a request \(--max-request-seconds\)"):
+        budget.check("image", big)
+    budget.check("image", measured)
+
+
+def test_budget_stops_a_running_request_by_projection_and_by_the_clock():
+    spec, limits, _ = _flux_request()
+    budget = RequestBudget(10.0, {"image": TokenCount(spec=spec, limits=limits)})
+    clock = RequestClock(steps=100, started=0.0)
+    clock.step(now=1.0)  # the first step (maybe compiling) does not count for the projection
+    assert budget.overrun(clock, 1, now=1.0) is None
+    clock.step(now=1.05)
+    assert budget.overrun(clock, 2, now=1.05) is None  # 1.05 s + 98 x 0.05 s: under 10 s
+    slow = RequestClock(steps=100, started=0.0)
+    slow.step(now=1.0)
+    slow.step(now=1.2)  # 0.2 s a step: about 21 s in all
+    assert "stopped at step 2 of 100: at 0.2 s a step it would take about 21 s" in budget.overrun(slow, 2, now=1.2)
+    assert "stopped at step 2 of 100 after 11 s" in budget.overrun(clock, 2, now=11.0)
+    assert RequestBudget(None, {}).overrun(slow, 2, now=1e9) is None
+
+
+def test_results_cap_parses_files_or_bytes_and_removes_the_oldest_results_only(tmp_path):
+    assert ResultsCap.parse("500") == ResultsCap(files=500)
+    assert ResultsCap.parse("2GB") == ResultsCap(bytes=2_000_000_000)
+    assert ResultsCap.parse("1.5m") == ResultsCap(bytes=1_500_000)
+    for bad in ("0", "1.5", "lots", "-3"):
+        with pytest.raises(ValueError):
+            ResultsCap.parse(bad)
+    names = [f"image-20261124-1200{second:02d}-abcdef-seed{second}.png" for second in range(5)]
+    for age, name in enumerate(reversed(names)):
+        (tmp_path / name).write_bytes(b"x" * 100)
+        stamp = time.time() - 10 * age
+        os.utime(tmp_path / name, (stamp, stamp))
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    removed = ResultsFolder(tmp_path, ResultsCap(files=3)).prune()
+    assert sorted(path.name for path in removed) == names[:2]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*names[2:], "notes.txt"])
+    assert len(ResultsFolder(tmp_path, ResultsCap(bytes=150)).prune()) == 2
+
+
+def test_logins_come_from_one_source_and_a_file_or_the_environment(tmp_path, capsys):
+    assert read_logins(None, None, {}) is None
+    assert read_logins(None, None, {AUTH_ENV: "ann:pw"}) == [("ann", "pw")]
+    file = tmp_path / "logins"
+    file.write_text("# who may come in\nann:pw\n\nbob:pass:word\n")
+    assert read_logins(None, str(file), {}) == [("ann", "pw"), ("bob", "pass:word")]
+    assert capsys.readouterr().err == ""
+    assert read_logins("ann:pw", None, {}) == [("ann", "pw")]
+    assert "warning: --auth shows the password" in capsys.readouterr().err
+    with pytest.raises(AuthError, match="one way: --auth-file and \\$ULYSSES_STUDIO_AUTH"):
+        read_logins(None, str(file), {AUTH_ENV: "ann:pw"})
+    file.write_text("nopassword\n")
+    with pytest.raises(AuthError, match="line 1 of --auth-file"):
+        read_logins(None, str(file), {})
+    assert _without_option(["serve", "--auth", "a:b", "--port", "1", "--auth=c:d"], "--auth") == ["serve", "--port", "1"]
+
+
+def test_login_throttle_locks_an_address_out_after_repeated_failures():
+    now = [0.0]
+    answers = iter([400] * 8 + [200])
+
+    async def login_route(scope, receive, send):
+        await send({"type": "http.response.start", "status": next(answers), "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    throttle = LoginThrottle(login_route, clock=lambda: now[0])
+
+    def attempt(address: str = "10.0.0.1") -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/login", "client": (address, 1)}
+        asyncio.run(throttle(scope, None, send))
+        return sent[0]["status"]
+
+    assert [attempt() for _ in range(FREE_FAILURES)] == [400] * FREE_FAILURES
+    assert attempt() == 429  # locked out for 1 s
+    now[0] = 1.1
+    assert attempt() == 400  # one more failure: 2 s now
+    now[0] = 2.0
+    assert attempt() == 429
+    now[0] = 3.2
+    assert attempt() == 400
+    assert attempt("10.0.0.2") == 400  # another address is not affected
+    now[0] = 8.0
+    assert attempt() == 200 and throttle.lockout("10.0.0.1") == 0  # a success clears the count
+
+
+def test_prompts_of_invisible_characters_are_empty():
+    spec, limits, _ = _flux_request()
+    for prompt in ("\0\0\0", "\u200b\u200d\ufeff", " \t\n\u00ad", "\x07\u2060"):
+        with pytest.raises(RequestError, match="prompt is empty"):
+            make_request(spec, limits, prompt=prompt)
+    assert make_request(spec, limits, prompt="\u200bred\0").prompt == "\u200bred\0"
+
+
+def test_inputs_over_the_limits_are_refused_from_their_header(tmp_path):
+    huge = tmp_path / "huge.png"
+    PIL.Image.new("1", (10000, 6000)).save(huge)  # 60 megapixels, a few kB on disk
+    started = time.monotonic()
+    with pytest.raises(MediaError, match=r"input image huge.png is 10000x6000 \(60 megapixels\); the limit is 50"):
+        check_input(huge)
+    assert time.monotonic() - started < 1.0
+    (tmp_path / "fake.mp4").write_bytes(b"not a video")
+    with pytest.raises(MediaError, match="^input file fake.mp4 is not a video this server can read$"):
+        check_input(tmp_path / "fake.mp4")
+
+
+def test_server_paths_are_cut_to_file_names():
+    message = "cannot identify image file '/tmp/gradio/f3be0c/notimage.png' (step 3/8, see https://x.org/a/b)"
+    assert public_message(message) == "cannot identify image file 'notimage.png' (step 3/8, see https://x.org/a/b)"
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    """A 20-second 1080p clip of one colour (30 fps, 600 frames; a few tens of kB)."""
+    import imageio_ffmpeg
+
+    path = tmp_path_factory.mktemp("clip") / "clip.mp4"
+    subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-f", "lavfi", "-i",
+                    "color=c=red:s=1920x1080:r=30:d=20", "-c:v", "libx264", "-preset", "ultrafast",
+                    "-pix_fmt", "yuv420p", str(path)], check=True)
+    return path
+
+
+def test_a_long_clip_is_read_from_its_end_in_small_frames(clip):
+    frames = read_frames(clip, (128, 128), last=17)
+    assert len(frames) == 17 and all(frame.size == (128, 128) for frame in frames)
+    assert frames[-1].getpixel((64, 64))[0] > 200  # red
+
+
+# --- a server ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    environment = {AUTH_ENV: f"ann:{PASSWORD}"}
+    app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--max-request-seconds",
+                     str(LIMIT_SECONDS), "--max-queue", "1", "--max-upload-mb", "1", "--keep-results", "3",
+                     env=environment)
+    try:
+        line = app.wait_for("serving on", START_SECONDS)
+        app.results = Path(re.search(r"results in (\S+)", line).group(1))
+        app.url = f"http://127.0.0.1:{port}/"
+        app.ranks = app.rank_pids()
+        app.uploads = next(Path("/tmp").glob(f"ulysses-studio-uploads-{app.ranks[0]}-*"))
+        yield app
+    finally:
+        app.stop()
+
+
+def _client(server) -> Client:
+    return Client(server.url, auth=("ann", PASSWORD), verbose=False)
+
+
+def _image(prompt: str, seed: int, steps: int = 3, size: int = 256) -> tuple:
+    return (prompt, seed, False, steps, 3.5, size, size)
+
+
+def _step(job) -> int:
+    return max((unit.index or 0 for unit in job.status().progress_data or []), default=0)
+
+
+def test_the_password_is_in_no_command_line_or_rank_environment(server):
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert PASSWORD.encode() not in cmdline.read_bytes(), cmdline
+        except OSError:
+            continue
+    for pid in server.ranks.values():
+        assert PASSWORD.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+    with pytest.raises(Exception, match="(?i)login|auth"):  # no login, no service
+        Client(server.url, verbose=False).predict(*_image("x", 0), api_name="/generate_image")
+
+
+def test_a_cancelled_request_frees_the_server_within_two_steps_and_a_full_queue_says_so(server):
+    client = _client(server)
+    long = client.submit(*_image("a long request", 1, steps=200), api_name="/generate_image")
+    while _step(long) < 2:
+        assert not long.done(), long.result()
+        time.sleep(0.02)
+    waiting = _client(server).submit(*_image("waits its turn", 2), api_name="/generate_image")
+    time.sleep(1.0)  # queued behind the long one
+    with pytest.raises(AppError, match=r"the server is busy: its queue is full \(1 waiting, --max-queue 1\)"):
+        _client(server).predict(*_image("one too many", 3), api_name="/generate_image")
+    seen = _step(long)
+    long.cancel()
+    started = time.monotonic()
+    assert Path(waiting.result(timeout=60)[0]).is_file()
+    line = server.wait_for("image request stopped: cancelled by the client", 10)
+    stopped_at = int(re.search(r"at step (\d+) of 200", line).group(1))
+    assert stopped_at <= seen + 2, line
+    print(f"cancelled at step {seen}, stopped at step {stopped_at}; the next request done "
+          f"{time.monotonic() - started:.2f} s after the cancel")
+
+
+def test_a_client_that_goes_away_has_its_request_stopped(server):
+    script = (f"from gradio_client import Client\nimport time\n"
+              f"job = Client({server.url!r}, auth=('ann', {PASSWORD!r}), verbose=False).submit("
+              f"'a client that leaves', 0, False, 200, 3.5, 256, 256, api_name='/generate_image')\n"
+              f"while not any(u.index for u in job.status().progress_data or []): time.sleep(0.02)\n"
+              f"print('started', flush=True)\ntime.sleep(600)\n")
+    leaver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert leaver.stdout.readline().strip() == "started"
+    finally:
+        leaver.kill()
+    server.wait_for("image request stopped: the client went away", 15)
+    assert Path(_client(server).predict(*_image("next", 4), api_name="/generate_image")[0]).is_file()
+
+
+def test_a_runaway_request_is_stopped_and_an_over_budget_one_refused_up_front(server):
+    client = _client(server)
+    # tiny-cosmos has served nothing yet: no estimate, so the request starts; its first steps project it over.
+    started = time.monotonic()
+    with pytest.raises(AppError, match=r"stopped at step \d+ of 500: at .* a step it would take about .*limit is "
+                                       rf"{LIMIT_SECONDS} s a request \(--max-request-seconds\)"):
+        client.predict("a runaway", steps=500, width=256, height=256, api_name="/generate_video")
+    print(f"runaway stopped after {time.monotonic() - started:.1f} s")
+    # tiny-flux has served 256x256 (above): 2048x2048 x 500 steps is refused before it is queued.
+    started = time.monotonic()
+    with pytest.raises(AppError, match=r"would take about .* min .*--max-request-seconds"):
+        client.predict(*_image("too big", 5, steps=500, size=2048), api_name="/generate_image")
+    assert time.monotonic() - started < 5
+
+
+def _peak_rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def test_a_20_second_1080p_input_clip_costs_rank_0_little_memory_and_its_upload_goes(server, clip):
+    client = _client(server)
+    client.predict("a red circle moving right", steps=2, api_name="/generate_video")  # the idle peak includes a video
+    idle = _peak_rss(server.ranks[0])
+    started = time.monotonic()
+    result = client.predict("a red circle moving right", condition=handle_file(str(clip)), steps=2,
+                            api_name="/generate_video")
+    seconds = time.monotonic() - started
+    peak = _peak_rss(server.ranks[0])
+    print(f"rank 0 peak {idle / 1e6:.0f} MB idle, {peak / 1e6:.0f} MB with the clip; request {seconds:.1f} s")
+    assert peak - idle <= MEMORY_MARGIN
+    assert result[2]["condition"] == "clip.mp4"  # by its name: the server's folders are not the client's business
+    assert not list(server.uploads.rglob("clip.mp4"))  # deleted once used
+
+
+def test_over_limit_uploads_are_refused_by_the_server(server, tmp_path):
+    big = tmp_path / "big.mp4"
+    big.write_bytes(b"\0" * 1_500_000)
+    with pytest.raises(ValueError, match="exceeds the maximum file size"):  # gradio_client reads the limit first
+        _client(server).predict("x", condition=handle_file(str(big)), api_name="/generate_video")
+    with httpx.Client(base_url=server.url) as http:  # a client that does not
+        http.post("login", data={"username": "ann", "password": PASSWORD}).raise_for_status()
+        answer = http.post("gradio_api/upload", files={"files": ("big.mp4", big.read_bytes())})
+    assert answer.status_code == 413, answer.text
+    assert not list(server.uploads.rglob("big.mp4"))
+
+
+def test_errors_name_uploads_without_server_paths_and_invisible_prompts_are_refused(server, tmp_path):
+    fake = tmp_path / "notimage.png"
+    fake.write_bytes(b"garbage")
+    with pytest.raises(AppError) as error:
+        _client(server).predict("x", condition=handle_file(str(fake)), api_name="/generate_video")
+    assert str(error.value) == "input file notimage.png is not an image this server can read (UnidentifiedImageError)"
+    assert not list(server.uploads.rglob("notimage.png"))
+    with pytest.raises(AppError, match="^prompt is empty"):
+        _client(server).predict(*_image("\0\0\u200b", 6), api_name="/generate_image")
+
+
+def test_the_results_folder_keeps_its_cap(server):
+    client = _client(server)
+    for seed in range(4):
+        client.predict(*_image("fill the folder", 10 + seed, steps=1, size=64), api_name="/generate_image")
+    assert len([path for path in server.results.iterdir() if path.suffix in (".png", ".mp4")]) == 3
+
+
+def test_repeated_failed_logins_are_slowed(server):
+    def login(http: httpx.Client, password: str) -> int:
+        return http.post("login", data={"username": "ann", "password": password}).status_code
+
+    with httpx.Client(base_url=server.url) as http:
+        assert [login(http, f"guess{n}") for n in range(FREE_FAILURES)] == [400] * FREE_FAILURES
+        assert login(http, PASSWORD) == 429  # locked out: not even the right password is looked at
+        answers = [login(http, f"guess{n}") for n in range(20 - FREE_FAILURES)]
+        assert answers.count(429) >= len(answers) - 2, answers
+        deadline = time.monotonic() + 20
+        while login(http, PASSWORD) != 200:  # the lockout ends (after 1 s, or 2 s, 4 s after more failures)
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+
+
+def test_nothing_is_left_behind_after_the_server_exits(server):
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=30) == 130
+    assert not server.uploads.exists()
+    assert not server.results.exists()
