@@ -61,17 +61,14 @@ class Failed:
 class Job:
     """One submitted request and the stream of what happens to it."""
 
-    def __init__(self, model: str, request: GenerationRequest) -> None:
+    def __init__(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None) -> None:
         self.model = model
         self.request = request
         self.cancelled: str | None = None
         """Why the job's client no longer wants it (set once, by cancel)."""
         self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
-        self._when_done: list[Callable[[], None]] = []
-
-    def when_done(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the job has finished or failed (e.g. to delete the upload it used)."""
-        self._when_done.append(callback)
+        self._when_done = when_done
+        """Called once the job has finished or failed (e.g. to delete the upload it used)."""
 
     def cancel(self, reason: str) -> None:
         """Drop the job: at its turn if it waits, at the next step on every rank if it runs."""
@@ -91,8 +88,8 @@ class Job:
         self._end(Failed(message))
 
     def _end(self, event: Finished | Failed) -> None:
-        callbacks, self._when_done = self._when_done, []
-        for callback in callbacks:
+        callback, self._when_done = self._when_done, None
+        if callback is not None:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - a clean-up that failed must not keep the job's client waiting
@@ -119,10 +116,10 @@ class JobQueue:
         """The job the main loop took last: what a SIGTERM that finds the main thread stuck must fail
         (app.serve's abandon)."""
 
-    def submit(self, model: str, request: GenerationRequest) -> Job:
-        """Queue a validated request; raises ServiceClosed once the server is stopping, ServiceBusy when
-        `max_waiting` requests already wait."""
-        job = Job(model, request)
+    def submit(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None) -> Job:
+        """Queue a validated request (`when_done`: see Job); raises ServiceClosed once the server is stopping,
+        ServiceBusy when `max_waiting` requests already wait."""
+        job = Job(model, request, when_done)
         with self._lock:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)

@@ -105,8 +105,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             models.append((spec, folder))
         if len({spec.media for spec, _ in models}) < len(models):
             raise ServeError("both models make videos; a server runs one image model and one video model at most")
-    if args.max_request_seconds < 0 or args.max_queue < 0 or args.max_upload_mb <= 0:
-        raise ServeError("--max-request-seconds and --max-queue must be at least 0, --max-upload-mb above 0")
+    if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
+        raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
     keep_results = None
     if args.keep_results is not None:
         try:

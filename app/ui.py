@@ -20,6 +20,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -135,7 +136,9 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="image-prompt")
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
-            button = gr.Button("Generate", variant="primary", elem_id="image-generate")
+            with gr.Row():
+                button = gr.Button("Generate", variant="primary", elem_id="image-generate", scale=3)
+                stop = gr.Button("Stop", variant="secondary", elem_id="image-stop", scale=1)
         with gr.Column():
             result = gr.Image(label="Image", type="filepath", format="png", elem_id="image-result",
                               elem_classes="native-media", buttons=[])
@@ -156,7 +159,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 used)
 
     inputs = [prompt, seed, random_seed, steps, guidance, width, height]
-    _wire(demo, model, server.recent, button, generate_image, inputs,
+    _wire(demo, model, server.recent, button, stop, generate_image, inputs,
           [result, download, settings, status_line, seed], "generate_image", gallery, shown)
     gallery.select(restore, inputs=shown, outputs=[*inputs, settings], api_visibility="private",
                    show_progress="hidden")
@@ -169,16 +172,17 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
         with gr.Column():
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
             negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
-            condition = gr.File(label="Input image or video (optional: video-to-world; used once, then "
-                                      "deleted from the server)", type="filepath", value=None, height=120,
-                                elem_id="video-condition")
+            condition = gr.File(label="Input image or video (optional, video-to-world; deleted after use)",
+                                type="filepath", value=None, height=120, elem_id="video-condition")
             with gr.Row():
                 frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
                                    value=model.spec.frames, precision=0)
                 fps = gr.Number(label="Frames per second", value=model.spec.fps, precision=0)
             seed, random_seed = _seed_inputs("video")
             width, height, steps, guidance = _size_inputs(model, "video")
-            button = gr.Button("Generate", variant="primary", elem_id="video-generate")
+            with gr.Row():
+                button = gr.Button("Generate", variant="primary", elem_id="video-generate", scale=3)
+                stop = gr.Button("Stop", variant="secondary", elem_id="video-stop", scale=1)
         with gr.Column():
             result = gr.Video(label="Video", elem_id="video-result", elem_classes="native-media", autoplay=True,
                               loop=True, buttons=[])
@@ -204,7 +208,7 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 used["steps"], used["guidance"], used["width"], used["height"], used)
 
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height]
-    event = _wire(demo, model, server.recent, button, generate_video, inputs,
+    event = _wire(demo, model, server.recent, button, stop, generate_video, inputs,
                   [result, download, settings, status_line, seed], "generate_video", gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
     event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
@@ -213,17 +217,18 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                    show_progress="hidden")
 
 
-def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, button: gr.Button,
+def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, button: gr.Button, stop: gr.Button,
           handler: Callable[..., Any], inputs: list, outputs: list, api_name: str, gallery: gr.Gallery,
           shown: gr.State) -> Any:
-    """The tab's API endpoint on its button (progress and errors on the result only), then its gallery;
-    returns the endpoint's event."""
+    """The tab's API endpoint on its button (progress and errors on the result only), its Stop button (the
+    ranks drop the request at the next step), then its gallery; returns the endpoint's event."""
 
     def refresh() -> tuple:
         return _gallery_of(recent, model.key)
 
     event = button.click(handler, inputs=inputs, outputs=outputs, api_name=api_name, show_progress_on=outputs[0],
                          concurrency_id="generate")
+    stop.click(None, cancels=[event], api_visibility="private", queue=False)
     event.success(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
     demo.load(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
     return event
@@ -274,21 +279,20 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     if random_seed:
         fields["seed"] = secrets.randbelow(RANDOM_SEED_LIMIT)
     upload = fields.get("condition")
-    job = None
+    release = None
     if upload:
         server.uploads.use(upload)
+        release = partial(server.uploads.release, upload)
+    job = None
     try:
         request = await asyncio.to_thread(make_request, model.spec, model.limits, **fields)
         server.budget.check(model.key, request)
-        job = server.jobs.submit(model.key, request)
+        job = server.jobs.submit(model.key, request, when_done=release)
     except (RequestError, ServiceClosed, ServiceBusy) as error:
         raise gr.Error(public_message(str(error)), print_exception=False) from None
     finally:
-        if upload:
-            if job is None:
-                server.uploads.release(upload)
-            else:
-                job.when_done(lambda: server.uploads.release(upload))
+        if job is None and release is not None:
+            release()
     earlier = server.recent.of(model.key)
     relay = _Progress(progress, request.steps, earlier[0].settings["step_seconds"] if earlier else None)
     generation = await _wait(job, relay)

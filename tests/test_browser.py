@@ -63,12 +63,30 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                 size = page.locator("#image-result img").evaluate("img => [img.naturalWidth, img.naturalHeight]")
                 assert size == [256, 256]  # tiny-flux's default size, as the page's fields say
                 assert "ms/step" in page.locator("#status").inner_text()
+
+                # Stop: a long request is dropped at the next step and the next one runs at once.
+                first = page.locator("#image-result img").get_attribute("src")
+                page.locator("#image-steps input").fill("500")
+                page.locator("#image-generate").click()
+                page.wait_for_function(
+                    "() => [...document.querySelectorAll('#image-result .progress-level')]"
+                    ".some(e => /denoising/.test(e.innerText))", timeout=60_000, polling=20)
+                page.locator("#image-stop").click()
+                stopped = time.monotonic()
+                page.locator("#image-steps input").fill("8")
+                page.locator("#image-generate").click()
+                page.wait_for_function(
+                    "first => { const img = document.querySelector('#image-result img');"
+                    " return img !== null && img.getAttribute('src') !== first && img.complete; }",
+                    arg=first, timeout=60_000)
+                assert time.monotonic() - stopped < 15  # the 500 steps would take about 20 s
             finally:
                 browser.close()
-        assert len(list(tmp_path.glob("image-*-seed*.png"))) == 1
+        assert len(list(tmp_path.glob("image-*-seed*.png"))) == 2
     finally:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(timeout=30)
+    assert "image request stopped: cancelled by the client" in server.stderr.read()
 
 
 def start_server(out: Path, *models: str) -> subprocess.Popen:
