@@ -14,9 +14,9 @@ a rank whose step raised meets the others at their next agreement point, every r
 request (JobFailed) and the service goes on. Rank 0 alone decides a cancellation (its caller's
 `should_stop`: a client that cancelled or left, a request over the server's time limit): every rank
 drops the request at the next agreement point (JobCancelled) and the service goes on, as it does
-after a failure; a stop (Ctrl-C, SIGTERM) ends the service instead. A rank that cannot be reached within `rank_timeout` seconds,
-or whose connection closes (it died), is RankLost: the run ends, because a collective left half
-done cannot be taken back. While idle, rank 0 sends a heartbeat every HEARTBEAT_SECONDS so that the
+after a failure; a stop (Ctrl-C, SIGTERM) ends the service instead. A rank that cannot be reached
+within `rank_timeout` seconds, or whose connection closes (it died), is RankLost: the run ends,
+because a collective left half done cannot be taken back. While idle, rank 0 sends a heartbeat every HEARTBEAT_SECONDS so that the
 followers' wait never hits the process group's timeout.
 """
 
