@@ -23,8 +23,6 @@ from app.failures import JobCancelled, JobFailed, RankLost
 from app.lockstep import Generation, LockstepService
 from pipelines.requests import GenerationRequest
 
-DEFAULT_MAX_WAITING = 32
-
 POLL_SECONDS = 0.2
 """How often the idle main loop looks at the stop flag and the heartbeat clock."""
 
@@ -66,6 +64,9 @@ class Job:
         self.request = request
         self.cancelled: str | None = None
         """Why the job's client no longer wants it (set once, by cancel)."""
+        self.steps_done = 0
+        self.cancelled_after = 0
+        """steps_done when cancel was called: how late the ranks stopped is measured from it."""
         self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
         self._when_done = when_done
         """Called once the job has finished or failed (e.g. to delete the upload it used)."""
@@ -73,12 +74,14 @@ class Job:
     def cancel(self, reason: str) -> None:
         """Drop the job: at its turn if it waits, at the next step on every rank if it runs."""
         if self.cancelled is None:
+            self.cancelled_after = self.steps_done
             self.cancelled = reason
 
     def start(self) -> None:
         self._events.put(Started())
 
     def step(self, done: int, total: int) -> None:
+        self.steps_done = done
         self._events.put(Step(done, total))
 
     def finish(self, generation: Generation) -> None:
@@ -107,7 +110,7 @@ class Job:
 class JobQueue:
     """First come, first served, at most `max_waiting` waiting; closing it fails everything still waiting."""
 
-    def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+    def __init__(self, max_waiting: int) -> None:
         self.max_waiting = max_waiting
         self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
@@ -173,7 +176,7 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
                 if done:
                     clock.step()
                 if job.cancelled is not None:
-                    return f"{job.cancelled} (at step {done} of {total})"
+                    return f"{job.cancelled} (asked after step {job.cancelled_after}, stopped at step {done} of {total})"
                 return budget.overrun(clock, done)
 
             try:

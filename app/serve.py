@@ -26,13 +26,13 @@ from app.access import AUTH_ENV, AuthError, LoginThrottle, read_logins
 from app.arguments import add_parallel_arguments, run_options
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
-from app.jobs import DEFAULT_MAX_WAITING
 from app.outputs import ResultsCap
 from app.stopping import stop_on_signals, temporary_folder
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 
 
 CLIENT_GRACE_SECONDS = 1.0
+DEFAULT_MAX_QUEUE = 32
 DEFAULT_MAX_UPLOAD_MB = 100.0
 UPLOADS_PREFIX = "ulysses-studio-uploads"
 
@@ -76,8 +76,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most denoising time one request may take: longer ones are refused up front by an "
                              "estimate from the server's measured step times, or stopped once they pass it "
                              f"(default {DEFAULT_MAX_REQUEST_SECONDS:g}; 0: no limit)")
-    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
-                        help=f"requests that may wait for their turn; more are refused (default {DEFAULT_MAX_WAITING})")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                        help=f"requests that may wait for their turn; more are refused (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
                         help=f"largest file a client may upload (default {DEFAULT_MAX_UPLOAD_MB:g})")
     add_parallel_arguments(parser)

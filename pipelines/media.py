@@ -20,8 +20,7 @@ import numpy as np
 import PIL.Image
 from PIL.PngImagePlugin import PngInfo
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
+from pipelines.requests import IMAGE_SUFFIXES
 
 
 @dataclass(frozen=True, kw_only=True)

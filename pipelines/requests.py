@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipelines.family import load
-from pipelines.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, MediaError, check_input
 from pipelines.registry import ModelSpec, family_of, read_component_config
 
 MAX_PROMPT_CHARS = 4000
 MAX_STEPS = 500
 MAX_SEED = 2**63 - 1
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
 
 
 class RequestError(ValueError):
@@ -238,6 +239,8 @@ def _check_fps(fps: int) -> None:
 def _check_condition(condition: Any) -> str:
     """The input file's path, once its header shows a readable file within pipelines.media's INPUT_LIMITS.
     Messages name the file by its name alone: on a server its folder is the server's business."""
+    from pipelines.media import MediaError, check_input  # numpy and PIL: not for every command line's start
+
     path = Path(str(condition))
     if not path.is_file():
         raise RequestError(f"input file {path.name} does not exist")
