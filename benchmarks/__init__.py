@@ -7,6 +7,8 @@
 - peers.py: xDiT and cache-dit on the same FLUX weights, set up and compiled as their runners do.
 - inputs.py: sizes, random weights and call arguments of a registered architecture.
 - cli.py: `ulysses-studio bench` (torchrun around step or generation, and a PNG chart).
+- tiny_speed.py: seconds of one generation by an embedded tiny model on this machine's CPU, stage by stage
+  (`python -m benchmarks.tiny_speed`).
 - trace_overlap.py: compute against NCCL time, and kernel time by kind, in a profile that step wrote.
 - scaling_sweep.sh: every model, plan and GPU count in one command.
 - checks/: the acceptance checks that need GPUs (each file says how to run it): app_on_gpus.py (the

@@ -145,3 +145,15 @@ def test_training_encodes_prompts_as_the_pipelines_do():
     tokens = TokenCache(pipe.tokenizer, spec.max_sequence_length)
     text = cosmos_training.encode_prompts(pipe.text_encoder, tokens, ["a red circle moving left"], torch.device("cpu"))
     torch.testing.assert_close(text, pipe._t5("a red circle moving left"))
+
+
+def test_reconstruction_judge_compares_with_the_originals():
+    from training.evaluate import judge_reconstructions
+
+    scenes = shapes.video_scenes(6, 9, torch.Generator().manual_seed(3), held_out=True)
+    clips = shapes.to_uint8(shapes.render(scenes, 64, 64))
+    same = judge_reconstructions(clips, clips, scenes.captions)
+    assert (same.colour, same.shape, same.motion) == (1.0, 1.0, 1.0)
+    blank = judge_reconstructions(clips, np.zeros_like(clips), scenes.captions)
+    assert (blank.colour, blank.shape) == (0.0, 0.0)
+    assert blank.seen[0] == (scenes.captions[0], "None None still")

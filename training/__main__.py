@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     parser.add_argument("--guidance-distill", type=float, default=0.0, metavar="SHARE",
                         help="tiny-flux: spend this share of its transformer budget on guidance distillation "
                              "(captions are then dropped 10%% of the time in the first phase)")
+    parser.add_argument("--cosmos-vae-size", type=int, metavar="PX",
+                        help="tiny-cosmos: frame size of the clips its VAE is fitted on (default 64; 128 is the "
+                             "registry's size, four times the cost per clip)")
+    parser.add_argument("--cosmos-vae-batch", type=int, metavar="CLIPS",
+                        help="tiny-cosmos: clips per VAE step (default 32 x --batch-scale)")
     parser.add_argument("--small", action="store_true",
                         help="64-px images and 64-px 9-frame clips, for CPU smoke runs (the saved model still "
                              "defaults to the registry's sizes)")
@@ -141,19 +146,26 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
     for settings in (flux, cosmos):
         for field in ("vae_batch", "dit_batch"):
             setattr(settings, field, max(1, round(getattr(settings, field) * args.batch_scale)))
+    if args.cosmos_vae_size:
+        cosmos.vae_size = args.cosmos_vae_size
+    if args.cosmos_vae_batch:
+        cosmos.vae_batch = args.cosmos_vae_batch
     return flux, cosmos
 
 
 def _evaluate(out: Path, models: list[str], count: int, device: str) -> None:
     """Score the saved folders on held-out prompts and add the scores to their model cards."""
     from training.card import append_scores
-    from training.evaluate import score_images, score_videos
+    from training.evaluate import score_images, score_reconstructions, score_videos
 
     if "flux" in models:
         scores = score_images(out / "tiny-flux", count=count, device=device)
         print(f"tiny-flux held-out: colour {scores.colour:.0%} shape {scores.shape:.0%}", flush=True)
         append_scores(out / "tiny-flux", scores, count)
     if "cosmos" in models:
+        vae = score_reconstructions(out / "tiny-cosmos", device=device)
+        print(f"tiny-cosmos VAE alone, held-out clips: colour {vae.colour:.0%} shape {vae.shape:.0%} "
+              f"motion {vae.motion:.0%} as in the originals", flush=True)
         scores = score_videos(out / "tiny-cosmos", count=count, device=device)
         print(f"tiny-cosmos held-out: colour {scores.colour:.0%} shape {scores.shape:.0%} "
               f"motion {scores.motion:.0%}", flush=True)

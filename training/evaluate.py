@@ -80,6 +80,40 @@ def judge_videos(videos: list[np.ndarray], prompts: list[tuple[str, str, str, st
     return Scores(colour=colour / count, shape=shape / count, motion=motion / count, seen=seen)
 
 
+def score_reconstructions(folder: Path, *, count: int = 48, size: int = 128, frames: int = 17,
+                          device: str = "cpu") -> Scores:
+    """Encode and decode `count` held-out clips with the video VAE in `folder` alone (posterior mode) and
+    score how often the judges see in the reconstruction the colour, shape and motion they see in the
+    original: what the transformer's latents can carry at best."""
+    import torch
+
+    from pipelines.loading import load_parts
+
+    vae = load_parts(folder, ["vae"], dtype=torch.float32, device=device)["vae"]
+    scenes = shapes.video_scenes(count, frames, torch.Generator().manual_seed(0), held_out=True)
+    clips = shapes.render(scenes, size, size, device)
+    with torch.no_grad():
+        decoded = torch.cat([vae.decode(vae.encode(clips[i: i + 8]).latent_dist.mode()).sample
+                             for i in range(0, count, 8)])
+    return judge_reconstructions(shapes.to_uint8(clips), shapes.to_uint8(decoded), scenes.captions)
+
+
+def judge_reconstructions(originals: np.ndarray, reconstructions: np.ndarray, captions: list[str]) -> Scores:
+    """How often the judges see in each reconstruction ([T, H, W, 3] uint8) the colour and shape (middle
+    frame) and the motion that they see in its original."""
+    colour = shape = motion = 0
+    seen = []
+    for caption, original, back in zip(captions, originals, reconstructions, strict=True):
+        want, got = judge.judge_image(original[len(original) // 2]), judge.judge_image(back[len(back) // 2])
+        want_motion, got_motion = judge.judge_motion(original), judge.judge_motion(back)
+        colour += got.colour == want.colour
+        shape += got.shape == want.shape
+        motion += got_motion == want_motion
+        seen.append((caption, f"{got.colour} {got.shape} {got_motion}"))
+    count = max(len(seen), 1)
+    return Scores(colour=colour / count, shape=shape / count, motion=motion / count, seen=seen)
+
+
 def save_examples(folder: Path, out: Path, *, device: str = "cpu") -> None:
     """A 4x2 grid PNG of held-out images and a strip of video frames, for a person to look at."""
     from PIL import Image
