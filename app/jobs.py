@@ -191,7 +191,8 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
             except JobFailed as error:
                 job.fail(str(error))
                 continue
-            budget.record(job.model, job.request, generation.steady_step_seconds)
+            # The steps after the first (which may include compiling the engine for a new size); one step: that one.
+            budget.record(job.model, job.request, clock.steady_step_seconds() or generation.step_seconds)
             job.finish(generation)
     finally:
         jobs.close("the server is shutting down")

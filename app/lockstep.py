@@ -80,8 +80,6 @@ class Generation:
     """Wall time of the whole request (encode, denoise, decode)."""
     step_seconds: float
     """Mean wall time of one denoising step, agreement included."""
-    steady_step_seconds: float
-    """Mean wall time of the steps after the first (which may include compiling the engine for a new size)."""
 
 
 def _short(error: BaseException) -> str:
@@ -212,11 +210,8 @@ class LockstepService:
             raise JobCancelled(cancelled)
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.
-        step_ends: list[float] = []
-
         def step_done(done: int, total: int) -> None:
             self._agree(None, stop_reason(done) if self.ctx.is_main else None)
-            step_ends.append(time.perf_counter())
             if on_step is not None:
                 on_step(done, total)
 
@@ -234,8 +229,6 @@ class LockstepService:
                 raise
         self._agree(None)  # a failure after the last step meets the others here
         step_seconds = (time.perf_counter() - denoise_started) / request.steps
-        steady_step_seconds = ((step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1
-                               else step_seconds)
 
         # 3. Rank 0 decodes, then every rank meets once more: a decode failure reaches them all, and rank 0
         #    hands a result back only once it knows that no rank died meanwhile (else RankLost).
@@ -255,8 +248,7 @@ class LockstepService:
         if not self.ctx.is_main:
             return None
         return Generation(result=result, model=message.model, request=request,
-                          seconds=time.perf_counter() - started, step_seconds=step_seconds,
-                          steady_step_seconds=steady_step_seconds)
+                          seconds=time.perf_counter() - started, step_seconds=step_seconds)
 
     def _agree(self, failure: str | None, cancelled: str | None = None) -> None:
         """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop (the

@@ -113,6 +113,13 @@ def _size_inputs(model: ServedModel, prefix: str) -> tuple[gr.Number, gr.Number,
     return width, height, steps, guidance
 
 
+def _generate_buttons(prefix: str) -> tuple[gr.Button, gr.Button]:
+    with gr.Row():
+        button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate", scale=3)
+        stop = gr.Button("Stop", variant="secondary", elem_id=f"{prefix}-stop", scale=1)
+    return button, stop
+
+
 def _recent_gallery(prefix: str) -> tuple[gr.Gallery, gr.State]:
     """The tab's recent results (newest first) and, per page, the settings of what it shows."""
     gallery = gr.Gallery(label="Recent results (click one to restore its settings)", columns=8, height=170,
@@ -136,9 +143,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="image-prompt")
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
-            with gr.Row():
-                button = gr.Button("Generate", variant="primary", elem_id="image-generate", scale=3)
-                stop = gr.Button("Stop", variant="secondary", elem_id="image-stop", scale=1)
+            button, stop = _generate_buttons("image")
         with gr.Column():
             result = gr.Image(label="Image", type="filepath", format="png", elem_id="image-result",
                               elem_classes="native-media", buttons=[])
@@ -180,9 +185,7 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 fps = gr.Number(label="Frames per second", value=model.spec.fps, precision=0)
             seed, random_seed = _seed_inputs("video")
             width, height, steps, guidance = _size_inputs(model, "video")
-            with gr.Row():
-                button = gr.Button("Generate", variant="primary", elem_id="video-generate", scale=3)
-                stop = gr.Button("Stop", variant="secondary", elem_id="video-stop", scale=1)
+            button, stop = _generate_buttons("video")
         with gr.Column():
             result = gr.Video(label="Video", elem_id="video-result", elem_classes="native-media", autoplay=True,
                               loop=True, buttons=[])
