@@ -62,8 +62,8 @@ def context_parallel_attention(
     return out.transpose(1, 2)
 
 
-def _ulysses_all_to_all(x: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
-    """all_to_all over the Ulysses group, by the mesh's transport."""
+def ulysses_all_to_all(x: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """Even all_to_all along dim 0 over the Ulysses group, by the mesh's transport."""
     if mesh.all_to_all == "nccl":
         return all_to_all(x, mesh.ulysses_group)
     return finish(start_all_to_all(x, mesh.ulysses_group_name, mesh.plan.ulysses, mesh.all_to_all))
@@ -73,12 +73,12 @@ def _ulysses_scatter_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """BSHD sequence shards -> BhSD head shards over degree*S tokens, with ONE all-to-all for q, k, v."""
-    return _unpack_heads(_ulysses_all_to_all(_pack_heads(q, k, v, mesh.plan.ulysses), mesh))
+    return _unpack_heads(ulysses_all_to_all(_pack_heads(q, k, v, mesh.plan.ulysses), mesh))
 
 
 def _ulysses_gather_heads(out: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
-    return _unpack_tokens(_ulysses_all_to_all(_pack_tokens(out, mesh.plan.ulysses), mesh))
+    return _unpack_tokens(ulysses_all_to_all(_pack_tokens(out, mesh.plan.ulysses), mesh))
 
 
 def _pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ class UlyssesAttention:
         return _unpack_tokens(finish(pending))
 
 
-def _select(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:
+def select_runs(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:
     """Keep the real-token runs of `x` along `dim` (a no-op when there is no padding)."""
     if len(runs) == 1 and runs[0] == (0, x.shape[dim]):
         return x
@@ -154,7 +154,7 @@ def _select(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs) -> torch.Tensor:
     """Plain attention (BHSD) over the real keys. Dropping padded keys instead of masking them
     keeps the unmasked fast kernels (flash) usable whatever the token count."""
-    return F.scaled_dot_product_attention(q, _select(k, runs, 2), _select(v, runs, 2))
+    return F.scaled_dot_product_attention(q, select_runs(k, runs, 2), select_runs(v, runs, 2))
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +184,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     return out, lse
 
 
-def _merge(
+def merge_attention(
     out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax merge of a block's attention into the running float32 result."""
@@ -196,7 +196,7 @@ def _merge(
     return out, new_lse
 
 
-def _ring_pass(kv: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+def ring_pass(kv: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """Issue the pass of the K/V block `kv` to the next ring member (finish() it before use)."""
     return start_ring_shift(kv, mesh.ring_group_name, mesh.ring_rank, mesh.plan.ring, mesh.all_to_all)
 
@@ -206,27 +206,33 @@ def _ring_attention(
 ) -> torch.Tensor:
     """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE."""
     kv = torch.stack((k, v))  # one message per step
-    return _ring_steps(q, kv, _ring_pass(kv, mesh), mesh, layout)
+    return ring_steps(q, kv, ring_pass(kv, mesh), mesh, layout)
 
 
-def _ring_steps(
-    q: torch.Tensor, kv: torch.Tensor, pending: torch.Tensor | None, mesh: ParallelMesh, layout: ShardLayout
+def ring_steps(
+    q: torch.Tensor, kv: torch.Tensor, pending: torch.Tensor | None, mesh: ParallelMesh, layout: ShardLayout,
+    *, groups: int = 1, start: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The ring's attention steps, from this rank's own K/V block `kv`, whose pass `pending` is issued.
 
     Each block's pass to the next member is issued before attending to it (explicit start/finish
     ops, so the order survives torch.compile): the transfer runs during that block's attention.
+    `groups`: query heads per K/V head (grouped-query attention: the blocks travel with the K/V
+    heads only, and are widened on arrival). `start`: the float32 (output, LSE) of keys outside
+    the ring, merged with the blocks' (Cosmos 3's replicated text keys).
     """
     size, rank = mesh.plan.ring, mesh.ring_rank
-    out = lse = None
+    out, lse = start if start is not None else (None, None)
     for step in range(size):
         runs = layout.valid_runs(mesh.ring_shards((rank - step) % size))
         if runs:  # a block made only of padding adds nothing (and would give an empty softmax)
-            block_out, block_lse = attention_with_lse(q, _select(kv[0], runs, 2), _select(kv[1], runs, 2))
-            out, lse = _merge(out, lse, block_out, block_lse)
+            k, v = (select_runs(t, runs, 2).repeat_interleave(groups, dim=1) if groups > 1 else select_runs(t, runs, 2)
+                    for t in (kv[0], kv[1]))
+            block_out, block_lse = attention_with_lse(q, k, v)
+            out, lse = merge_attention(out, lse, block_out, block_lse)
         if pending is not None:
             kv = finish(pending)
-            pending = _ring_pass(kv, mesh) if step + 2 < size else None
+            pending = ring_pass(kv, mesh) if step + 2 < size else None
     if out is None:
         raise ValueError("attention over an empty sequence")
     return out.to(q.dtype)
@@ -249,10 +255,10 @@ class RingAttention:
         self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kv = torch.stack((k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)))
-        return q_BSHD.transpose(1, 2), kv, _ring_pass(kv, self.mesh)
+        return q_BSHD.transpose(1, 2), kv, ring_pass(kv, self.mesh)
 
     def attend(self, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return _ring_steps(*pending, self.mesh, self.layout)
+        return ring_steps(*pending, self.mesh, self.layout)
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2)

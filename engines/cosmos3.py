@@ -1,0 +1,231 @@
+"""Context parallelism for diffusers' Cosmos3OmniTransformer (Cosmos 3), through the model's own seams.
+
+Cosmos 3 packs two token streams into one sequence: the prompt's text ("und", a causal stream) and
+the vision tokens ("gen"). Each layer has separate weights per stream; und tokens attend causally
+to und tokens, gen tokens attend to every und and gen token; the queries have more heads than the
+keys and values (grouped-query attention: Nano 32 and 8). There is no batch: one sequence per call,
+and classifier-free guidance makes two calls with different text (so different lengths).
+
+The model calls `_cp_shard_fn(und, gen, rotary)` before its layers and `_cp_gather_fn(und, gen)`
+after its final norms; this adapter sets both on the model instance and installs its own attention
+processor, so the model's code stays diffusers'. (diffusers' declarative context parallelism does
+not cover this packed, ragged, two-stream structure; its docstring says so.)
+
+The split:
+- gen (tens of thousands of tokens at 720p) is sharded like every sequence here: padded to a
+  multiple of the sequence degree (engines.sharding), padded keys left out of the softmax.
+- und (a few hundred text tokens) is replicated: every rank runs its layers and its causal
+  attention whole, without communication, and serves its K/V to the gen queries locally. That
+  costs every rank the text stream's compute (at 720p video, under 1% of a layer's tokens), and
+  saves a causal ring and a second exchange per layer.
+- Ulysses: one all-to-all carries this shard's gen q, k and v to head shards. When the Ulysses
+  degree does not divide the K/V heads (8 ranks of a model with fewer than 8 K/V heads, or 3
+  ranks of one with 8), each K/V head is repeated r = lcm(kv, ulysses) / kv times before the
+  all-to-all (kv_repeat), so every rank holds whole K/V heads for its query heads. Exact: a
+  repeated head is the same keys.
+- Ring / allgather: gen K/V travel over the K/V axis as for the other models, with their K/V
+  heads only (widened to the query heads on arrival); the replicated und keys are one more block,
+  merged by log-sum-exp (ring) or concatenated (allgather).
+- CFG: `forward_guided` runs the conditional and unconditional calls on different rank groups at
+  once and exchanges the predictions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_cosmos3 import (
+    Cosmos3OmniTransformer,
+    _rotate_half,
+)
+
+from engines.attention import (
+    attention_with_lse,
+    merge_attention,
+    ring_pass,
+    ring_steps,
+    select_runs,
+    ulysses_all_to_all,
+)
+from engines.collectives import all_gather
+from engines.mesh import ParallelMesh
+from engines.sharding import ShardLayout, gather_tokens, shard_tokens
+from engines.wrapper import ParallelTransformer, replace_processors
+
+GEN = 0  # the only sharded segment: the generation stream
+
+
+class Cosmos3Rotary(NamedTuple):
+    """Rotary cos/sin of the whole und stream and of this rank's gen shard, with the gen layout."""
+
+    und: tuple[torch.Tensor, torch.Tensor]
+    gen: tuple[torch.Tensor, torch.Tensor]
+    layout: ShardLayout
+
+
+def kv_repeat(kv_heads: int, ulysses: int) -> int:
+    """How many times each K/V head is repeated so that `ulysses` ranks hold whole K/V heads:
+    lcm(kv_heads, ulysses) / kv_heads (1 when the degree divides the K/V heads)."""
+    return math.lcm(kv_heads, ulysses) // kv_heads
+
+
+def _rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = (t.unsqueeze(1) for t in cos_sin)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False) -> torch.Tensor:
+    """Attention of SHD q over SHD k/v (fewer K/V heads allowed): SHD, as diffusers' native backend."""
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                         is_causal=causal, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class Cosmos3ContextParallelProcessor:
+    """Cosmos3AttnProcessor (diffusers 0.42) with the gen stream's attention made context-parallel."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(
+        self, attn: Any, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: Cosmos3Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(rotary_emb, Cosmos3Rotary):
+            raise RuntimeError("this Cosmos 3 model is parallelized: call the module returned by parallelize_cosmos3")
+        heads, kv_heads, dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+        # --- projections, norms and rotary, as diffusers' processor ---
+        q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, dim))
+        k_und = attn.norm_k(attn.to_k(und_seq).view(-1, kv_heads, dim))
+        v_und = attn.to_v(und_seq).view(-1, kv_heads, dim)
+        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else k_und
+        q_gen = attn.norm_added_q(attn.add_q_proj(gen_seq).view(-1, heads, dim))
+        k_gen = attn.norm_added_k(attn.add_k_proj(gen_seq).view(-1, kv_heads, dim))
+        v_gen = attn.add_v_proj(gen_seq).view(-1, kv_heads, dim)
+        q_und, k_und, k_und_for_gen = (_rope(t, rotary_emb.und) for t in (q_und, k_und, k_und_for_gen))
+        q_gen, k_gen = (_rope(t, rotary_emb.gen) for t in (q_gen, k_gen))
+
+        causal_out = _sdpa(q_und, k_und, v_und, causal=True)  # whole und stream, on every rank
+        full_out = gen_attention(q_gen, k_gen, v_gen, k_und_for_gen, v_und, mesh=self.mesh, layout=rotary_emb.layout)
+        return attn.to_out(causal_out.flatten(-2, -1)), attn.to_add_out(full_out.flatten(-2, -1))
+
+
+def gen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_und: torch.Tensor, v_und: torch.Tensor,
+    *, mesh: ParallelMesh, layout: ShardLayout,
+) -> torch.Tensor:
+    """Attention (SHD) of this rank's gen queries over all und keys (replicated here) and all gen keys
+    (sharded by `layout`); k, v, k_und, v_und carry the K/V heads only."""
+    plan = mesh.plan
+    if plan.ulysses > 1:
+        repeat = kv_repeat(k.shape[1], plan.ulysses)
+        if repeat > 1:
+            k, v, k_und, v_und = (t.repeat_interleave(repeat, dim=1) for t in (k, v, k_und, v_und))
+        q, k, v = _scatter_heads(q, k, v, mesh)
+        kv_local = k.shape[1]
+        k_und, v_und = (t.narrow(1, mesh.ulysses_rank * kv_local, kv_local) for t in (k_und, v_und))
+    if plan.ring == 1:
+        runs = layout.valid_runs(mesh.ring_shards(mesh.ring_rank))
+        keys = torch.cat([k_und, select_runs(k, runs, 0)])
+        values = torch.cat([v_und, select_runs(v, runs, 0)])
+        out = _sdpa(q, keys, values)
+    elif plan.kv_exchange == "allgather":
+        kv = all_gather(torch.stack((k, v)), 1, mesh.ring_group, plan.ring)  # (2, ring*S, kv, D)
+        runs = layout.valid_runs([s for member in range(plan.ring) for s in mesh.ring_shards(member)])
+        out = _sdpa(q, torch.cat([k_und, select_runs(kv[0], runs, 0)]), torch.cat([v_und, select_runs(kv[1], runs, 0)]))
+    else:
+        out = _ring_attention(q, k, v, k_und, v_und, mesh, layout)
+    if plan.ulysses > 1:
+        out = _gather_heads(out, mesh)
+    return out
+
+
+def _ring_attention(q, k, v, k_und, v_und, mesh: ParallelMesh, layout: ShardLayout) -> torch.Tensor:
+    """Ring attention (SHD) of q over the gen K/V blocks passed around the ring, plus the und keys."""
+    groups = q.shape[1] // k.shape[1]
+    q_bhsd = q.transpose(0, 1).unsqueeze(0)
+    kv = torch.stack((k, v)).permute(0, 2, 1, 3).unsqueeze(1)  # (2, 1, kv, S, D): blocks in BHSD
+    pending = ring_pass(kv, mesh)
+    und = [t.transpose(0, 1).unsqueeze(0).repeat_interleave(groups, dim=1) for t in (k_und, v_und)]
+    start = merge_attention(None, None, *attention_with_lse(q_bhsd, *und)) if k_und.shape[0] else None
+    out = ring_steps(q_bhsd, kv, pending, mesh, layout, groups=groups, start=start)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh):
+    """SHD sequence shards (q with H heads, k/v with kv heads) -> head shards over degree*S tokens
+    (H/degree and kv/degree heads), with ONE all-to-all."""
+    degree = mesh.plan.ulysses
+    h, kv = q.shape[1] // degree, k.shape[1] // degree
+    # (degree, S, h + 2 kv, D): leading axis = destination rank (head group), q, k, v in one message
+    packed = torch.cat([t.unflatten(1, (degree, -1)).transpose(0, 1) for t in (q, k, v)], dim=2)
+    gathered = ulysses_all_to_all(packed.contiguous(), mesh).flatten(0, 1)  # (degree*S, h + 2 kv, D)
+    return gathered.split([h, kv, kv], dim=1)
+
+
+def _gather_heads(out: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """SHD head shard over degree*S tokens -> this rank's S tokens with every head."""
+    degree = mesh.plan.ulysses
+    back = ulysses_all_to_all(out.unflatten(0, (degree, -1)).contiguous(), mesh)  # (degree: head group, S, h, D)
+    return back.transpose(0, 1).flatten(1, 2)
+
+
+class ParallelCosmos3(ParallelTransformer):
+    """Cosmos3OmniTransformer across ranks; called like the model, full output on every rank."""
+
+    def __init__(self, model: Cosmos3OmniTransformer, mesh: ParallelMesh, replaced: list) -> None:
+        super().__init__(model, mesh, replaced)
+        self._gen_length = 0
+        if mesh.plan.seq_degree > 1:
+            model._cp_shard_fn = self._shard
+            model._cp_gather_fn = self._gather
+
+    def _shard(self, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple) -> tuple:
+        mesh = self.mesh
+        cos_und, sin_und, cos_gen, sin_gen = rotary_emb
+        self._gen_length = gen_seq.shape[0]
+        layout = ShardLayout(lengths=(self._gen_length,), degree=mesh.plan.seq_degree)
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return shard_tokens(x, layout, segment=GEN, shard=mesh.seq_rank, dim=0)
+
+        return und_seq, shard(gen_seq), Cosmos3Rotary((cos_und, sin_und), (shard(cos_gen), shard(sin_gen)), layout)
+
+    def _gather(self, und_out: torch.Tensor, gen_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return und_out, gather_tokens(gen_out, self.mesh, length=self._gen_length, dim=0)
+
+    def forward(self, **kwargs: Any) -> Any:
+        """One call of the model (its keyword arguments and result), split over the sequence ranks.
+        Every rank of a CFG group gives the same arguments; with a CFG axis, use forward_guided."""
+        if self.mesh.plan.cfg > 1:
+            raise ValueError("this Cosmos 3 model splits guidance over rank groups: call forward_guided")
+        return self.model(**kwargs)
+
+    def forward_guided(self, passes: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+        """The vision predictions (the model's `sample`) of each call in `passes` (conditional first),
+        on every rank. With a CFG axis of len(passes) groups, group i runs passes[i] while the others
+        run theirs, and the predictions are exchanged; without one, the calls run in turn."""
+        cfg = self.mesh.plan.cfg
+        if cfg == 1:
+            return [self.model(**kwargs, return_dict=False)[0] for kwargs in passes]
+        if len(passes) != cfg:
+            raise ValueError(f"the CFG axis has {cfg} rank groups for {len(passes)} guidance passes")
+        mine = self.model(**passes[self.mesh.cfg_rank], return_dict=False)[0]
+        gathered = [all_gather(x.unsqueeze(0), 0, self.mesh.cfg_group, cfg) for x in mine]
+        return [[g[i] for g in gathered] for i in range(cfg)]
+
+    def restore(self) -> torch.nn.Module:
+        for seam in ("_cp_shard_fn", "_cp_gather_fn"):
+            self.model.__dict__.pop(seam, None)
+        return super().restore()
+
+
+def parallelize_cosmos3(model: Cosmos3OmniTransformer, mesh: ParallelMesh) -> ParallelCosmos3:
+    """Shard Cosmos 3's gen stream over the mesh's sequence ranks (and its guidance calls over CFG groups)."""
+    mesh.plan.check(num_heads=model.config.num_attention_heads)
+    replaced = []
+    if mesh.plan.seq_degree > 1:
+        replaced = replace_processors([layer.self_attn for layer in model.layers], Cosmos3ContextParallelProcessor(mesh))
+    return ParallelCosmos3(model, mesh, replaced)
