@@ -295,7 +295,7 @@ class GatherAttention:
 
     def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
         self.mesh = mesh
-        self.runs = _gathered_runs(mesh, layout)
+        self.runs = gathered_runs(mesh, layout)
 
     def start(
         self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
@@ -387,6 +387,6 @@ def _gathered_attention_fake(q_BSHD: torch.Tensor, token: torch.Tensor, group_na
     return torch.empty_like(q_BSHD, memory_format=torch.contiguous_format)
 
 
-def _gathered_runs(mesh: ParallelMesh, layout: ShardLayout) -> Runs:
+def gathered_runs(mesh: ParallelMesh, layout: ShardLayout) -> Runs:
     """The real-token runs of K/V gathered from every ring member, in member order."""
     return layout.valid_runs([s for member in range(mesh.plan.ring) for s in mesh.ring_shards(member)])

@@ -45,6 +45,7 @@ from diffusers.models.transformers.transformer_cosmos3 import (
 
 from engines.attention import (
     attention_with_lse,
+    gathered_runs,
     merge_attention,
     ring_pass,
     ring_steps,
@@ -134,7 +135,7 @@ def gen_attention(
         out = _sdpa(q, keys, values)
     elif plan.kv_exchange == "allgather":
         kv = all_gather(torch.stack((k, v)), 1, mesh.ring_group, plan.ring)  # (2, ring*S, kv, D)
-        runs = layout.valid_runs([s for member in range(plan.ring) for s in mesh.ring_shards(member)])
+        runs = gathered_runs(mesh, layout)
         out = _sdpa(q, torch.cat([k_und, select_runs(kv[0], runs, 0)]), torch.cat([v_und, select_runs(kv[1], runs, 0)]))
     else:
         out = _ring_attention(q, k, v, k_und, v_und, mesh, layout)
