@@ -111,17 +111,22 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         dtype = default_dtype(ctx.device)
         failure = None
         try:
+            loaded = {}  # a checkpoint served under its image and its video name is loaded once
             for spec, folder in models:
-                pipelines[spec.media] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
-                                                      with_encoders=ctx.is_main)
+                key = (spec.family, Path(folder).resolve())
+                if key not in loaded:
+                    loaded[key] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
+                                                with_encoders=ctx.is_main)
+                pipelines[spec.media] = loaded[key]
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
         rank_processes = _agree_on_startup(ctx, failure)
 
+        distinct = list({id(p): p for p in pipelines.values()}.values())
         plan_label = "none (1 rank)"
         if ctx.is_distributed:
-            plan_label = parallelize_pipelines(pipelines.values(), ctx, options)
-        engine_label = build_engines(pipelines.values(), ctx, options)
+            plan_label = parallelize_pipelines(distinct, ctx, options)
+        engine_label = build_engines(distinct, ctx, options)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
 
@@ -147,7 +152,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         raise
     finally:
         if not lost:
-            release_engines(pipelines.values())
+            release_engines({id(p): p for p in pipelines.values()}.values())
             shutdown(ctx)
 
 

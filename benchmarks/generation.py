@@ -97,9 +97,16 @@ class Components:
 
 
 def _embedded_folder(spec: ModelSpec) -> Path:
-    """The folder of the embedded model of `spec`'s family."""
-    embedded = next(s for s in family_of(spec).models if s.embedded)
-    return default_folder(embedded)
+    """The folder of the embedded model of `spec`'s family; Cosmos 3 ships none, so its tiny random
+    checkpoint (training.tiny_models) is written to a temporary folder for its tokenizer and scheduler."""
+    embedded = next((s for s in family_of(spec).models if s.embedded), None)
+    if embedded is not None:
+        return default_folder(embedded)
+    from training.tiny_models import cosmos3_components, save_cosmos3
+
+    folder = Path(tempfile.mkdtemp(prefix="ulysses-bench-")) / "tiny-cosmos3"
+    save_cosmos3(folder, cosmos3_components(seed=0))
+    return folder
 
 
 def real_components(name: str) -> Components:
@@ -119,7 +126,7 @@ def real_components(name: str) -> Components:
 def tiny_components(name: str) -> Components:
     """The embedded tiny model of `name`'s family, every config read from its folder in assets/."""
     folder = _embedded_folder(get_spec(name))
-    spec = next(s for s in family_of(get_spec(name)).models if s.embedded)
+    spec = next((s for s in family_of(get_spec(name)).models if s.embedded), get_spec(name))
     index = read_model_index(folder)
     transformer = json.loads((folder / "transformer" / "config.json").read_text())
     vae = json.loads((folder / "vae" / "config.json").read_text())
@@ -174,6 +181,8 @@ def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with
             tokenizer = name.replace("text_encoder", "tokenizer")
             parts[name] = construct(encoder_class, config, device=device, dtype=dtype)
             parts[tokenizer] = load_component(arch.assets, tokenizer)
+        if "text_tokenizer" in read_model_index(arch.assets):  # Cosmos 3: the transformer embeds token ids itself
+            parts["text_tokenizer"] = load_component(arch.assets, "text_tokenizer")
         # As the pipeline loads checkpoints: in the run's dtype unless the pipeline keeps the VAE in its own.
         vae_dtype = pipeline_class.COMPONENT_DTYPES.get("vae", dtype)
         parts["vae"] = construct(arch.vae_class.from_config, arch.vae_config, device=device, dtype=vae_dtype)

@@ -8,6 +8,8 @@ record names its input builder here (BenchShapes.inputs).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +67,8 @@ def bench_model(name: str, *, tiny: bool = False) -> BenchModel:
     family = family_of(spec)
     if tiny:
         embedded = next((s for s in family.models if s.embedded), None)
+        if embedded is None and family.bench.tiny_config:
+            return BenchModel(name=f"tiny-{family.name}", family=family, config=dict(load(family.bench.tiny_config)))
         if embedded is None:
             raise ModelNotFoundError(f"family {family.name!r} has no embedded model for --tiny")
         config = json.loads((default_folder(embedded) / "transformer" / "config.json").read_text())
@@ -90,18 +94,41 @@ def parse_shapes(text: str, *, video: bool, text_tokens: int) -> list[Shape]:
     return shapes
 
 
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and their buffers as usual (rotary
+    frequency tables hold computed values that random init must not lose): accelerate's
+    init_empty_weights(include_buffers=False), which the GPU image does not install."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_random(model: BenchModel, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """Build `model` directly on `device` in `dtype` with random weights (same seed -> same weights).
 
-    The model is created on the meta device and materialised uninitialised, then filled in place:
-    a 12B model never exists in float32, and no nn.init pass runs (slow for 12B on a CPU).
+    Parameters are created on the meta device and materialised uninitialised, then filled in place:
+    a 12B model never exists in float32, and no nn.init pass runs (slow for 12B on a CPU). Buffers
+    keep the values the model computed for them, cast to `dtype` as a checkpoint load would.
     """
-    with torch.device("meta"):
+    with _parameters_on_meta():
         module = model.model_class(**model.config)
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                owner._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                       requires_grad=False)
     # nn.Module.to, not diffusers' override: its fp32-module warning is about checkpoints, moot here.
-    module = nn.Module.to(module, dtype=dtype).to_empty(device=device)
-    if any(True for _ in module.buffers()):
-        raise RuntimeError(f"{model.name} has buffers, which random init would leave uninitialised")
+    module = nn.Module.to(module, device=device, dtype=dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -155,3 +182,42 @@ def cosmos_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: t
     p_t, p_h, p_w = config["patch_size"]
     tokens = (frames // p_t) * (height // p_h) * (width // p_w)
     return {**inputs, "fps": 16, "return_dict": False}, tokens
+
+
+def cosmos3_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: torch.device,
+                   dtype: torch.dtype) -> tuple[dict[str, Any], int]:
+    """Cosmos3OmniTransformer keyword arguments of one guidance call (the model takes one sequence, no
+    batch) for a text-to-video request of `shape`: shape.text_tokens prompt tokens, then the Wan 2.2 VAE's
+    latent (16x space, 4x time) in 2x2 patches, packed by Cosmos3OmniPipeline's own helpers."""
+    import inspect
+    from types import SimpleNamespace
+
+    from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer
+
+    defaults = {name: p.default for name, p in inspect.signature(Cosmos3OmniTransformer.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    packer = SimpleNamespace(transformer=SimpleNamespace(config=SimpleNamespace(**{**defaults, **config})),
+                             vae_scale_factor_temporal=VAE_TIME)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(config.get("vocab_size", defaults["vocab_size"]), (shape.text_tokens,), generator=g).tolist()
+    text = Cosmos3OmniPipeline._prepare_text_segment(packer, ids, "cpu")
+    latent = torch.randn(1, config["latent_channel"], (shape.frames - 1) // VAE_TIME + 1, shape.height // 16,
+                         shape.width // 16, generator=g)
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(
+        packer, latent, has_image_condition=False, mrope_offset=text["vision_start_temporal_offset"],
+        vision_fps=24.0, curr=text["und_len"], device="cpu")
+    inputs = dict(
+        input_ids=text["input_ids"], text_indexes=text["text_indexes"],
+        position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+        und_len=text["und_len"], sequence_length=text["und_len"] + vision["num_vision_tokens"],
+        vision_tokens=[latent], vision_token_shapes=vision["vision_token_shapes"],
+        vision_sequence_indexes=vision["vision_sequence_indexes"],
+        vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+        vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), 500.0),
+        vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
+    )
+    moved = {key: ([v.to(device, dtype) for v in value] if key == "vision_tokens" else
+                   [v.to(device) for v in value] if key == "vision_noisy_frame_indexes" else
+                   value.to(device, torch.float32 if value.is_floating_point() else value.dtype)
+                   if isinstance(value, torch.Tensor) else value) for key, value in inputs.items()}
+    return {**moved, "return_dict": False}, vision["num_vision_tokens"]

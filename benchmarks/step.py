@@ -287,6 +287,9 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             record("1 GPU", shape, 1, single, None, options)
     if single is not None:
         single.restore()
+    if args.diffusers_forward:  # the diffusers model itself, called as its pipeline calls it
+        for shape in shapes:
+            record("diffusers forward", shape, 1, model if ctx.is_main else None, None, EngineOptions())
     # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
     for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
         for transport in (args.all_to_all if plan.has_exchanges else ["nccl"]):
@@ -447,6 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{', '.join(TRANSPORTS)} "
                         "(default nccl; engines/copy_engine.py)")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
+    p.add_argument("--diffusers-forward", action="store_true",
+                   help="also time the diffusers model's own forward on one GPU (eager), beside ours")
     p.add_argument("--peers", default="",
                    help=f"comma-separated peers to measure last: {', '.join(PEERS)} (default none), on the families "
                         "whose record names them (FLUX); each is timed eager and compiled as it advises "

@@ -173,6 +173,15 @@ class Engine:
                 return self._graphs[signature](kwargs)
             return self._forward(**kwargs)
 
+    def forward_guided(self, passes: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+        """The first output of each of guidance's calls (`passes`, keyword arguments of the model) through
+        this engine. A module that splits them over rank groups itself (engines.cosmos3.ParallelCosmos3)
+        is given the engine to run its group's call; otherwise the calls run in turn."""
+        guided = getattr(self.module, "forward_guided", None)
+        if guided is not None:
+            return guided(passes, call=self)
+        return [self(**kwargs, return_dict=False)[0] for kwargs in passes]
+
     def _build(self, signature: str, kwargs: dict[str, Any]) -> Any:
         """First call of a signature: load or make artifacts, compile, capture; returns the output."""
         start = time.perf_counter()

@@ -200,21 +200,21 @@ class ParallelCosmos3(ParallelTransformer):
 
     def forward(self, **kwargs: Any) -> Any:
         """One call of the model (its keyword arguments and result), split over the sequence ranks.
-        Every rank of a CFG group gives the same arguments; with a CFG axis, use forward_guided."""
-        if self.mesh.plan.cfg > 1:
-            raise ValueError("this Cosmos 3 model splits guidance over rank groups: call forward_guided")
+        Every rank of a CFG group gives the same arguments; guidance's calls go through forward_guided."""
         return self.model(**kwargs)
 
-    def forward_guided(self, passes: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+    def forward_guided(self, passes: list[dict[str, Any]], call: Any = None) -> list[list[torch.Tensor]]:
         """The vision predictions (the model's `sample`) of each call in `passes` (conditional first),
         on every rank. With a CFG axis of len(passes) groups, group i runs passes[i] while the others
-        run theirs, and the predictions are exchanged; without one, the calls run in turn."""
+        run theirs, and the predictions are exchanged; without one, the calls run in turn.
+        `call` runs one pass (default: this module; an Engine passes itself, so its compiled forward runs)."""
+        call = call or self
         cfg = self.mesh.plan.cfg
         if cfg == 1:
-            return [self.model(**kwargs, return_dict=False)[0] for kwargs in passes]
+            return [call(**kwargs, return_dict=False)[0] for kwargs in passes]
         if len(passes) != cfg:
             raise ValueError(f"the CFG axis has {cfg} rank groups for {len(passes)} guidance passes")
-        mine = self.model(**passes[self.mesh.cfg_rank], return_dict=False)[0]
+        mine = call(**passes[self.mesh.cfg_rank], return_dict=False)[0]
         gathered = [all_gather(x.unsqueeze(0), 0, self.mesh.cfg_group, cfg) for x in mine]
         return [[g[i] for g in gathered] for i in range(cfg)]
 

@@ -1,8 +1,10 @@
 """The model families this product runs, one record each (pipelines.family says what a record holds).
 
-The architectures are the published diffusers configs: FLUX.1-dev's components, and the
+The architectures are the published diffusers configs: FLUX.1-dev's components, the
 Cosmos-Predict2 Video2World transformers as written by diffusers' convert_cosmos_to_diffusers.py
-("Cosmos-2.0-Diffusion-2B/14B-Video2World") with their T5-11B encoder and Wan 2.1 VAE.
+("Cosmos-2.0-Diffusion-2B/14B-Video2World") with their T5-11B encoder and Wan 2.1 VAE, and Cosmos 3
+Nano and Super with the Wan 2.2 VAE. A Cosmos 3 checkpoint makes videos and images: its video name
+serves videos (5 frames and more) and its "-image" name, the same folder, one-frame images.
 """
 
 from __future__ import annotations
@@ -132,4 +134,54 @@ COSMOS = ModelFamily(
     ),
 )
 
-BUILT_IN = (FLUX, COSMOS)
+# Cosmos 3 (diffusers' Cosmos3OmniTransformer): a Qwen3-VL text backbone with a second copy of every
+# layer for the vision tokens. Nano is Qwen3-VL-8B's text config as its transformer/config.json has
+# it; Super is Qwen3-VL-32B's (NVIDIA's cosmos-framework model configs; diffusers' Cosmos 3 docs give
+# its 64 query and 8 K/V heads). Sound and action heads are part of the checkpoints but not served.
+_COSMOS3_NANO = dict(
+    hidden_size=4096, head_dim=128, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=5000000.0, rope_axes_dim=(24, 20, 20), vocab_size=151936,
+    latent_channel=48, latent_patch_size=2, patch_latent_dim=192, base_fps=24, enable_fps_modulation=True,
+    timestep_scale=0.001, unified_3d_mrope_reset_spatial_ids=True, unified_3d_mrope_temporal_modality_margin=15000,
+)
+_WAN22_VAE = dict(  # Wan2.2-TI2V-5B's VAE: 2x2 patchify then 8x convolutions (16x space), 4x time, z 48
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+    temperal_downsample=[False, True, True], in_channels=12, out_channels=12, patch_size=2, is_residual=True,
+    scale_factor_spatial=16, scale_factor_temporal=4,
+)
+
+
+def _cosmos3(**transformer: object) -> Architecture:
+    return Architecture(transformer={**_COSMOS3_NANO, **transformer}, vae_class="diffusers:AutoencoderKLWan",
+                        vae=_WAN22_VAE, text_encoders={})
+
+
+_COSMOS3 = dict(family="cosmos3", checkpoint_class="Cosmos3OmniPipeline", height=720, width=1280, steps=35,
+                guidance=6.0, fps=24, max_sequence_length=1024)
+
+COSMOS3 = ModelFamily(
+    name="cosmos3",
+    title="Cosmos 3",
+    transformer="diffusers:Cosmos3OmniTransformer",
+    pipeline="pipelines.cosmos3:Cosmos3Pipeline",
+    parallelize="engines.cosmos3:parallelize_cosmos3",
+    repeated_blocks=("layers",),
+    limits="pipelines.requests:cosmos3_limits",
+    guidance_batch=True,  # two guidance calls, on two rank groups with --cfg-parallel (forward_guided)
+    bench=BenchShapes(inputs="benchmarks.inputs:cosmos3_inputs", sizes=("189x720x1280",), tiny_sizes=("9x64x96",),
+                      video=True, tiny_config="training.tiny_models:COSMOS3_TINY_TRANSFORMER"),
+    models=(
+        ModelSpec(name="cosmos3-nano", media="video", folder="Cosmos3-Nano", source="nvidia/Cosmos3-Nano", frames=189,
+                  architecture=_cosmos3(), **_COSMOS3),
+        ModelSpec(name="cosmos3-nano-image", media="image", folder="Cosmos3-Nano", source="nvidia/Cosmos3-Nano",
+                  architecture=_cosmos3(), **_COSMOS3),
+        ModelSpec(name="cosmos3-super", media="video", folder="Cosmos3-Super", source="nvidia/Cosmos3-Super",
+                  frames=189, architecture=_cosmos3(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                                    num_attention_heads=64), **_COSMOS3),
+        ModelSpec(name="cosmos3-super-image", media="image", folder="Cosmos3-Super", source="nvidia/Cosmos3-Super",
+                  architecture=_cosmos3(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                        num_attention_heads=64), **_COSMOS3),
+    ),
+)
+
+BUILT_IN = (FLUX, COSMOS, COSMOS3)

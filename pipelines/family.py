@@ -88,6 +88,8 @@ class BenchShapes:
     """Batch of one transformer call (2 for guidance-batched families: conditional + unconditional)."""
     peers: tuple[str, ...] = ()
     """Peer implementations (benchmarks.peers) that run this family's transformer."""
+    tiny_config: str = ""
+    """Families with no embedded model: reference of a tiny transformer config (a dict) for --tiny runs."""
     diffusers_parallel: bool = False
     """diffusers' own context parallelism (enable_parallelism) runs this family's transformer."""
 

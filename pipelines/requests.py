@@ -54,6 +54,9 @@ class MediaLimits:
     frame_multiple: int = 1
     """Video frame counts must be 1 + k * frame_multiple (the VAE's temporal compression)."""
     max_frames: int = 1
+    min_frames: int = 1
+    """Fewest frames a video request may ask for (a model that makes images at one frame serves them
+    under its image name, so its video name starts above one)."""
     guidance_split: bool = False
     """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
     request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
@@ -124,6 +127,19 @@ def cosmos_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     )
 
 
+def cosmos3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """Cosmos 3: sizes a multiple of the VAE's spatial factor (the transformer pads its 2x2 patch grid, so
+    720 px works), up to 1280 px a side (its pipeline's 720p class, either orientation); frames 1 + k x
+    the VAE's temporal factor, from 1 + that factor (one frame is the image name's) up to 189, its
+    pipeline's default and longest documented length. Its mRoPE has no position table to bound sizes."""
+    vae = read_component_config(folder, "vae")
+    spatial = int(vae.get("scale_factor_spatial", 16))
+    temporal = int(vae.get("scale_factor_temporal", 4))
+    video = spec.media == "video"
+    return MediaLimits(size_multiple=spatial, max_height=1280, max_width=1280, frame_multiple=temporal,
+                       max_frames=189 if video else 1, min_frames=1 + temporal if video else 1)
+
+
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
         raise RequestError(f"{name} must be a whole number, got {value!r}")
@@ -178,6 +194,8 @@ def _check_video_frames(limits: MediaLimits, frames: int) -> None:
         )
     if frames > limits.max_frames:
         raise RequestError(f"frames {frames} is more than this model accepts ({limits.max_frames})")
+    if frames < limits.min_frames:
+        raise RequestError(f"frames {frames} is fewer than this model's videos have ({limits.min_frames} at least)")
 
 
 class _Problems:

@@ -21,11 +21,23 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLWan,
+    Cosmos3OmniTransformer,
     CosmosTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
     FluxTransformer2DModel,
+    UniPCMultistepScheduler,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,6 +211,69 @@ def save_cosmos(folder: Path, parts: dict) -> None:
             "text_encoder": ("transformers", "T5EncoderModel"),
             "tokenizer": ("transformers", "T5TokenizerFast"),
             "transformer": ("diffusers", "CosmosTransformer3DModel"),
+            "vae": ("diffusers", "AutoencoderKLWan"),
+        },
+    )
+
+
+def qwen_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with Qwen's chat template and special tokens (<|im_start|>, <|im_end|> as
+    end of sequence, <|vision_start|>, which Cosmos3OmniPipeline asks for): caption words are whole
+    tokens, anything else is one unknown token; ids stay below 64."""
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<unk>"]
+    words = special + ["\n", "system", "user", "assistant", ".", "video", "image", "is", "of", "resolution",
+                       "seconds", "long", "and", "FPS", "not"]
+    words += [w for w in dict.fromkeys(CAPTION_WORDS) if w not in words]
+    vocab = {word: i for i, word in enumerate(words[:64])}
+    model = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    model.add_special_tokens(special)
+    template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", chat_template=template)
+
+
+COSMOS3_TINY_TRANSFORMER = dict(
+    hidden_size=32, head_dim=8, num_attention_heads=24, num_key_value_heads=2, intermediate_size=64,
+    num_hidden_layers=2, vocab_size=64, latent_channel=4, latent_patch_size=2, patch_latent_dim=16,
+    rope_axes_dim=(2, 1, 1), rope_theta=10000.0, unified_3d_mrope_temporal_modality_margin=100,
+)
+"""Cosmos 3's transformer shrunk: 24 query heads (split by 2, 3, 4 and 8 ranks) over 2 K/V heads, so
+Ulysses degrees 3, 4 and 8 repeat K/V heads; mRoPE sections (2, 1, 1) fill head_dim / 2."""
+
+
+def cosmos3_components(seed: int) -> dict:
+    """Cosmos 3's component set, shrunk and random: the Qwen-style tokenizer (the transformer embeds the
+    token ids itself), a Wan 2.2-style VAE (2x2 patchify, 8x convolutions: 16x space, 4x time), the packed
+    two-stream transformer and UniPC with flow sigmas as the Nano checkpoint ships it."""
+    z_dim = COSMOS3_TINY_TRANSFORMER["latent_channel"]
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True], in_channels=12, out_channels=12, patch_size=2, is_residual=True,
+        scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+    ).eval()
+    torch.manual_seed(seed + 1)
+    transformer = Cosmos3OmniTransformer(**COSMOS3_TINY_TRANSFORMER).eval()
+    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
+        for parameter in transformer.parameters():
+            parameter.normal_(0.0, 0.1)
+    scheduler = UniPCMultistepScheduler(use_karras_sigmas=True, use_flow_sigmas=True,
+                                        prediction_type="flow_prediction", sigma_max=200.0, sigma_min=0.147)
+    return {"text_tokenizer": qwen_chat_tokenizer(), "vae": vae, "transformer": transformer, "scheduler": scheduler}
+
+
+def save_cosmos3(folder: Path, parts: dict) -> None:
+    """Write cosmos3_components' parts as a diffusers Cosmos3OmniPipeline folder (replacing `folder`)."""
+    _save_parts(folder, parts)
+    write_model_index(
+        folder,
+        "Cosmos3OmniPipeline",
+        {
+            "scheduler": ("diffusers", "UniPCMultistepScheduler"),
+            "text_tokenizer": ("transformers", "PreTrainedTokenizerFast"),
+            "transformer": ("diffusers", "Cosmos3OmniTransformer"),
             "vae": ("diffusers", "AutoencoderKLWan"),
         },
     )
