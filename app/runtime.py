@@ -126,6 +126,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         plan_label = "none (1 rank)"
         if ctx.is_distributed:
             plan_label = parallelize_pipelines(distinct, ctx, options)
+        else:
+            wrap_one_rank(distinct, ctx)
         engine_label = build_engines(distinct, ctx, options)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
@@ -177,6 +179,20 @@ def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
                                                          all_to_all=options.all_to_all))
         labels.append(plan.describe(options.all_to_all))
     return " / ".join(dict.fromkeys(labels))
+
+
+def wrap_one_rank(pipelines: Iterable, ctx) -> None:
+    """A one-rank run: the transformers of families whose record asks for it (adapter_at_one_rank) go
+    through their adapter on a mesh of this one rank (nothing is split)."""
+    from engines.parallelize import parallelize_transformer
+    from engines.plan import ParallelPlan
+    from pipelines.family import load
+
+    for pipeline in pipelines:
+        family = family_of(pipeline.spec)
+        if family.adapter_at_one_rank:
+            pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, ParallelPlan(),
+                                                             load(family.parallelize)))
 
 
 def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:

@@ -29,6 +29,9 @@ The split:
   merged by log-sum-exp (ring) or concatenated (allgather).
 - CFG: `forward_guided` runs the conditional and unconditional calls on different rank groups at
   once and exchanges the predictions.
+- Compiled engines: the text stream's length changes with every prompt, so the shard seam marks it
+  dynamic (also on one rank, where nothing is sharded): blocks compiled per layer take it as a
+  symbolic size instead of compiling again for each prompt length.
 """
 
 from __future__ import annotations
@@ -180,13 +183,19 @@ class ParallelCosmos3(ParallelTransformer):
     def __init__(self, model: Cosmos3OmniTransformer, mesh: ParallelMesh, replaced: list) -> None:
         super().__init__(model, mesh, replaced)
         self._gen_length = 0
-        if mesh.plan.seq_degree > 1:
-            model._cp_shard_fn = self._shard
-            model._cp_gather_fn = self._gather
+        model._cp_shard_fn = self._shard
+        model._cp_gather_fn = self._gather
 
     def _shard(self, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: tuple) -> tuple:
         mesh = self.mesh
         cos_und, sin_und, cos_gen, sin_gen = rotary_emb
+        if not torch.compiler.is_compiling() and und_seq.shape[0] > 1:
+            # The prompt's token count varies by request: blocks compiled per layer (engines.compile) take
+            # it as a symbolic size, so a new prompt length does not compile the layers again.
+            for tensor in (und_seq, cos_und, sin_und):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        if mesh.plan.seq_degree == 1:
+            return und_seq, gen_seq, rotary_emb
         self._gen_length = gen_seq.shape[0]
         layout = ShardLayout(lengths=(self._gen_length,), degree=mesh.plan.seq_degree)
 
@@ -196,6 +205,8 @@ class ParallelCosmos3(ParallelTransformer):
         return und_seq, shard(gen_seq), Cosmos3Rotary((cos_und, sin_und), (shard(cos_gen), shard(sin_gen)), layout)
 
     def _gather(self, und_out: torch.Tensor, gen_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mesh.plan.seq_degree == 1:
+            return und_out, gen_out
         return und_out, gather_tokens(gen_out, self.mesh, length=self._gen_length, dim=0)
 
     def forward(self, **kwargs: Any) -> Any:

@@ -168,6 +168,7 @@ COSMOS3 = ModelFamily(
     repeated_blocks=("layers",),
     limits="pipelines.requests:cosmos3_limits",
     guidance_batch=True,  # two guidance calls, on two rank groups with --cfg-parallel (forward_guided)
+    adapter_at_one_rank=True,
     bench=BenchShapes(inputs="benchmarks.inputs:cosmos3_inputs", sizes=("189x720x1280",), tiny_sizes=("9x64x96",),
                       video=True, tiny_config="training.tiny_models:COSMOS3_TINY_TRANSFORMER"),
     models=(

@@ -114,7 +114,11 @@ class ModelFamily:
     """Reference of the torch-free function (spec, folder, cfg_parallel) -> MediaLimits that reads
     what sizes and frame counts a checkpoint accepts from its configs."""
     guidance_batch: bool
-    """Its transformer call batches classifier-free guidance's two branches (--cfg-parallel applies)."""
+    """Classifier-free guidance's two branches can run on two halves of the ranks (--cfg-parallel applies):
+    batched in one transformer call (Cosmos-Predict2) or as two calls (Cosmos 3's forward_guided)."""
+    adapter_at_one_rank: bool = False
+    """Its parallelize function also wraps the transformer of a one-rank run (Cosmos 3: its adapter marks
+    the prompt-length dimension dynamic for compiled blocks)."""
     bench: BenchShapes
     models: tuple[ModelSpec, ...] = field(default=())
     """Its named checkpoints."""

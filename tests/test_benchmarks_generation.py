@@ -72,7 +72,7 @@ def test_e2e_tiny_cosmos3_ulysses_and_cfg(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", "--model", "cosmos3-nano", "--cfg", "--steps", "2",
                    "--height", "64", "--width", "96", "--frames", "9", "--runs", "1", "--warmup-steps", "1",
-                   "--backends", "eager", "--out", str(out))
+                   "--backends", "eager", "--media-dir", str(tmp_path / "media"), "--out", str(out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = check_result(out, {"1 GPU", "ours ulysses-2", "ours cfg-2"}, runs=1)
