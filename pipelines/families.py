@@ -148,6 +148,9 @@ _WAN22_VAE = dict(  # Wan2.2-TI2V-5B's VAE: 2x2 patchify then 8x convolutions (1
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
     temperal_downsample=[False, True, True], in_channels=12, out_channels=12, patch_size=2, is_residual=True,
     scale_factor_spatial=16, scale_factor_temporal=4,
+    # The checkpoint's per-channel latent statistics (48 values each) are not recorded here; these
+    # neutral ones give random-weight benchmarks the right shapes.
+    latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
 )
 
 
