@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from app.launch import free_port
 
-__all__ = ["COSMOS3_TINY", "COSMOS_TINY", "FLUX_TINY", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
+__all__ = ["COSMOS_TINY", "FLUX_TINY", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
            "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,14 +38,6 @@ COSMOS_TINY = dict(
     in_channels=4 + 1, out_channels=4, num_attention_heads=6, attention_head_dim=12, num_layers=2, mlp_ratio=2.0,
     text_embed_dim=16, adaln_lora_dim=8, max_size=(16, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=True,
     extra_pos_embed_type=None, rope_scale=(1.0, 3.0, 3.0),
-)
-
-# Cosmos 3: 24 query heads (split by 2, 3, 4 and 8 ranks) over 2 K/V heads, so Ulysses degrees 3, 4
-# and 8 repeat K/V heads; mRoPE sections (2, 1, 1) fill head_dim / 2.
-COSMOS3_TINY = dict(
-    hidden_size=32, head_dim=8, num_attention_heads=24, num_key_value_heads=2, intermediate_size=64,
-    num_hidden_layers=2, vocab_size=64, latent_channel=4, latent_patch_size=2, patch_latent_dim=16,
-    rope_axes_dim=(2, 1, 1), rope_theta=10000.0, unified_3d_mrope_temporal_modality_margin=100,
 )
 
 
@@ -84,7 +76,9 @@ def tiny_cosmos() -> torch.nn.Module:
 def tiny_cosmos3(**overrides: Any) -> torch.nn.Module:
     from diffusers import Cosmos3OmniTransformer
 
-    return Cosmos3OmniTransformer(**{**COSMOS3_TINY, **overrides})
+    from training.tiny_models import COSMOS3_TINY_TRANSFORMER
+
+    return Cosmos3OmniTransformer(**{**COSMOS3_TINY_TRANSFORMER, **overrides})
 
 
 def randomize(model: torch.nn.Module) -> torch.nn.Module:
@@ -137,27 +131,11 @@ def parallelize(model: torch.nn.Module, ctx: Any, plan: Any = None, *, all_to_al
 
 def cosmos3_inputs(model: torch.nn.Module, text_tokens: int, latent_grid: tuple[int, int, int], *,
                    image_condition: bool = False) -> dict:
-    """Keyword arguments of one Cosmos3OmniTransformer call, packed by Cosmos3OmniPipeline's own
-    helpers: `text_tokens` random prompt tokens, then random latents of (frames, height, width);
-    with image_condition the first latent frame is clean (image-to-video)."""
-    from types import SimpleNamespace
+    """Keyword arguments of one Cosmos3OmniTransformer call (benchmarks.inputs.cosmos3_call): `text_tokens`
+    random prompt tokens, then random latents of (frames, height, width); with image_condition the
+    first latent frame is clean (image-to-video)."""
+    from benchmarks.inputs import cosmos3_call
 
-    from diffusers import Cosmos3OmniPipeline
-
-    packer = SimpleNamespace(transformer=model, vae_scale_factor_temporal=4)
     ids = torch.randint(model.config.vocab_size, (text_tokens,)).tolist()
-    text = Cosmos3OmniPipeline._prepare_text_segment(packer, ids, "cpu")
     latents = torch.randn(1, model.config.latent_channel, *latent_grid)
-    vision = Cosmos3OmniPipeline._prepare_vision_segment(
-        packer, latents, has_image_condition=image_condition, mrope_offset=text["vision_start_temporal_offset"],
-        vision_fps=24.0, curr=text["und_len"], device="cpu")
-    return dict(
-        input_ids=text["input_ids"], text_indexes=text["text_indexes"],
-        position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
-        und_len=text["und_len"], sequence_length=text["und_len"] + vision["num_vision_tokens"],
-        vision_tokens=[latents], vision_token_shapes=vision["vision_token_shapes"],
-        vision_sequence_indexes=vision["vision_sequence_indexes"],
-        vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
-        vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), 700.0),
-        vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"],
-    )
+    return cosmos3_call(model.config, ids, latents, image_condition=image_condition, timestep=700.0)

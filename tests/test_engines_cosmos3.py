@@ -1,6 +1,6 @@
 """Context-parallel Cosmos 3 (engines/cosmos3.py) on gloo ranks under torchrun (CPU, float32) against one process.
 
-The tiny config (tests.helpers.COSMOS3_TINY) has 24 query heads over 2 K/V heads, so Ulysses over
+The tiny config (training.tiny_models.COSMOS3_TINY_TRANSFORMER) has 24 query heads over 2 K/V heads, so Ulysses over
 3, 4 and 8 ranks runs with repeated K/V heads. Inputs are packed by diffusers' Cosmos3OmniPipeline
 helpers: text-to-video, image-to-video (first latent frame clean) and text-to-image, with gen token
 counts (after 2x2 patching of odd latent sizes) that the sequence degrees do not divide.
