@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gradio_client import Client, handle_file
 from PIL import Image
@@ -102,3 +103,24 @@ def test_batch_on_two_ranks(folder: Path, tmp_path: Path) -> None:
     entries = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert len(entries) == 1 and entries[0]["file"].endswith(".mp4") and entries[0]["ranks"] == 2
     assert len(read_video(out / entries[0]["file"])[0]) == 5
+
+
+def test_build_fills_the_cache_that_generate_uses(folder: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "engines"
+    common = ["--model", "cosmos3-nano", "--model-path", str(folder), "--size", "96x64", "--frames", "5",
+              "--backend", "inductor-blocks", "--engine-cache", str(cache)]
+    cold = app("build", *common, "--steps", "2")
+    assert cold.returncode == 0, cold.stderr
+    assert "rank 0: built in" in cold.stderr
+    warm = app("build", *common, "--steps", "2")
+    assert warm.returncode == 0, warm.stderr
+    assert "rank 0: cache hit in" in warm.stderr
+
+    # a prompt of another length than build's runs on the compiled layers and equals eager
+    request = ["--prompt", "a big red circle moving left", "--seed", "3", "--steps", "2", "--quiet"]
+    compiled, eager = tmp_path / "compiled.mp4", tmp_path / "eager.mp4"
+    assert app("generate", *common, *request, "--out", str(compiled)).returncode == 0
+    plain = [arg if arg != "inductor-blocks" else "eager" for arg in common]
+    assert app("generate", *plain, *request, "--out", str(eager)).returncode == 0
+    a, b = (np.stack(read_video(path)[0]).astype(np.int16) for path in (compiled, eager))
+    assert np.abs(a - b).max() <= 2  # MP4 encoding of nearly equal frames
