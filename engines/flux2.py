@@ -1,0 +1,167 @@
+"""Context parallelism for diffusers' Flux2Transformer2DModel (FLUX.2: dev and the Klein variants).
+
+FLUX.2 keeps FLUX.1's token layout: double-stream blocks attend over [text, image] with separate
+weights per stream, single-stream blocks run on the concatenated sequence, the rotary embedding
+comes from position ids. Reference images (image editing) are more image tokens, concatenated to
+the latents by the pipeline with their own ids, so they shard like any image token. As for FLUX.1
+(engines/flux.py), both streams are sharded, each padded to a multiple of the sequence degree, and
+ParallelFlux2 runs the model's forward itself on the shards: rank s holds text chunk s and image
+chunk s, the rotary embedding is computed from the sharded ids, and the local sequence of a single
+block is [text chunk, image chunk].
+
+Where FLUX.2's blocks differ from FLUX.1's, and what this adapter does there:
+- Double-stream attention (Flux2Attention) has FLUX.1's projections, norms and output layers under
+  the same names, so FLUX.1's processor (engines.flux_attention) serves it unchanged, the
+  all-gather reordering included.
+- Single-stream attention (Flux2ParallelSelfAttention) fuses q/k/v and the MLP's input into one
+  projection and the attention and MLP outputs into one: Flux2SingleProcessor below keeps that
+  fusion and makes only the attention call context-parallel. FLUX.1's OverlappedSingleBlock
+  reorders FLUX.1's separate MLP around the exchanges; with the fused projections there is
+  nothing left to move, so FLUX.2's single blocks stay as they are.
+- Modulation: FLUX.2 computes every block's AdaLN parameters once per forward, from shared
+  modulation layers (FLUX.1 has one per block, which engines.flux_modulation shares out), so
+  there is nothing to share.
+- Reference-image K/V caching (kv_cache_mode) is not supported: every step attends to the
+  reference tokens afresh, which is what diffusers does without the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+from torch import nn
+
+from engines.attention import context_parallel_attention
+from engines.flux_attention import FluxContextParallelProcessor
+from engines.mesh import ParallelMesh
+from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.wrapper import ParallelTransformer, replace_processors
+
+TEXT, IMAGE = 0, 1  # segment order of FLUX.2's joint sequence
+
+
+class Flux2SingleProcessor:
+    """Flux2ParallelSelfAttnProcessor (diffusers 0.42) with the attention call made context-parallel."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cp_layout: ShardLayout | None = None,
+    ) -> torch.Tensor:
+        if cp_layout is None:
+            raise RuntimeError("this FLUX.2 model is parallelized: call the module returned by parallelize_flux2")
+        if attention_mask is not None:
+            raise ValueError("FLUX.2 attention masks are not supported with context parallelism")
+        projected = attn.to_qkv_mlp_proj(hidden_states)
+        qkv, mlp = projected.split([3 * attn.inner_dim, projected.shape[-1] - 3 * attn.inner_dim], dim=-1)
+        query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
+        out = out.flatten(2, 3).to(query.dtype)
+        return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
+class ParallelFlux2(ParallelTransformer):
+    """Flux2Transformer2DModel across ranks; same call as the model, full output on every rank."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        kv_cache: Any = None,
+        kv_cache_mode: str | None = None,
+        num_ref_tokens: int = 0,
+        ref_fixed_timestep: float = 0.0,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        """Run one denoiser call; arguments and result as Flux2Transformer2DModel.forward."""
+        if kv_cache is not None or kv_cache_mode is not None:
+            raise ValueError("reference K/V caching is not supported by the context-parallel FLUX.2 transformer")
+        mesh, plan = self.mesh, self.mesh.plan
+        batch = hidden_states.shape[0]
+        check_batch(batch, mesh)
+        hidden_states, encoder_hidden_states, timestep, guidance = (
+            split_batch(t, mesh, batch=batch) for t in (hidden_states, encoder_hidden_states, timestep, guidance))
+        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        num_image_tokens = hidden_states.shape[1]
+        layout = ShardLayout(lengths=(encoder_hidden_states.shape[1], num_image_tokens), degree=plan.seq_degree)
+        attention_kwargs = dict(joint_attention_kwargs or {})
+        if plan.seq_degree > 1:
+            s = mesh.seq_rank
+            hidden_states = shard_tokens(hidden_states, layout, segment=IMAGE, shard=s, dim=1)
+            img_ids = shard_tokens(img_ids, layout, segment=IMAGE, shard=s, dim=0)
+            encoder_hidden_states = shard_tokens(encoder_hidden_states, layout, segment=TEXT, shard=s, dim=1)
+            txt_ids = shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0)
+            attention_kwargs["cp_layout"] = layout
+
+        output = self._blocks_forward(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
+                                      attention_kwargs or None)
+
+        if plan.seq_degree > 1:
+            output = gather_tokens(output, mesh, length=num_image_tokens, dim=1)
+        output = gather_batch(output, mesh)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def _blocks_forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        guidance: torch.Tensor | None,
+        joint_attention_kwargs: dict[str, Any] | None,
+    ) -> torch.Tensor:
+        """FLUX.2's forward (diffusers 0.42, without the K/V cache) on this rank's shard."""
+        model = self.model
+        text_length = encoder_hidden_states.shape[1]  # this rank's text chunk, padding included
+        timestep = timestep.to(hidden_states.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = model.time_guidance_embed(timestep, guidance)
+        mod_img = model.double_stream_modulation_img(temb)
+        mod_txt = model.double_stream_modulation_txt(temb)
+        mod_single = model.single_stream_modulation(temb)
+        hidden_states = model.x_embedder(hidden_states)
+        encoder_hidden_states = model.context_embedder(encoder_hidden_states)
+        text_rotary, image_rotary = model.pos_embed(txt_ids), model.pos_embed(img_ids)
+        rotary = (torch.cat([text_rotary[0], image_rotary[0]], dim=0), torch.cat([text_rotary[1], image_rotary[1]], dim=0))
+        for block in model.transformer_blocks:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb_mod_img=mod_img,
+                temb_mod_txt=mod_txt, image_rotary_emb=rotary, joint_attention_kwargs=joint_attention_kwargs)
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        for block in model.single_transformer_blocks:
+            hidden_states = block(hidden_states=hidden_states, encoder_hidden_states=None, temb_mod=mod_single,
+                                  image_rotary_emb=rotary, joint_attention_kwargs=joint_attention_kwargs)
+        hidden_states = model.norm_out(hidden_states[:, text_length:], temb)
+        return model.proj_out(hidden_states)
+
+
+def parallelize_flux2(model: Flux2Transformer2DModel, mesh: ParallelMesh) -> ParallelFlux2:
+    """Shard FLUX.2's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
+    mesh.plan.check(num_heads=model.config.num_attention_heads)
+    replaced: list[tuple[nn.Module, Any]] = []
+    if mesh.plan.seq_degree > 1:
+        replaced = replace_processors([b.attn for b in model.transformer_blocks], FluxContextParallelProcessor(mesh))
+        replaced += replace_processors([b.attn for b in model.single_transformer_blocks], Flux2SingleProcessor(mesh))
+    return ParallelFlux2(model, mesh, replaced)
