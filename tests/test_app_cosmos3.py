@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from gradio_client import Client, handle_file
 from PIL import Image
@@ -116,11 +115,10 @@ def test_build_fills_the_cache_that_generate_uses(folder: Path, tmp_path: Path) 
     assert warm.returncode == 0, warm.stderr
     assert "rank 0: cache hit in" in warm.stderr
 
-    # a prompt of another length than build's runs on the compiled layers and equals eager
-    request = ["--prompt", "a big red circle moving left", "--seed", "3", "--steps", "2", "--quiet"]
-    compiled, eager = tmp_path / "compiled.mp4", tmp_path / "eager.mp4"
-    assert app("generate", *common, *request, "--out", str(compiled)).returncode == 0
-    plain = [arg if arg != "inductor-blocks" else "eager" for arg in common]
-    assert app("generate", *plain, *request, "--out", str(eager)).returncode == 0
-    a, b = (np.stack(read_video(path)[0]).astype(np.int16) for path in (compiled, eager))
-    assert np.abs(a - b).max() <= 2  # MP4 encoding of nearly equal frames
+    # a prompt of another length than build's runs on the compiled layers (their equality with eager:
+    # tests/test_pipelines_cosmos3.py)
+    video = tmp_path / "compiled.mp4"
+    result = app("generate", *common, "--prompt", "a big red circle moving left", "--steps", "2", "--quiet",
+                 "--out", str(video))
+    assert result.returncode == 0, result.stderr
+    assert len(read_video(video)[0]) == 5
