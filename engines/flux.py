@@ -38,6 +38,26 @@ from engines.wrapper import ParallelTransformer, replace_processors
 TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
 
 
+def shard_joint_tokens(
+    hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor,
+    mesh: ParallelMesh,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ShardLayout | None]:
+    """This rank's image chunk, text chunk and their ids (FLUX.1 and FLUX.2 lay out [text, image] alike),
+    and their layout for the attention processors; the whole tokens and None without a sequence axis.
+    Batched (deprecated) ids are taken by their first entry, as diffusers does."""
+    txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+    img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    degree = mesh.plan.seq_degree
+    if degree == 1:
+        return hidden_states, encoder_hidden_states, img_ids, txt_ids, None
+    layout = ShardLayout(lengths=(encoder_hidden_states.shape[1], hidden_states.shape[1]), degree=degree)
+    s = mesh.seq_rank
+    return (shard_tokens(hidden_states, layout, segment=IMAGE, shard=s, dim=1),
+            shard_tokens(encoder_hidden_states, layout, segment=TEXT, shard=s, dim=1),
+            shard_tokens(img_ids, layout, segment=IMAGE, shard=s, dim=0),
+            shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0), layout)
+
+
 class ParallelFlux(ParallelTransformer):
     """FluxTransformer2DModel across ranks; same call as the model, full output on every rank."""
 
@@ -69,17 +89,10 @@ class ParallelFlux(ParallelTransformer):
             split_batch(t, mesh, batch=batch)
             for t in (hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance)
         )
-        # diffusers still accepts (deprecated) batched ids and takes the first; do the same before sharding
-        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
-        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
         num_image_tokens = hidden_states.shape[1]
-        if plan.seq_degree > 1:
-            layout = ShardLayout(lengths=(encoder_hidden_states.shape[1], num_image_tokens), degree=plan.seq_degree)
-            s = mesh.seq_rank
-            hidden_states = shard_tokens(hidden_states, layout, segment=IMAGE, shard=s, dim=1)
-            img_ids = shard_tokens(img_ids, layout, segment=IMAGE, shard=s, dim=0)
-            encoder_hidden_states = shard_tokens(encoder_hidden_states, layout, segment=TEXT, shard=s, dim=1)
-            txt_ids = shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0)
+        hidden_states, encoder_hidden_states, img_ids, txt_ids, layout = shard_joint_tokens(
+            hidden_states, encoder_hidden_states, img_ids, txt_ids, mesh)
+        if layout is not None:
             attention_kwargs["cp_layout"] = layout
 
         output = self._blocks_forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids,

@@ -36,13 +36,11 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 from torch import nn
 
 from engines.attention import context_parallel_attention
+from engines.flux import shard_joint_tokens
 from engines.flux_attention import FluxContextParallelProcessor
 from engines.mesh import ParallelMesh
-from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
 from engines.wrapper import ParallelTransformer, replace_processors
-
-TEXT, IMAGE = 0, 1  # segment order of FLUX.2's joint sequence
-
 
 class Flux2SingleProcessor:
     """Flux2ParallelSelfAttnProcessor (diffusers 0.42) with the attention call made context-parallel."""
@@ -100,17 +98,11 @@ class ParallelFlux2(ParallelTransformer):
         check_batch(batch, mesh)
         hidden_states, encoder_hidden_states, timestep, guidance = (
             split_batch(t, mesh, batch=batch) for t in (hidden_states, encoder_hidden_states, timestep, guidance))
-        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
-        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
         num_image_tokens = hidden_states.shape[1]
-        layout = ShardLayout(lengths=(encoder_hidden_states.shape[1], num_image_tokens), degree=plan.seq_degree)
+        hidden_states, encoder_hidden_states, img_ids, txt_ids, layout = shard_joint_tokens(
+            hidden_states, encoder_hidden_states, img_ids, txt_ids, mesh)
         attention_kwargs = dict(joint_attention_kwargs or {})
-        if plan.seq_degree > 1:
-            s = mesh.seq_rank
-            hidden_states = shard_tokens(hidden_states, layout, segment=IMAGE, shard=s, dim=1)
-            img_ids = shard_tokens(img_ids, layout, segment=IMAGE, shard=s, dim=0)
-            encoder_hidden_states = shard_tokens(encoder_hidden_states, layout, segment=TEXT, shard=s, dim=1)
-            txt_ids = shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0)
+        if layout is not None:
             attention_kwargs["cp_layout"] = layout
 
         output = self._blocks_forward(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
