@@ -69,6 +69,9 @@ class ModelSpec:
     """True for the tiny models shipped in assets/."""
     architecture: Architecture | None = None
     """Published configs of its components (for random-weight benchmarks), where known."""
+    guidance_batch: bool | None = None
+    """Its classifier-free guidance has two branches (--cfg-parallel applies); None: as its family's record
+    says (FLUX.2's Klein base checkpoints use guidance where dev and the distilled Klein ones do not)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -57,6 +57,8 @@ class MediaLimits:
     min_frames: int = 1
     """Fewest frames a video request may ask for (a model that makes images at one frame serves them
     under its image name, so its video name starts above one)."""
+    reference_image: bool = False
+    """An image request may bring a reference image (FLUX.2's image-conditioned generation)."""
     guidance_split: bool = False
     """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
     request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
@@ -76,7 +78,8 @@ class GenerationRequest:
     frames: int
     fps: int
     condition: str | None = None
-    """Image or video file whose frames condition a video-to-world request."""
+    """Image or video file whose frames condition a video-to-world request, or the reference image of an
+    image request (models whose limits take one)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,9 +89,9 @@ class GenerationRequest:
 
 
 def uses_guidance_batch(spec: ModelSpec) -> bool:
-    """True for models whose transformer call batches classifier-free guidance's two branches
-    (their family's record says so: Cosmos-style yes, FLUX-style, guidance-distilled, no)."""
-    return family_of(spec).guidance_batch
+    """True for models whose classifier-free guidance has two branches (their record or their family's
+    says so: Cosmos-style yes, FLUX-style, guidance-distilled, no)."""
+    return family_of(spec).guidance_batch if spec.guidance_batch is None else spec.guidance_batch
 
 
 def read_limits(spec: ModelSpec, folder: Path, *, cfg_parallel: bool = False) -> MediaLimits:
@@ -107,6 +110,12 @@ def flux_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     vae = read_component_config(folder, "vae")
     multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2
     return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
+
+
+def flux2_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """FLUX.2: VAE downsampling x the 2x2 latent packing, as FLUX.1 (no position table bounds the size);
+    a reference image may be given (its pipelines' image editing)."""
+    return replace(flux_limits(spec, folder), reference_image=True)
 
 
 def cosmos_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
@@ -272,6 +281,27 @@ def _check_condition(condition: Any) -> str:
     return str(path)
 
 
+REFERENCE_MIN_SIDE, REFERENCE_MAX_ASPECT = 64, 8
+"""The reference images FLUX.2's pipelines accept (Flux2ImageProcessor.check_image_input)."""
+
+
+def _check_reference(condition: Any) -> str:
+    """A reference image's path, once its header shows an image FLUX.2's pipelines accept."""
+    from pipelines.media import probe
+
+    if Path(str(condition)).suffix.lower() in VIDEO_SUFFIXES:
+        raise RequestError(f"input file {Path(str(condition)).name} is a video; this model takes a reference image")
+    path = _check_condition(condition)
+    info = probe(path)
+    if min(info.width, info.height) < REFERENCE_MIN_SIDE:
+        raise RequestError(f"reference image {Path(path).name} is {info.width}x{info.height}; both sides must be at "
+                           f"least {REFERENCE_MIN_SIDE} pixels")
+    if max(info.width, info.height) > REFERENCE_MAX_ASPECT * min(info.width, info.height):
+        raise RequestError(f"reference image {Path(path).name} is {info.width}x{info.height}; its long side may be "
+                           f"at most {REFERENCE_MAX_ASPECT} times its short side")
+    return path
+
+
 def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> GenerationRequest:
     """Fill `spec`'s defaults for missing (or None) fields and validate the result.
 
@@ -313,9 +343,11 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
     if spec.media == "image":
         if frames is not None and frames != 1:
             problems.messages.append(f"model '{spec.name}' makes images; frames must be 1, got {frames}")
-        if condition is not None:
+        if condition is not None and not limits.reference_image:
             problems.messages.append(
                 f"model '{spec.name}' makes images from text alone; it takes no input image or video")
+        elif condition is not None:
+            condition = problems.check(_check_reference, condition)
     else:
         if frames is not None:
             problems.check(_check_video_frames, limits, frames)
