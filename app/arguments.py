@@ -44,7 +44,8 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
     parser.add_argument("--fps", type=int, default=None, help="video frame rate (video models)")
     if prompt_required:
         parser.add_argument("--input", dest="condition", default=None, metavar="FILE",
-                            help="image or video whose frames start the video (video-to-world)")
+                            help="image or video whose frames start the video (video-to-world), or the reference image "
+                                 "of an image model that takes one (FLUX.2)")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: str | None = None) -> None:

@@ -44,6 +44,8 @@ def check_output_path(path: str | Path, spec: ModelSpec) -> Path:
 def settings_of(request: GenerationRequest, spec: ModelSpec) -> dict[str, Any]:
     """What a result file records about how it was made."""
     settings = {"model": spec.name, **request.to_dict()}
+    if request.condition is not None:  # the input by its name: where it was kept is no business of the file's
+        settings["condition"] = Path(request.condition).name
     if spec.media == "image":
         settings.pop("frames")
         settings.pop("fps")

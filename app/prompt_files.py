@@ -1,8 +1,8 @@
 """Prompt files for `batch`: .txt (one prompt a line), .jsonl and .csv with per-line overrides.
 
 Fields a .jsonl object or a .csv column may set: prompt (required), negative_prompt, seed, size
-("WxH") or width/height, steps, guidance, frames, fps, input (a conditioning image or video, relative
-to the prompt file), name (the output file's name, sanitized). A line that cannot be read becomes a
+("WxH") or width/height, steps, guidance, frames, fps, input (a conditioning image or video, or a
+FLUX.2 reference image, relative to the prompt file), name (the output file's name, sanitized). A line that cannot be read becomes a
 BadLine with its line number; the others are unaffected.
 """
 

@@ -137,10 +137,15 @@ def _gallery_of(recent: RecentResults, key: str) -> tuple[list[tuple[str, str]],
 
 def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
                status_line: gr.Markdown) -> None:
-    gr.Markdown(f"Text to image with **{model.spec.name}**.")
+    takes_reference = model.limits.reference_image
+    gr.Markdown(f"Text{' (and a reference image)' if takes_reference else ''} to image with **{model.spec.name}**.")
     with gr.Row():
         with gr.Column():
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="image-prompt")
+            reference = None
+            if takes_reference:
+                reference = gr.File(label="Reference image (optional; deleted after use)", type="filepath",
+                                    value=None, height=120, elem_id="image-reference")
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
             button, stop = _generate_buttons("image")
@@ -152,10 +157,13 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 settings = gr.JSON(label="Settings", elem_id="image-settings")
     gallery, shown = _recent_gallery("image")
 
+    # The reference image comes last and defaults to None, so clients of text-only models call alike.
     async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
-                             width: float, height: float, progress: gr.Progress = gr.Progress()) -> tuple:
+                             width: float, height: float, condition: str | None = None,
+                             progress: gr.Progress = gr.Progress()) -> tuple:
         path, used = await _generate(model, server, progress, random_seed, prompt=prompt, seed=seed,
-                                     steps=steps, guidance=guidance, width=width, height=height)
+                                     steps=steps, guidance=guidance, width=width, height=height,
+                                     condition=condition or None)
         return str(path), str(path), used, status(), used["seed"]
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
@@ -163,10 +171,13 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
         return (used["prompt"], used["seed"], False, used["steps"], used["guidance"], used["width"], used["height"],
                 used)
 
-    inputs = [prompt, seed, random_seed, steps, guidance, width, height]
-    _wire(demo, model, server.recent, button, stop, generate_image, inputs,
-          [result, download, settings, status_line, seed], "generate_image", gallery, shown)
-    gallery.select(restore, inputs=shown, outputs=[*inputs, settings], api_visibility="private",
+    restored = [prompt, seed, random_seed, steps, guidance, width, height]
+    inputs = restored + ([reference] if reference is not None else [])
+    event = _wire(demo, model, server.recent, button, stop, generate_image, inputs,
+                  [result, download, settings, status_line, seed], "generate_image", gallery, shown)
+    if reference is not None:  # the request deleted its upload from the server: do not offer it again
+        event.then(lambda: None, outputs=reference, api_visibility="private", show_progress="hidden", queue=False)
+    gallery.select(restore, inputs=shown, outputs=[*restored, settings], api_visibility="private",
                    show_progress="hidden")
 
 
@@ -303,8 +314,6 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec)
     settings = settings_of(request, model.spec)
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
-    if request.condition is not None:  # the upload by its name: where the server kept it is not the client's business
-        settings["condition"] = Path(request.condition).name
     server.recent.add(model.key, path, settings)
     return path, settings
 

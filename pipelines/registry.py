@@ -93,9 +93,11 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
                 f"{folder} holds a {class_name or 'unknown'} checkpoint, but model '{name}' is a {spec.checkpoint_class}"
             )
         return spec
-    for spec in MODELS.values():
-        if spec.checkpoint_class == class_name and not spec.embedded:
-            return spec
+    candidates = [spec for spec in MODELS.values() if spec.checkpoint_class == class_name and not spec.embedded]
+    if index.get("is_distilled") is False:  # a FLUX.2 Klein base checkpoint: the names that use guidance
+        candidates = [spec for spec in candidates if spec.guidance_batch] or candidates
+    if candidates:
+        return candidates[0]
     supported = dict.fromkeys(spec.checkpoint_class for spec in MODELS.values())
     raise ModelNotFoundError(
         f"{folder}: model_index.json names '{class_name}', which ulysses-studio cannot run "

@@ -336,6 +336,9 @@ def save_flux2(folder: Path, parts: dict) -> None:
             "vae": ("diffusers", "AutoencoderKLFlux2"),
         },
     )
+    if klein:  # a base (not step-distilled) checkpoint: Flux2KleinPipeline applies classifier-free guidance
+        index_path = folder / "model_index.json"
+        index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "is_distilled": False}, indent=2) + "\n")
 
 
 def cosmos3_components(seed: int) -> dict:
