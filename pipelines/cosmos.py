@@ -30,7 +30,8 @@ from pipelines.guardrail import Guardrail
 from pipelines.loading import load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import GenerationRequest, MediaLimits, read_limits
+from pipelines.requests import GenerationRequest
+from pipelines.stages import StagedPipeline
 
 StepCallback = Callable[[int, int], None]
 
@@ -55,7 +56,7 @@ class CosmosConditioning:
     """How many leading latent frames are given rather than generated."""
 
 
-class CosmosPipeline:
+class CosmosPipeline(StagedPipeline):
     """Prompt (and optional input frames) -> video, or image for text2image checkpoints."""
 
     COMPONENT_DTYPES = {"vae": torch.float32}
@@ -114,13 +115,6 @@ class CosmosPipeline:
     def uses_condition_mask(self) -> bool:
         """Video2World transformers take an extra condition-mask channel; Text2Image ones do not."""
         return self.transformer_config.in_channels == self.vae_config["z_dim"] + 1
-
-    def limits(self) -> MediaLimits:
-        return read_limits(self.spec, self.folder)
-
-    def use_transformer(self, module: Callable[..., tuple[torch.Tensor]]) -> None:
-        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
-        self.transformer = module
 
     def _t5(self, text: str) -> torch.Tensor:
         inputs = self.tokenizer(

@@ -33,7 +33,8 @@ from pipelines.guardrail import Guardrail
 from pipelines.loading import load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import GenerationRequest, MediaLimits, read_limits
+from pipelines.requests import GenerationRequest
+from pipelines.stages import StagedPipeline
 
 StepCallback = Callable[[int, int], None]
 
@@ -57,7 +58,7 @@ class Cosmos3Conditioning:
     latent_shape: tuple[int, ...]
 
 
-class Cosmos3Pipeline:
+class Cosmos3Pipeline(StagedPipeline):
     """Prompt (and optional input image or video) -> video, or an image when one frame is asked for."""
 
     COMPONENT_DTYPES = {"vae": torch.float32}
@@ -91,13 +92,6 @@ class Cosmos3Pipeline:
         names = ["transformer", "scheduler"] + (["text_tokenizer", "vae"] if with_encoders else [])
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
         return cls(spec=spec, folder=folder, device=device, **parts)
-
-    def limits(self) -> MediaLimits:
-        return read_limits(self.spec, self.folder)
-
-    def use_transformer(self, module: Any) -> None:
-        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
-        self.transformer = module
 
     # --- rank 0 ---------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.loading import load_parts
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import GenerationRequest, MediaLimits, read_limits
+from pipelines.requests import GenerationRequest
+from pipelines.stages import StagedPipeline
 
 StepCallback = Callable[[int, int], None]
 """Called after each denoising step with (steps done, total steps)."""
@@ -41,7 +42,7 @@ class FluxText:
     """Rotary position ids of the text tokens, [L, 3] (all zero in FLUX)."""
 
 
-class FluxImagePipeline:
+class FluxImagePipeline(StagedPipeline):
     """Prompt -> image with a FluxTransformer2DModel; see the module docstring for the stages."""
 
     COMPONENT_DTYPES: dict[str, torch.dtype] = {}
@@ -91,13 +92,6 @@ class FluxImagePipeline:
             names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae"]
         return cls(spec=spec, folder=folder, device=device,
                    **load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES))
-
-    def limits(self) -> MediaLimits:
-        return read_limits(self.spec, self.folder)
-
-    def use_transformer(self, module: Callable[..., tuple[torch.Tensor]]) -> None:
-        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
-        self.transformer = module
 
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> FluxText:

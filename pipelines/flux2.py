@@ -33,7 +33,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.loading import load_parts
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import GenerationRequest, MediaLimits, read_limits, uses_guidance_batch
+from pipelines.requests import GenerationRequest, uses_guidance_batch
+from pipelines.stages import StagedPipeline
 
 StepCallback = Callable[[int, int], None]
 
@@ -55,7 +56,7 @@ class Flux2Conditioning:
     """Their rotary ids [N, 4] (time coordinate 10: they follow the generated image's tokens)."""
 
 
-class Flux2ImagePipeline:
+class Flux2ImagePipeline(StagedPipeline):
     """Prompt (and optional reference image) -> image with a Flux2Transformer2DModel."""
 
     COMPONENT_DTYPES: dict[str, torch.dtype] = {}
@@ -89,13 +90,6 @@ class Flux2ImagePipeline:
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
         return cls(spec=spec, folder=folder, device=device, **parts)
-
-    def limits(self) -> MediaLimits:
-        return read_limits(self.spec, self.folder)
-
-    def use_transformer(self, module: Any) -> None:
-        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
-        self.transformer = module
 
     def _branches(self, request: GenerationRequest) -> int:
         return self.guidance_branches if request.guidance > 1.0 else 1

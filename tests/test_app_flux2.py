@@ -55,8 +55,9 @@ def test_generate_with_a_reference_image(folders: dict[str, Path], tmp_path: Pat
 
 
 def test_bad_reference_refused_before_the_ranks_start(folders: dict[str, Path], tmp_path: Path) -> None:
-    result = app("launch", "--nproc", "2", "generate", "--model-path", str(folders["klein"]), "--prompt", "a red circle",
-                 "--input", str(folders["klein"].parent / "small.png"), "--steps", "2", "--out", str(tmp_path / "x.png"))
+    result = app("launch", "--nproc", "2", "generate", "--model-path", str(folders["klein"]), "--prompt", "a circle",
+                 "--input", str(folders["klein"].parent / "small.png"), "--steps", "2",
+                 "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2, result.stderr
     assert "reference image small.png is 56x40; both sides must be at least 64 pixels" in result.stderr
     assert "rank" not in result.stderr.lower()  # refused by the launcher's checks: no rank was started

@@ -283,8 +283,9 @@ def mistral_chat_tokenizer() -> PreTrainedTokenizerFast:
 def flux2_components(seed: int, variant: str = "klein") -> dict:
     """FLUX.2's component set, shrunk and random: FLUX.2's VAE (8x, its latents' batch-norm statistics), the
     transformer (FLUX2_TINY_TRANSFORMER; without guidance embedding for Klein) and as text encoder Qwen3
-    with Qwen's chat tokenizer ("klein": Flux2KleinPipeline) or Mistral 3 with a Pixtral processor ("dev":
-    Flux2Pipeline; the tokenizer: mistral_chat_tokenizer). The encoders have as many layers as the pipelines read hidden states from (27, 30)."""
+    with Qwen's chat tokenizer ("klein": Flux2KleinPipeline) or Mistral 3 with mistral_chat_tokenizer
+    ("dev": Flux2Pipeline). The encoders have as many layers as the pipelines read hidden states from
+    (27 and 30)."""
     if variant not in ("klein", "dev"):
         raise ValueError(f"variant must be 'klein' or 'dev', got {variant!r}")
     width = FLUX2_TEXT_WIDTH
@@ -338,7 +339,8 @@ def save_flux2(folder: Path, parts: dict) -> None:
     )
     if klein:  # a base (not step-distilled) checkpoint: Flux2KleinPipeline applies classifier-free guidance
         index_path = folder / "model_index.json"
-        index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "is_distilled": False}, indent=2) + "\n")
+        index = {**json.loads(index_path.read_text()), "is_distilled": False}
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def cosmos3_components(seed: int) -> dict:

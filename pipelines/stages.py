@@ -1,0 +1,30 @@
+"""What every pipeline here shares: the three stages' contract, the model's limits and the transformer seam.
+
+A pipeline is encode (rank 0) -> denoise (every rank) -> decode (rank 0). Its denoising loop calls the
+transformer in one place, through `self.transformer`, which engines/ replaces (use_transformer) with a
+context-parallel or compiled module of the same call signature.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipelines.registry import ModelSpec
+from pipelines.requests import MediaLimits, read_limits
+
+
+class StagedPipeline:
+    """Base of the family pipelines (pipelines.flux, .cosmos, .cosmos3, .flux2)."""
+
+    spec: ModelSpec
+    folder: Path
+    transformer: Any
+
+    def limits(self) -> MediaLimits:
+        """What sizes and frame counts this pipeline's checkpoint accepts (from its configs)."""
+        return read_limits(self.spec, self.folder)
+
+    def use_transformer(self, module: Any) -> None:
+        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
+        self.transformer = module
