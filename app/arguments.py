@@ -71,6 +71,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              f"of them +cudagraph (CUDA only), tensorrt (where installed); default {default}")
     parser.add_argument("--engine-cache", "--cache-dir", dest="engine_cache", type=Path, default=None, metavar="DIR",
                         help=f"compiled-engine cache (default ${ENGINE_CACHE_ENV} or ~/.cache/ulysses-studio/engines)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="faster, approximate: the transformer blocks' linear layers as FP8 (e4m3) matrix "
+                             "multiplies with dynamic scales, through torchao; embedders, modulation and the final "
+                             "layer stay in bf16 (docs/fp8.md)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -102,7 +106,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     """The RunOptions of a command line built with add_model_arguments and add_parallel_arguments."""
     return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                       all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
-                      rank_timeout=args.rank_timeout)
+                      rank_timeout=args.rank_timeout, fp8=args.fp8)
 
 
 def backend_label(text: str) -> str:

@@ -123,6 +123,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         rank_processes = _agree_on_startup(ctx, failure)
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
+        if options.fp8:
+            quantize_transformers(distinct)
         plan_label = "none (1 rank)"
         if ctx.is_distributed:
             plan_label = parallelize_pipelines(distinct, ctx, options)
@@ -130,7 +132,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             wrap_one_rank(distinct, ctx)
         engine_label = build_engines(distinct, ctx, options)
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
-        backend += f"{ctx.device.type}, {str(dtype).removeprefix('torch.')}, {engine_label}"
+        precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
+        backend += f"{ctx.device.type}, {precision}, {engine_label}"
 
         service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout,
                                   rank_processes=rank_processes)
@@ -156,6 +159,15 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         if not lost:
             release_engines({id(p): p for p in pipelines.values()}.values())
             shutdown(ctx)
+
+
+def quantize_transformers(pipelines: Iterable) -> None:
+    """--fp8: each transformer's block linears as FP8 GEMMs (engines/fp8.py), on every rank alike (the same
+    weights give the same FP8 weights), before the adapters and engines wrap them."""
+    from engines.fp8 import quantize_fp8
+
+    for pipeline in pipelines:
+        quantize_fp8(pipeline.transformer, family_of(pipeline.spec).repeated_blocks)
 
 
 def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:

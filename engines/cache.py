@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from engines.fp8 import fp8_layers
+
 
 def _describe(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
@@ -50,7 +52,7 @@ def library_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
     }
-    for name in ("triton", "diffusers", "torch_tensorrt", "tensorrt"):
+    for name in ("triton", "diffusers", "torchao", "torch_tensorrt", "tensorrt"):
         try:
             versions[name] = importlib.metadata.version(name.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
@@ -87,6 +89,7 @@ def key_document(module: nn.Module, signature: str, options: Any, rank: int) -> 
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "rank": rank,
         "options": _plain(dataclasses.asdict(options)),
+        "fp8_layers": fp8_layers(model),
         "versions": library_versions(),
     }
 

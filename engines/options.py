@@ -158,6 +158,9 @@ class RunOptions:
     """Engine cache folder; None: engine_cache_dir's default."""
     rank_timeout: float = DEFAULT_RANK_TIMEOUT
     """Seconds a rank waits for the others at an agreement point."""
+    fp8: bool = False
+    """The linear layers of the transformer's repeated blocks run as FP8 GEMMs (engines/fp8.py): faster,
+    approximate."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -1,0 +1,95 @@
+"""FP8 (e4m3) matrix multiplies for a transformer's repeated blocks, through torchao (`--fp8`).
+
+torchao's Float8DynamicActivationFloat8WeightConfig replaces each chosen nn.Linear's weight by a
+Float8Tensor: the weight is quantized once, each call's activation is quantized on the fly, and the
+product runs as one scaled FP8 GEMM (torch._scaled_mm) with the output in the activation's dtype.
+Scales are per row: per output channel of the weight, per token of the activation. torchao takes
+per-row weights from bfloat16 only, so a float32 model's chosen layers (CPU runs) are cast to bfloat16
+first, which keeps more than e4m3 does; their activations and outputs stay float32.
+
+Which layers: the nn.Linear layers inside the family's repeated blocks (attention projections, MLPs,
+FLUX's fused single-stream projections), which hold nearly all of a step's FLOPs. These stay in the
+run's dtype, as every FP8 recipe for DiTs keeps them (xDiT, cache-dit, torchao's own diffusers
+examples): the embedders (patch, text, timestep and guidance), the final norm and output projection
+(outside the blocks) and every modulation layer (AdaLN: any layer under a module named `norm*`, and
+the FLUX.2 / Cosmos 3 shared modulation outside the blocks), whose small errors scale every activation;
+and layers whose sizes FP8 GEMMs cannot take (not multiples of 16).
+
+Nothing here is hand-written FP8 arithmetic: the context-parallel processors call the projections as
+modules or as F.linear on their weights (sliced, for FLUX.1's overlapped single blocks), which
+Float8Tensor dispatches, and compiled engines trace it as a tensor subclass. torchao refuses to
+quantize unless a GPU with FP8 GEMMs (CUDA compute capability 8.9+, MI300, XPU) is present; torch
+2.13's _scaled_mm also runs float8 on CPUs, so for CPU models that check is skipped and the CPU tests
+run the same code path as the GPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+FP8_MULTIPLE = 16
+"""FP8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of this."""
+
+
+def fp8_linear_names(model: nn.Module, repeated_blocks: Iterable[str]) -> list[str]:
+    """The qualified names of the nn.Linear layers `quantize_fp8` converts: in the repeated blocks, not
+    under a norm (modulation), sizes FP8 GEMMs take."""
+    prefixes = tuple(f"{name}." for name in repeated_blocks)
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not name.startswith(prefixes):
+            continue
+        if any(part.startswith("norm") for part in name.split(".")):
+            continue
+        if module.in_features % FP8_MULTIPLE or module.out_features % FP8_MULTIPLE:
+            continue
+        names.append(name)
+    return names
+
+
+def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
+    """Convert `model`'s block linears (fp8_linear_names) to FP8 in place; returns how many."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    chosen = set(fp8_linear_names(model, repeated_blocks))
+    if not chosen:
+        return 0
+    for name in chosen:
+        model.get_submodule(name).to(torch.bfloat16)
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    with _cpu_allowed(next(model.parameters()).device):
+        quantize_(model, config, filter_fn=lambda module, name: name in chosen)
+    return len(chosen)
+
+
+def fp8_layers(model: nn.Module) -> int:
+    """How many of `model`'s weights are FP8 (0 for a model run in its own dtype)."""
+    if "torchao" not in sys.modules:  # nothing was quantized; torchao's import costs seconds
+        return 0
+    from torchao.quantization import Float8Tensor
+
+    return sum(isinstance(p, Float8Tensor) for p in model.parameters())
+
+
+class _cpu_allowed:
+    """Within: torchao's hardware check passes for CPU models (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = device.type == "cpu"
+
+    def __enter__(self) -> None:
+        if self.cpu:
+            import torchao.quantization.quant_api as quant_api
+
+            self._check = quant_api._check_hardware_support
+            quant_api._check_hardware_support = lambda granularity: None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cpu:
+            import torchao.quantization.quant_api as quant_api
+
+            quant_api._check_hardware_support = self._check
