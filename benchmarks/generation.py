@@ -383,16 +383,22 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         heads = pipeline.transformer_config.num_attention_heads
         plans = our_plans(ctx, heads, args.strategies, args.cfg)
         modes += [(mode_label(plan, args.all_to_all), plan) for plan in plans]
-        for mode, plan in modes:
-            for backend in args.backends:
-                rows.append(measure_mode(spec.name, mode, plan, backend, ctx=ctx, timer=timer, model=model,
-                                         request=request, args=args))
-                if ctx.is_main:
-                    r = rows[-1]
-                    print(f"[bench_e2e] {r['model']} {mode} [{backend}] {r['shape']} x{r['steps']} steps: "
-                          + (f"{r['total_s']:.2f} s" if r["total_s"] else "-")
-                          + (f" ERROR {r['error']}" if r["error"] else ""), file=sys.stderr, flush=True)
-                    save(rows)
+        for precision in ["bf16", "fp8"] if args.fp8 else ["bf16"]:
+            if precision == "fp8":  # the same weights, the blocks' linears made FP8 in place (engines/fp8.py)
+                from engines.fp8 import quantize_fp8
+
+                quantize_fp8(model, family_of(spec).repeated_blocks)
+            for mode, plan in modes:
+                for backend in args.backends:
+                    label = mode if precision == "bf16" else f"{mode} fp8"
+                    rows.append(measure_mode(spec.name, label, plan, backend, ctx=ctx, timer=timer, model=model,
+                                             request=request, args=args))
+                    if ctx.is_main:
+                        r = rows[-1]
+                        print(f"[bench_e2e] {r['model']} {label} [{backend}] {r['shape']} x{r['steps']} steps: "
+                              + (f"{r['total_s']:.2f} s" if r["total_s"] else "-")
+                              + (f" ERROR {r['error']}" if r["error"] else ""), file=sys.stderr, flush=True)
+                        save(rows)
         del pipeline, model, timer
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -431,6 +437,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "~/.cache/ulysses-studio/engines)")
     p.add_argument("--rank-timeout", type=float, default=600.0,
                    help="seconds a rank waits for the others at an agreement point (default 600)")
+    p.add_argument("--fp8", action="store_true",
+                   help="after the bf16 rows, every mode again with the blocks' linears as FP8 (engines/fp8.py)")
     p.add_argument("--tiny", action="store_true", help="embedded tiny models' configs, float32, CPU gloo ranks")
     p.add_argument("--media-dir", type=Path, default=None,
                    help="save each mode's last image or frames here as .npy (rank 0)")

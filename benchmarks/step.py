@@ -318,6 +318,10 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # xDiT's process groups) and are the likeliest to fail.
     for name in args.peers:
         measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
+    # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU, every
+    # backend; each row carries the relative error of the FP8 eager output against the bf16 eager one.
+    if args.fp8:
+        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows)
     del model
     # The model is also held in reference cycles (diffusers' parallelism hooks, compiled wrappers):
     # without a collection the next model's rows counted this one's weights in their peak memory
@@ -326,6 +330,40 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def first_output(forward: Callable[..., Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The first tensor `forward(**kwargs)` returns (the model's sample)."""
+    with torch.no_grad():
+        out = forward(**kwargs)
+    return next(leaf for leaf in torch.utils._pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor))
+
+
+def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], inputs: dict[str, dict[str, Any]],
+                backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None],
+                rows: list[dict[str, Any]]) -> None:
+    """FP8 rows on rank 0's GPU: quantize `model` in place, time each backend, note the relative error
+    ||fp8 - bf16|| / ||bf16|| of one eager call's output against the unquantized model's."""
+    from engines.fp8 import quantize_fp8
+
+    errors: dict[str, float] = {}
+    if ctx.is_main:
+        single = single_process_forward(spec, model, ctx.device)
+        reference = {s.label: first_output(single, inputs[s.label]).float() for s in shapes}
+        single.restore()
+    layers = quantize_fp8(model, spec.family.repeated_blocks)
+    single = single_process_forward(spec, model, ctx.device) if ctx.is_main else None
+    if single is not None:
+        for s in shapes:
+            out = first_output(single, inputs[s.label]).float()
+            errors[s.label] = float((out - reference[s.label]).norm() / reference[s.label].norm())
+    for options in backends:
+        for shape in shapes:
+            record("1 GPU fp8", shape, 1, single, None, options, note=f"{layers} FP8 linears")
+            if ctx.is_main:
+                rows[-1]["rel_error"] = errors[shape.label]
+    if single is not None:
+        single.restore()
 
 
 def agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
@@ -404,7 +442,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mfu = f"{r['mfu']:.0%}" if r["mfu"] else "-"
         lines.append(f"{r['model']:<11} {r['mode']:<34} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
-                     f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else ""))
+                     f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else "")
+                     + (f"  rel. error {r['rel_error']:.4f}" if r.get("rel_error") is not None else ""))
     return "\n".join(lines)
 
 
@@ -459,6 +498,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="eager",
                    help="comma-separated engine labels (engines.options.EngineOptions): eager, inductor, "
                         "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
+    p.add_argument("--fp8", action="store_true",
+                   help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
+                        "and time 1 GPU again with every backend; rows carry the output's relative error")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
