@@ -15,6 +15,7 @@ from torch import nn
 
 from engines.attention import GatherAttention, context_parallel_attention
 from engines.collectives import linear_after
+from engines.fp8 import is_fp8
 from engines.mesh import ParallelMesh
 from engines.plan import ParallelPlan
 from engines.sharding import ShardLayout
@@ -71,7 +72,10 @@ def _projected_after(
     after: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """proj(hidden_states) and encoder_proj(encoder_hidden_states) of a double-stream block, both
-    ordered after the op that produced `after` (collectives.linear_after)."""
+    ordered after the op that produced `after` (collectives.linear_after). FP8 weights (--fp8) are called as
+    modules: a tensor subclass cannot pass through the custom op, so there the order is inductor's."""
+    if is_fp8(proj.weight) or is_fp8(encoder_proj.weight):
+        return proj(hidden_states), encoder_proj(encoder_hidden_states)
     return (linear_after(hidden_states, proj.weight, proj.bias, after),
             linear_after(encoder_hidden_states, encoder_proj.weight, encoder_proj.bias, after))
 

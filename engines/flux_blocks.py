@@ -10,7 +10,8 @@ from diffusers.models.transformers.transformer_flux import FluxSingleTransformer
 from torch import nn
 
 from engines.attention import GatherAttention, RingAttention, UlyssesAttention
-from engines.flux_attention import query_key_value, gathers_kv
+from engines.flux_attention import gathers_kv, query_key_value
+from engines.fp8 import is_fp8
 from engines.mesh import ParallelMesh
 
 
@@ -76,14 +77,21 @@ class OverlappedSingleBlock(nn.Module):
         mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
         weight = block.proj_out.weight
         width = weight.shape[1] - block.mlp_hidden_dim  # attention output width
-        if isinstance(split, UlyssesAttention):  # its second all-to-all travels under the MLP's proj_out share
+        if is_fp8(weight):
+            # FP8 (--fp8): proj_out runs whole, as in diffusers' block. Its activation is quantized with one
+            # scale per token over [attention, MLP]; the two shares quantized apart would round differently
+            # from one process (2 gloo ranks: 23 levels off after 3 steps of tiny-flux).
+            attention = split.finish(split.attend(pending)).flatten(2, 3).to(query.dtype)
+            out = block.proj_out(torch.cat([attention, mlp], dim=2))
+        elif isinstance(split, UlyssesAttention):  # its second all-to-all travels under the MLP's proj_out share
             pending = split.attend(pending)
             out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
         else:  # ring, allgather: no exchange after the attention; K/V get the MLP's proj_out share too
             out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
             pending = split.attend(pending)
-        attention = split.finish(pending).flatten(2, 3).to(query.dtype)
-        out = out + F.linear(attention, weight[:, :width])
+        if not is_fp8(weight):
+            attention = split.finish(pending).flatten(2, 3).to(query.dtype)
+            out = out + F.linear(attention, weight[:, :width])
 
         hidden_states = hidden_states + gate.unsqueeze(1) * out
         if hidden_states.dtype == torch.float16:

@@ -16,8 +16,9 @@ the FLUX.2 / Cosmos 3 shared modulation outside the blocks), whose small errors 
 and layers whose sizes FP8 GEMMs cannot take (not multiples of 16).
 
 Nothing here is hand-written FP8 arithmetic: the context-parallel processors call the projections as
-modules or as F.linear on their weights (sliced, for FLUX.1's overlapped single blocks), which
-Float8Tensor dispatches, and compiled engines trace it as a tensor subclass. torchao refuses to
+modules or as F.linear on their weights, which Float8Tensor dispatches, and compiled engines trace it as
+a tensor subclass. An FP8 projection is never split by input columns (FLUX.1's overlapped single blocks
+run proj_out whole under FP8): each token's activation scale covers its whole row, as in one process. torchao refuses to
 quantize unless a GPU with FP8 GEMMs (CUDA compute capability 8.9+, MI300, XPU) is present; torch
 2.13's _scaled_mm also runs float8 on CPUs, so for CPU models that check is skipped and the CPU tests
 run the same code path as the GPUs.
@@ -66,13 +67,20 @@ def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
     return len(chosen)
 
 
+def is_fp8(weight: torch.Tensor) -> bool:
+    """Whether `weight` is an FP8 weight made by quantize_fp8."""
+    if "torchao" not in sys.modules:
+        return False
+    from torchao.quantization import Float8Tensor
+
+    return isinstance(weight, Float8Tensor)
+
+
 def fp8_layers(model: nn.Module) -> int:
     """How many of `model`'s weights are FP8 (0 for a model run in its own dtype)."""
     if "torchao" not in sys.modules:  # nothing was quantized; torchao's import costs seconds
         return 0
-    from torchao.quantization import Float8Tensor
-
-    return sum(isinstance(p, Float8Tensor) for p in model.parameters())
+    return sum(is_fp8(p) for p in model.parameters())
 
 
 class _cpu_allowed:

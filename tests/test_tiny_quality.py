@@ -41,6 +41,16 @@ def test_tiny_flux_draws_the_asked_colour_and_shape(one_process_images):
     assert colour >= 0.9 and shape >= 0.8, f"colour {colour:.0%} (need 90%), shape {shape:.0%} (need 80%)\n{table}"
 
 
+def test_tiny_flux_keeps_its_scores_with_fp8(one_process_images):
+    """--fp8 (engines/fp8.py): the held-out colour and shape scores within one prompt of float32's."""
+    colour, shape, _ = _scores(one_process_images)
+    fp8_colour, fp8_shape, table = _scores(generate("tiny-flux", default_folder(get_spec("tiny-flux")), PROMPTS,
+                                                    fp8=True))
+    one = 1 / len(PROMPTS) + 1e-9
+    assert abs(fp8_colour - colour) <= one and abs(fp8_shape - shape) <= one, (
+        f"fp8: colour {fp8_colour:.0%} shape {fp8_shape:.0%}; float32: colour {colour:.0%} shape {shape:.0%}\n{table}")
+
+
 def test_tiny_flux_draws_the_same_on_two_ranks(one_process_images, tmp_path: Path):
     prompts = tmp_path / "held-out.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "seed": i, "name": f"p{i:02d}"}) + "\n"

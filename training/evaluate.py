@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.factory import load_pipeline
-from pipelines.registry import get_spec
+from pipelines.registry import family_of, get_spec
 from pipelines.requests import make_request, read_limits
 from training import judge, shapes
 
@@ -29,11 +29,17 @@ class Scores:
     """(prompt, what the judges saw) per prompt."""
 
 
-def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device: str = "cpu") -> list[np.ndarray]:
+def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device: str = "cpu",
+             fp8: bool = False) -> list[np.ndarray]:
     """What model `name` (a registry name) in `folder` makes for each of `prompts` (the prompt text first
-    in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3]."""
+    in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3].
+    fp8: the transformer blocks' linears as FP8, as `--fp8` runs them (engines/fp8.py)."""
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
+    if fp8:
+        from engines.fp8 import quantize_fp8
+
+        quantize_fp8(pipe.transformer, family_of(spec).repeated_blocks)
     limits = read_limits(spec, folder)
     return [np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i)))
             for i, prompt in enumerate(prompts)]

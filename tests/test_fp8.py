@@ -1,0 +1,132 @@
+"""--fp8 (engines/fp8.py): which layers become FP8, FP8 runs at 2 and 4 gloo ranks equal to one FP8 process,
+a compiled FP8 engine equal to the eager one, and FP8 in the engine cache's key.
+
+(The embedded tiny-flux keeps its held-out scores with --fp8: tests/test_tiny_quality.py.)
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.registry import resolve_model
+from pipelines.requests import make_request, read_limits
+from tests.helpers import join_ranks, spawn_ranks
+
+PROMPT = "a big red star in the center on a white background"
+
+
+def _layers(cls, config: dict, blocks: tuple[str, ...]) -> tuple[set[str], set[str]]:
+    """(FP8 layer patterns, kept block-linear patterns) of a model, block indexes as N."""
+    import torch
+
+    from engines.fp8 import fp8_linear_names
+
+    with torch.device("meta"):
+        model = cls(**config)
+    chosen = set(fp8_linear_names(model, blocks))
+    inside = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(blocks)}
+    pattern = lambda names: {re.sub(r"\.\d+\.", ".N.", n) for n in names}  # noqa: E731
+    return pattern(chosen), pattern(inside - chosen)
+
+
+def test_block_linears_become_fp8_and_modulation_stays() -> None:
+    from diffusers import CosmosTransformer3DModel, Flux2Transformer2DModel, FluxTransformer2DModel
+
+    from pipelines.families import FLUX_DEV, FLUX2, _cosmos_predict2
+
+    fp8, kept = _layers(FluxTransformer2DModel, FLUX_DEV.transformer, ("transformer_blocks", "single_transformer_blocks"))
+    assert {"transformer_blocks.N.attn.to_q", "transformer_blocks.N.ff.net.2", "single_transformer_blocks.N.proj_out",
+            "single_transformer_blocks.N.proj_mlp"} <= fp8
+    assert kept == {"transformer_blocks.N.norm1.linear", "transformer_blocks.N.norm1_context.linear",
+                    "single_transformer_blocks.N.norm.linear"}  # AdaLN modulation
+    fp8, kept = _layers(CosmosTransformer3DModel, _cosmos_predict2(num_attention_heads=16, num_layers=2).transformer,
+                        ("transformer_blocks",))
+    assert {"transformer_blocks.N.attn1.to_q", "transformer_blocks.N.attn2.to_k", "transformer_blocks.N.ff.net.2"} <= fp8
+    assert kept and all(".norm" in name for name in kept)  # AdaLN-LoRA modulation
+    dev = next(m for m in FLUX2.models if m.name == "flux2-dev").architecture.transformer
+    fp8, kept = _layers(Flux2Transformer2DModel, {**dev, "num_layers": 1, "num_single_layers": 1},
+                        ("transformer_blocks", "single_transformer_blocks"))
+    assert "single_transformer_blocks.N.attn.to_qkv_mlp_proj" in fp8 and not kept  # modulation is outside the blocks
+
+
+def _request(name: str = "tiny-flux"):
+    spec, path = resolve_model(name, None)
+    return spec, path, make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=3, steps=3, height=64,
+                                    width=96)
+
+
+def _run(options: dict) -> np.ndarray | None:
+    """One request through the app's runtime with --fp8 and `options`; the image on rank 0, None elsewhere."""
+    from app.runtime import start_runtime
+    from engines.options import RunOptions
+
+    spec, path, req = _request()
+    with start_runtime([(spec, path)], RunOptions(device="cpu", rank_timeout=120, fp8=True, **options),
+                       stop=threading.Event()) as runtime:
+        assert "fp8" in runtime.backend
+        if not runtime.is_main:
+            runtime.service.follow()
+            return None
+        return np.asarray(runtime.service.run("image", req).result)
+
+
+def _rank(rank: int, world_size: int, port: int, strategy: str, out: str) -> None:
+    join_ranks(rank, world_size, port)
+    image = _run(dict(strategy=strategy))
+    if image is not None:
+        np.save(out, image)
+
+
+def _assert_within_fp8_noise(image: np.ndarray, reference: np.ndarray, what: str) -> None:
+    """`image` equals `reference` up to FP8's own rounding noise.
+
+    Rounding to e4m3 is a step function: float32 differences in the last bits (another reduction order on
+    several ranks or in a compiled graph) flip some roundings, and a flipped rounding moves a value by up to
+    1/16. Measured on this request, three draws each: one FP8 process whose transformer input moves by 1e-6
+    (relative, random) differs from itself by 0.35-0.40 levels on average and 6-8 at the 99th percentile
+    (without FP8: 0.00 and 0); by 1e-5, 0.55-1.01 and 10-19. The bound is that noise; a wrong shard or
+    scale is off by tens of levels on average.
+    """
+    difference = np.abs(image.astype(np.int16) - reference.astype(np.int16))
+    mean, p99 = difference.mean(), np.percentile(difference, 99)
+    print(f"{what}: {mean:.2f} levels on average, {p99:.0f} at the 99th percentile, {difference.max()} at most")
+    assert mean <= 1.0 and p99 <= 16, (f"{what} differ from one eager FP8 process by {mean:.2f} levels on average, "
+                                      f"{p99:.0f} at the 99th percentile")
+
+
+@pytest.fixture(scope="module")
+def one_process() -> np.ndarray:
+    return _run({})
+
+
+@pytest.mark.parametrize(("world_size", "strategy"), [(2, "ulysses"), (4, "allgather")])
+def test_fp8_ranks_equal_one_fp8_process(one_process: np.ndarray, world_size: int, strategy: str,
+                                         tmp_path: Path) -> None:
+    out = tmp_path / "ranks.npy"
+    spawn_ranks(_rank, world_size, strategy, str(out))
+    _assert_within_fp8_noise(np.load(out), one_process, f"{world_size} FP8 ranks")
+
+
+def test_compiled_fp8_engine_equals_eager_and_has_its_own_cache_key(one_process: np.ndarray, tmp_path: Path) -> None:
+    import torch
+
+    from engines.cache import key_document
+    from engines.fp8 import quantize_fp8
+    from engines.options import EngineOptions
+    from pipelines.factory import load_pipeline
+
+    compiled = _run(dict(backend="inductor-blocks", engine_cache=tmp_path))
+    _assert_within_fp8_noise(compiled, one_process, "a compiled FP8 engine")
+
+    spec, path, _ = _request()
+    model = load_pipeline(spec, path, with_encoders=False).transformer
+    module = type("Module", (), {"model": model, "device": torch.device("cpu"), "dtype": torch.float32})()
+    plain = key_document(module, "signature", EngineOptions.parse("inductor-blocks"), 0)
+    quantize_fp8(model, ("transformer_blocks", "single_transformer_blocks"))
+    quantized = key_document(module, "signature", EngineOptions.parse("inductor-blocks"), 0)
+    assert plain["fp8_layers"] == 0 and quantized["fp8_layers"] > 0
