@@ -10,8 +10,10 @@ from engines.options import (
     DEFAULT_STRATEGY,
     DEFAULT_TRANSPORT,
     ENGINE_CACHE_ENV,
+    CACHES,
     STRATEGIES,
     TRANSPORTS,
+    CacheOptions,
     EngineOptions,
     RunOptions,
 )
@@ -74,7 +76,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
     parser.add_argument("--fp8", action="store_true",
                         help="faster, approximate: the transformer blocks' linear layers as FP8 (e4m3) matrix "
                              "multiplies with dynamic scales, through torchao; embedders, modulation and the final "
-                             "layer stay in bf16 (docs/fp8.md)")
+                             "layer stay in bf16 (docs/faster.md)")
+    parser.add_argument("--cache", default=None, type=cache_label, metavar="fbcache[:THRESHOLD]",
+                        help="faster, approximate: a step whose first transformer block changed by less than "
+                             f"THRESHOLD (default {CACHES['fbcache']:g}) since the last computed step reuses the "
+                             "other blocks' result; all ranks decide together, the first and last steps always "
+                             "run (docs/faster.md)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -106,7 +113,16 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     """The RunOptions of a command line built with add_model_arguments and add_parallel_arguments."""
     return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                       all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
-                      rank_timeout=args.rank_timeout, fp8=args.fp8)
+                      rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache)
+
+
+def cache_label(text: str) -> str:
+    """argparse type of --cache: a valid step cache label, or a usage error saying what is wrong."""
+    try:
+        CacheOptions.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def backend_label(text: str) -> str:

@@ -147,12 +147,13 @@ def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
                 bar.update()
                 continue
             partial = plan.out_dir / f".partial-{task.file}"
-            write_result(generation.result, partial, task.request, plan.spec)
+            write_result(generation.result, partial, task.request, plan.spec, generation.computed_steps)
             os.replace(partial, plan.out_dir / task.file)
             manifest.append({
                 "line": task.line, "file": task.file, "prompts": str(plan.prompts),
                 "settings": settings_of(task.request, plan.spec), "seconds": round(generation.seconds, 3),
-                "step_seconds": round(generation.step_seconds, 4), "ranks": runtime.world_size,
+                "step_seconds": round(generation.step_seconds, 4), "computed_steps": generation.computed_steps,
+                "ranks": runtime.world_size,
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             })
             written += 1

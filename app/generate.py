@@ -57,7 +57,9 @@ def run_generate(args: argparse.Namespace) -> int:
             except JobCancelled:
                 print("interrupted", file=sys.stderr)
                 return 130
-        write_result(generation.result, job.out, job.request, job.spec)
+        write_result(generation.result, job.out, job.request, job.spec, generation.computed_steps)
     if not quiet:
-        print(f"wrote {job.out} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+        cached = "" if generation.computed_steps is None else (
+            f"; {generation.computed_steps} of {job.request.steps} steps computed, the rest from the step cache")
+        print(f"wrote {job.out} ({time.perf_counter() - started:.1f} s{cached})", file=sys.stderr)
     return 0

@@ -80,6 +80,8 @@ class Generation:
     """Wall time of the whole request (encode, denoise, decode)."""
     step_seconds: float
     """Mean wall time of one denoising step, agreement included."""
+    computed_steps: int | None = None
+    """Steps whose transformer blocks all ran (the others reused the step cache's); None without --cache."""
 
 
 def _short(error: BaseException) -> str:
@@ -127,6 +129,8 @@ class LockstepService:
         self.heartbeat_seconds = heartbeat_seconds
         self.rank_processes = dict(rank_processes or {})
         self.last_step_seconds: float | None = None
+        self.last_computed_steps: tuple[int, int] | None = None
+        """(steps computed, steps) of the last request run with a step cache."""
         self._jobs = 0
         self._last_contact = time.monotonic()
         self._stopped = False
@@ -148,6 +152,8 @@ class LockstepService:
         self._broadcast(message)
         generation = self._execute(message, on_step, should_stop)
         self.last_step_seconds = generation.step_seconds
+        self.last_computed_steps = None if generation.computed_steps is None else (generation.computed_steps,
+                                                                                   request.steps)
         return generation
 
     def keep_alive(self) -> None:
@@ -248,7 +254,8 @@ class LockstepService:
         if not self.ctx.is_main:
             return None
         return Generation(result=result, model=message.model, request=request,
-                          seconds=time.perf_counter() - started, step_seconds=step_seconds)
+                          seconds=time.perf_counter() - started, step_seconds=step_seconds,
+                          computed_steps=pipeline.computed_steps())
 
     def _agree(self, failure: str | None, cancelled: str | None = None) -> None:
         """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop (the

@@ -41,9 +41,12 @@ def check_output_path(path: str | Path, spec: ModelSpec) -> Path:
     return path
 
 
-def settings_of(request: GenerationRequest, spec: ModelSpec) -> dict[str, Any]:
-    """What a result file records about how it was made."""
+def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None) -> dict[str, Any]:
+    """What a result file records about how it was made; `computed_steps`: of a request run with a step cache,
+    the steps whose transformer blocks all ran (the others reused the cache)."""
     settings = {"model": spec.name, **request.to_dict()}
+    if computed_steps is not None:
+        settings["computed_steps"] = computed_steps
     if request.condition is not None:  # the input by its name: where it was kept is no business of the file's
         settings["condition"] = Path(request.condition).name
     if spec.media == "image":
@@ -52,13 +55,15 @@ def settings_of(request: GenerationRequest, spec: ModelSpec) -> dict[str, Any]:
     return settings
 
 
-def write_result(result: Any, path: Path, request: GenerationRequest, spec: ModelSpec) -> Path:
-    """Write a pipeline result (PIL image or uint8 frames) to `path` as PNG or MP4."""
+def write_result(result: Any, path: Path, request: GenerationRequest, spec: ModelSpec,
+                 computed_steps: int | None = None) -> Path:
+    """Write a pipeline result (PIL image or uint8 frames) to `path` as PNG or MP4, with its settings."""
     from pipelines.media import save_mp4, save_png
 
+    settings = settings_of(request, spec, computed_steps)
     if spec.media == "image":
-        return save_png(result, path, settings_of(request, spec))
-    return save_mp4(result, path, request.fps)
+        return save_png(result, path, settings)
+    return save_mp4(result, path, request.fps, settings)
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,10 @@ class ResultsFolder:
         self.cap = cap
         self._lock = threading.Lock()
 
-    def write(self, result: Any, request: GenerationRequest, spec: ModelSpec) -> Path:
-        """Write a result under a new name, then hold the folder to its cap."""
+    def write(self, result: Any, request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None) -> Path:
+        """Write a result under a new name (write_result), then hold the folder to its cap."""
         name = f"{spec.media}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"
-        path = write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec)
+        path = write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec, computed_steps)
         self.prune(keep=path)
         return path
 

@@ -53,12 +53,14 @@ class Runtime:
     backend: str
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
 
-    def describe(self, last_step_seconds: float | None = None) -> str:
-        """Status line: models, ranks, plan, backend and (if known) the last request's step time."""
+    def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None) -> str:
+        """Status line: models, ranks, plan, backend and (if known) the last request's step time and, with a
+        step cache, how many of its steps were computed."""
         models = ", ".join(f"{m.spec.name} ({m.spec.media})" for m in self.models.values())
         step = "—" if last_step_seconds is None else f"{last_step_seconds * 1000:.0f} ms"
+        computed = "" if computed_steps is None else f", {computed_steps[0]} of {computed_steps[1]} steps computed"
         return (f"model {models} · {self.world_size} rank{'s' if self.world_size > 1 else ''} · "
-                f"plan {self.plan} · backend {self.backend} · last request {step}/step")
+                f"plan {self.plan} · backend {self.backend} · last request {step}/step{computed}")
 
 
 def usable_cores() -> int:
@@ -131,6 +133,9 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         else:
             wrap_one_rank(distinct, ctx)
         engine_label = build_engines(distinct, ctx, options)
+        if options.cache is not None:
+            install_step_caches(distinct, ctx, options)
+            engine_label += f", cache {options.step_cache.label}"
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
         backend += f"{ctx.device.type}, {precision}, {engine_label}"
@@ -225,6 +230,20 @@ def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
     return engine.label
 
 
+def install_step_caches(pipelines: Iterable, ctx, options: RunOptions) -> None:
+    """--cache: a step cache on each pipeline's transformer, deciding over all ranks (engines/step_cache.py)."""
+    import torch.distributed as dist
+
+    from engines.step_cache import install_step_cache
+
+    for pipeline in pipelines:
+        family = family_of(pipeline.spec)
+        pipeline.step_cache = install_step_cache(
+            pipeline.transformer, options.step_cache, block_lists=family.repeated_blocks,
+            outputs=family.block_outputs, stream=family.cache_stream,
+            group=dist.group.WORLD if ctx.is_distributed else None)
+
+
 def release_engines(pipelines: Iterable) -> None:
     """Drop the engines' CUDA graphs before the process group is destroyed (engines.distributed.shutdown).
 
@@ -236,6 +255,8 @@ def release_engines(pipelines: Iterable) -> None:
     from engines.compile import Engine
 
     for pipeline in pipelines:
+        if pipeline.step_cache is not None:  # its wrappers hold the compiled blocks: out first
+            pipeline.step_cache.remove()
         if isinstance(pipeline.transformer, Engine):
             pipeline.transformer.release()
 

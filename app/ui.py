@@ -65,7 +65,7 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
     """The page for `runtime`'s models."""
 
     def status() -> str:
-        return runtime.describe(runtime.service.last_step_seconds)
+        return runtime.describe(runtime.service.last_step_seconds, runtime.service.last_computed_steps)
 
     jobs = server.jobs
     # Gradio's cache holds uploads and a copy of every result it served: every half hour, files older than an
@@ -311,8 +311,9 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     relay = _Progress(progress, request.steps, earlier[0].settings["step_seconds"] if earlier else None)
     generation = await _wait(job, relay)
     relay.writing()
-    path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec)
-    settings = settings_of(request, model.spec)
+    path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec,
+                                   generation.computed_steps)
+    settings = settings_of(request, model.spec, generation.computed_steps)
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
     server.recent.add(model.key, path, settings)
     return path, settings

@@ -164,8 +164,10 @@ class ParallelCosmos(ParallelTransformer):
         # --- sharding: tokens and every per-token tensor, along the same layout ---
         num_tokens = hidden_states.shape[1]
         rotary: tuple[torch.Tensor, torch.Tensor] | ShardedRotary = (rope_cos, rope_sin)
+        self.real_tokens = None
         if plan.seq_degree > 1:
             layout = ShardLayout(lengths=(num_tokens,), degree=plan.seq_degree)
+            self.real_tokens = (1, layout.valid(VIDEO, mesh.seq_rank))
 
             def shard(x: torch.Tensor, dim: int) -> torch.Tensor:
                 return shard_tokens(x, layout, segment=VIDEO, shard=mesh.seq_rank, dim=dim)

@@ -37,6 +37,7 @@ The split:
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -198,6 +199,7 @@ class ParallelCosmos3(ParallelTransformer):
             return und_seq, gen_seq, rotary_emb
         self._gen_length = gen_seq.shape[0]
         layout = ShardLayout(lengths=(self._gen_length,), degree=mesh.plan.seq_degree)
+        self.real_tokens = (0, layout.valid(GEN, mesh.seq_rank))
 
         def shard(x: torch.Tensor) -> torch.Tensor:
             return shard_tokens(x, layout, segment=GEN, shard=mesh.seq_rank, dim=0)
@@ -225,7 +227,9 @@ class ParallelCosmos3(ParallelTransformer):
             return [call(**kwargs, return_dict=False)[0] for kwargs in passes]
         if len(passes) != cfg:
             raise ValueError(f"the CFG axis has {cfg} rank groups for {len(passes)} guidance passes")
-        mine = call(**passes[self.mesh.cfg_rank], return_dict=False)[0]
+        branch = self.step_cache.branch(self.mesh.cfg_rank) if self.step_cache is not None else nullcontext()
+        with branch:
+            mine = call(**passes[self.mesh.cfg_rank], return_dict=False)[0]
         gathered = [all_gather(x.unsqueeze(0), 0, self.mesh.cfg_group, cfg) for x in mine]
         return [[g[i] for g in gathered] for i in range(cfg)]
 

@@ -94,6 +94,7 @@ class ParallelFlux(ParallelTransformer):
             hidden_states, encoder_hidden_states, img_ids, txt_ids, mesh)
         if layout is not None:
             attention_kwargs["cp_layout"] = layout
+        self.real_tokens = None if layout is None else (1, layout.valid(IMAGE, mesh.seq_rank))
 
         output = self._blocks_forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids,
                                       txt_ids, guidance, attention_kwargs or None)

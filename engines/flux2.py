@@ -36,7 +36,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 from torch import nn
 
 from engines.attention import context_parallel_attention
-from engines.flux import shard_joint_tokens
+from engines.flux import IMAGE, shard_joint_tokens
 from engines.flux_attention import FluxContextParallelProcessor
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
@@ -104,6 +104,7 @@ class ParallelFlux2(ParallelTransformer):
         attention_kwargs = dict(joint_attention_kwargs or {})
         if layout is not None:
             attention_kwargs["cp_layout"] = layout
+        self.real_tokens = None if layout is None else (1, layout.valid(IMAGE, mesh.seq_rank))
 
         output = self._blocks_forward(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
                                       attention_kwargs or None)

@@ -138,6 +138,45 @@ class EngineOptions:
                    overlap="overlap" in flags)
 
 
+CACHES = {"fbcache": 0.08}
+"""Step caches (engines.step_cache) and their default thresholds. fbcache: first-block cache; 0.08 is
+ParaAttention's and cache-dit's FLUX default (diffusers' hook defaults to 0.05)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CacheOptions:
+    """A step cache and its threshold (engines.step_cache); written as "fbcache" or "fbcache:0.12"."""
+
+    name: str = "fbcache"
+    """One of CACHES."""
+    threshold: float = CACHES["fbcache"]
+    """A step reuses the cached blocks when its first block's residual changed by less than this
+    (relative): higher skips more steps and strays further from the full computation."""
+
+    def __post_init__(self) -> None:
+        if self.name not in CACHES:
+            raise ValueError(f"unknown step cache {self.name!r}; choose one of {', '.join(CACHES)}")
+        if not self.threshold > 0:
+            raise ValueError(f"a step cache threshold is a relative change above 0, got {self.threshold}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.threshold:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> CacheOptions:
+        """Inverse of `label`; the threshold may be left out (the cache's default)."""
+        name, _, threshold = text.partition(":")
+        if name not in CACHES:
+            raise ValueError(f"unknown step cache {name!r}; choose one of {', '.join(CACHES)}")
+        try:
+            return cls(name=name, threshold=float(threshold) if threshold else CACHES[name])
+        except ValueError as error:
+            if threshold and not threshold.replace(".", "", 1).isdigit():
+                raise ValueError(f"{text!r}: the threshold after ':' must be a number, e.g. {name}:0.1") from error
+            raise
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RunOptions:
     """How a run spreads its models over the ranks and turns their transformers into engines: the
@@ -161,6 +200,9 @@ class RunOptions:
     fp8: bool = False
     """The linear layers of the transformer's repeated blocks run as FP8 GEMMs (engines/fp8.py): faster,
     approximate."""
+    cache: str | None = None
+    """A CacheOptions label ("fbcache", "fbcache:0.12"): steps whose first block barely changed skip the
+    other blocks (engines/step_cache.py): faster, approximate. None: every step computed."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -171,6 +213,17 @@ class RunOptions:
             EngineOptions.parse(self.backend)
         if not self.rank_timeout > 0:
             raise ValueError(f"rank timeout must be positive, got {self.rank_timeout}")
+        if self.cache is not None:
+            CacheOptions.parse(self.cache)
+            engine = EngineOptions.parse(self.backend) if self.backend else None
+            if engine is not None and (engine.scope == "whole" and engine.backend != "eager" or engine.cuda_graph):
+                raise ValueError(f"--cache decides between steps outside the compiled graphs, so it needs the block "
+                                 f"loop outside them: use --backend eager or inductor-blocks, not {engine.label}")
+
+    @property
+    def step_cache(self) -> CacheOptions | None:
+        """The step cache in effect, or None."""
+        return CacheOptions.parse(self.cache) if self.cache is not None else None
 
     def engine(self, device_type: str) -> EngineOptions:
         """The engine this run builds on a `device_type` ("cuda" or "cpu") rank."""

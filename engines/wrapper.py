@@ -23,6 +23,13 @@ class ParallelTransformer(nn.Module):
         self.model = model
         self.mesh = mesh
         self._replaced = replaced
+        self.real_tokens: tuple[int, int] | None = None
+        """(dim, count) of the real tokens in the blocks' main stream (FLUX's image, Cosmos' video, Cosmos 3's
+        gen) on this rank during the current call; the rest of the shard is padding. None: no padding.
+        The step cache (engines.step_cache) measures only these."""
+        self.step_cache: Any = None
+        """The model's step cache (engines.step_cache), if one is installed; a wrapper that runs one guidance
+        branch per rank group (engines.cosmos3) tells it which."""
 
     @property
     def config(self) -> Any:

@@ -207,13 +207,14 @@ class CosmosPipeline(StagedPipeline):
                 timestep = indicator * t_conditioning + (1 - indicator) * timestep
             else:
                 timestep = current_t.expand(1)
-            out = self.transformer(
-                hidden_states=model_in.to(dtype).expand(branches, *model_in.shape[1:]),
-                timestep=timestep.to(dtype).expand(branches, *timestep.shape[1:]),
-                encoder_hidden_states=text,
-                return_dict=False,
-                **extra,
-            )[0]
+            with self.cache_step(i, len(timesteps)):
+                out = self.transformer(
+                    hidden_states=model_in.to(dtype).expand(branches, *model_in.shape[1:]),
+                    timestep=timestep.to(dtype).expand(branches, *timestep.shape[1:]),
+                    encoder_hidden_states=text,
+                    return_dict=False,
+                    **extra,
+                )[0]
             x0 = (c_skip * latents + c_out * out.float()).to(dtype)
             x0 = indicator * given + (1 - indicator) * x0
             if use_cfg:

@@ -54,6 +54,8 @@ FLUX = ModelFamily(
     pipeline="pipelines.flux:FluxImagePipeline",
     parallelize="engines.flux:parallelize_flux",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
+    block_outputs=(("encoder_hidden_states", "hidden_states"), ("encoder_hidden_states", "hidden_states")),
+    cache_stream="hidden_states",
     limits="pipelines.requests:flux_limits",
     guidance_batch=False,  # guidance-distilled: one branch
     bench=BenchShapes(inputs="benchmarks.inputs:flux_inputs", sizes=("1024x1024", "2048x2048"),
@@ -111,6 +113,8 @@ COSMOS = ModelFamily(
     pipeline="pipelines.cosmos:CosmosPipeline",
     parallelize="engines.cosmos:parallelize_cosmos",
     repeated_blocks=("transformer_blocks",),
+    block_outputs=(("hidden_states",),),
+    cache_stream="hidden_states",
     limits="pipelines.requests:cosmos_limits",
     guidance_batch=True,
     bench=BenchShapes(inputs="benchmarks.inputs:cosmos_inputs", sizes=("93x704x1280",), tiny_sizes=("9x32x48",),
@@ -170,6 +174,8 @@ COSMOS3 = ModelFamily(
     pipeline="pipelines.cosmos3:Cosmos3Pipeline",
     parallelize="engines.cosmos3:parallelize_cosmos3",
     repeated_blocks=("layers",),
+    block_outputs=(("und_seq", "gen_seq"),),
+    cache_stream="gen_seq",
     limits="pipelines.requests:cosmos3_limits",
     guidance_batch=True,  # two guidance calls, on two rank groups with --cfg-parallel (forward_guided)
     adapter_at_one_rank=True,
@@ -234,6 +240,9 @@ FLUX2 = ModelFamily(
     pipeline="pipelines.flux2:Flux2ImagePipeline",
     parallelize="engines.flux2:parallelize_flux2",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
+    # the single-stream blocks take [text, image] concatenated (engines.step_cache: why that is fine)
+    block_outputs=(("encoder_hidden_states", "hidden_states"), ("hidden_states",)),
+    cache_stream="hidden_states",
     limits="pipelines.requests:flux2_limits",
     guidance_batch=False,  # dev and distilled Klein: one branch; Klein base models say otherwise (ModelSpec)
     bench=BenchShapes(inputs="benchmarks.inputs:flux2_inputs", sizes=("1024x1024", "2048x2048"),

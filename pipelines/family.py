@@ -113,6 +113,11 @@ class ModelFamily:
     """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer."""
     repeated_blocks: tuple[str, ...]
     """Names of the transformer's ModuleLists of repeated blocks (per-block compilation)."""
+    block_outputs: tuple[tuple[str, ...], ...]
+    """Per list of repeated_blocks: the block arguments its outputs replace, in return order (the step
+    cache, engines.step_cache, passes a skipped block's inputs on in that form)."""
+    cache_stream: str
+    """The first block's argument whose residual the step cache measures: the image or video tokens."""
     limits: str
     """Reference of the torch-free function (spec, folder, cfg_parallel) -> MediaLimits that reads
     what sizes and frame counts a checkpoint accepts from its configs."""

@@ -143,17 +143,18 @@ class FluxImagePipeline(StagedPipeline):
         self.scheduler.set_begin_index(0)
         for i, t in enumerate(timesteps):
             timestep = t.expand(batch).to(latents.dtype)
-            noise_pred = self.transformer(
-                hidden_states=latents,
-                timestep=timestep / 1000,
-                guidance=guidance,
-                pooled_projections=text.pooled_prompt_embeds,
-                encoder_hidden_states=text.prompt_embeds,
-                txt_ids=text.text_ids,
-                img_ids=image_ids,
-                joint_attention_kwargs={},
-                return_dict=False,
-            )[0]
+            with self.cache_step(i, len(timesteps)):
+                noise_pred = self.transformer(
+                    hidden_states=latents,
+                    timestep=timestep / 1000,
+                    guidance=guidance,
+                    pooled_projections=text.pooled_prompt_embeds,
+                    encoder_hidden_states=text.prompt_embeds,
+                    txt_ids=text.text_ids,
+                    img_ids=image_ids,
+                    joint_attention_kwargs={},
+                    return_dict=False,
+                )[0]
             latents = self.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if on_step is not None:
                 on_step(i + 1, len(timesteps))

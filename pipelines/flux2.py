@@ -158,16 +158,17 @@ class Flux2ImagePipeline(StagedPipeline):
         self.scheduler.set_begin_index(0)
         for i, t in enumerate(timesteps):
             model_input = latents if reference is None else torch.cat([latents, reference], dim=1)
-            prediction = self.transformer(
-                hidden_states=model_input.expand(branches, -1, -1).to(self.dtype),
-                timestep=t.expand(branches).to(latents.dtype) / 1000,
-                guidance=guidance,
-                encoder_hidden_states=embeds,
-                txt_ids=cond.text_ids.to(device),
-                img_ids=ids,
-                joint_attention_kwargs={},
-                return_dict=False,
-            )[0][:, : latents.shape[1]]
+            with self.cache_step(i, len(timesteps)):
+                prediction = self.transformer(
+                    hidden_states=model_input.expand(branches, -1, -1).to(self.dtype),
+                    timestep=t.expand(branches).to(latents.dtype) / 1000,
+                    guidance=guidance,
+                    encoder_hidden_states=embeds,
+                    txt_ids=cond.text_ids.to(device),
+                    img_ids=ids,
+                    joint_attention_kwargs={},
+                    return_dict=False,
+                )[0][:, : latents.shape[1]]
             if branches == 2:
                 prediction = prediction[1:] + request.guidance * (prediction[:1] - prediction[1:])
             latents = self.scheduler.step(prediction, t, latents, return_dict=False)[0]

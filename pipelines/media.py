@@ -11,6 +11,7 @@ frames, not of 600 full ones.
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,18 +70,34 @@ def read_png_settings(path: str | Path) -> dict[str, Any]:
         return json.loads(image.text["parameters"])
 
 
-def save_mp4(frames: np.ndarray, path: str | Path, fps: int) -> Path:
-    """Write uint8 frames [T, H, W, 3] as H.264 MP4 with imageio-ffmpeg's bundled ffmpeg."""
+def save_mp4(frames: np.ndarray, path: str | Path, fps: int, settings: dict[str, Any] | None = None) -> Path:
+    """Write uint8 frames [T, H, W, 3] as H.264 MP4 with imageio-ffmpeg's bundled ffmpeg; `settings` as JSON
+    in the file's comment tag (read_mp4_settings)."""
     import imageio.v2 as imageio
 
     path = Path(path)
+    tags = ["-metadata", f"comment={json.dumps(settings, sort_keys=True)}"] if settings else []
     # macro_block_size=1: keep the exact size (tiny models make sizes that are not multiples of 16).
     # yuv444p would be lossless-er but many players refuse it; yuv420p needs even sizes, which all our sizes are.
     with imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264", quality=8,
-                            macro_block_size=1, pixelformat="yuv420p") as writer:
+                            macro_block_size=1, pixelformat="yuv420p", output_params=tags) as writer:
         for frame in frames:
             writer.append_data(frame)
     return path
+
+
+def read_mp4_settings(path: str | Path) -> dict[str, Any]:
+    """The settings `save_mp4` stored in an MP4 (through the bundled ffmpeg's metadata export)."""
+    import subprocess
+
+    import imageio_ffmpeg
+
+    exported = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "ffmetadata", "-"],
+                              capture_output=True, text=True, check=True).stdout
+    for line in exported.splitlines():
+        if line.startswith("comment="):
+            return json.loads(re.sub(r"\\(.)", r"\1", line.removeprefix("comment=")))  # ffmetadata's escapes
+    raise ValueError(f"{path} carries no settings")
 
 
 def read_video(path: str | Path) -> tuple[list[np.ndarray], float]:

@@ -7,6 +7,7 @@ context-parallel or compiled module of the same call signature.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ class StagedPipeline:
     spec: ModelSpec
     folder: Path
     transformer: Any
+    step_cache: Any = None
+    """The transformer's step cache (engines.step_cache.StepCache, `--cache`), or None: every step computed."""
 
     def limits(self) -> MediaLimits:
         """What sizes and frame counts this pipeline's checkpoint accepts (from its configs)."""
@@ -28,3 +31,11 @@ class StagedPipeline:
     def use_transformer(self, module: Any) -> None:
         """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
         self.transformer = module
+
+    def cache_step(self, index: int, total: int) -> AbstractContextManager:
+        """Around denoising step `index`'s transformer call(s): the step cache's step, if there is one."""
+        return self.step_cache.step(index, total) if self.step_cache is not None else nullcontext()
+
+    def computed_steps(self) -> int | None:
+        """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""
+        return self.step_cache.computed if self.step_cache is not None else None

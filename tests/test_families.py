@@ -31,6 +31,8 @@ TOY = ModelFamily(
     pipeline="pipelines.flux:FluxImagePipeline",
     parallelize="engines.flux:parallelize_flux",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
+    block_outputs=(("encoder_hidden_states", "hidden_states"), ("encoder_hidden_states", "hidden_states")),
+    cache_stream="hidden_states",
     limits="pipelines.requests:flux_limits",
     guidance_batch=False,
     bench=BenchShapes(inputs="benchmarks.inputs:flux_inputs", sizes=("64x64",), tiny_sizes=("64x64",)),

@@ -30,19 +30,38 @@ class Scores:
 
 
 def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device: str = "cpu",
-             fp8: bool = False) -> list[np.ndarray]:
+             fp8: bool = False, cache: str | None = None, steps: int | None = None,
+             computed: list[int] | None = None) -> list[np.ndarray]:
     """What model `name` (a registry name) in `folder` makes for each of `prompts` (the prompt text first
     in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3].
-    fp8: the transformer blocks' linears as FP8, as `--fp8` runs them (engines/fp8.py)."""
+
+    Args:
+        fp8: the transformer blocks' linears as FP8, as `--fp8` runs them (engines/fp8.py).
+        cache: a step cache, as `--cache` runs it (engines/step_cache.py); `computed` then receives each
+            prompt's number of computed steps.
+        steps: denoising steps instead of the registry's.
+    """
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
+    family = family_of(spec)
     if fp8:
         from engines.fp8 import quantize_fp8
 
-        quantize_fp8(pipe.transformer, family_of(spec).repeated_blocks)
+        quantize_fp8(pipe.transformer, family.repeated_blocks)
+    if cache is not None:
+        from engines.options import CacheOptions
+        from engines.step_cache import install_step_cache
+
+        pipe.step_cache = install_step_cache(pipe.transformer, CacheOptions.parse(cache),
+                                             block_lists=family.repeated_blocks, outputs=family.block_outputs,
+                                             stream=family.cache_stream)
     limits = read_limits(spec, folder)
-    return [np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i)))
-            for i, prompt in enumerate(prompts)]
+    media = []
+    for i, prompt in enumerate(prompts):
+        media.append(np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i, steps=steps))))
+        if computed is not None and pipe.step_cache is not None:
+            computed.append(pipe.computed_steps())
+    return media
 
 
 def score_images(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-flux") -> Scores:
