@@ -66,7 +66,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "of the ranks, each half splitting the sequence (needs an even number of ranks; "
                              "requests then need guidance above 1). Image (FLUX-style) models have one branch "
                              "and are unaffected")
-    default = backend_default or "inductor-blocks on GPUs, eager on CPUs"
+    default = backend_default or "inductor-blocks on GPUs (+cudagraph with --fp8 and no --cache), eager on CPUs"
     parser.add_argument("--backend", default=backend_default, type=backend_label,
                         help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
                              "compile), inductor...+overlap (keeps FLUX's all-to-all overlap through compilation), any "
@@ -109,11 +109,18 @@ def request_fields(args: argparse.Namespace) -> dict:
     )
 
 
+class OptionsError(ValueError):
+    """Run options that cannot go together (RunOptions' checks), said before anything is loaded."""
+
+
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The RunOptions of a command line built with add_model_arguments and add_parallel_arguments."""
-    return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
-                      all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
-                      rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache)
+    try:
+        return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
+                          all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
+                          rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache)
+    except ValueError as error:
+        raise OptionsError(str(error)) from None
 
 
 def cache_label(text: str) -> str:

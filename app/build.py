@@ -13,6 +13,7 @@ torchrun around, the command starts torchrun itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import time
 from app.arguments import add_model_arguments, add_parallel_arguments, request_fields, run_options
 
 DEFAULT_BACKEND = "inductor-blocks"
+"""What `build --device cpu` compiles when no --backend is given (on GPUs: what serve runs there)."""
 
 
 class BuildError(ValueError):
@@ -35,21 +37,23 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks the engines are built for (default 1)")
     parser.add_argument("--steps", type=int, default=2, help="denoising steps run while building (default 2)")
-    add_parallel_arguments(parser, backend_default=DEFAULT_BACKEND)
+    add_parallel_arguments(parser, backend_default=None)
 
 
 def check_build(args: argparse.Namespace):
     """Validate the command line without loading anything; returns (spec, folder, request, engine options)."""
-    from engines.options import EngineOptions
+    from engines.options import EngineOptions, default_backend
     from pipelines.registry import resolve_model
     from pipelines.requests import make_request, read_limits
 
     if args.ranks < 1:
         raise BuildError(f"--ranks must be >= 1, got {args.ranks}")
+    backend = args.backend or (DEFAULT_BACKEND if args.device == "cpu" else
+                               default_backend("cuda", fp8=args.fp8, cache=args.cache is not None))
     try:
-        options = EngineOptions.parse(args.backend)
+        options = EngineOptions.parse(backend)
     except ValueError as error:
-        raise BuildError(f"--backend {args.backend!r}: {error}") from None
+        raise BuildError(f"--backend {backend!r}: {error}") from None
     spec, folder = resolve_model(args.model, args.model_path)
     fields = {k: v for k, v in request_fields(_request_namespace(args)).items() if k in ("height", "width", "frames")}
     request = make_request(spec, read_limits(spec, folder, cfg_parallel=args.cfg_parallel), prompt="engine build", steps=args.steps, **fields)
@@ -80,7 +84,7 @@ def run_build(args: argparse.Namespace) -> int:
     from app.stopping import stop_on_signals
 
     started = time.perf_counter()
-    options = run_options(args)
+    options = dataclasses.replace(run_options(args), backend=engine.label)
     cache_dir = options.cache_dir
     with stop_on_signals() as stop, start_runtime([(spec, folder)], options, stop=stop) as runtime:
         if not runtime.is_main:

@@ -17,6 +17,7 @@ import os
 import sys
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size
+from app.arguments import OptionsError, run_options
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
 from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError
@@ -32,7 +33,8 @@ from app.stopping import end_process
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 
-USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError, BenchError)
+USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError, BenchError,
+               OptionsError)
 
 __all__ = ["USER_ERRORS", "build_parser", "exit_with", "main", "parse_size"]
 
@@ -109,6 +111,8 @@ def _run(argv: list[str] | None) -> int:
     if hasattr(args, "engine_cache"):  # a command that runs models here (launch and bench start processes that do)
         set_environment(run_environment(engine_cache_dir(args.engine_cache)))
     try:
+        if hasattr(args, "rank_timeout"):  # a command that runs models: its run options go together
+            run_options(args)
         return args.func(args)
     except USER_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)

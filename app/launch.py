@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from app.access import AUTH_ENV, read_logins, write_private_auth_file
+from app.arguments import run_options
 from app.stopping import process_running, temporary_folder
 
 LAUNCHABLE = ("serve", "batch", "generate")
@@ -91,6 +92,7 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         raise LaunchError(f"launch needs a command: one of {', '.join(LAUNCHABLE)} (e.g. `launch --nproc 2 serve`)")
     inner = parser.parse_args(command_line)
     inner.check(inner)  # user mistakes end here, in one line, before any rank starts
+    run_options(inner)
 
     cuda = _cuda_visible()
     nproc = args.nproc if args.nproc is not None else default_nproc()

@@ -45,7 +45,9 @@ def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int
     """What a result file records about how it was made; `computed_steps`: of a request run with a step cache,
     the steps whose transformer blocks all ran (the others reused the cache)."""
     settings = {"model": spec.name, **request.to_dict()}
-    if computed_steps is not None:
+    if computed_steps is None:  # run without a step cache: the request's choice had no effect
+        settings.pop("step_cache")
+    else:
         settings["computed_steps"] = computed_steps
     if request.condition is not None:  # the input by its name: where it was kept is no business of the file's
         settings["condition"] = Path(request.condition).name

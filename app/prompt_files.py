@@ -21,7 +21,7 @@ from pipelines.requests import RequestError
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 FIELDS = ("prompt", "negative_prompt", "seed", "size", "width", "height", "steps", "guidance", "frames", "fps",
-          "input", "name")
+          "input", "name", "step_cache")
 MAX_NAME_CHARS = 100
 
 

@@ -52,6 +52,8 @@ class Runtime:
     'none (1 rank)'."""
     backend: str
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
+    step_cache: str | None = None
+    """The step cache the transformers run with (its label, e.g. 'fbcache:0.08'), or None."""
 
     def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None) -> str:
         """Status line: models, ranks, plan, backend and (if known) the last request's step time and, with a
@@ -148,7 +150,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                                           limits=read_limits(spec, folder, cfg_parallel=options.cfg_parallel))
                   for spec, folder in models}
         runtime = Runtime(service=service, models=served, world_size=ctx.world_size, is_main=ctx.is_main,
-                          plan=plan_label, backend=backend)
+                          plan=plan_label, backend=backend,
+                          step_cache=options.step_cache.label if options.cache is not None else None)
         try:
             yield runtime
         except RankLost:

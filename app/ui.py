@@ -79,13 +79,13 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
             if image is None:
                 gr.Markdown("This server runs no image model: start it with `--model NAME` (e.g. tiny-flux).")
             else:
-                _image_tab(demo, image, server, status, status_line)
+                _image_tab(demo, image, server, status, status_line, runtime.step_cache)
         with gr.Tab("Video", id="video"):
             video = runtime.models.get("video")
             if video is None:
                 gr.Markdown("This server runs no video model: start it with `--video-model NAME` (e.g. tiny-cosmos).")
             else:
-                _video_tab(demo, video, server, status, status_line)
+                _video_tab(demo, video, server, status, status_line, runtime.step_cache)
         demo.load(status, outputs=status_line, api_name="status", queue=False)
     # Handlers for every request the JobQueue may hold (waiting and running) and a few more, so that the
     # JobQueue's own refusal, which names --max-queue, is what a client over the limit hears; Gradio's
@@ -113,6 +113,14 @@ def _size_inputs(model: ServedModel, prefix: str) -> tuple[gr.Number, gr.Number,
     return width, height, steps, guidance
 
 
+def _step_cache_input(step_cache: str | None, prefix: str) -> gr.Checkbox | None:
+    """With a server started with --cache: the request's choice of it (on: faster, approximate)."""
+    if step_cache is None:
+        return None
+    return gr.Checkbox(label=f"Faster, approximate: skip steps that barely change (step cache {step_cache})",
+                       value=True, elem_id=f"{prefix}-step-cache")
+
+
 def _generate_buttons(prefix: str) -> tuple[gr.Button, gr.Button]:
     with gr.Row():
         button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate", scale=3)
@@ -136,7 +144,7 @@ def _gallery_of(recent: RecentResults, key: str) -> tuple[list[tuple[str, str]],
 
 
 def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
-               status_line: gr.Markdown) -> None:
+               status_line: gr.Markdown, step_cache: str | None) -> None:
     takes_reference = model.limits.reference_image
     gr.Markdown(f"Text{' (and a reference image)' if takes_reference else ''} to image with **{model.spec.name}**.")
     with gr.Row():
@@ -148,6 +156,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                                     value=None, height=120, elem_id="image-reference")
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
+            cached = _step_cache_input(step_cache, "image")
             button, stop = _generate_buttons("image")
         with gr.Column():
             result = gr.Image(label="Image", type="filepath", format="png", elem_id="image-result",
@@ -157,13 +166,14 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 settings = gr.JSON(label="Settings", elem_id="image-settings")
     gallery, shown = _recent_gallery("image")
 
-    # The reference image comes last and defaults to None, so clients of text-only models call alike.
+    # The reference image and the step cache's choice come last and have defaults, so clients of text-only
+    # models and of servers without a step cache call alike.
     async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
-                             width: float, height: float, condition: str | None = None,
+                             width: float, height: float, condition: str | None = None, step_cache: bool = True,
                              progress: gr.Progress = gr.Progress()) -> tuple:
         path, used = await _generate(model, server, progress, random_seed, prompt=prompt, seed=seed,
                                      steps=steps, guidance=guidance, width=width, height=height,
-                                     condition=condition or None)
+                                     condition=condition or None, step_cache=step_cache)
         return str(path), str(path), used, status(), used["seed"]
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
@@ -172,7 +182,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 used)
 
     restored = [prompt, seed, random_seed, steps, guidance, width, height]
-    inputs = restored + ([reference] if reference is not None else [])
+    inputs = restored + ([reference] if reference is not None else [gr.State(None)]) + ([cached] if cached else [])
     event = _wire(demo, model, server.recent, button, stop, generate_image, inputs,
                   [result, download, settings, status_line, seed], "generate_image", gallery, shown)
     if reference is not None:  # the request deleted its upload from the server: do not offer it again
@@ -182,7 +192,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
 
 
 def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
-               status_line: gr.Markdown) -> None:
+               status_line: gr.Markdown, step_cache: str | None) -> None:
     gr.Markdown(f"Text or image/video to video with **{model.spec.name}**.")
     with gr.Row():
         with gr.Column():
@@ -196,6 +206,7 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 fps = gr.Number(label="Frames per second", value=model.spec.fps, precision=0)
             seed, random_seed = _seed_inputs("video")
             width, height, steps, guidance = _size_inputs(model, "video")
+            cached = _step_cache_input(step_cache, "video")
             button, stop = _generate_buttons("video")
         with gr.Column():
             result = gr.Video(label="Video", elem_id="video-result", elem_classes="native-media", autoplay=True,
@@ -209,11 +220,12 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     async def generate_video(prompt: str, negative_prompt: str | None = None, condition: str | None = None,
                              frames: float | None = None, fps: float | None = None, seed: float | None = None,
                              random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
-                             width: float | None = None, height: float | None = None,
+                             width: float | None = None, height: float | None = None, step_cache: bool = True,
                              progress: gr.Progress = gr.Progress()) -> tuple:
         path, used = await _generate(model, server, progress, random_seed, prompt=prompt,
                                      negative_prompt=negative_prompt, condition=condition or None, frames=frames,
-                                     fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height)
+                                     fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height,
+                                     step_cache=step_cache)
         return str(path), str(path), used, status(), used["seed"]
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
@@ -221,7 +233,8 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
         return (used["prompt"], used["negative_prompt"], used["frames"], used["fps"], used["seed"], False,
                 used["steps"], used["guidance"], used["width"], used["height"], used)
 
-    inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height]
+    inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
+              *([cached] if cached else [])]
     event = _wire(demo, model, server.recent, button, stop, generate_video, inputs,
                   [result, download, settings, status_line, seed], "generate_video", gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.

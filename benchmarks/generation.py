@@ -207,6 +207,9 @@ class StageTimer:
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> Any:
         return self._timed("decode", self.pipeline.decode, request, latents)
 
+    def computed_steps(self) -> int | None:
+        return self.pipeline.computed_steps()
+
     def _timed(self, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
         sync(self.device)
         start = time.perf_counter()

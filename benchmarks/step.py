@@ -228,17 +228,19 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
                options: EngineOptions, error: str | None = None, *, backend: str | None = None,
                note: str | None = None, warmup: int | None = None, plan: ParallelPlan | None = None,
-               transport: str | None = None) -> None:
-        """Time one row (`backend` names it when `forward` is compiled by someone else than `options`)."""
+               transport: str | None = None, cached: bool = False) -> None:
+        """Time one row (`backend` names it when `forward` is compiled by someone else than `options`;
+        `cached`: the step a step cache skips, CachedStep)."""
         ms, peak, build_s, pipelined = float("nan"), 0.0, None, float("nan")
         label = backend or options.label
         if forward is not None and error is None:
-            engine = None
+            engine = timed = None
             try:
                 engine = prepare_engine(forward, options, repeated_blocks=spec.family.repeated_blocks,
                                         cache_dir=args.cache_dir, rank=ctx.rank if gpus > 1 else 0)
+                timed = CachedStep(engine, spec.family) if cached else engine
                 device_group = ctx.group if group is not None else None
-                ms, peak, pipelined = time_forward(engine, inputs[shape.label], device=device, group=group,
+                ms, peak, pipelined = time_forward(timed, inputs[shape.label], device=device, group=group,
                                         warmup=args.warmup if warmup is None else warmup, iters=args.iters,
                                         device_group=device_group)
                 build_s = next(iter(engine.builds.values())).seconds
@@ -250,6 +252,8 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
                 error = repr(exc)[:2000]
             finally:
+                if isinstance(timed, CachedStep):
+                    timed.cache.remove()
                 if engine is not None:
                     engine.release()
                 torch._dynamo.reset()
@@ -285,6 +289,11 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     for options in backends:
         for shape in shapes:
             record("1 GPU", shape, 1, single, None, options)
+    if args.cached_step:  # the same, on a step that a step cache skips (engines/step_cache.py)
+        for options in backends:
+            if options.scope == "blocks" or options.backend == "eager" and not options.cuda_graph:
+                for shape in shapes:
+                    record("1 GPU cached step", shape, 1, single, None, options, cached=True)
     if single is not None:
         single.restore()
     if args.diffusers_forward:  # the diffusers model itself, called as its pipeline calls it
@@ -330,6 +339,29 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+class CachedStep:
+    """A transformer call that a step cache skips: step 1 of 3 of a request whose step 0 ran, under a
+    threshold no change reaches. It runs what such a step costs: the embedders, the first block, the change
+    measured and agreed on, the cached residual added, the final layer."""
+
+    def __init__(self, engine: Any, family: Any) -> None:
+        from engines.options import CacheOptions
+        from engines.step_cache import install_step_cache
+
+        self.engine = engine
+        self.cache = install_step_cache(engine, CacheOptions(threshold=1e30), block_lists=family.repeated_blocks,
+                                        outputs=family.block_outputs, stream=family.cache_stream)
+        self._primed = False
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if not self._primed:  # step 0: every block runs (and the engine builds)
+            with self.cache.step(0, 3):
+                self.engine(**kwargs)
+            self._primed = True
+        with self.cache.step(1, 3):
+            return self.engine(**kwargs)
 
 
 def first_output(forward: Callable[..., Any], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -501,6 +533,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
                         "and time 1 GPU again with every backend; rows carry the output's relative error")
+    p.add_argument("--cached-step", action="store_true",
+                   help="after the 1-GPU rows, time 1 GPU again on a step that a step cache skips (--cache: "
+                        "engines/step_cache.py), with each backend that keeps the block loop in Python")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)

@@ -97,12 +97,14 @@ class StepCache:
     # --- the denoising loop's side ------------------------------------------------------------------
 
     @contextmanager
-    def step(self, index: int, total: int) -> Iterator[None]:
-        """Within: the transformer calls of denoising step `index` of `total` (step 0 starts a request)."""
+    def step(self, index: int, total: int, *, skip: bool = True) -> Iterator[None]:
+        """Within: the transformer calls of denoising step `index` of `total` (step 0 starts a request).
+        skip=False: this request computes every step (every rank is given the same request)."""
         if index == 0:
             self._branches.clear()
             self.skipped = []
-        self._step, self.steps, self._calls, self._compute = index, total, 0, None
+        self._step, self.steps, self._calls = index, total, 0
+        self._compute = None if skip else True
         try:
             yield
         finally:

@@ -207,7 +207,7 @@ class CosmosPipeline(StagedPipeline):
                 timestep = indicator * t_conditioning + (1 - indicator) * timestep
             else:
                 timestep = current_t.expand(1)
-            with self.cache_step(i, len(timesteps)):
+            with self.cache_step(request, i, len(timesteps)):
                 out = self.transformer(
                     hidden_states=model_in.to(dtype).expand(branches, *model_in.shape[1:]),
                     timestep=timestep.to(dtype).expand(branches, *timestep.shape[1:]),

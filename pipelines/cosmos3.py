@@ -167,7 +167,7 @@ class Cosmos3Pipeline(StagedPipeline):
             tokens = latents.to(device=device, dtype=dtype)
             timesteps = torch.full((cond.num_noisy_tokens,), t.item(), device=device)
             calls = [dict(p, vision_tokens=[tokens], vision_timesteps=timesteps) for p in passes]
-            with self.cache_step(i, len(scheduler.timesteps)):
+            with self.cache_step(request, i, len(scheduler.timesteps)):
                 predicted = self._predict(calls)
             predictions = [pred * noisy if noisy.sum() > 0 else torch.zeros_like(pred) for pred in predicted]
             velocity = predictions[0].float()

@@ -143,7 +143,7 @@ class FluxImagePipeline(StagedPipeline):
         self.scheduler.set_begin_index(0)
         for i, t in enumerate(timesteps):
             timestep = t.expand(batch).to(latents.dtype)
-            with self.cache_step(i, len(timesteps)):
+            with self.cache_step(request, i, len(timesteps)):
                 noise_pred = self.transformer(
                     hidden_states=latents,
                     timestep=timestep / 1000,

@@ -158,7 +158,7 @@ class Flux2ImagePipeline(StagedPipeline):
         self.scheduler.set_begin_index(0)
         for i, t in enumerate(timesteps):
             model_input = latents if reference is None else torch.cat([latents, reference], dim=1)
-            with self.cache_step(i, len(timesteps)):
+            with self.cache_step(request, i, len(timesteps)):
                 prediction = self.transformer(
                     hidden_states=model_input.expand(branches, -1, -1).to(self.dtype),
                     timestep=t.expand(branches).to(latents.dtype) / 1000,

@@ -80,6 +80,9 @@ class GenerationRequest:
     condition: str | None = None
     """Image or video file whose frames condition a video-to-world request, or the reference image of an
     image request (models whose limits take one)."""
+    step_cache: bool = True
+    """In a run with a step cache (--cache): let it skip steps (faster, approximate); False computes every
+    step. No effect without one."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -340,6 +343,11 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
     frames = problems.check(_as_int, "frames", given.get("frames", spec.frames))
     fps = problems.check(_as_int, "fps", given.get("fps", spec.fps))
     condition = given.get("condition")
+    step_cache = given.get("step_cache", True)
+    if isinstance(step_cache, str) and step_cache.strip().lower() in ("true", "false"):  # CSV prompt files
+        step_cache = step_cache.strip().lower() == "true"
+    if not isinstance(step_cache, bool):
+        problems.messages.append(f"step_cache must be true or false, got {step_cache!r}")
     if spec.media == "image":
         if frames is not None and frames != 1:
             problems.messages.append(f"model '{spec.name}' makes images; frames must be 1, got {frames}")
@@ -360,5 +368,5 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
         raise RequestError.of(problems.messages)
     return GenerationRequest(
         prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, steps=steps,
-        guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition,
+        guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition, step_cache=step_cache,
     )

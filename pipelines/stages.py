@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.registry import ModelSpec
-from pipelines.requests import MediaLimits, read_limits
+from pipelines.requests import GenerationRequest, MediaLimits, read_limits
 
 
 class StagedPipeline:
@@ -32,9 +32,11 @@ class StagedPipeline:
         """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
         self.transformer = module
 
-    def cache_step(self, index: int, total: int) -> AbstractContextManager:
+    def cache_step(self, request: GenerationRequest, index: int, total: int) -> AbstractContextManager:
         """Around denoising step `index`'s transformer call(s): the step cache's step, if there is one."""
-        return self.step_cache.step(index, total) if self.step_cache is not None else nullcontext()
+        if self.step_cache is None:
+            return nullcontext()
+        return self.step_cache.step(index, total, skip=request.step_cache)
 
     def computed_steps(self) -> int | None:
         """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""

@@ -57,6 +57,9 @@ class StandInPipeline:
     def decode(self, req: GenerationRequest, latents: torch.Tensor) -> float:
         return latents.item()
 
+    def computed_steps(self) -> None:
+        return None  # no step cache
+
 
 def outcome(fn) -> str:
     try:

@@ -1,7 +1,9 @@
-"""The UI's contract through gradio_client, on one plain `ulysses-studio serve` process (tiny models).
+"""The UI's contract through gradio_client, on one `ulysses-studio serve --cache fbcache:0.25` process
+(tiny models; the 2-step requests below are never cached: first and last steps always run).
 
 The seed used comes back for the Seed box, an invalid request is one error naming every bad field,
-and /generate_video's input file is optional in the API description.
+/generate_video's input file is optional in the API description, and the step cache is a per-request
+choice whose computed steps the settings and the status line show.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tests.test_browser import wait_until_listening
 def url(tmp_path_factory):
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port), "--out", str(tmp_path_factory.mktemp("results"))],
+        [sys.executable, "-m", "app", "serve", "--port", str(port), "--out", str(tmp_path_factory.mktemp("results")),
+         "--cache", "fbcache:0.25"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -59,3 +62,19 @@ def test_the_video_input_file_is_optional_in_the_api(url):
     assert not parameters["prompt"]["parameter_has_default"]
     assert Client(url, verbose=False).predict(
         "no input file", api_name="/generate_video", frames=5, steps=1, width=64, height=64)[2]["condition"] is None
+
+
+def test_the_step_cache_is_a_choice_of_each_request(url):
+    from pipelines.media import read_png_settings
+
+    client = Client(url, verbose=False)
+    prompt = ("a big red star in the center on a white background", 3, False, 8, 3.5, 64, 64)
+    _, cached_file, cached, cached_status, _ = client.predict(*prompt, api_name="/generate_image")
+    assert cached["step_cache"] and 2 <= cached["computed_steps"] < 8, cached
+    assert f"{cached['computed_steps']} of 8 steps computed" in cached_status
+    assert read_png_settings(cached_file)["computed_steps"] == cached["computed_steps"]
+    _, _, exact, exact_status, _ = client.predict(*prompt, step_cache=False, api_name="/generate_image")
+    assert not exact["step_cache"] and exact["computed_steps"] == 8 and "8 of 8 steps computed" in exact_status
+    parameters = {p["parameter_name"]: p for p in client.view_api(return_format="dict", print_info=False)[
+        "named_endpoints"]["/generate_video"]["parameters"]}
+    assert parameters["step_cache"]["parameter_default"] is True
