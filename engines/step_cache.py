@@ -49,9 +49,10 @@ Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def first_block_sums(residual: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """FBCache's change, as this rank's two sums (float64: the same totals in any reduction order)."""
-    residual, reference = residual.double(), reference.double()
-    return torch.stack([(residual - reference).abs().sum(), reference.abs().sum()])
+    """FBCache's change, as this rank's two sums, accumulated in float64 (totals that barely depend on how
+    the tokens are split over ranks) without a float64 copy of the stream."""
+    return torch.stack([(residual - reference).abs().sum(dtype=torch.float64),
+                        reference.abs().sum(dtype=torch.float64)])
 
 
 @dataclass(kw_only=True)
