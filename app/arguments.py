@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from engines.options import (
@@ -123,19 +124,20 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         raise OptionsError(str(error)) from None
 
 
-def cache_label(text: str) -> str:
-    """argparse type of --cache: a valid step cache label, or a usage error saying what is wrong."""
-    try:
-        CacheOptions.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+def _label_of(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type: the text when `parse` takes it, else a usage error saying what is wrong."""
+
+    def label(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    return label
 
 
-def backend_label(text: str) -> str:
-    """argparse type of --backend: a valid engine label, or a usage error saying what is wrong."""
-    try:
-        EngineOptions.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+backend_label = _label_of(EngineOptions.parse)
+"""argparse type of --backend: a valid engine label."""
+cache_label = _label_of(CacheOptions.parse)
+"""argparse type of --cache: a valid step cache label."""

@@ -16,8 +16,8 @@ import gc
 import os
 import sys
 
-from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size
-from app.arguments import OptionsError, run_options
+from app.arguments import (OptionsError, add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size,
+                           run_options)
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
 from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError

@@ -237,14 +237,8 @@ def install_step_caches(pipelines: Iterable, ctx, options: RunOptions) -> None:
     """--cache: a step cache on each pipeline's transformer, deciding over all ranks (engines/step_cache.py)."""
     import torch.distributed as dist
 
-    from engines.step_cache import install_step_cache
-
     for pipeline in pipelines:
-        family = family_of(pipeline.spec)
-        pipeline.step_cache = install_step_cache(
-            pipeline.transformer, options.step_cache, block_lists=family.repeated_blocks,
-            outputs=family.block_outputs, stream=family.cache_stream,
-            group=dist.group.WORLD if ctx.is_distributed else None)
+        pipeline.use_step_cache(options.step_cache, dist.group.WORLD if ctx.is_distributed else None)
 
 
 def release_engines(pipelines: Iterable) -> None:

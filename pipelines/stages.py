@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from pipelines.registry import ModelSpec
+from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import GenerationRequest, MediaLimits, read_limits
 
 
@@ -31,6 +31,15 @@ class StagedPipeline:
     def use_transformer(self, module: Any) -> None:
         """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
         self.transformer = module
+
+    def use_step_cache(self, options: Any, group: Any = None) -> None:
+        """A step cache (engines.step_cache; `options`: its CacheOptions) on the transformer as it is now
+        (after use_transformer: compiled blocks are wrapped, not traced), deciding over `group`'s ranks."""
+        from engines.step_cache import install_step_cache
+
+        family = family_of(self.spec)
+        self.step_cache = install_step_cache(self.transformer, options, block_lists=family.repeated_blocks,
+                                             outputs=family.block_outputs, stream=family.cache_stream, group=group)
 
     def cache_step(self, request: GenerationRequest, index: int, total: int) -> AbstractContextManager:
         """Around denoising step `index`'s transformer call(s): the step cache's step, if there is one."""

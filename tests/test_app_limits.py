@@ -36,7 +36,7 @@ from tests.test_app_serve import START_SECONDS, AppProcess
 PASSWORD = "s3cret-Pa55word"
 LIMIT_SECONDS = 60
 """The server's --max-request-seconds: tiny-flux at 256x256 takes about 0.07 s a step here (200 steps: under
-it), tiny-cosmos at 256x256 about 0.25 s (500 steps: over it)."""
+it), tiny-cosmos at 384x384 about 0.26 s (500 steps: over it; at 256x256 its 0.07 s a step fit under it)."""
 MEMORY_MARGIN = 300e6
 
 
@@ -279,7 +279,7 @@ def test_a_runaway_request_is_stopped_and_an_over_budget_one_refused_up_front(se
     started = time.monotonic()
     with pytest.raises(AppError, match=r"stopped at step \d+ of 500: at .* a step it would take about .*limit is "
                                        rf"{LIMIT_SECONDS} s a request \(--max-request-seconds\)"):
-        client.predict("a runaway", steps=500, width=256, height=256, api_name="/generate_video")
+        client.predict("a runaway", steps=500, width=384, height=384, api_name="/generate_video")
     print(f"runaway stopped after {time.monotonic() - started:.1f} s")
     # Once tiny-flux has served 256x256, 2048x2048 x 500 steps is refused before it is queued.
     client.predict(*_image("a measurement", 5, steps=3), api_name="/generate_image")

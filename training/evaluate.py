@@ -43,18 +43,14 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
     """
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
-    family = family_of(spec)
     if fp8:
         from engines.fp8 import quantize_fp8
 
-        quantize_fp8(pipe.transformer, family.repeated_blocks)
+        quantize_fp8(pipe.transformer, family_of(spec).repeated_blocks)
     if cache is not None:
         from engines.options import CacheOptions
-        from engines.step_cache import install_step_cache
 
-        pipe.step_cache = install_step_cache(pipe.transformer, CacheOptions.parse(cache),
-                                             block_lists=family.repeated_blocks, outputs=family.block_outputs,
-                                             stream=family.cache_stream)
+        pipe.use_step_cache(CacheOptions.parse(cache))
     limits = read_limits(spec, folder)
     media = []
     for i, prompt in enumerate(prompts):
