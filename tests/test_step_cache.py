@@ -20,14 +20,13 @@ from tests.helpers import join_ranks, spawn_ranks
 # Thresholds that make 6-8 step requests skip some steps but not all (each case asserts it): above the default
 # for the trained tiny models, far below it for Cosmos 3's tiny random weights, far above for FLUX.2's.
 CASES = {
-    # name: (model, world size, run options, request fields)
-    "flux ulysses-2": ("tiny-flux", 2, dict(strategy="ulysses"), {}),  # 35 image tokens: the last shard is padded
-    "flux allgather-4": ("tiny-flux", 4, dict(strategy="allgather"), {}),
-    "cosmos cfg-2": ("tiny-cosmos", 2, dict(cfg_parallel=True), {}),  # guidance halves of one batch on two groups
-    "cosmos ring-2": ("tiny-cosmos", 2, dict(strategy="ring"), {}),
-    "cosmos3 cfg-2": ("cosmos3-nano", 2, dict(cfg_parallel=True), {}),  # one call per branch, one per group
-    "cosmos3 ulysses-2": ("cosmos3-nano", 2, dict(strategy="ulysses"), {}),  # both branches' calls on every rank
-    "flux2 ulysses-2": ("flux2-klein-4b", 2, dict(strategy="ulysses"), {}),
+    # name: (model, world size, run options); each model's request: FIELDS
+    "flux ulysses-2": ("tiny-flux", 2, dict(strategy="ulysses")),  # 35 image tokens: the last shard is padded
+    "flux allgather-4": ("tiny-flux", 4, dict(strategy="allgather")),
+    "cosmos cfg-2": ("tiny-cosmos", 2, dict(cfg_parallel=True)),  # guidance halves of one batch on two groups
+    "cosmos3 cfg-2": ("cosmos3-nano", 2, dict(cfg_parallel=True)),  # one call per branch, one per group
+    "cosmos3 ulysses-2": ("cosmos3-nano", 2, dict(strategy="ulysses")),  # both branches' calls on every rank
+    "flux2 ulysses-2": ("flux2-klein-4b", 2, dict(strategy="ulysses")),
 }
 FIELDS = {
     "tiny-flux": dict(prompt="a big red star in the center on a white background", seed=3, steps=8, height=80,
@@ -77,7 +76,7 @@ def _generate(model: str, folder: str | None, options: dict) -> tuple[np.ndarray
 
 def _rank(rank: int, world_size: int, port: int, case: str, folder: str | None, out: str) -> None:
     join_ranks(rank, world_size, port)
-    model, _, options, _ = CASES[case]
+    model, _, options = CASES[case]
     media, skipped = _generate(model, folder, options)
     np.save(f"{out}.skipped{rank}.npy", np.asarray(skipped, dtype=np.int64))
     if media is not None:
@@ -86,7 +85,7 @@ def _rank(rank: int, world_size: int, port: int, case: str, folder: str | None, 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ranks_skip_the_steps_one_process_skips(case: str, folders: dict, tmp_path: Path) -> None:
-    model, world_size, options, _ = CASES[case]
+    model, world_size, _ = CASES[case]
     single, skipped = _generate(model, folders[model], {})
     assert 0 < len(skipped) < FIELDS[model]["steps"] - 2, f"one process skipped steps {skipped}: no test of skipping"
     out = str(tmp_path / "ranks")
