@@ -30,12 +30,16 @@ def test_benchmark_tiny_two_ranks(tmp_path: Path) -> None:
 
 def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
     cmd = [PYTHON, "-m", "app", "bench", "--ranks", "2", "--tiny", "--out", str(tmp_path), "--",
-           "--model", "flux-dev", "--sizes", "64x64", "--strategies", "ulysses", "--warmup", "1", "--iters", "1"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+           "--model", "flux-dev", "--sizes", "64x64", "--strategies", "ulysses", "--warmup", "1", "--iters", "1",
+           "--cached-step", "--fp8"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert {(r["mode"], r["backend"]) for r in rows} == {("1 GPU", "eager"), ("ours ulysses-2", "eager")}
+    assert {(r["mode"], r["backend"]) for r in rows} == {("1 GPU", "eager"), ("1 GPU cached step", "eager"),
+                                                         ("ours ulysses-2", "eager"), ("1 GPU fp8", "eager")}
     assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    fp8 = next(r for r in rows if r["mode"] == "1 GPU fp8")
+    assert 0 < fp8["rel_error"] < 0.05, fp8  # FP8 rounding of a float32 tiny model: small, not zero
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
