@@ -35,6 +35,10 @@ from torch import nn
 FP8_MULTIPLE = 16
 """FP8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of this."""
 
+ACTIVATION_AMAX_FLOOR = 1e-12
+"""Smallest per-row absolute maximum an activation's scale is computed from (torchao's activation_value_lb):
+far below any real activation, above zero."""
+
 
 def fp8_linear_names(model: nn.Module, repeated_blocks: Iterable[str]) -> list[str]:
     """The qualified names of the nn.Linear layers `quantize_fp8` converts: in the repeated blocks, not
@@ -61,7 +65,9 @@ def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
         return 0
     for name in chosen:
         model.get_submodule(name).to(torch.bfloat16)
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    # A row of zeros (Cosmos zeroes its padded prompt tokens; shards are zero-padded) has amax 0: without a
+    # floor its scale is 0 and the row quantizes to 0/0 = NaN. With one it quantizes to zeros, exactly.
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_AMAX_FLOOR)
     with _cpu_allowed(next(model.parameters()).device):
         quantize_(model, config, filter_fn=lambda module, name: name in chosen)
     return len(chosen)

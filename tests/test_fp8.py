@@ -130,3 +130,28 @@ def test_compiled_fp8_engine_equals_eager_and_has_its_own_cache_key(one_process:
     quantize_fp8(model, ("transformer_blocks", "single_transformer_blocks"))
     quantized = key_document(module, "signature", EngineOptions.parse("inductor-blocks"), 0)
     assert plain["fp8_layers"] == 0 and quantized["fp8_layers"] > 0
+
+
+def test_a_row_of_zeros_quantizes_to_zeros_not_nan() -> None:
+    """Cosmos zeroes its padded prompt tokens (and shards are zero-padded): an all-zero activation row has
+    amax 0, and without engines.fp8's floor its scale is 0 and the row 0/0 = NaN; tiny-cosmos then drew black."""
+    import torch
+
+    from engines.fp8 import quantize_fp8
+
+    spec, path = resolve_model("tiny-cosmos", None)
+    from pipelines.factory import load_pipeline
+
+    pipeline = load_pipeline(spec, path)
+    request = make_request(spec, read_limits(spec, path), prompt="a red circle moving right", seed=2, steps=3,
+                           frames=9, height=48, width=80)
+    exact = np.asarray(pipeline.generate(request)).astype(np.int16)
+    quantize_fp8(pipeline.transformer, ("transformer_blocks",))
+    linear = pipeline.transformer.transformer_blocks[0].attn2.to_k  # reads the prompt embeddings
+    rows = torch.randn(1, 4, linear.in_features)
+    rows[:, 2:] = 0
+    out = linear(rows)
+    assert torch.isfinite(out).all() and (out[:, 2:] == 0).all()  # no bias: zeros in, zeros out
+    fp8 = np.asarray(pipeline.generate(request)).astype(np.int16)
+    difference = np.abs(fp8 - exact).mean()
+    assert difference < 20, f"tiny-cosmos with FP8 differs from float32 by {difference:.1f} levels on average"
