@@ -199,17 +199,16 @@ class _CachedBlock(nn.Module):
         self.role = role
         self.outputs = outputs
         self.stream = stream
-        self._cache = [cache]  # in a list: not a submodule
+        self.cache = cache
         plain = getattr(block, "_orig_mod", block)  # a compiled block's signature is its module's
         self._signature = inspect.signature(plain.forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        cache = self._cache[0]
-        inputs = self._signature.bind(*args, **kwargs).arguments
+        cache = self.cache
         if self.role == "head":
             state = cache._begin_call()
             out = self._tuple(self.block(*args, **kwargs))
-            residual = out[self.outputs.index(self.stream)] - inputs[self.stream]
+            residual = out[self.outputs.index(self.stream)] - self._inputs(args, kwargs)[self.stream]
             if cache._decide(residual, state):
                 state.head, state.reference = out, residual
                 return self._pack(out)
@@ -220,10 +219,15 @@ class _CachedBlock(nn.Module):
             if self.role == "tail":
                 state.tail = out
             return self._pack(out)
+        inputs = self._inputs(args, kwargs)
         passed = tuple(inputs[name] for name in self.outputs)
         if self.role == "tail":
             return self._pack(tuple(then + change for then, change in zip(state.tail, passed)))
         return self._pack(passed)
+
+    def _inputs(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name (only where needed: binding costs host time on every call)."""
+        return self._signature.bind(*args, **kwargs).arguments
 
     def _tuple(self, out: Any) -> tuple[torch.Tensor, ...]:
         return out if isinstance(out, tuple) else (out,)
