@@ -27,6 +27,7 @@ from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3D
 from engines.attention import context_parallel_attention
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 VIDEO = 0  # the only segment of Cosmos' self-attention sequence
@@ -204,11 +205,33 @@ class ParallelCosmos(ParallelTransformer):
         return Transformer2DModelOutput(sample=hidden_states) if return_dict else (hidden_states,)
 
 
+def cosmos_weights(model: CosmosTransformer3DModel, tp: int) -> WeightSplit:
+    """Cosmos' tensor-parallel split (engines.tensor_parallel): per block, the self- and cross-attention's
+    q/k/v (the cross-attention's k/v from the replicated text) and the MLP-in column-parallel, their
+    outputs and the MLP-out row-parallel; the AdaLN(-LoRA) modulation stays whole. diffusers' processor
+    reads `heads` from the attention module: each rank's count is set there."""
+    if model.config.img_context_dim_in:
+        raise ValueError("tensor parallelism does not split Cosmos' image-context cross-attention (Predict2.5)")
+    linears: dict[str, LinearSplit] = {}
+    for index in range(len(model.transformer_blocks)):
+        prefix = f"transformer_blocks.{index}"
+        for attn in ("attn1", "attn2"):
+            linears |= {f"{prefix}.{attn}.{name}": COLUMN for name in ("to_q", "to_k", "to_v")}
+            linears[f"{prefix}.{attn}.to_out.0"] = ROW
+        linears |= {f"{prefix}.ff.net.0.proj": COLUMN, f"{prefix}.ff.net.2": ROW}
+    heads = {"heads": model.config.num_attention_heads // tp}
+    return WeightSplit(linears=linears, head_counts={f"transformer_blocks.{i}.{attn}": heads
+                                                     for i in range(len(model.transformer_blocks))
+                                                     for attn in ("attn1", "attn2")})
+
+
 def parallelize_cosmos(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> ParallelCosmos:
-    """Shard Cosmos' video tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
+    """Shard Cosmos' video tokens over the mesh's sequence ranks (and its batch over CFG groups), and its
+    block weights over the tp ranks (not undone by restore())."""
     if model.config.controlnet_block_every_n is not None:
         raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
     mesh.plan.check(num_heads=model.config.num_attention_heads)
+    split_over_mesh(model, cosmos_weights, mesh)
     replaced = []
     if mesh.plan.seq_degree > 1:
         replaced = replace_processors(

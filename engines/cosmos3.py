@@ -59,6 +59,7 @@ from engines.attention import (
 from engines.collectives import all_gather
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, gather_tokens, shard_tokens
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 GEN = 0  # the only sharded segment: the generation stream
@@ -239,9 +240,37 @@ class ParallelCosmos3(ParallelTransformer):
         return super().restore()
 
 
+def cosmos3_weights(model: Cosmos3OmniTransformer, tp: int) -> WeightSplit:
+    """Cosmos 3's tensor-parallel split (engines.tensor_parallel): per layer and for both streams (und and
+    gen weights), q/k/v and the MLP's gate and up projections column-parallel, the attention outputs and the
+    MLP's down projection row-parallel. The K/V heads are split like the query heads where tp divides them;
+    where tp is a multiple of them, each K/V head is kept by the tp / kv ranks whose query heads read it.
+    The processors read the head counts from the attention module: each rank's are set there."""
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tp degree {tp} neither divides nor is a multiple of the model's {kv_heads} K/V heads")
+    key_value = LinearSplit(style="column", replicas=max(tp // kv_heads, 1))
+    local_kv = max(kv_heads // tp, 1)
+    linears: dict[str, LinearSplit] = {}
+    for index, layer in enumerate(model.layers):
+        prefix = f"layers.{index}"
+        linears |= {f"{prefix}.self_attn.{name}": COLUMN for name in ("to_q", "add_q_proj")}
+        linears |= {f"{prefix}.self_attn.{name}": key_value for name in ("to_k", "to_v", "add_k_proj", "add_v_proj")}
+        linears |= {f"{prefix}.self_attn.{name}": ROW for name in ("to_out", "to_add_out")}
+        for mlp in ("mlp", "mlp_moe_gen"):
+            gate = ("gate_proj",) if getattr(layer, mlp).hidden_act == "silu" else ()
+            linears |= {f"{prefix}.{mlp}.{name}": COLUMN for name in (*gate, "up_proj")}
+            linears[f"{prefix}.{mlp}.down_proj"] = ROW
+    counts = {"num_attention_heads": heads // tp, "num_key_value_heads": local_kv,
+              "num_key_value_groups": heads // tp // local_kv}
+    return WeightSplit(linears=linears, head_counts={f"layers.{i}.self_attn": counts for i in range(len(model.layers))})
+
+
 def parallelize_cosmos3(model: Cosmos3OmniTransformer, mesh: ParallelMesh) -> ParallelCosmos3:
-    """Shard Cosmos 3's gen stream over the mesh's sequence ranks (and its guidance calls over CFG groups)."""
+    """Shard Cosmos 3's gen stream over the mesh's sequence ranks (and its guidance calls over CFG groups),
+    and its layer weights over the tp ranks (not undone by restore())."""
     mesh.plan.check(num_heads=model.config.num_attention_heads)
+    split_over_mesh(model, cosmos3_weights, mesh)
     replaced = []
     if mesh.plan.seq_degree > 1:
         replaced = replace_processors([layer.self_attn for layer in model.layers], Cosmos3ContextParallelProcessor(mesh))

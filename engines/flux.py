@@ -17,6 +17,10 @@ What changes in the model, by concern (each undone by ParallelFlux.restore):
   while the attention's exchanges travel (diffusers' order leaves every exchange exposed).
 - engines/flux_modulation.py: with one sequence axis the AdaLN modulations of all blocks are computed
   once per forward and shared out over the ranks (SharedModulation).
+- engines/tensor_parallel.py: with a tp axis every block's linears are split (flux_weights says how);
+  this one is not undone (the weights that are not kept are gone). The single-stream blocks then stay
+  diffusers' own: OverlappedSingleBlock splits proj_out by input columns itself, which the row-parallel
+  proj_out already is.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engines.flux_blocks import OverlappedSingleBlock
 from engines.flux_modulation import SharedModulation
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
@@ -151,14 +156,50 @@ class ParallelFlux(ParallelTransformer):
         return super().restore()
 
 
-def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> ParallelFlux:
-    """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups).
+def _attention_weights(prefix: str, attn: nn.Module, streams: tuple[str, ...]) -> dict[str, LinearSplit]:
+    """q/k/v projections of a FLUX attention (column-parallel), plain and, after diffusers'
+    fuse_qkv_projections, fused (packed q, k, v): `streams` are the fused names, to_qkv and to_added_qkv."""
+    plain = {"to_qkv": ("to_q", "to_k", "to_v"), "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
+    out = {f"{prefix}.{name}": COLUMN for stream in streams for name in plain[stream]}
+    if attn.fused_projections:
+        out |= {f"{prefix}.{stream}": LinearSplit(style="column", blocks=(attn.inner_dim,) * 3) for stream in streams}
+    return out
 
-    With one sequence axis (Ulysses, ring or all-gather) the single-stream blocks become
-    OverlappedSingleBlocks and the modulations are shared (restore() undoes both).
+
+def flux_weights(model: FluxTransformer2DModel, tp: int) -> WeightSplit:
+    """FLUX.1's tensor-parallel split (engines.tensor_parallel): per double-stream block, both streams'
+    q/k/v and MLP-in column-parallel, their attention outputs and MLP-out row-parallel; per single-stream
+    block, q/k/v and proj_mlp column-parallel and proj_out row-parallel over its two input parts,
+    [attention, MLP]. The AdaLN modulation linears (norm*.linear) stay whole."""
+    linears: dict[str, LinearSplit] = {}
+    for index, block in enumerate(model.transformer_blocks):
+        prefix = f"transformer_blocks.{index}"
+        linears |= _attention_weights(f"{prefix}.attn", block.attn, ("to_qkv", "to_added_qkv"))
+        linears |= {f"{prefix}.attn.to_out.0": ROW, f"{prefix}.attn.to_add_out": ROW}
+        for ff in ("ff", "ff_context"):
+            linears |= {f"{prefix}.{ff}.net.0.proj": COLUMN, f"{prefix}.{ff}.net.2": ROW}
+    for index, block in enumerate(model.single_transformer_blocks):
+        prefix = f"single_transformer_blocks.{index}"
+        linears |= _attention_weights(f"{prefix}.attn", block.attn, ("to_qkv",))
+        linears[f"{prefix}.proj_mlp"] = COLUMN
+        attention_width = model.config.num_attention_heads * model.config.attention_head_dim
+        linears[f"{prefix}.proj_out"] = LinearSplit(style="row", blocks=(attention_width, block.mlp_hidden_dim))
+    heads = model.config.num_attention_heads // tp
+    attentions = [f"transformer_blocks.{i}.attn" for i in range(len(model.transformer_blocks))]
+    attentions += [f"single_transformer_blocks.{i}.attn" for i in range(len(model.single_transformer_blocks))]
+    return WeightSplit(linears=linears, head_counts={name: {"heads": heads} for name in attentions})
+
+
+def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> ParallelFlux:
+    """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups),
+    and its block weights over the tp ranks.
+
+    With one sequence axis (Ulysses, ring or all-gather) and no tp axis the single-stream blocks become
+    OverlappedSingleBlocks; with one sequence axis the modulations are shared (restore() undoes both).
     """
     plan = mesh.plan
     plan.check(num_heads=model.config.num_attention_heads)
+    split_over_mesh(model, flux_weights, mesh)
     replaced = []
     if plan.seq_degree > 1:
         attentions = [b.attn for b in model.transformer_blocks] + [b.attn for b in model.single_transformer_blocks]
@@ -166,7 +207,7 @@ def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> Paral
     modulation = None
     if plan.seq_degree > 1 and (plan.ulysses == 1 or plan.ring == 1):  # one sequence axis
         blocks = model.single_transformer_blocks
-        for index, block in enumerate(blocks):
+        for index, block in enumerate(blocks if plan.tp == 1 else []):
             blocks[index] = OverlappedSingleBlock(block, mesh)
         if plan.ulysses > 1:
             modulation = SharedModulation(model, mesh.ulysses_group, mesh.ulysses_rank, plan.ulysses)

@@ -40,6 +40,7 @@ from engines.flux import IMAGE, shard_joint_tokens
 from engines.flux_attention import FluxContextParallelProcessor
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 class Flux2SingleProcessor:
@@ -61,7 +62,11 @@ class Flux2SingleProcessor:
         if attention_mask is not None:
             raise ValueError("FLUX.2 attention masks are not supported with context parallelism")
         projected = attn.to_qkv_mlp_proj(hidden_states)
-        qkv, mlp = projected.split([3 * attn.inner_dim, projected.shape[-1] - 3 * attn.inner_dim], dim=-1)
+        # q/k/v's share of the fused projection by the global ratio, as diffusers: under tensor parallelism
+        # each rank's slice keeps [q, k, v, MLP] in that ratio (flux2_weights)
+        qkv_width = 3 * attn.inner_dim
+        local_qkv = projected.shape[-1] * qkv_width // (qkv_width + attn.mlp_hidden_dim * attn.mlp_mult_factor)
+        qkv, mlp = projected.split([local_qkv, projected.shape[-1] - local_qkv], dim=-1)
         query, key, value = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
         query, key = attn.norm_q(query), attn.norm_k(key)
         if image_rotary_emb is not None:
@@ -150,9 +155,39 @@ class ParallelFlux2(ParallelTransformer):
         return model.proj_out(hidden_states)
 
 
+def flux2_weights(model: Flux2Transformer2DModel, tp: int) -> WeightSplit:
+    """FLUX.2's tensor-parallel split (engines.tensor_parallel): per double-stream block, both streams'
+    q/k/v column-parallel and attention outputs row-parallel, the SwiGLU MLP-in column-parallel over its
+    [gate, up] halves and MLP-out row-parallel; per single-stream block, the fused projection
+    column-parallel over its [q, k, v, gate, up] parts and the fused output row-parallel over
+    [attention, MLP]. The shared modulation layers stay whole."""
+    linears: dict[str, LinearSplit] = {}
+    for index, block in enumerate(model.transformer_blocks):
+        prefix = f"transformer_blocks.{index}"
+        if block.attn.fused_projections:
+            raise ValueError("tensor parallelism splits FLUX.2's unfused q/k/v projections: do not fuse them")
+        names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+        linears |= {f"{prefix}.attn.{name}": COLUMN for name in names}
+        linears |= {f"{prefix}.attn.to_out.0": ROW, f"{prefix}.attn.to_add_out": ROW}
+        swiglu = LinearSplit(style="column", blocks=(block.mlp_hidden_dim,) * 2)
+        for ff in ("ff", "ff_context"):
+            linears |= {f"{prefix}.{ff}.linear_in": swiglu, f"{prefix}.{ff}.linear_out": ROW}
+    for index, block in enumerate(model.single_transformer_blocks):
+        prefix, attn = f"single_transformer_blocks.{index}.attn", block.attn
+        mlp = (attn.mlp_hidden_dim,) * attn.mlp_mult_factor
+        linears[f"{prefix}.to_qkv_mlp_proj"] = LinearSplit(style="column", blocks=(attn.inner_dim,) * 3 + mlp)
+        linears[f"{prefix}.to_out"] = LinearSplit(style="row", blocks=(attn.inner_dim, attn.mlp_hidden_dim))
+    heads = {"heads": model.config.num_attention_heads // tp}
+    attentions = [f"transformer_blocks.{i}.attn" for i in range(len(model.transformer_blocks))]
+    attentions += [f"single_transformer_blocks.{i}.attn" for i in range(len(model.single_transformer_blocks))]
+    return WeightSplit(linears=linears, head_counts={name: heads for name in attentions})
+
+
 def parallelize_flux2(model: Flux2Transformer2DModel, mesh: ParallelMesh) -> ParallelFlux2:
-    """Shard FLUX.2's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups)."""
+    """Shard FLUX.2's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups),
+    and its block weights over the tp ranks (not undone by restore())."""
     mesh.plan.check(num_heads=model.config.num_attention_heads)
+    split_over_mesh(model, flux2_weights, mesh)
     replaced: list[tuple[nn.Module, Any]] = []
     if mesh.plan.seq_degree > 1:
         replaced = replace_processors([b.attn for b in model.transformer_blocks], FluxContextParallelProcessor(mesh))

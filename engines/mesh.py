@@ -11,15 +11,17 @@ from engines.copy_engine import CopyEngineTransport, check_transport
 from engines.distributed import ParallelContext
 from engines.plan import ParallelPlan
 
-AXES = ("cfg", "ring", "ulysses")
+AXES = ("cfg", "ring", "ulysses", "tp")
+"""Mesh axes, outermost first (ParallelPlan says why tp is innermost)."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelMesh:
     """Process groups and coordinates of this rank for a ParallelPlan.
 
-    The global rank is cfg_rank * ring * ulysses + ring_rank * ulysses + ulysses_rank, and the
-    sequence shard held by a rank is seq_rank = ring_rank * ulysses + ulysses_rank.
+    The global rank is ((cfg_rank * ring + ring_rank) * ulysses + ulysses_rank) * tp + tp_rank, and
+    the sequence shard held by a rank is seq_rank = ring_rank * ulysses + ulysses_rank (the same for
+    every rank of a tp group).
     """
 
     plan: ParallelPlan
@@ -31,6 +33,11 @@ class ParallelMesh:
     ulysses_rank: int
     ring_rank: int
     cfg_rank: int
+    tp_group: dist.ProcessGroup | None = None
+    """Ranks that split the weights (None without tensor parallelism)."""
+    tp_rank: int = 0
+    tp_group_name: str = ""
+    """tp_group.group_name, read here once (the row-parallel all-reduce is traced with it)."""
     all_to_all: str = "nccl"
     """How the context-parallel exchanges (Ulysses all-to-alls, ring K/V passes) travel: "nccl"
     (the group's collectives) or "copy-engine" (engines/copy_engine.py)."""
@@ -79,8 +86,8 @@ def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl
             plan=plan, device_mesh=None, ulysses_group=None, ring_group=None, cfg_group=None,
             ulysses_rank=0, ring_rank=0, cfg_rank=0,
         )
-    mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses), mesh_dim_names=AXES)
-    ulysses, ring = mesh.get_group("ulysses"), mesh.get_group("ring")
+    mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses, plan.tp), mesh_dim_names=AXES)
+    ulysses, ring, tp = mesh.get_group("ulysses"), mesh.get_group("ring"), mesh.get_group("tp")
     return ParallelMesh(
         plan=plan,
         device_mesh=mesh,
@@ -90,6 +97,9 @@ def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl
         ulysses_rank=mesh.get_local_rank("ulysses"),
         ring_rank=mesh.get_local_rank("ring"),
         cfg_rank=mesh.get_local_rank("cfg"),
+        tp_group=tp,
+        tp_rank=mesh.get_local_rank("tp"),
+        tp_group_name=tp.group_name,
         all_to_all=all_to_all,
         ulysses_group_name=ulysses.group_name,
         ring_group_name=ring.group_name,

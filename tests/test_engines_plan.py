@@ -141,3 +141,19 @@ def test_shard_tokens_pads_and_batch_checks() -> None:
     assert split_batch(torch.ones(1, 3), mesh, batch=4).shape == (1, 3)  # batch-1 tensors broadcast
     with pytest.raises(ValueError, match="leading batch dimension of 4"):
         split_batch(torch.ones(3), mesh, batch=4)
+
+
+def test_tensor_parallel_degree_in_the_plan() -> None:
+    plan = ParallelPlan(ulysses=2, tp=2, cfg=2)
+    assert plan.world_size == 8 and plan.seq_degree == 2 and plan.label == "cfg-2xulysses-2xtp-2"
+    with pytest.raises(ValueError, match="tp degree must be a positive integer"):
+        ParallelPlan(tp=0)
+    with pytest.raises(ValueError, match="tp degree 4 does not divide the model's 6 attention heads"):
+        ParallelPlan(tp=4).check(world_size=4, num_heads=6)
+    with pytest.raises(ValueError, match="heads must divide by tp x ulysses"):
+        ParallelPlan(ulysses=4, tp=2).check(world_size=8, num_heads=12)
+    assert ParallelPlan.auto(8, 24, tp=2) == ParallelPlan(ulysses=4, tp=2)
+    assert ParallelPlan.auto(8, 6, tp=2) == ParallelPlan(strategy="ring", ring=4, tp=2)  # 3 heads per tp rank
+    assert ParallelPlan.auto(8, 24, tp=2, cfg=2) == ParallelPlan(ulysses=2, cfg=2, tp=2)
+    with pytest.raises(ValueError, match="tp degree 3 does not divide the 8 ranks"):
+        ParallelPlan.auto(8, 24, tp=3)

@@ -1,0 +1,121 @@
+"""Tensor parallelism (engines/tensor_parallel.py), alone and with Ulysses or ring, on spawned gloo ranks
+(CPU, float32) against one process, for each family's tiny transformer.
+
+The tiny configs have 8 query heads (FLUX.1, Cosmos, FLUX.2: split by tp 2 and 4, and by tp 2 x
+ulysses 2) and Cosmos 3's 24 query heads over 2 K/V heads (tp 4 keeps each K/V head on two ranks).
+Each plan splits a fresh copy of the reference model: split weights are not put back.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import (
+    COSMOS_TINY,
+    FLUX_TINY,
+    cosmos3_inputs,
+    cosmos_inputs,
+    flux_inputs,
+    join_ranks,
+    parallelize,
+    randomize,
+    spawn_ranks,
+    tiny_cosmos3,
+)
+
+TOLERANCE = 1e-5
+FAMILIES = ("flux", "cosmos", "flux2", "cosmos3")
+
+
+def plans(world_size: int) -> list:
+    from engines.plan import ParallelPlan
+
+    if world_size == 2:
+        return [ParallelPlan(tp=2)]
+    return [ParallelPlan(tp=4), ParallelPlan(ulysses=2, tp=2), ParallelPlan(strategy="ring", ring=2, tp=2)]
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    """The family's tiny transformer with 8 query heads (Cosmos 3: its own 24 over 2 K/V heads), random weights."""
+    from diffusers import CosmosTransformer3DModel, Flux2Transformer2DModel, FluxTransformer2DModel
+
+    from training.tiny_models import FLUX2_TINY_TRANSFORMER
+
+    torch.manual_seed(0)
+    if family == "flux":
+        model = FluxTransformer2DModel(**{**FLUX_TINY, "num_attention_heads": 8})
+    elif family == "cosmos":
+        model = CosmosTransformer3DModel(**{**COSMOS_TINY, "num_attention_heads": 8, "concat_padding_mask": False,
+                                            "extra_pos_embed_type": "learnable"})
+    elif family == "flux2":
+        model = Flux2Transformer2DModel(**{**FLUX2_TINY_TRANSFORMER, "num_attention_heads": 8, "joint_attention_dim": 32})
+    else:
+        model = tiny_cosmos3()
+    return randomize(model)
+
+
+def model_calls(family: str, model: torch.nn.Module) -> list[dict]:
+    """Keyword arguments of the reference calls; token counts that the sequence degrees do not divide."""
+    from tests.test_engines_flux2 import flux2_inputs
+
+    torch.manual_seed(1)
+    if family == "flux":
+        return [flux_inputs((3, 4), 5)]
+    if family == "cosmos":
+        return [cosmos_inputs((3, 3, 5))]
+    if family == "flux2":
+        return [flux2_inputs(7, (5, 3), None, batch=2)]
+    return [cosmos3_inputs(model, 7, (3, 3, 5))]
+
+
+def output(family: str, module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
+    """The prediction of one call (Cosmos 3 returns one per modality: its vision one)."""
+    if family == "cosmos3":
+        return module(**kwargs, return_dict=False)[0][0]
+    return module(**kwargs)[0]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    join_ranks(rank, world_size, port)
+    from engines.distributed import init_parallel, shutdown
+
+    ctx = init_parallel("cpu")
+    results = []
+    for family in FAMILIES:
+        reference = tiny_model(family)
+        calls = model_calls(family, reference)
+        with torch.no_grad():
+            expected = [output(family, reference, kwargs) for kwargs in calls]
+            for plan in plans(world_size):
+                model = copy.deepcopy(reference)
+                whole = sum(p.numel() for p in model.parameters())
+                parallel = parallelize(model, ctx, plan)
+                kept = sum(p.numel() for p in model.parameters())
+                got = [output(family, parallel, kwargs) for kwargs in calls]
+                results.append(dict(
+                    family=family, plan=plan.label, kept=kept / whole,
+                    same_shape=all(g.shape == e.shape for g, e in zip(got, expected)),
+                    err=max((g - e).abs().max().item() for g, e in zip(got, expected)),
+                    scale=max(e.abs().max().item() for e in expected)))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    shutdown(ctx)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_matches_single_process(world_size: int, tmp_path: Path) -> None:
+    spawn_ranks(_worker, world_size, str(tmp_path))
+    count = 0
+    for rank in range(world_size):
+        for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+            case = f"{r['family']} {r['plan']} on rank {rank}"
+            assert r["same_shape"], case
+            assert r["scale"] > 0.01, f"{case}: output too small to compare ({r['scale']:.3g})"
+            assert r["err"] <= TOLERANCE, f"{case}: max error {r['err']:.3g}"
+            assert r["kept"] < 0.9, f"{case}: the rank kept {r['kept']:.0%} of the parameters"
+            count += 1
+    assert count == world_size * len(plans(world_size)) * len(FAMILIES)
