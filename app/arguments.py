@@ -67,6 +67,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "of the ranks, each half splitting the sequence (needs an even number of ranks; "
                              "requests then need guidance above 1). Image (FLUX-style) models have one branch "
                              "and are unaffected")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="tensor parallelism: N ranks split every transformer block's weights (and heads), for "
+                             "models larger than one GPU; the other ranks' axes (--strategy, --cfg-parallel) split "
+                             "the rest, so tp x ulysses x ring x cfg = ranks. Default: `launch` picks the smallest "
+                             "N whose weights fit the GPUs' memory, 1 otherwise (docs/tensor-parallel.md)")
     default = backend_default or "inductor-blocks on GPUs (+cudagraph with --fp8 and no --cache), eager on CPUs"
     parser.add_argument("--backend", default=backend_default, type=backend_label,
                         help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
@@ -119,7 +124,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     try:
         return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                           all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
-                          rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache)
+                          rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache, tp=args.tp or 1)
     except ValueError as error:
         raise OptionsError(str(error)) from None
 

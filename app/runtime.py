@@ -105,10 +105,14 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     lost = False
     pipelines = {}
     try:
-        if options.cfg_parallel and (ctx.world_size < 2 or ctx.world_size % 2):
+        if ctx.world_size % options.tp:
             # Every rank sees the same world size: all of them stop here, before any collective.
+            raise StartupError(f"--tp {options.tp} splits the weights over groups of {options.tp} ranks: the number "
+                               f"of ranks must be a multiple of it, this run has {ctx.world_size}")
+        rest = ctx.world_size // options.tp
+        if options.cfg_parallel and (rest < 2 or rest % 2):
             raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it needs "
-                               f"an even number of ranks, this run has {ctx.world_size}")
+                               f"an even number of rank groups besides --tp, this run has {rest}")
         if ctx.device.type == "cpu" and ctx.is_distributed:
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
@@ -194,7 +198,7 @@ def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
         family = family_of(pipeline.spec)
         cfg = 2 if options.cfg_parallel and uses_guidance_batch(pipeline.spec) else 1
         heads = pipeline.transformer_config.num_attention_heads
-        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=options.strategy, cfg=cfg)
+        plan = ParallelPlan.auto(ctx.world_size, heads, strategy=options.strategy, cfg=cfg, tp=options.tp)
         pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, load(family.parallelize),
                                                          all_to_all=options.all_to_all))
         labels.append(plan.describe(options.all_to_all))

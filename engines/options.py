@@ -211,8 +211,17 @@ class RunOptions:
     cache: str | None = None
     """A CacheOptions label ("fbcache", "fbcache:0.12"): steps whose first block barely changed skip the
     other blocks (engines/step_cache.py): faster, approximate. None: every step computed."""
+    tp: int = 1
+    """Ranks that split each transformer block's weights (tensor parallelism, engines/tensor_parallel.py);
+    the other axes split the rest of the ranks as without it."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"--tp must be a positive integer, got {self.tp!r}")
+        if self.tp > 1 and self.fp8:
+            raise ValueError("--fp8 does not combine with --tp: torchao quantizes each weight whole (one scale per "
+                             "output row), and splitting FP8 weights and their scales over the ranks is not "
+                             "implemented; run one of the two")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.all_to_all not in TRANSPORTS:

@@ -75,6 +75,10 @@ def test_run_options_are_checked_once() -> None:
     assert RunOptions().engine("cuda").label == "inductor-blocks"
     assert RunOptions().engine("cpu").label == "eager"
     assert RunOptions(backend="inductor+cudagraph").engine("cpu").cuda_graph
+    with pytest.raises(ValueError, match="--tp must be a positive integer"):
+        RunOptions(tp=0)
+    with pytest.raises(ValueError, match="--fp8 does not combine with --tp"):
+        RunOptions(tp=2, fp8=True)
 
 
 def test_help_needs_no_torch() -> None:
