@@ -1,56 +1,44 @@
 """Parameter memory per rank of a registered architecture, counted on the meta device (no weights, no GPU).
 
-    python -m benchmarks.memory --model cosmos3-nano,cosmos3-super,flux-dev
+    python -m benchmarks.memory --model cosmos3-super,flux2-dev --tp 1,2,4,8
 
-Context parallelism (Ulysses, ring, all-gather, CFG) splits the tokens, not the weights: every rank
-holds the whole transformer, so its parameter bytes are the same at 1 and at 8 ranks. The text
-encoders and the VAE live on rank 0 only and are listed apart.
+Context parallelism (Ulysses, ring, all-gather, CFG) splits the tokens, not the weights: without
+tensor parallelism every rank holds the whole transformer. With --tp N each rank keeps 1/N of every
+block's linear weights (engines/tensor_parallel.py) and the small replicated layers (embedders,
+modulation, norms) whole. The text encoders and the VAE live on rank 0 only and are listed apart
+(FLUX.2-dev's 24B text encoder stays in rank 0's host memory: docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-
 from benchmarks.inputs import bench_model, benchmarkable
-from pipelines.family import load
+from pipelines.memory import GIB, published_rank0_components, transformer_parameters
 from pipelines.registry import get_spec
-
-GIB = 1024**3
-
-
-def parameters_on_meta(cls: type, **config) -> int:
-    """Parameters of cls(**config), built on the meta device."""
-    with torch.device("meta"):
-        module = cls(**config)
-    return sum(p.numel() for p in module.parameters())
-
-
-def rank0_parameters(name: str) -> int:
-    """Parameters of the text encoders and VAE of checkpoint `name` (rank 0's extra share)."""
-    arch = get_spec(name).architecture
-    total = parameters_on_meta(load(arch.vae_class), **arch.vae)
-    for reference, config in arch.text_encoders.values():
-        cls = load(reference)
-        with torch.device("meta"):
-            total += sum(p.numel() for p in cls(cls.config_class(**config)).parameters())
-    return total
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="cosmos3-nano,cosmos3-super",
                         help=f"comma-separated, of {', '.join(benchmarkable())}")
+    parser.add_argument("--tp", default="1", help="comma-separated tensor-parallel degrees (default 1), e.g. 1,2,4,8")
     parser.add_argument("--bytes", type=int, default=2, help="bytes per parameter (default 2: bfloat16)")
     args = parser.parse_args(argv)
-    print(f"{'model':<32} {'transformer':>12} {'per rank, 1-8 ranks':>20} {'rank 0 adds':>12}")
+    degrees = [int(tp) for tp in args.tp.split(",")]
+    columns = "".join(f"{f'tp {tp} per rank':>16}" for tp in degrees)
+    print(f"{'model':<32} {'transformer':>12}{columns} {'rank 0 adds':>12}")
     for name in args.model.split(","):
         model = bench_model(name)
-        count = parameters_on_meta(model.model_class, **model.config)
-        extra = rank0_parameters(name)
-        print(f"{name:<32} {count / 1e9:>10.2f} B {count * args.bytes / GIB:>16.1f} GiB "
-              f"{extra * args.bytes / GIB:>8.1f} GiB")
+        whole = transformer_parameters(model.family, model.config, 1)
+        cells = ""
+        for tp in degrees:
+            try:
+                cells += f"{transformer_parameters(model.family, model.config, tp) * args.bytes / GIB:>12.1f} GiB"
+            except ValueError:  # this degree does not split the model (heads, K/V heads)
+                cells += f"{'-':>16}"
+        extra = sum(published_rank0_components(get_spec(name)).values())
+        print(f"{name:<32} {whole / 1e9:>10.2f} B{cells} {extra * args.bytes / GIB:>8.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -196,6 +196,20 @@ def split_weights(model: nn.Module, weights: WeightSplit, *, tp: int, rank: int,
             setattr(modules[name], attribute, count)
 
 
+def rank_parameters(model: nn.Module, split: WeightSplit, tp: int) -> int:
+    """Parameters (elements) one rank of `tp` keeps of `model` (whole, on any device, meta included)
+    under `split`: every rank keeps the same count."""
+    total = 0
+    for name, parameter in model.named_parameters():
+        ranges = split.parameter_ranges(name, tuple(parameter.shape), tp, 0) if tp > 1 else None
+        if ranges is None:
+            total += parameter.numel()
+        else:
+            dim, kept = ranges
+            total += parameter.numel() // parameter.shape[dim] * sum(length for _, length in kept)
+    return total
+
+
 def split_over_mesh(model: nn.Module, weights: Callable[[nn.Module, int], WeightSplit], mesh: ParallelMesh) -> None:
     """Split `model`'s weights over the mesh's tp group (nothing without one), by its family's split
     `weights(model, tp)` (read from the model's config, so a model loaded split gives the same one)."""

@@ -111,6 +111,9 @@ class ModelFamily:
     """Reference of our pipeline class (encode -> denoise -> decode), e.g. "pipelines.flux:FluxImagePipeline"."""
     parallelize: str
     """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer."""
+    tensor_parallel: str
+    """Reference of its tensor-parallel split, a function (model, tp) -> engines.tensor_parallel.WeightSplit
+    (its adapter splits by it; sharded loading and the memory plan read it)."""
     repeated_blocks: tuple[str, ...]
     """Names of the transformer's ModuleLists of repeated blocks (per-block compilation)."""
     block_outputs: tuple[tuple[str, ...], ...]

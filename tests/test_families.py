@@ -30,6 +30,7 @@ TOY = ModelFamily(
     transformer="diffusers:FluxTransformer2DModel",
     pipeline="pipelines.flux:FluxImagePipeline",
     parallelize="engines.flux:parallelize_flux",
+    tensor_parallel="engines.flux:flux_weights",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
     block_outputs=(("encoder_hidden_states", "hidden_states"), ("encoder_hidden_states", "hidden_states")),
     cache_stream="hidden_states",
@@ -125,7 +126,8 @@ def test_every_place_reads_the_built_in_records() -> None:
     from pipelines.registry import FAMILIES, MODELS, family_of
 
     for family in FAMILIES.values():
-        for reference in (family.transformer, family.pipeline, family.parallelize, family.limits, family.bench.inputs):
+        for reference in (family.transformer, family.pipeline, family.parallelize, family.tensor_parallel, family.limits,
+                          family.bench.inputs):
             assert callable(load(reference)), reference
     for spec in MODELS.values():
         assert spec in family_of(spec).models

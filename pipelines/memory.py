@@ -1,0 +1,79 @@
+"""Parameter memory per rank of a checkpoint, counted without reading weights: the transformer built on the
+meta device and split at a tp degree (its family's split), the other components from their safetensors
+headers (a real folder) or their published configs (benchmarks on random weights).
+
+Context parallelism (Ulysses, ring, all-gather, CFG) splits the tokens, not the weights: only tensor
+parallelism divides the transformer's bytes. The text encoders and the VAE live on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.family import ModelFamily, load
+from pipelines.registry import ModelSpec
+
+GIB = 1024**3
+
+
+def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:
+    """Parameters one rank keeps of the family's transformer built from `config`, split over `tp` ranks;
+    ValueError when the split does not divide (heads, K/V heads or widths)."""
+    from engines.plan import ParallelPlan
+    from engines.tensor_parallel import rank_parameters
+
+    ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
+    with torch.device("meta"):
+        model = load(family.transformer)(**config)
+    split = load(family.tensor_parallel)(model, tp)
+    split.check(model, tp)
+    return rank_parameters(model, split, tp)
+
+
+def folder_transformer_config(folder: Path) -> dict[str, Any]:
+    """The transformer's config in a diffusers folder, without its private keys."""
+    config = json.loads((Path(folder) / "transformer" / "config.json").read_text())
+    return {key: value for key, value in config.items() if not key.startswith("_")}
+
+
+def safetensors_parameters(folder: Path) -> int:
+    """Parameters stored in the safetensors files under `folder` (their headers only are read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(folder).rglob("*.safetensors"):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                total += torch.Size(handle.get_slice(name).get_shape()).numel()
+    return total
+
+
+def rank0_components(folder: Path, names: list[str]) -> dict[str, int]:
+    """Parameters of the components `names` (text encoders, VAE) of a diffusers folder, by name."""
+    return {name: safetensors_parameters(Path(folder) / name) for name in names if (Path(folder) / name).is_dir()}
+
+
+def published_rank0_components(spec: ModelSpec) -> dict[str, int]:
+    """Parameters of the text encoders and VAE of a checkpoint's published architecture, by component name."""
+    arch = spec.architecture
+    if arch is None:
+        raise ValueError(f"no published architecture is recorded for '{spec.name}'")
+    with torch.device("meta"):
+        out = {"vae": sum(p.numel() for p in load(arch.vae_class)(**arch.vae).parameters())}
+        for name, (reference, config) in arch.text_encoders.items():
+            cls = load(reference)
+            out[name] = sum(p.numel() for p in cls(cls.config_class(**config)).parameters())
+    return out
+
+
+def spec_transformer_config(spec: ModelSpec, folder: Path | None) -> dict[str, Any]:
+    """The transformer config of `spec`: its folder's where the folder has one, else the published one."""
+    if folder is not None and (Path(folder) / "transformer" / "config.json").is_file():
+        return folder_transformer_config(folder)
+    if spec.architecture is None:
+        raise ValueError(f"'{spec.name}' has neither a local transformer config nor a published architecture")
+    return dict(spec.architecture.transformer)
