@@ -55,6 +55,10 @@ class LaunchError(ValueError):
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help=f"ranks to start (default: the visible GPUs, or {DEFAULT_CPU_RANKS} CPU ranks without one)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="memory per GPU to plan for, in GiB (default: the least free memory of the visible GPUs; "
+                             "none on a machine without one): without --tp, the command runs with the smallest tp "
+                             "degree whose weights fit, and a model that fits no degree is refused before loading")
     parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND ...",
                         help=f"one of {', '.join(LAUNCHABLE)} and its arguments")
 
@@ -91,13 +95,17 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if not command_line or command_line[0] not in LAUNCHABLE:
         raise LaunchError(f"launch needs a command: one of {', '.join(LAUNCHABLE)} (e.g. `launch --nproc 2 serve`)")
     inner = parser.parse_args(command_line)
-    inner.check(inner)  # user mistakes end here, in one line, before any rank starts
+    checked = inner.check(inner)  # user mistakes end here, in one line, before any rank starts
     run_options(inner)
 
     cuda = _cuda_visible()
     nproc = args.nproc if args.nproc is not None else default_nproc()
     if nproc < 1:
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    if inner.tp is not None and nproc % inner.tp:
+        raise LaunchError(f"--tp {inner.tp} splits the weights over groups of {inner.tp} ranks: --nproc {nproc} is "
+                          f"not a multiple of it")
+    command_line += plan_memory(checked, inner.tp, nproc, args.gpu_memory, cuda)
     env = dict(os.environ)
     if not cuda:
         from app.runtime import cpu_threads_per_rank
@@ -124,6 +132,24 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return 130 if interrupted and reported == 0 else reported
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def plan_memory(checked: object, tp: int | None, nproc: int, gpu_memory_gib: float | None, cuda: bool) -> list[str]:
+    """Check that the launched models' weights fit the GPUs (app.memory_plan) and say with which tp; the
+    `--tp N` to add to the command line where it gave none. Nothing to check on CPUs without --gpu-memory."""
+    from app.memory_plan import MemoryPlanError, choose_tp, gpu_memory
+    from pipelines.memory import GIB
+
+    gpu_bytes = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else (gpu_memory() if cuda else None)
+    if gpu_bytes is None:
+        return []
+    models = list(checked.models) if hasattr(checked, "models") else [(checked.spec, checked.folder)]
+    try:
+        plan = choose_tp(models, nproc=nproc, gpu_bytes=gpu_bytes, requested=tp)
+    except MemoryPlanError as error:
+        raise LaunchError(str(error)) from None
+    print(f"launch: {plan.describe()}" + ("" if tp else " (the smallest tp that fits)"), file=sys.stderr, flush=True)
+    return [] if tp else ["--tp", str(plan.tp)]
 
 
 def _without_option(command_line: list[str], option: str) -> list[str]:

@@ -18,6 +18,15 @@ from pipelines.family import ModelFamily, load
 from pipelines.registry import ModelSpec
 
 GIB = 1024**3
+HOST_TEXT_ENCODER_PARAMETERS = 12e9
+"""A text encoder larger than this (FLUX.2-dev's 24B Mistral) stays in rank 0's host memory and runs with its
+layers streamed to the GPU one at a time (docs/tensor-parallel.md): it would take most of a GPU for a few
+hundred tokens per request."""
+
+
+def on_host(component: str, parameters: int) -> bool:
+    """Whether rank 0 keeps `component` in host memory rather than on its GPU."""
+    return component.startswith("text_encoder") and parameters > HOST_TEXT_ENCODER_PARAMETERS
 
 
 def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:
@@ -68,6 +77,17 @@ def published_rank0_components(spec: ModelSpec) -> dict[str, int]:
             cls = load(reference)
             out[name] = sum(p.numel() for p in cls(cls.config_class(**config)).parameters())
     return out
+
+
+def rank0_gpu_parameters(spec: ModelSpec, folder: Path | None) -> int:
+    """Parameters rank 0 holds on its GPU besides its transformer share: its folder's text encoders and VAE
+    where it has them (else the published ones), less those kept in host memory (on_host)."""
+    names = ["vae", *(spec.architecture.text_encoders if spec.architecture else ()), "text_encoder", "text_encoder_2"]
+    if folder is not None and any((Path(folder) / name).is_dir() for name in names):
+        components = rank0_components(folder, list(dict.fromkeys(names)))
+    else:
+        components = published_rank0_components(spec)
+    return sum(count for name, count in components.items() if not on_host(name, count))
 
 
 def spec_transformer_config(spec: ModelSpec, folder: Path | None) -> dict[str, Any]:

@@ -1,0 +1,84 @@
+"""The tensor-parallel degree a launch runs with: the smallest whose weights fit the GPUs' memory.
+
+Counted before any rank starts, without reading weights (pipelines/memory.py): per rank, the
+transformer's share at a tp degree plus, on rank 0 (the fullest), the text encoders and VAE that stay
+on its GPU, at 2 bytes a parameter (the GPUs' bfloat16). Weights may take WEIGHTS_SHARE of a GPU's
+memory; the rest is for activations, workspaces and the CUDA context. The GPUs' memory is the least
+free memory of the visible GPUs (torch.cuda.mem_get_info), or `launch --gpu-memory GIB`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.memory import GIB, rank0_gpu_parameters, spec_transformer_config, transformer_parameters
+from pipelines.registry import ModelSpec, family_of
+
+WEIGHTS_SHARE = 0.85
+"""Share of a GPU's memory that the weights may fill."""
+BYTES_PER_PARAMETER = 2
+
+
+class MemoryPlanError(ValueError):
+    """No tensor-parallel degree fits the models on these GPUs (said before loading)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPlan:
+    """The chosen degree and what it leaves on the fullest rank."""
+
+    tp: int
+    rank_bytes: int
+    """Weights on rank 0 (transformer share, text encoders and VAE on its GPU)."""
+    gpu_bytes: int
+
+    def describe(self) -> str:
+        return (f"--tp {self.tp}: {self.rank_bytes / GIB:.1f} GiB of weights on the fullest rank, within "
+                f"{WEIGHTS_SHARE:.0%} of {self.gpu_bytes / GIB:.1f} GiB per GPU")
+
+
+def rank_bytes(models: list[tuple[ModelSpec, Path | None]], tp: int) -> int:
+    """Bytes of weights rank 0 holds running `models` with `tp` (a checkpoint served under two names
+    counts once); ValueError when tp does not split one of them."""
+    total = 0
+    for spec, folder in {(folder or spec.name): (spec, folder) for spec, folder in models}.values():
+        config = spec_transformer_config(spec, folder)
+        total += transformer_parameters(family_of(spec), config, tp) + rank0_gpu_parameters(spec, folder)
+    return total * BYTES_PER_PARAMETER
+
+
+def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_bytes: int,
+              requested: int | None = None) -> MemoryPlan:
+    """The smallest tp degree (dividing `nproc` and splitting every model) whose weights fit `gpu_bytes`
+    per GPU, or `requested` if it fits; MemoryPlanError naming the memory needed otherwise."""
+    degrees = [requested] if requested else [tp for tp in range(1, nproc + 1) if nproc % tp == 0]
+    budget = int(gpu_bytes * WEIGHTS_SHARE)
+    tried = []
+    for tp in degrees:
+        try:
+            need = rank_bytes(models, tp)
+        except ValueError as error:
+            if requested:
+                raise MemoryPlanError(f"--tp {tp}: {error}") from None
+            continue
+        if need <= budget:
+            return MemoryPlan(tp=tp, rank_bytes=need, gpu_bytes=gpu_bytes)
+        tried.append((tp, need))
+    if not tried:
+        raise MemoryPlanError(f"no tp degree dividing the {nproc} ranks splits the model's heads")
+    tp, need = tried[-1]
+    names = ", ".join(dict.fromkeys(spec.name for spec, _ in models))
+    raise MemoryPlanError(
+        f"{names} does not fit {nproc} GPU{'s' if nproc > 1 else ''} of {gpu_bytes / GIB:.1f} GiB: at --tp {tp} "
+        f"rank 0 needs {need / GIB:.1f} GiB of weights, more than the {budget / GIB:.1f} GiB ({WEIGHTS_SHARE:.0%}) "
+        f"they may take; use more or larger GPUs" + ("" if requested is None else " or a larger --tp"))
+
+
+def gpu_memory() -> int | None:
+    """The least free memory of the visible GPUs, in bytes; None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count()))

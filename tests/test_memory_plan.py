@@ -1,0 +1,67 @@
+"""The launch's memory plan (app/memory_plan.py, pipelines/memory.py): the smallest tp degree whose weights
+fit the GPUs, given as `launch --gpu-memory` here (no GPU); a model that fits no degree is refused before
+any rank starts, with the memory it would need. Counted on the meta device: no weights are read."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.helpers import PYTHON, REPO
+
+MIB = 1024**2
+
+
+def test_the_smallest_tp_that_fits_real_architectures() -> None:
+    from app.memory_plan import MemoryPlanError, choose_tp
+    from pipelines.memory import GIB
+    from pipelines.registry import get_spec
+
+    super_ = [(get_spec("cosmos3-super"), None)]
+    assert choose_tp(super_, nproc=8, gpu_bytes=80 * GIB).tp == 2  # 119 GiB whole, 61 + 1.3 at tp 2
+    assert choose_tp(super_, nproc=8, gpu_bytes=40 * GIB).tp == 4
+    assert choose_tp(super_, nproc=8, gpu_bytes=80 * GIB, requested=8).tp == 8
+    with pytest.raises(MemoryPlanError, match=r"at --tp 8 rank 0 needs 18.8 GiB"):
+        choose_tp(super_, nproc=8, gpu_bytes=10 * GIB)
+    with pytest.raises(MemoryPlanError, match=r"at --tp 1 rank 0 needs 120.5 GiB"):
+        choose_tp(super_, nproc=8, gpu_bytes=80 * GIB, requested=1)
+    # FLUX.2-dev's 24B text encoder stays in rank 0's host memory: the transformer alone fits 80 GB at tp 1
+    assert choose_tp([(get_spec("flux2-dev"), None)], nproc=2, gpu_bytes=80 * GIB).tp == 1
+    with pytest.raises(MemoryPlanError, match="tp degree 3 does not divide"):
+        choose_tp(super_, nproc=6, gpu_bytes=80 * GIB, requested=3)
+
+
+def test_per_rank_parameters_of_the_largest_models() -> None:
+    from pipelines.memory import transformer_parameters
+    from pipelines.registry import family_of, get_spec
+
+    for name in ("cosmos3-super", "flux2-dev"):
+        spec = get_spec(name)
+        counts = {tp: transformer_parameters(family_of(spec), dict(spec.architecture.transformer), tp)
+                  for tp in (1, 2, 4, 8)}
+        # the blocks' linears split; embedders, modulation and norms (a few %) stay whole
+        assert [round(counts[tp] / counts[1], 2) for tp in (2, 4, 8)] == [0.51, 0.27, 0.15], name
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "app", "launch", "--nproc", "2", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_launch_picks_tp_and_refuses_what_cannot_fit() -> None:
+    """tiny-flux: 6.6 MiB of weights on rank 0 at tp 1, 5.1 MiB at tp 2 (its text encoders and VAE stay whole)."""
+    from app.cli import build_parser
+    from app.launch import plan_memory
+
+    inner = build_parser().parse_args(["generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png"])
+    checked = inner.check(inner)
+    assert plan_memory(checked, None, 2, 1.0, cuda=False) == ["--tp", "1"]
+    assert plan_memory(checked, None, 2, 7 * MIB / 1024**3, cuda=False) == ["--tp", "2"]
+    assert plan_memory(checked, 2, 2, 1.0, cuda=False) == []  # given: checked, kept
+    assert plan_memory(checked, None, 2, None, cuda=False) == []  # no GPU, no --gpu-memory: nothing to plan
+
+    refused = _launch("--gpu-memory", "0.004", "generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png")
+    assert refused.returncode == 2
+    assert "tiny-flux does not fit 2 GPUs of 0.0 GiB: at --tp 2 rank 0 needs 0.0 GiB" in refused.stderr
+    assert "torch.distributed.run" not in refused.stderr  # refused before any rank started
