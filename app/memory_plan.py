@@ -20,6 +20,11 @@ WEIGHTS_SHARE = 0.85
 BYTES_PER_PARAMETER = 2
 
 
+def size(count: int) -> str:
+    """Bytes as GiB, or as MiB below one GiB (the tiny models)."""
+    return f"{count / GIB:.1f} GiB" if count >= GIB else f"{count / 1024**2:.1f} MiB"
+
+
 class MemoryPlanError(ValueError):
     """No tensor-parallel degree fits the models on these GPUs (said before loading)."""
 
@@ -34,8 +39,8 @@ class MemoryPlan:
     gpu_bytes: int
 
     def describe(self) -> str:
-        return (f"--tp {self.tp}: {self.rank_bytes / GIB:.1f} GiB of weights on the fullest rank, within "
-                f"{WEIGHTS_SHARE:.0%} of {self.gpu_bytes / GIB:.1f} GiB per GPU")
+        return (f"--tp {self.tp}: {size(self.rank_bytes)} of weights on the fullest rank, within "
+                f"{WEIGHTS_SHARE:.0%} of {size(self.gpu_bytes)} per GPU")
 
 
 def rank_bytes(models: list[tuple[ModelSpec, Path | None]], tp: int) -> int:
@@ -70,8 +75,8 @@ def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_by
     tp, need = tried[-1]
     names = ", ".join(dict.fromkeys(spec.name for spec, _ in models))
     raise MemoryPlanError(
-        f"{names} does not fit {nproc} GPU{'s' if nproc > 1 else ''} of {gpu_bytes / GIB:.1f} GiB: at --tp {tp} "
-        f"rank 0 needs {need / GIB:.1f} GiB of weights, more than the {budget / GIB:.1f} GiB ({WEIGHTS_SHARE:.0%}) "
+        f"{names} does not fit {nproc} GPU{'s' if nproc > 1 else ''} of {size(gpu_bytes)}: at --tp {tp} "
+        f"rank 0 needs {size(need)} of weights, more than the {size(budget)} ({WEIGHTS_SHARE:.0%}) "
         f"they may take; use more or larger GPUs" + ("" if requested is None else " or a larger --tp"))
 
 

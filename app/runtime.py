@@ -123,8 +123,10 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             for spec, folder in models:
                 key = (spec.family, Path(folder).resolve())
                 if key not in loaded:
+                    # tp is the mesh's innermost axis (engines.plan): this rank's share is its rank modulo tp
                     loaded[key] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
-                                                with_encoders=ctx.is_main)
+                                                with_encoders=ctx.is_main, tp=options.tp,
+                                                tp_rank=ctx.rank % options.tp)
                 pipelines[spec.media] = loaded[key]
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"

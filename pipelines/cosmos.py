@@ -27,7 +27,7 @@ from diffusers.video_processor import VideoProcessor
 
 from pipelines import torchvision_shim
 from pipelines.guardrail import Guardrail
-from pipelines.loading import load_parts
+from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
@@ -105,10 +105,11 @@ class CosmosPipeline(StagedPipeline):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         with_encoders: bool = True,
+        share: TransformerShare | None = None,
     ) -> CosmosPipeline:
         """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 and VAE (ranks > 0)."""
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
     @property

@@ -30,7 +30,7 @@ from diffusers import Cosmos3OmniPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.guardrail import Guardrail
-from pipelines.loading import load_parts
+from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
@@ -87,10 +87,11 @@ class Cosmos3Pipeline(StagedPipeline):
 
     @classmethod
     def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True) -> Cosmos3Pipeline:
+                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    share: TransformerShare | None = None) -> Cosmos3Pipeline:
         """Load from a diffusers Cosmos3OmniPipeline folder; `with_encoders=False` skips tokenizer and VAE."""
         names = ["transformer", "scheduler"] + (["text_tokenizer", "vae"] if with_encoders else [])
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
     # --- rank 0 ---------------------------------------------------------------------------------

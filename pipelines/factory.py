@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pipelines.family import load
+from pipelines.loading import TransformerShare
 from pipelines.registry import ModelSpec, family_of
 
 
@@ -18,13 +19,18 @@ def load_pipeline(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     with_encoders: bool = True,
+    tp: int = 1,
+    tp_rank: int = 0,
 ) -> Any:
-    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False.
+    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False. With `tp` > 1 the
+    transformer is loaded split: only share `tp_rank` of every block's weights is read (pipelines.loading).
 
     Only the family asked for is imported: diffusers' Cosmos pipeline module alone costs seconds of start-up.
     """
-    cls = load(family_of(spec).pipeline)
-    return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders)
+    family = family_of(spec)
+    cls = load(family.pipeline)
+    share = TransformerShare(tp=tp, rank=tp_rank, weights=family.tensor_parallel) if tp > 1 else None
+    return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders, share=share)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

@@ -21,7 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from pipelines.loading import load_parts
+from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline
@@ -85,13 +85,14 @@ class FluxImagePipeline(StagedPipeline):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         with_encoders: bool = True,
+        share: TransformerShare | None = None,
     ) -> FluxImagePipeline:
         """Load from a diffusers FLUX folder; `with_encoders=False` skips text encoders and VAE (ranks > 0)."""
         names = ["transformer", "scheduler"]
         if with_encoders:
             names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae"]
         return cls(spec=spec, folder=folder, device=device,
-                   **load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES))
+                   **load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share))
 
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> FluxText:

@@ -31,7 +31,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from pipelines.loading import load_parts
+from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, uses_guidance_batch
 from pipelines.stages import StagedPipeline
@@ -84,11 +84,12 @@ class Flux2ImagePipeline(StagedPipeline):
 
     @classmethod
     def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True) -> Flux2ImagePipeline:
+                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    share: TransformerShare | None = None) -> Flux2ImagePipeline:
         """Load from a diffusers Flux2Pipeline or Flux2KleinPipeline folder; `with_encoders=False` skips the
         text encoder, tokenizer and VAE (ranks > 0)."""
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
     def _branches(self, request: GenerationRequest) -> int:

@@ -7,6 +7,7 @@ what it runs: every rank needs the transformer and scheduler, only rank 0 needs 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,16 @@ def component_class(index: dict, name: str) -> type:
         raise ModelNotFoundError(f"model_index.json has no component '{name}'")
     library, class_name = entry
     return getattr(importlib.import_module(library), class_name)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransformerShare:
+    """The share of a tensor-parallel transformer that this rank loads: of `tp` ranks, it keeps share `rank`
+    (its index in its tp group), split by `weights`, the reference of its family's split function."""
+
+    tp: int
+    rank: int
+    weights: str
 
 
 def load_component(folder: Path, name: str, dtype: torch.dtype | None = None, index: dict | None = None) -> Any:
@@ -48,15 +59,32 @@ def load_parts(
     dtype: torch.dtype,
     device: torch.device | str,
     dtypes: dict[str, torch.dtype] | None = None,
+    share: TransformerShare | None = None,
 ) -> dict[str, Any]:
     """Load components `names` of `folder` and move the models to `device`.
 
     Args:
         dtypes: per-component dtype where it differs from `dtype` (e.g. a VAE kept in float32).
+        share: load only this rank's share of the transformer, slice by slice from its safetensors files
+            (engines/sharded_loading.py): no rank reads or holds the whole transformer.
     """
     index = read_model_index(folder)
-    parts = {name: load_component(folder, name, (dtypes or {}).get(name, dtype), index) for name in names}
+    parts = {}
+    for name in names:
+        if name == "transformer" and share is not None and share.tp > 1:
+            parts[name] = _load_share(folder, index, share, (dtypes or {}).get(name, dtype), device)
+        else:
+            parts[name] = load_component(folder, name, (dtypes or {}).get(name, dtype), index)
     for part in parts.values():
         if isinstance(part, torch.nn.Module):
             part.to(device)
     return parts
+
+
+def _load_share(folder: Path, index: dict, share: TransformerShare, dtype: torch.dtype,
+                device: torch.device | str) -> torch.nn.Module:
+    from engines.sharded_loading import load_split
+    from pipelines.family import load
+
+    return load_split(component_class(index, "transformer"), folder / "transformer", load(share.weights), tp=share.tp,
+                      rank=share.rank, dtype=dtype, device=device)

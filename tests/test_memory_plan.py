@@ -63,5 +63,5 @@ def test_launch_picks_tp_and_refuses_what_cannot_fit() -> None:
 
     refused = _launch("--gpu-memory", "0.004", "generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png")
     assert refused.returncode == 2
-    assert "tiny-flux does not fit 2 GPUs of 0.0 GiB: at --tp 2 rank 0 needs 0.0 GiB" in refused.stderr
+    assert "tiny-flux does not fit 2 GPUs of 4.1 MiB: at --tp 2 rank 0 needs 5.1 MiB" in refused.stderr
     assert "torch.distributed.run" not in refused.stderr  # refused before any rank started
