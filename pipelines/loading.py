@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pipelines.memory import HOST_TEXT_ENCODER_PARAMETERS, on_host
 from pipelines.registry import ModelNotFoundError, read_model_index
 
 # Components a folder may name that ulysses-studio never loads: the Cosmos guardrail is handled
@@ -75,10 +76,27 @@ def load_parts(
             parts[name] = _load_share(folder, index, share, (dtypes or {}).get(name, dtype), device)
         else:
             parts[name] = load_component(folder, name, (dtypes or {}).get(name, dtype), index)
-    for part in parts.values():
+    for name, part in parts.items():
         if isinstance(part, torch.nn.Module):
-            part.to(device)
+            place(name, part, device)
     return parts
+
+
+def place(name: str, module: torch.nn.Module, device: torch.device | str, *,
+          host_above: float = HOST_TEXT_ENCODER_PARAMETERS) -> bool:
+    """Move component `name` to `device`, or, for a text encoder of more than `host_above` parameters on a
+    GPU run (FLUX.2-dev's 24B Mistral), keep its weights in host memory and stream each layer to the GPU
+    when it runs (accelerate's cpu_offload, as diffusers' enable_sequential_cpu_offload): a few hundred
+    prompt tokens per request do not pay for a GPU's worth of weights. Returns True when it stays in host
+    memory. docs/tensor-parallel.md says why offload rather than split."""
+    parameters = sum(p.numel() for p in module.parameters())
+    if on_host(name, parameters, host_above) and torch.device(device).type != "cpu":
+        from accelerate import cpu_offload
+
+        cpu_offload(module.to("cpu"), execution_device=torch.device(device))
+        return True
+    module.to(device)
+    return False
 
 
 def _load_share(folder: Path, index: dict, share: TransformerShare, dtype: torch.dtype,

@@ -24,9 +24,9 @@ layers streamed to the GPU one at a time (docs/tensor-parallel.md): it would tak
 hundred tokens per request."""
 
 
-def on_host(component: str, parameters: int) -> bool:
-    """Whether rank 0 keeps `component` in host memory rather than on its GPU."""
-    return component.startswith("text_encoder") and parameters > HOST_TEXT_ENCODER_PARAMETERS
+def on_host(component: str, parameters: int, host_above: float = HOST_TEXT_ENCODER_PARAMETERS) -> bool:
+    """Whether rank 0 keeps `component` (of `parameters`) in host memory rather than on its GPU."""
+    return component.startswith("text_encoder") and parameters > host_above
 
 
 def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:

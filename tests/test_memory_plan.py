@@ -65,3 +65,11 @@ def test_launch_picks_tp_and_refuses_what_cannot_fit() -> None:
     assert refused.returncode == 2
     assert "tiny-flux does not fit 2 GPUs of 4.1 MiB: at --tp 2 rank 0 needs 5.1 MiB" in refused.stderr
     assert "torch.distributed.run" not in refused.stderr  # refused before any rank started
+
+
+def test_only_text_encoders_larger_than_12b_stay_in_host_memory() -> None:
+    from pipelines.memory import on_host
+
+    assert on_host("text_encoder", 24_000_000_000)  # FLUX.2-dev's Mistral Small 3.1
+    assert not on_host("text_encoder_2", 4_760_000_000)  # FLUX.1's T5-XXL encoder
+    assert not on_host("vae", 24_000_000_000)
