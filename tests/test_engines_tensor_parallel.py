@@ -3,7 +3,8 @@
 
 The tiny configs have 8 query heads (FLUX.1, Cosmos, FLUX.2: split by tp 2 and 4, and by tp 2 x
 ulysses 2) and Cosmos 3's 24 query heads over 2 K/V heads (tp 4 keeps each K/V head on two ranks).
-Each plan splits a fresh copy of the reference model: split weights are not put back.
+Each plan splits a fresh copy of the reference model: split weights are not put back. At tp 2 FLUX's
+blocks are also compiled (fullgraph, aot_eager): the row-parallel all-reduce traces into each block's graph.
 """
 
 from __future__ import annotations
@@ -97,10 +98,18 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 parallel = parallelize(model, ctx, plan)
                 kept = sum(p.numel() for p in model.parameters())
                 got = [output(family, parallel, kwargs) for kwargs in calls]
+                if family == "flux" and world_size == 2:  # the row-parallel all-reduce traces into per-block graphs
+                    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+                        block.compile(backend="aot_eager", fullgraph=True)
+                    compiled = [output(family, parallel, kwargs) for kwargs in calls]
+                    got = [torch.stack((g, c)) for g, c in zip(got, compiled)]
+                    expected_here = [torch.stack((e, e)) for e in expected]
+                else:
+                    expected_here = expected
                 results.append(dict(
                     family=family, plan=plan.label, kept=kept / whole,
-                    same_shape=all(g.shape == e.shape for g, e in zip(got, expected)),
-                    err=max((g - e).abs().max().item() for g, e in zip(got, expected)),
+                    same_shape=all(g.shape == e.shape for g, e in zip(got, expected_here)),
+                    err=max((g - e).abs().max().item() for g, e in zip(got, expected_here)),
                     scale=max(e.abs().max().item() for e in expected)))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown(ctx)
@@ -119,3 +128,26 @@ def test_tensor_parallel_matches_single_process(world_size: int, tmp_path: Path)
             assert r["kept"] < 0.9, f"{case}: the rank kept {r['kept']:.0%} of the parameters"
             count += 1
     assert count == world_size * len(plans(world_size)) * len(FAMILIES)
+
+
+def test_packed_and_replicated_splits_keep_whole_parts() -> None:
+    from engines.tensor_parallel import LinearSplit
+
+    # FLUX.2's fused single-stream projection: [q, k, v, gate, up], each part split on its own
+    packed = LinearSplit(style="column", blocks=(4, 4, 4, 8, 8))
+    assert packed.ranges(28, 2, 1) == [(2, 2), (6, 2), (10, 2), (16, 4), (24, 4)]
+    # 2 K/V heads of width 8 over 4 ranks: ranks 0-1 keep head 0, ranks 2-3 head 1
+    key_value = LinearSplit(style="column", replicas=2)
+    assert [key_value.ranges(16, 4, rank) for rank in range(4)] == [[(0, 8)], [(0, 8)], [(8, 8)], [(8, 8)]]
+    with pytest.raises(ValueError, match="tp degree 3 does not divide a split layer's part of 4"):
+        packed.ranges(28, 3, 0)
+    with pytest.raises(ValueError, match="do not add up"):
+        packed.ranges(30, 2, 0)
+
+
+def test_a_split_that_does_not_divide_is_refused_before_any_change() -> None:
+    from engines.cosmos3 import cosmos3_weights
+
+    model = tiny_cosmos3()  # 24 query heads, 2 K/V heads
+    with pytest.raises(ValueError, match="tp degree 3 neither divides nor is a multiple of the model's 2 K/V heads"):
+        cosmos3_weights(model, 3)
