@@ -32,7 +32,12 @@ INDEX = WEIGHTS + ".index.json"
 
 class SafetensorsReader:
     """The tensors of a diffusers model folder's safetensors files (one file, or several named by an
-    index), read whole or by slices; every read is recorded in `reads` as (name, shape read)."""
+    index), read whole or by slices; every read is recorded in `reads` as (name, shape read).
+
+    safetensors maps a file into memory and hands out tensors on the mapping; what is read here is copied
+    out, and one file is open at a time (read the tensors file by file: `names()` orders them so), so the
+    pages of a file leave this process once the next is opened. A slice along the input columns still
+    reads every page of its rows from the file (the rows are contiguous, the slice is not)."""
 
     def __init__(self, folder: Path) -> None:
         folder = Path(folder)
@@ -45,22 +50,34 @@ class SafetensorsReader:
         else:
             raise FileNotFoundError(f"{folder} has no {WEIGHTS} (nor {INDEX}): sharded loading reads safetensors only")
         self.reads: list[tuple[str, tuple[int, ...]]] = []
-        self._stack = ExitStack()
-        self._handles: dict[Path, Any] = {}
+        self._open: tuple[Path, Any, ExitStack] | None = None
 
     def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        self.close()
+
+    def close(self) -> None:
+        """Close the open file, if any."""
+        if self._open is not None:
+            self._open[2].close()
+            self._open = None
+
+    def names(self, wanted: list[str]) -> list[str]:
+        """`wanted` ordered file by file (the files' order), so that each file is opened once."""
+        order = {path: index for index, path in enumerate(dict.fromkeys(self.files.values()))}
+        return sorted(wanted, key=lambda name: order.get(self.files.get(name), -1))
 
     def _handle(self, name: str) -> Any:
         if name not in self.files:
             raise KeyError(f"the checkpoint has no tensor {name!r}")
         path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._handles[path]
+        if self._open is None or self._open[0] != path:
+            self.close()
+            stack = ExitStack()
+            self._open = (path, stack.enter_context(safe_open(path, framework="pt")), stack)
+        return self._open[1]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of tensor `name` (reads no data)."""
@@ -68,7 +85,7 @@ class SafetensorsReader:
 
     def whole(self, name: str) -> torch.Tensor:
         """Tensor `name`, all of it."""
-        tensor = self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(name).clone()  # out of the mapping
         self.reads.append((name, tuple(tensor.shape)))
         return tensor
 
@@ -111,14 +128,16 @@ def load_split(
         if reader is None:
             reader = stack.enter_context(SafetensorsReader(folder))
         state = {}
-        for name, local in model.state_dict().items():
-            shape = reader.shape(name)
+        shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        for name in reader.names(list(shapes)):
+            shape, local_shape = reader.shape(name), shapes[name]
             ranges = split.parameter_ranges(name, shape, tp, rank) if tp > 1 else None
             tensor = reader.whole(name) if ranges is None else reader.slices(name, *ranges)
-            if tuple(tensor.shape) != tuple(local.shape):
+            if tuple(tensor.shape) != local_shape:
                 raise ValueError(f"{name}: read {tuple(tensor.shape)} from the checkpoint, the model keeps "
-                                 f"{tuple(local.shape)} on this rank")
+                                 f"{local_shape} on this rank")
             state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+        reader.close()
         unused = set(reader.files) - set(state)
         if unused:
             raise ValueError(f"the checkpoint holds tensors this model has no place for: {sorted(unused)[:5]}")
