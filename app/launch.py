@@ -3,7 +3,9 @@
     torchrun --nproc-per-node N --master-addr 127.0.0.1 --master-port <free> -m app COMMAND ...
 
 N defaults to the visible GPUs, or 2 CPU ranks (gloo) on a machine without one. The command line is
-checked here first, so a mistake is one line before any rank starts. The environment is passed on
+checked here first, so a mistake is one line before any rank starts. So are the models' weights against
+the GPUs' memory (app/memory_plan.py): without --tp the ranks get the smallest tp degree that fits, and a
+model that fits no degree is refused with the memory it would need. The environment is passed on
 as it is (NCCL_*, CUDA_VISIBLE_DEVICES, ...); on CPUs OMP_NUM_THREADS defaults to cores / N.
 
 Ctrl-C: torchrun runs in its own session, so the terminal's SIGINT reaches only this launcher, which

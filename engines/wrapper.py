@@ -15,7 +15,8 @@ class ParallelTransformer(nn.Module):
 
     The model's attention processors are replaced in place while this wrapper is in use (call
     `restore()` to put the originals back and close the mesh); the model's classes and code are
-    untouched.
+    untouched. With a tp axis the model's block weights are split for good (engines/tensor_parallel.py):
+    restore() gives back a model that keeps this rank's share only.
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, replaced: list[tuple[nn.Module, Any]]) -> None:

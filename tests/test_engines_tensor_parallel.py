@@ -1,4 +1,4 @@
-"""Tensor parallelism (engines/tensor_parallel.py), alone and with Ulysses or ring, on spawned gloo ranks
+"""Tensor parallelism (engines/tensor_parallel.py), alone and with Ulysses, ring or CFG, on spawned gloo ranks
 (CPU, float32) against one process, for each family's tiny transformer.
 
 The tiny configs have 8 query heads (FLUX.1, Cosmos, FLUX.2: split by tp 2 and 4, and by tp 2 x
@@ -38,7 +38,8 @@ def plans(world_size: int) -> list:
 
     if world_size == 2:
         return [ParallelPlan(tp=2)]
-    return [ParallelPlan(tp=4), ParallelPlan(ulysses=2, tp=2), ParallelPlan(strategy="ring", ring=2, tp=2)]
+    return [ParallelPlan(tp=4), ParallelPlan(ulysses=2, tp=2), ParallelPlan(strategy="ring", ring=2, tp=2),
+            ParallelPlan(cfg=2, tp=2)]
 
 
 def tiny_model(family: str) -> torch.nn.Module:
@@ -71,7 +72,7 @@ def model_calls(family: str, model: torch.nn.Module) -> list[dict]:
         return [cosmos_inputs((3, 3, 5))]
     if family == "flux2":
         return [flux2_inputs(7, (5, 3), None, batch=2)]
-    return [cosmos3_inputs(model, 7, (3, 3, 5))]
+    return [cosmos3_inputs(model, 7, (3, 3, 5)), cosmos3_inputs(model, 5, (3, 3, 5))]  # guidance: two texts
 
 
 def output(family: str, module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
@@ -97,7 +98,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 whole = sum(p.numel() for p in model.parameters())
                 parallel = parallelize(model, ctx, plan)
                 kept = sum(p.numel() for p in model.parameters())
-                got = [output(family, parallel, kwargs) for kwargs in calls]
+                if family == "cosmos3" and plan.cfg > 1:  # its two guidance calls on two rank groups
+                    got = [preds[0] for preds in parallel.forward_guided(calls)]
+                else:
+                    got = [output(family, parallel, kwargs) for kwargs in calls]
                 if family == "flux" and world_size == 2:  # the row-parallel all-reduce traces into per-block graphs
                     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
                         block.compile(backend="aot_eager", fullgraph=True)

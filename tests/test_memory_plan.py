@@ -73,3 +73,12 @@ def test_only_text_encoders_larger_than_12b_stay_in_host_memory() -> None:
     assert on_host("text_encoder", 24_000_000_000)  # FLUX.2-dev's Mistral Small 3.1
     assert not on_host("text_encoder_2", 4_760_000_000)  # FLUX.1's T5-XXL encoder
     assert not on_host("vae", 24_000_000_000)
+
+
+def test_the_memory_command_prints_per_rank_bytes_at_each_tp(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks.memory import main
+
+    main(["--model", "cosmos3-super,flux2-dev", "--tp", "1,2,4,8"])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "119.2 GiB" in rows["cosmos3-super"] and "17.5 GiB" in rows["cosmos3-super"]
+    assert "60.0 GiB" in rows["flux2-dev"] and "8.8 GiB" in rows["flux2-dev"]
