@@ -131,9 +131,11 @@ class RowParallelLinear(nn.Linear):
     `group_name` is the tp group's name (ParallelMesh.tp_group_name), set by split_weights; a layer
     built for loading before the mesh exists has none yet and refuses to run."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, *, group_name: str = "",
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, tp: int, group_name: str = "",
                  device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.tp = tp
+        """The tp degree this layer was split for."""
         self.group_name = group_name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +145,7 @@ class RowParallelLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group={self.group_name or None}"
+        return super().extra_repr() + f", tp={self.tp}, group={self.group_name or None}"
 
 
 def take(tensor: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -161,7 +163,7 @@ def _split_linear(linear: nn.Linear, split: LinearSplit, tp: int, rank: int, gro
         out = nn.Linear(linear.in_features, local, bias=has_bias, device="meta", dtype=weight.dtype)
         bias = take(linear.bias, 0, ranges) if has_bias else None
     else:
-        out = RowParallelLinear(local, linear.out_features, has_bias, group_name=group_name, device="meta",
+        out = RowParallelLinear(local, linear.out_features, has_bias, tp=tp, group_name=group_name, device="meta",
                                 dtype=weight.dtype)
         bias = linear.bias.detach().clone() if has_bias else None
     out.weight = nn.Parameter(take(weight.detach(), split.dim, ranges).to(**factory), requires_grad=False)
@@ -181,10 +183,12 @@ def split_weights(model: nn.Module, weights: WeightSplit, *, tp: int, rank: int,
     if tp == 1:
         return
     modules = dict(model.named_modules())
-    if any(isinstance(modules[name], RowParallelLinear) for name in weights.linears):
-        for name in weights.linears:
-            if isinstance(modules[name], RowParallelLinear) and group_name:
-                modules[name].group_name = group_name
+    rows = [modules[name] for name in weights.linears if isinstance(modules[name], RowParallelLinear)]
+    if rows:
+        if any(row.tp != tp for row in rows):
+            raise ValueError(f"this model was split for tp {rows[0].tp}, not {tp}: load it again for this plan")
+        for row in rows:
+            row.group_name = group_name or row.group_name
         return
     weights.check(model, tp)
     for name, split in weights.linears.items():

@@ -155,3 +155,18 @@ def test_a_split_that_does_not_divide_is_refused_before_any_change() -> None:
     model = tiny_cosmos3()  # 24 query heads, 2 K/V heads
     with pytest.raises(ValueError, match="tp degree 3 neither divides nor is a multiple of the model's 2 K/V heads"):
         cosmos3_weights(model, 3)
+
+
+def test_a_model_split_for_one_degree_is_refused_for_another() -> None:
+    from engines.flux import flux_weights
+    from engines.tensor_parallel import RowParallelLinear, split_weights
+
+    model = tiny_model("flux")
+    whole = sum(p.numel() for p in model.parameters())
+    split_weights(model, flux_weights(model, 2), tp=2, rank=1)
+    assert isinstance(model.single_transformer_blocks[0].proj_out, RowParallelLinear)
+    assert model.transformer_blocks[0].attn.heads == 4 and sum(p.numel() for p in model.parameters()) < whole
+    with pytest.raises(ValueError, match="this model was split for tp 2, not 4"):
+        split_weights(model, flux_weights(model, 4), tp=4, rank=1)
+    with pytest.raises(RuntimeError, match="no tp group"):  # split for loading, not parallelized yet
+        model.single_transformer_blocks[0].proj_out(torch.zeros(1, 2, model.single_transformer_blocks[0].proj_out.in_features))
