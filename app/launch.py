@@ -107,7 +107,10 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if inner.tp is not None and nproc % inner.tp:
         raise LaunchError(f"--tp {inner.tp} splits the weights over groups of {inner.tp} ranks: --nproc {nproc} is "
                           f"not a multiple of it")
-    command_line += plan_memory(checked, inner.tp, nproc, args.gpu_memory, cuda)
+    if inner.tp is not None and inner.cfg_parallel and (nproc // inner.tp) % 2:
+        raise LaunchError(f"--cfg-parallel needs an even number of tp groups: --nproc {nproc} over --tp {inner.tp} "
+                          f"makes {nproc // inner.tp}")
+    command_line += plan_memory(checked, inner.tp, nproc, args.gpu_memory, cuda, groups=2 if inner.cfg_parallel else 1)
     env = dict(os.environ)
     if not cuda:
         from app.runtime import cpu_threads_per_rank
@@ -136,20 +139,24 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def plan_memory(checked: object, tp: int | None, nproc: int, gpu_memory_gib: float | None, cuda: bool) -> list[str]:
+def plan_memory(checked: object, tp: int | None, nproc: int, gpu_memory_gib: float | None, cuda: bool,
+                groups: int = 1) -> list[str]:
     """Check that the launched models' weights fit the GPUs (app.memory_plan) and say with which tp; the
-    `--tp N` to add to the command line where it gave none. Nothing to check on CPUs without --gpu-memory."""
-    from app.memory_plan import MemoryPlanError, choose_tp, gpu_memory
+    `--tp N` to add to the command line where it gave none. On CPUs without --gpu-memory only a given --tp
+    is checked (that it splits the models). `groups`: 2 with --cfg-parallel (app.memory_plan.choose_tp)."""
+    from app.memory_plan import MemoryPlanError, choose_tp, gpu_memory, rank_bytes
     from pipelines.memory import GIB
 
-    gpu_bytes = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else (gpu_memory() if cuda else None)
-    if gpu_bytes is None:
-        return []
     models = list(checked.models) if hasattr(checked, "models") else [(checked.spec, checked.folder)]
+    gpu_bytes = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else (gpu_memory() if cuda else None)
     try:
-        plan = choose_tp(models, nproc=nproc, gpu_bytes=gpu_bytes, requested=tp)
-    except MemoryPlanError as error:
-        raise LaunchError(str(error)) from None
+        if gpu_bytes is None:
+            if tp:
+                rank_bytes(models, tp)  # ValueError where tp does not split a model
+            return []
+        plan = choose_tp(models, nproc=nproc, gpu_bytes=gpu_bytes, requested=tp, groups=groups)
+    except ValueError as error:
+        raise LaunchError(f"--tp {tp}: {error}" if tp and not isinstance(error, MemoryPlanError) else str(error)) from None
     print(f"launch: {plan.describe()}" + ("" if tp else " (the smallest tp that fits)"), file=sys.stderr, flush=True)
     return [] if tp else ["--tp", str(plan.tp)]
 

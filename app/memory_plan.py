@@ -54,10 +54,12 @@ def rank_bytes(models: list[tuple[ModelSpec, Path | None]], tp: int) -> int:
 
 
 def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_bytes: int,
-              requested: int | None = None) -> MemoryPlan:
-    """The smallest tp degree (dividing `nproc` and splitting every model) whose weights fit `gpu_bytes`
-    per GPU, or `requested` if it fits; MemoryPlanError naming the memory needed otherwise."""
-    degrees = [requested] if requested else [tp for tp in range(1, nproc + 1) if nproc % tp == 0]
+              requested: int | None = None, groups: int = 1) -> MemoryPlan:
+    """The smallest tp degree (dividing `nproc` into a multiple of `groups` tp groups, 2 with --cfg-parallel,
+    and splitting every model) whose weights fit `gpu_bytes` per GPU, or `requested` if it fits;
+    MemoryPlanError naming the memory needed otherwise."""
+    degrees = [requested] if requested else [tp for tp in range(1, nproc + 1)
+                                             if nproc % tp == 0 and (nproc // tp) % groups == 0]
     budget = int(gpu_bytes * WEIGHTS_SHARE)
     tried = []
     for tp in degrees:

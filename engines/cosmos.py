@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3D
 from engines.attention import context_parallel_attention
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 VIDEO = 0  # the only segment of Cosmos' self-attention sequence
@@ -219,7 +219,7 @@ def cosmos_weights(model: CosmosTransformer3DModel, tp: int) -> WeightSplit:
             linears |= {f"{prefix}.{attn}.{name}": COLUMN for name in ("to_q", "to_k", "to_v")}
             linears[f"{prefix}.{attn}.to_out.0"] = ROW
         linears |= {f"{prefix}.ff.net.0.proj": COLUMN, f"{prefix}.ff.net.2": ROW}
-    heads = {"heads": model.config.num_attention_heads // tp}
+    heads = {"heads": local_heads(model.config.num_attention_heads, tp)}
     return WeightSplit(linears=linears, head_counts={f"transformer_blocks.{i}.{attn}": heads
                                                      for i in range(len(model.transformer_blocks))
                                                      for attn in ("attn1", "attn2")})

@@ -59,7 +59,7 @@ from engines.attention import (
 from engines.collectives import all_gather
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, gather_tokens, shard_tokens
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 GEN = 0  # the only sharded segment: the generation stream
@@ -261,7 +261,7 @@ def cosmos3_weights(model: Cosmos3OmniTransformer, tp: int) -> WeightSplit:
             gate = ("gate_proj",) if getattr(layer, mlp).hidden_act == "silu" else ()
             linears |= {f"{prefix}.{mlp}.{name}": COLUMN for name in (*gate, "up_proj")}
             linears[f"{prefix}.{mlp}.down_proj"] = ROW
-    counts = {"num_attention_heads": heads // tp, "num_key_value_heads": local_kv,
+    counts = {"num_attention_heads": local_heads(heads, tp), "num_key_value_heads": local_kv,
               "num_key_value_groups": heads // tp // local_kv}
     return WeightSplit(linears=linears, head_counts={f"layers.{i}.self_attn": counts for i in range(len(model.layers))})
 

@@ -37,7 +37,7 @@ from engines.flux_blocks import OverlappedSingleBlock
 from engines.flux_modulation import SharedModulation
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
@@ -184,7 +184,7 @@ def flux_weights(model: FluxTransformer2DModel, tp: int) -> WeightSplit:
         linears[f"{prefix}.proj_mlp"] = COLUMN
         attention_width = model.config.num_attention_heads * model.config.attention_head_dim
         linears[f"{prefix}.proj_out"] = LinearSplit(style="row", blocks=(attention_width, block.mlp_hidden_dim))
-    heads = model.config.num_attention_heads // tp
+    heads = local_heads(model.config.num_attention_heads, tp)
     attentions = [f"transformer_blocks.{i}.attn" for i in range(len(model.transformer_blocks))]
     attentions += [f"single_transformer_blocks.{i}.attn" for i in range(len(model.single_transformer_blocks))]
     return WeightSplit(linears=linears, head_counts={name: {"heads": heads} for name in attentions})

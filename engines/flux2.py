@@ -40,7 +40,7 @@ from engines.flux import IMAGE, shard_joint_tokens
 from engines.flux_attention import FluxContextParallelProcessor
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, split_over_mesh
+from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
 class Flux2SingleProcessor:
@@ -177,7 +177,7 @@ def flux2_weights(model: Flux2Transformer2DModel, tp: int) -> WeightSplit:
         mlp = (attn.mlp_hidden_dim,) * attn.mlp_mult_factor
         linears[f"{prefix}.to_qkv_mlp_proj"] = LinearSplit(style="column", blocks=(attn.inner_dim,) * 3 + mlp)
         linears[f"{prefix}.to_out"] = LinearSplit(style="row", blocks=(attn.inner_dim, attn.mlp_hidden_dim))
-    heads = {"heads": model.config.num_attention_heads // tp}
+    heads = {"heads": local_heads(model.config.num_attention_heads, tp)}
     attentions = [f"transformer_blocks.{i}.attn" for i in range(len(model.transformer_blocks))]
     attentions += [f"single_transformer_blocks.{i}.attn" for i in range(len(model.single_transformer_blocks))]
     return WeightSplit(linears=linears, head_counts={name: heads for name in attentions})

@@ -200,6 +200,13 @@ def split_weights(model: nn.Module, weights: WeightSplit, *, tp: int, rank: int,
             setattr(modules[name], attribute, count)
 
 
+def local_heads(heads: int, tp: int) -> int:
+    """Attention heads per rank: `heads` / `tp`, which must divide (a rank holds whole heads)."""
+    if heads % tp:
+        raise ValueError(f"tp degree {tp} does not divide the model's {heads} attention heads")
+    return heads // tp
+
+
 def rank_parameters(model: nn.Module, split: WeightSplit, tp: int) -> int:
     """Parameters (elements) one rank of `tp` keeps of `model` (whole, on any device, meta included)
     under `split`: every rank keeps the same count."""

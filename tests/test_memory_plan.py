@@ -82,3 +82,12 @@ def test_the_memory_command_prints_per_rank_bytes_at_each_tp(capsys: pytest.Capt
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "119.2 GiB" in rows["cosmos3-super"] and "17.5 GiB" in rows["cosmos3-super"]
     assert "60.0 GiB" in rows["flux2-dev"] and "8.8 GiB" in rows["flux2-dev"]
+
+
+def test_launch_checks_a_given_tp_against_the_models_heads_without_a_gpu() -> None:
+    from app.cli import build_parser
+    from app.launch import LaunchError, plan_memory
+
+    inner = build_parser().parse_args(["generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png"])
+    with pytest.raises(LaunchError, match="--tp 3: tp degree 3 does not divide the model's 4 attention heads"):
+        plan_memory(inner.check(inner), 3, 3, None, cuda=False)
