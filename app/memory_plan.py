@@ -12,11 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.memory import GIB, rank0_gpu_parameters, spec_transformer_config, transformer_parameters
+from pipelines.memory import GIB, WEIGHTS_SHARE, rank0_gpu_parameters, spec_transformer_config, transformer_parameters
 from pipelines.registry import ModelSpec, family_of
 
-WEIGHTS_SHARE = 0.85
-"""Share of a GPU's memory that the weights may fill."""
 BYTES_PER_PARAMETER = 2
 
 

@@ -18,15 +18,24 @@ from pipelines.family import ModelFamily, load
 from pipelines.registry import ModelSpec
 
 GIB = 1024**3
+WEIGHTS_SHARE = 0.85
+"""Share of a GPU's memory that weights may fill; the rest is for activations, workspaces, the CUDA context."""
 HOST_TEXT_ENCODER_PARAMETERS = 12e9
 """A text encoder larger than this (FLUX.2-dev's 24B Mistral) stays in rank 0's host memory and runs with its
-layers streamed to the GPU one at a time (docs/tensor-parallel.md): it would take most of a GPU for a few
-hundred tokens per request."""
+layers streamed to the GPU one at a time (docs/tensor-parallel.md) unless the GPU has room for it: it would
+take most of a GPU for a few hundred tokens per request."""
 
 
 def on_host(component: str, parameters: int, host_above: float = HOST_TEXT_ENCODER_PARAMETERS) -> bool:
-    """Whether rank 0 keeps `component` (of `parameters`) in host memory rather than on its GPU."""
+    """Whether rank 0 may keep `component` (of `parameters`) in host memory rather than on its GPU: the memory
+    plan counts it there, and loading keeps it there unless the GPU has room (fits_beside)."""
     return component.startswith("text_encoder") and parameters > host_above
+
+
+def fits_beside(module_bytes: int, free_bytes: int, total_bytes: int) -> bool:
+    """Whether `module_bytes` more on a GPU with `free_bytes` of `total_bytes` free still leave the share
+    that is not for weights (1 - WEIGHTS_SHARE) free."""
+    return free_bytes - module_bytes >= (1 - WEIGHTS_SHARE) * total_bytes
 
 
 def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:

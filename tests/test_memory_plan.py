@@ -91,3 +91,11 @@ def test_launch_checks_a_given_tp_against_the_models_heads_without_a_gpu() -> No
     inner = build_parser().parse_args(["generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png"])
     with pytest.raises(LaunchError, match="--tp 3: tp degree 3 does not divide the model's 4 attention heads"):
         plan_memory(inner.check(inner), 3, 3, None, cuda=False)
+
+
+def test_a_large_text_encoder_goes_on_the_gpu_only_with_room_to_spare() -> None:
+    from pipelines.memory import GIB, fits_beside
+
+    encoder = 45 * GIB  # FLUX.2-dev's Mistral in bf16
+    assert not fits_beside(encoder, free_bytes=19 * GIB, total_bytes=79 * GIB)  # beside the whole transformer
+    assert fits_beside(encoder, free_bytes=62 * GIB, total_bytes=79 * GIB)  # beside its tp 4 share
