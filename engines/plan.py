@@ -13,10 +13,10 @@ from engines.options import STRATEGIES
 class ParallelPlan:
     """Degrees of each parallel axis; their product is the number of ranks.
 
-    Rank layout (outermost first): cfg, ring, ulysses, tp. Tensor parallelism is innermost: its two
-    all-reduces per block carry a whole activation each (every token of the shard, every channel),
-    more bytes and more often than anything else, so its group must be neighbouring ranks (one
-    NVLink island). Ulysses comes next: its all-to-all is the heaviest context-parallel exchange.
+    Rank layout (outermost first): cfg, ring, ulysses, tp. Tensor parallelism is innermost: its
+    all-reduces (one to four per block) carry a whole activation each (every token of the shard,
+    every channel), more bytes and more often than anything else, so its group must be neighbouring
+    ranks (one NVLink island). Ulysses comes next: its all-to-all is the heaviest context-parallel exchange.
     The tp ranks of one group hold the same tokens and split the weights (engines/tensor_parallel.py);
     the context-parallel axes split the tokens as without tp, each over ranks with the same tp index.
     """
