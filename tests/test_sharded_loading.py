@@ -1,13 +1,15 @@
 """Sharded loading (engines/sharded_loading.py): a tiny Cosmos 3 transformer saved as several safetensors
 files, loaded with tp 2 on two gloo ranks. Each rank keeps about half of the parameter bytes, reads
 exactly the elements it keeps (split tensors only by their slices, never whole), and the loaded
-model, parallelized, gives the output of the whole model in one process."""
+model, parallelized, gives the output of the whole model in one process. And for every family, what a
+rank loads is what splitting the whole model keeps on it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import cosmos3_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos3
@@ -65,3 +67,31 @@ def test_tp2_loads_half_the_bytes_by_slices(tmp_path: Path) -> None:
         assert r["whole_reads_of_split"] == [], f"rank {rank} read whole tensors it splits: {r['whole_reads_of_split']}"
         assert r["read_elements"] == r["kept_elements"], f"rank {rank} read more than it keeps"
         assert r["scale"] > 0.01 and r["err"] <= TOLERANCE, f"rank {rank}: max error {r['err']:.3g}"
+
+
+@pytest.mark.parametrize("family", ["flux", "cosmos", "flux2", "cosmos3"])
+def test_each_family_loads_the_share_that_splitting_the_whole_model_keeps(family: str, tmp_path: Path) -> None:
+    """No process group needed: rank r of tp 4 loaded from safetensors holds exactly what splitting the
+    loaded whole model keeps on rank r (packed parts, K/V heads kept by two ranks, row-parallel biases)."""
+    import copy
+
+    from engines.sharded_loading import load_split
+    from engines.tensor_parallel import split_weights
+    from pipelines.family import load
+    from pipelines.registry import FAMILIES
+    from tests.test_engines_tensor_parallel import tiny_model
+
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    weights = load(FAMILIES[family].tensor_parallel)
+    for rank in (0, 3):
+        expected = copy.deepcopy(model)
+        split_weights(expected, weights(expected, 4), tp=4, rank=rank)
+        loaded = load_split(type(model), tmp_path, weights, tp=4, rank=rank, dtype=torch.float32, device="cpu")
+        want, got = expected.state_dict(), loaded.state_dict()
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), f"{family} rank {rank}: {name}"
+        modules = dict(loaded.named_modules())
+        for name, counts in weights(model, 4).head_counts.items():
+            assert {attribute: getattr(modules[name], attribute) for attribute in counts} == counts, name
