@@ -1,0 +1,357 @@
+"""VAE decode split over ranks: each rank decodes a band of the image's rows, rank 0 gathers the bands.
+
+Why rows, and why the result is the one-rank decode's:
+- The decoders served here (diffusers' `Decoder` of AutoencoderKL and AutoencoderKLFlux2: FLUX.1, FLUX.2;
+  `WanDecoder3d` of AutoencoderKLWan: Cosmos-Predict2's Wan 2.1 VAE, Cosmos 3's Wan 2.2 VAE) have one
+  global operation, the mid-block's self-attention over a whole frame. It runs at latent resolution,
+  where it is cheap, so every part runs conv_in and the mid-block on the whole latent.
+- Everything after it (the up blocks and the output head) is convolutions, nearest upsampling and norms.
+  A convolution reaches a fixed number of rows, so a band that carries a halo of as many rows as the
+  remaining layers reach computes the rows it owns exactly (its wrong edge rows never reach them); the
+  band is trimmed after each block to what the layers after it still reach (`halos`).
+- AutoencoderKL's GroupNorm takes its statistics over the whole image: each part sums over the rows it
+  owns and the parts add their sums (an all-reduce over the ranks), so every band is normalised with the
+  whole image's mean and variance. Wan's RMS norms are per position and need nothing.
+- Wan decodes latent frame after latent frame with causal caches; each part keeps the caches of its
+  own band, which is all its convolutions read.
+So the split decode equals the whole decode up to floating-point summation order
+(tests/test_split_vae.py holds it to one 8-bit level at 2, 3 and 4 ranks).
+
+The parts run one per rank of a process group (`Parts.ranks`), or all in this process one after the
+other (`Parts.local`: the benchmark's measure of one part's time on one device).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MIN_ROWS_PER_PART = 2
+"""A part owns at least this many latent rows (a finer split would be all halo): fewer rows than
+MIN_ROWS_PER_PART x ranks are decoded whole, on rank 0 (splits)."""
+
+
+@dataclass(kw_only=True)
+class Parts:
+    """How one decode is split: `count` bands of rows, of which this process runs `mine`."""
+
+    count: int
+    mine: tuple[int, ...]
+    group: Any = None
+    """The process group whose ranks run one part each (rank i: part i); None: every part runs here."""
+    device: torch.device | None = None
+    """Where `seconds` is measured (synchronised), or None: nothing is timed."""
+    seconds: dict[int, float] = field(default_factory=dict)
+    """Per part, its compute seconds (the shared trunk counted in each): filled when `device` is set."""
+
+    @classmethod
+    def ranks(cls, group: Any) -> Parts:
+        """One part per rank of `group` (rank i runs part i)."""
+        return cls(count=dist.get_world_size(group), mine=(dist.get_rank(group),), group=group)
+
+    @classmethod
+    def local(cls, count: int, device: torch.device | None = None) -> Parts:
+        """All `count` parts in this process, one after the other; with `device`, each part's time measured."""
+        return cls(count=count, mine=tuple(range(count)), device=device)
+
+    @property
+    def is_root(self) -> bool:
+        """The process that gets the whole image (rank 0, or the only one)."""
+        return self.group is None or dist.get_rank(self.group) == 0
+
+    def total(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of every part's `values` (this process's parts, then over the ranks)."""
+        summed = torch.stack(values).sum(0)
+        if self.group is not None:
+            dist.all_reduce(summed, group=self.group)
+        return summed
+
+    @contextmanager
+    def clock(self, parts: tuple[int, ...]) -> Iterator[None]:
+        """Add the enclosed work's seconds to each of `parts` (only when timing)."""
+        if self.device is None:
+            yield
+            return
+        _sync(self.device)
+        start = time.perf_counter()
+        yield
+        _sync(self.device)
+        for part in parts:
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
+
+    def gather_rows(self, pieces: dict[int, torch.Tensor], sizes: list[int]) -> torch.Tensor | None:
+        """The parts' row pieces (dim -2; part p has sizes[p] rows) joined in part order: on the root, None
+        elsewhere. Across ranks each piece travels padded to the largest (gather takes equal shapes)."""
+        if self.group is None:
+            return torch.cat([pieces[p] for p in range(self.count)], dim=-2)
+        (part, piece), = pieces.items()
+        padded = piece.new_zeros(*piece.shape[:-2], max(sizes), piece.shape[-1])
+        padded[..., : piece.shape[-2], :] = piece
+        root = dist.get_rank(self.group) == 0
+        gathered = [torch.empty_like(padded) for _ in range(self.count)] if root else None
+        dist.gather(padded, gathered, group_dst=0, group=self.group)
+        if not root:
+            return None
+        return torch.cat([gathered[p][..., : sizes[p], :] for p in range(self.count)], dim=-2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def split_rows(rows: int, count: int) -> list[tuple[int, int]]:
+    """`rows` cut into `count` consecutive bands whose sizes differ by at most one (the first ones larger)."""
+    if count < 1 or rows < count:
+        raise ValueError(f"cannot split {rows} rows into {count} parts")
+    base, extra = divmod(rows, count)
+    bands, start = [], 0
+    for i in range(count):
+        stop = start + base + (1 if i < extra else 0)
+        bands.append((start, stop))
+        start = stop
+    return bands
+
+
+def splits(latent_rows: int, ranks: int) -> bool:
+    """Whether a decode of `latent_rows` latent rows is split over `ranks` ranks (else rank 0 decodes it whole)."""
+    return ranks > 1 and latent_rows >= MIN_ROWS_PER_PART * ranks
+
+
+# --- geometry -------------------------------------------------------------------------------------
+
+
+def _reach(module: nn.Module | None) -> int:
+    """Rows a module's convolutions reach beyond a row, added up (each k-row kernel reaches (k-1)/2)."""
+    if module is None:
+        return 0
+    return sum((m.kernel_size[-2] - 1) // 2 for m in module.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d)))
+
+
+def _upsampler(block: nn.Module) -> nn.Module | None:
+    """The block's spatial upsampler (AutoencoderKL and WanUpBlock: `upsamplers`; WanResidualUpBlock: `upsampler`)."""
+    ups = getattr(block, "upsamplers", None)
+    if ups is not None:
+        return ups
+    return getattr(block, "upsampler", None)
+
+
+def halos(blocks: list[nn.Module], head: list[nn.Module]) -> list[int]:
+    """Halo rows a band needs at the input of each block, and (last) at the input of the head, each in rows
+    of that point's resolution: what the layers from there on reach, a 2x upsampling halving it."""
+    need = sum(_reach(m) for m in head)
+    out = [need]
+    for block in reversed(blocks):
+        if _upsampler(block) is not None:
+            need = math.ceil((need + _reach(_upsampler(block))) / 2)
+        need += _reach(block.resnets)
+        out.append(need)
+    return out[::-1]
+
+
+@dataclass
+class Band:
+    """The rows one part owns and the rows its tensor holds (own plus halo), at the current resolution."""
+
+    own: tuple[int, int]
+    have: tuple[int, int]
+    rows: int
+    """Rows of the whole image at the current resolution."""
+
+    def up(self, factor: int) -> Band:
+        return Band(own=(self.own[0] * factor, self.own[1] * factor),
+                    have=(self.have[0] * factor, self.have[1] * factor), rows=self.rows * factor)
+
+    def trim(self, x: torch.Tensor, halo: int) -> tuple[torch.Tensor, Band]:
+        """`x` (this band's rows in dim -2) cut to the owned rows plus `halo` on each side."""
+        have = (max(0, self.own[0] - halo), min(self.rows, self.own[1] + halo))
+        if have[0] < self.have[0] or have[1] > self.have[1]:
+            raise RuntimeError(f"band {self.have} cannot give rows {have}: the halo was computed too small")
+        cut = x[..., have[0] - self.have[0]: have[1] - self.have[0], :]
+        return cut, Band(own=self.own, have=have, rows=self.rows)
+
+    @property
+    def own_slice(self) -> slice:
+        return slice(self.own[0] - self.have[0], self.own[1] - self.have[0])
+
+
+def _first_bands(x: torch.Tensor, parts: Parts, halo: int) -> tuple[dict[int, torch.Tensor], dict[int, Band], list[int]]:
+    rows = x.shape[-2]
+    owned = split_rows(rows, parts.count)
+    tensors, bands = {}, {}
+    for p in parts.mine:
+        tensors[p], bands[p] = Band(own=owned[p], have=(0, rows), rows=rows).trim(x, halo)
+    return tensors, bands, [b - a for a, b in owned]
+
+
+# --- AutoencoderKL (FLUX.1, FLUX.2) ---------------------------------------------------------------
+
+
+def _group_norm(norm: nn.GroupNorm, xs: dict[int, torch.Tensor], bands: dict[int, Band], parts: Parts
+                ) -> dict[int, torch.Tensor]:
+    """nn.GroupNorm over the whole image, from the parts' bands: statistics (two passes, float32) over the
+    rows each part owns, added over the parts; every band row normalised with them."""
+    groups = norm.num_groups
+    first = next(iter(xs))
+    channels, width = xs[first].shape[1], xs[first].shape[-1]
+    count = channels // groups * bands[first].rows * width
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        return t.float().reshape(t.shape[0], groups, -1)
+
+    with parts.clock(tuple(xs)):
+        sums = [grouped(xs[p][..., bands[p].own_slice, :]).sum(-1) for p in xs]
+    mean = parts.total(sums) / count
+    with parts.clock(tuple(xs)):
+        squares = [(grouped(xs[p][..., bands[p].own_slice, :]) - mean[..., None]).square().sum(-1) for p in xs]
+    var = parts.total(squares) / count
+    scale = torch.rsqrt(var + norm.eps)[..., None]
+    out = {}
+    with parts.clock(tuple(xs)):
+        for p, x in xs.items():
+            y = ((grouped(x) - mean[..., None]) * scale).reshape(x.shape)
+            if norm.affine:
+                y = y * norm.weight.float()[None, :, None, None] + norm.bias.float()[None, :, None, None]
+            out[p] = y.to(x.dtype)
+    return out
+
+
+def _each(parts: Parts, xs: dict[int, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+    out = {}
+    for p, x in xs.items():
+        with parts.clock((p,)):
+            out[p] = fn(x)
+    return out
+
+
+def _kl_resnet(resnet: nn.Module, xs: dict[int, torch.Tensor], bands: dict[int, Band], parts: Parts
+               ) -> dict[int, torch.Tensor]:
+    """diffusers' ResnetBlock2D.forward as a decoder uses it (no time embedding, no resampling), GroupNorm
+    taken over the whole image."""
+    if resnet.upsample is not None or resnet.downsample is not None or resnet.time_emb_proj is not None:
+        raise ValueError("the split decode runs decoder resnets only (no resampling, no time embedding)")
+    h = _group_norm(resnet.norm1, xs, bands, parts)
+    h = _each(parts, h, lambda t: resnet.conv1(resnet.nonlinearity(t)))
+    h = _group_norm(resnet.norm2, h, bands, parts)
+    h = _each(parts, h, lambda t: resnet.conv2(resnet.dropout(resnet.nonlinearity(t))))
+    out = {}
+    for p in xs:
+        with parts.clock((p,)):
+            shortcut = resnet.conv_shortcut(xs[p]) if resnet.conv_shortcut is not None else xs[p]
+            out[p] = (shortcut + h[p]) / resnet.output_scale_factor
+    return out
+
+
+def decode_kl(vae: nn.Module, z: torch.Tensor, parts: Parts) -> torch.Tensor | None:
+    """AutoencoderKL / AutoencoderKLFlux2 `decode(z).sample`, split by rows over `parts`; the root gets it."""
+    decoder = vae.decoder
+    if not isinstance(decoder.conv_norm_out, nn.GroupNorm):
+        raise ValueError("the split decode takes decoders with GroupNorm (norm_type 'group')")
+    with parts.clock(parts.mine):
+        if getattr(vae, "post_quant_conv", None) is not None:
+            z = vae.post_quant_conv(z)
+        x = decoder.mid_block(decoder.conv_in(z), None)  # whole latent: its attention is global
+    blocks = list(decoder.up_blocks)
+    needs = halos(blocks, [decoder.conv_out])
+    xs, bands, sizes = _first_bands(x, parts, needs[0])
+    for k, block in enumerate(blocks):
+        for resnet in block.resnets:
+            xs = _kl_resnet(resnet, xs, bands, parts)
+        if _upsampler(block) is not None:
+            for upsampler in _upsampler(block):
+                xs = _each(parts, xs, upsampler)
+            bands = {p: b.up(2) for p, b in bands.items()}
+        xs, bands = _trim(xs, bands, needs[k + 1])
+    xs = _group_norm(decoder.conv_norm_out, xs, bands, parts)
+    xs = _each(parts, xs, lambda t: decoder.conv_out(decoder.conv_act(t)))
+    pieces = {p: t[..., bands[p].own_slice, :] for p, t in xs.items()}
+    scale = next(iter(bands.values())).rows // z.shape[-2]
+    return parts.gather_rows(pieces, [s * scale for s in sizes])
+
+
+def _trim(xs: dict[int, torch.Tensor], bands: dict[int, Band], halo: int
+          ) -> tuple[dict[int, torch.Tensor], dict[int, Band]]:
+    out_x, out_b = {}, {}
+    for p in xs:
+        out_x[p], out_b[p] = bands[p].trim(xs[p], halo)
+    return out_x, out_b
+
+
+# --- AutoencoderKLWan (Cosmos-Predict2, Cosmos 3) -----------------------------------------------
+
+
+def _cached_conv(conv: nn.Module, x: torch.Tensor, cache: list, idx: list[int]) -> torch.Tensor:
+    """A causal convolution with its frame cache, as WanDecoder3d.forward runs conv_in and conv_out."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
+
+    i = idx[0]
+    keep = x[:, :, -CACHE_T:].clone()
+    if keep.shape[2] < 2 and cache[i] is not None:
+        keep = torch.cat([cache[i][:, :, -1:].to(keep.device), keep], dim=2)
+    out = conv(x, cache[i])
+    cache[i] = keep
+    idx[0] += 1
+    return out
+
+
+def decode_wan(vae: nn.Module, z: torch.Tensor, parts: Parts) -> torch.Tensor | None:
+    """AutoencoderKLWan `decode(z).sample` (latent frame by latent frame, clamped to [-1, 1]), split by rows
+    over `parts`; the root gets it."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    decoder = vae.decoder
+    conv_count = sum(isinstance(m, nn.Conv3d) for m in decoder.modules())
+    trunk_cache: list = [None] * conv_count
+    caches: dict[int, list] = {p: [None] * conv_count for p in parts.mine}
+    blocks = list(decoder.up_blocks)
+    needs = halos(blocks, [decoder.conv_out])
+    frames: dict[int, list[torch.Tensor]] = {p: [] for p in parts.mine}
+    with parts.clock(parts.mine):
+        x = vae.post_quant_conv(z)
+    sizes: list[int] = []
+    bands: dict[int, Band] = {}
+    for i in range(x.shape[2]):
+        trunk_idx = [0]
+        with parts.clock(parts.mine):  # every rank runs the trunk: the mid-block attends over the whole frame
+            h = _cached_conv(decoder.conv_in, x[:, :, i: i + 1], trunk_cache, trunk_idx)
+            h = decoder.mid_block(h, feat_cache=trunk_cache, feat_idx=trunk_idx)
+        xs, bands, sizes = _first_bands(h, parts, needs[0])
+        for p in parts.mine:
+            with parts.clock((p,)):
+                y, band, idx = xs[p], bands[p], [trunk_idx[0]]
+                for k, block in enumerate(blocks):
+                    y = block(y, feat_cache=caches[p], feat_idx=idx, first_chunk=i == 0)
+                    if _upsampler(block) is not None:
+                        band = band.up(2)
+                    y, band = band.trim(y, needs[k + 1])
+                y = decoder.nonlinearity(decoder.norm_out(y))
+                y = _cached_conv(decoder.conv_out, y, caches[p], idx)
+                frames[p].append(y[..., band.own_slice, :])
+                bands[p] = band
+    pieces = {p: torch.cat(frames[p], dim=2) for p in parts.mine}
+    scale = next(iter(bands.values())).rows // z.shape[-2]
+    out = parts.gather_rows(pieces, [s * scale for s in sizes])
+    if out is None:
+        return None
+    if vae.config.patch_size is not None:
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return torch.clamp(out, min=-1.0, max=1.0)
+
+
+def split_decode(vae: nn.Module, z: torch.Tensor, parts: Parts) -> torch.Tensor | None:
+    """`vae.decode(z).sample` split over `parts` (the VAE's class picks how); the root gets it, others None."""
+    from diffusers import AutoencoderKLWan
+
+    if isinstance(vae, AutoencoderKLWan):
+        return decode_wan(vae, z, parts)
+    if hasattr(vae, "decoder") and hasattr(vae.decoder, "conv_norm_out"):
+        return decode_kl(vae, z, parts)
+    raise ValueError(f"the split decode does not know {type(vae).__name__}")
