@@ -90,6 +90,7 @@ class CosmosPipeline(StagedPipeline):
         self.vae_config = vae_config
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** len(vae_config["temperal_downsample"])
+        self.vae_spatial_factor = self.spatial_factor
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
         # The guardrail is part of the NVIDIA Open Model License terms; the embedded tiny model is not under it.
         self.guardrail = Guardrail.load() if text_encoder is not None and not spec.embedded else None
@@ -105,9 +106,12 @@ class CosmosPipeline(StagedPipeline):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         with_encoders: bool = True,
+        with_vae: bool | None = None,
     ) -> CosmosPipeline:
-        """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 and VAE (ranks > 0)."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
+        """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 (ranks > 0), and the VAE
+        too unless `with_vae` (a split decode runs it on every rank)."""
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
@@ -134,8 +138,10 @@ class CosmosPipeline(StagedPipeline):
             raise RuntimeError("this pipeline was loaded without encoders (with_encoders=False)")
         if self.guardrail is not None:
             self.guardrail.check_text(request.prompt)
-        prompt_embeds = self._t5(request.prompt)
-        negative = self._t5(request.negative_prompt) if request.guidance > 1.0 else None
+        negative_text = request.negative_prompt if request.guidance > 1.0 else None
+        prompt_embeds, negative = self.cached_text(
+            ("cosmos", request.prompt, negative_text, self.spec.max_sequence_length),
+            lambda: (self._t5(request.prompt), self._t5(negative_text) if negative_text is not None else None))
         conditioning_latents, num_cond = None, 0
         if request.condition is not None:
             conditioning_latents, num_cond = self._encode_condition(request)
@@ -227,14 +233,17 @@ class CosmosPipeline(StagedPipeline):
         return latents
 
     @torch.no_grad()
-    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image:
-        """VAE-decode latents: uint8 frames [T, H, W, 3] for video models, a PIL image for image models."""
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image | None:
+        """VAE-decode latents: uint8 frames [T, H, W, 3] for video models, a PIL image for image models (None
+        on a rank > 0 of a split decode)."""
         if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_encoders=False)")
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
         mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
         latents = latents.to(self.device, torch.float32) * std / SIGMA_DATA + mean
-        video = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        video = self.decode_latents(request, latents.to(self.vae.dtype))
+        if video is None:
+            return None
         frames = self.video_processor.postprocess_video(video, output_type="np")[0]
         frames = (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
         if self.guardrail is not None:

@@ -18,13 +18,15 @@ def load_pipeline(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     with_encoders: bool = True,
+    with_vae: bool | None = None,
 ) -> Any:
-    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False.
+    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False (and with_vae=True when
+    the VAE decode is split over the ranks; None: as with_encoders).
 
     Only the family asked for is imported: diffusers' Cosmos pipeline module alone costs seconds of start-up.
     """
     cls = load(family_of(spec).pipeline)
-    return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders)
+    return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders, with_vae=with_vae)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
