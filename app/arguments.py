@@ -83,6 +83,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              f"THRESHOLD (default {CACHES['fbcache']:g}) since the last computed step reuses the "
                              "other blocks' result; all ranks decide together, the first and last steps always "
                              "run (docs/faster.md)")
+    parser.add_argument("--split-vae", default="on", choices=("on", "off"),
+                        help="with several ranks, split the VAE decode over them: each decodes a band of rows, rank 0 "
+                             "gathers them (the same image within one 8-bit level; every rank holds the VAE). off: "
+                             "rank 0 alone holds the VAE and decodes (default on)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -119,7 +123,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     try:
         return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                           all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
-                          rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache)
+                          rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache,
+                          split_vae=args.split_vae == "on")
     except ValueError as error:
         raise OptionsError(str(error)) from None
 

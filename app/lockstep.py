@@ -5,8 +5,9 @@ traffic goes over the context's CPU control group (gloo), one request at a time:
 
     rank 0:      broadcast Run(request); encode; broadcast the encoding (or the error it raised)
     every rank:  denoise, with an agreement point after every step and one after the loop
-    rank 0:      decode; every rank: one last meeting (the decode's outcome, and proof that all ranks live)
-    rank 0:      hand the result back to the caller
+    rank 0:      decode (every rank, when the pipeline splits the decode over them: pipelines.split_vae);
+    every rank:  one last meeting (the decode's outcome, and proof that all ranks live)
+    rank 0:      hand the result back to the caller, with the seconds of each stage (app.stage_times)
 
 Requests are validated (pipelines.requests.make_request) before `run`, so nothing invalid reaches a
 collective. An agreement point is one all_reduce of [stop wanted, failed, cancelled] with a time limit:
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from app.failures import JobCancelled, JobFailed, RankLost, describe
+from app.stage_times import StageSeconds
 from app.stopping import process_running
 from engines.distributed import ParallelContext
 from pipelines.requests import GenerationRequest
@@ -82,6 +84,8 @@ class Generation:
     """Mean wall time of one denoising step, agreement included."""
     computed_steps: int | None = None
     """Steps whose transformer blocks all ran (the others reused the step cache's); None without --cache."""
+    stages: StageSeconds | None = None
+    """Seconds of encode, each step and decode (the file's write is its writer's to add)."""
 
 
 def _short(error: BaseException) -> str:
@@ -131,6 +135,8 @@ class LockstepService:
         self.last_step_seconds: float | None = None
         self.last_computed_steps: tuple[int, int] | None = None
         """(steps computed, steps) of the last request run with a step cache."""
+        self.last_stages: StageSeconds | None = None
+        """Stage seconds of the last request."""
         self._jobs = 0
         self._last_contact = time.monotonic()
         self._stopped = False
@@ -152,6 +158,7 @@ class LockstepService:
         self._broadcast(message)
         generation = self._execute(message, on_step, should_stop)
         self.last_step_seconds = generation.step_seconds
+        self.last_stages = generation.stages
         self.last_computed_steps = None if generation.computed_steps is None else (generation.computed_steps,
                                                                                    request.steps)
         return generation
@@ -214,10 +221,16 @@ class LockstepService:
             raise JobFailed(failure)
         if cancelled is not None:
             raise JobCancelled(cancelled)
+        encode_seconds = time.perf_counter() - started
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.
+        step_ends: list[float] = []
+
         def step_done(done: int, total: int) -> None:
             self._agree(None, stop_reason(done) if self.ctx.is_main else None)
+            if self.ctx.device.type == "cuda":  # a step's time is its device work's, not its launches'
+                torch.cuda.synchronize(self.ctx.device)
+            step_ends.append(time.perf_counter())
             if on_step is not None:
                 on_step(done, total)
 
@@ -234,17 +247,19 @@ class LockstepService:
                 traceback.print_exception(error)
                 raise
         self._agree(None)  # a failure after the last step meets the others here
-        step_seconds = (time.perf_counter() - denoise_started) / request.steps
+        decode_started = time.perf_counter()
+        step_seconds = (decode_started - denoise_started) / request.steps
 
-        # 3. Rank 0 decodes, then every rank meets once more: a decode failure reaches them all, and rank 0
-        #    hands a result back only once it knows that no rank died meanwhile (else RankLost).
+        # 3. Rank 0 decodes (every rank, for a split decode), then every rank meets once more: a decode failure
+        #    reaches them all, and rank 0 hands a result back only once it knows that no rank died meanwhile
+        #    (else RankLost).
         result, failure = None, None
-        if self.ctx.is_main:
+        if self.ctx.is_main or pipeline.decode_is_split(request):
             try:
                 result = pipeline.decode(request, latents)
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
-                failure = f"rank 0 (decoding): {describe(error)}"
+                failure = f"rank {self.ctx.rank} (decoding): {describe(error)}"
         if self.ctx.is_distributed:
             reports: list[str | None] = [None] * self.ctx.world_size
             self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
@@ -253,9 +268,12 @@ class LockstepService:
             raise JobFailed(failure)
         if not self.ctx.is_main:
             return None
+        finished = time.perf_counter()
+        steps = tuple(b - a for a, b in zip([denoise_started, *step_ends], step_ends))
         return Generation(result=result, model=message.model, request=request,
-                          seconds=time.perf_counter() - started, step_seconds=step_seconds,
-                          computed_steps=pipeline.computed_steps())
+                          seconds=finished - started, step_seconds=step_seconds,
+                          computed_steps=pipeline.computed_steps(),
+                          stages=StageSeconds(encode=encode_seconds, steps=steps, decode=finished - decode_started))
 
     def _agree(self, failure: str | None, cancelled: str | None = None) -> None:
         """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop (the

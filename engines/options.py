@@ -211,6 +211,10 @@ class RunOptions:
     cache: str | None = None
     """A CacheOptions label ("fbcache", "fbcache:0.12"): steps whose first block barely changed skip the
     other blocks (engines/step_cache.py): faster, approximate. None: every step computed."""
+    split_vae: bool = True
+    """With several ranks, each rank decodes a band of the image's rows and rank 0 gathers them
+    (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level); every rank then holds the
+    VAE. False: rank 0 alone holds the VAE and decodes."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

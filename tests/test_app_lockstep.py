@@ -57,6 +57,9 @@ class StandInPipeline:
     def decode(self, req: GenerationRequest, latents: torch.Tensor) -> float:
         return latents.item()
 
+    def decode_is_split(self, req: GenerationRequest) -> bool:
+        return False  # rank 0 decodes
+
     def computed_steps(self) -> None:
         return None  # no step cache
 
