@@ -36,6 +36,8 @@ def check_result(path: Path, modes: set[str], runs: int) -> list[dict]:
         stages = r["encode_s"] + r["denoise_s"] + r["decode_s"]
         assert 0 < stages <= r["total_s"] * 1.01, r  # medians of separate runs: allow a hair
         assert r["step_ms"] == pytest.approx(r["denoise_s"] / r["steps"] * 1e3)
+        assert len(r["step_s"]) == r["steps"] and min(r["step_s"]) > 0 and r["write_s"] > 0
+        assert r["split_vae"] == (r["mode"] != "1 GPU")  # the parallel modes' decode split over the 2 ranks
         assert len(r["peak_gib"]) == r["gpus"] == (1 if r["mode"] == "1 GPU" else 2)
         assert r["speedup"] > 0 and r["denoise_speedup"] > 0
     single = np.load(next(r["media"] for r in rows if r["mode"] == "1 GPU")).astype(np.int16)
