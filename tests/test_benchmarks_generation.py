@@ -90,3 +90,20 @@ def test_baseline_gives_the_speedup_of_a_run_without_1_gpu() -> None:
     rows = finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[row("1 GPU", 3.0, 2.5)])
     assert rows[0]["speedup"] == pytest.approx(1.5) and rows[0]["denoise_speedup"] == pytest.approx(2.5)
     assert finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[])[0]["speedup"] is None
+
+
+def test_vae_split_benchmark_tiny(tmp_path: Path) -> None:
+    """benchmarks/vae_split.py on the tiny VAEs: the whole decode and 2 and 4 parts, their outputs equal."""
+    out = tmp_path / "vae-split.json"
+    cmd = [PYTHON, "-m", "benchmarks.vae_split", "--tiny", "--runs", "1", "--height", "96", "--width", "80",
+           "--frames", "9", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["shape"]) for r in rows] == [("tiny-flux", "96x80"), ("tiny-cosmos", "9x96x80")]
+    for r in rows:
+        assert r["whole_s"] > 0 and [s["parts"] for s in r["splits"]] == [2, 4]
+        for split in r["splits"]:
+            assert 0 < split["mean_part_s"] <= split["largest_part_s"] <= split["all_parts_s"]
+            assert split["max_abs_difference"] <= 1e-4
+    assert "largest part s" in proc.stdout
