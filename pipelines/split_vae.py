@@ -197,30 +197,32 @@ def _first_bands(x: torch.Tensor, parts: Parts, halo: int) -> tuple[dict[int, to
 
 def _group_norm(norm: nn.GroupNorm, xs: dict[int, torch.Tensor], bands: dict[int, Band], parts: Parts
                 ) -> dict[int, torch.Tensor]:
-    """nn.GroupNorm over the whole image, from the parts' bands: statistics (two passes, float32) over the
-    rows each part owns, added over the parts; every band row normalised with them."""
+    """nn.GroupNorm over the whole image, from the parts' bands: each part's mean and variance over the rows it
+    owns (float32, one pass), combined over the parts (Chan's formula: the total mean first, then the parts'
+    squared deviations and their means' deviations from it), every band row normalised with them."""
     groups = norm.num_groups
     first = next(iter(xs))
-    channels, width = xs[first].shape[1], xs[first].shape[-1]
-    count = channels // groups * bands[first].rows * width
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:
-        return t.float().reshape(t.shape[0], groups, -1)
-
+    batch, channels = xs[first].shape[:2]
+    total = channels // groups * bands[first].rows * xs[first].shape[-1]
+    stats = {}
     with parts.clock(tuple(xs)):
-        sums = [grouped(xs[p][..., bands[p].own_slice, :]).sum(-1) for p in xs]
-    mean = parts.total(sums) / count
+        for p, x in xs.items():
+            owned = x[..., bands[p].own_slice, :].float().reshape(batch, groups, -1)
+            var, mean = torch.var_mean(owned, dim=-1, correction=0)
+            stats[p] = (owned.shape[-1], mean, var)
+    mean = parts.total([n * m for n, m, _ in stats.values()]) / total
     with parts.clock(tuple(xs)):
-        squares = [(grouped(xs[p][..., bands[p].own_slice, :]) - mean[..., None]).square().sum(-1) for p in xs]
-    var = parts.total(squares) / count
-    scale = torch.rsqrt(var + norm.eps)[..., None]
+        spread = [n * (v + (m - mean).square()) for n, m, v in stats.values()]
+    var = parts.total(spread) / total
+    scale = torch.rsqrt(var + norm.eps).repeat_interleave(channels // groups, dim=1)  # [B, C]
+    shift = -mean.repeat_interleave(channels // groups, dim=1) * scale
+    if norm.affine:
+        scale, shift = scale * norm.weight.float(), shift * norm.weight.float() + norm.bias.float()
+    scale, shift = scale[..., None, None], shift[..., None, None]
     out = {}
     with parts.clock(tuple(xs)):
         for p, x in xs.items():
-            y = ((grouped(x) - mean[..., None]) * scale).reshape(x.shape)
-            if norm.affine:
-                y = y * norm.weight.float()[None, :, None, None] + norm.bias.float()[None, :, None, None]
-            out[p] = y.to(x.dtype)
+            out[p] = torch.addcmul(shift, x.float(), scale).to(x.dtype)
     return out
 
 
