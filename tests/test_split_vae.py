@@ -26,9 +26,9 @@ RAW = 1e-4
 
 CASES = {
     # name: (model, request fields); latent rows 26 (flux: 208 / 8) and 14 (cosmos: 112 / 8)
-    "flux-image": ("tiny-flux", dict(prompt="x", height=208, width=144, steps=1)),
-    "cosmos-17": ("tiny-cosmos", dict(prompt="x", height=112, width=80, frames=17, steps=1)),
-    "cosmos-33": ("tiny-cosmos", dict(prompt="x", height=112, width=64, frames=33, steps=1)),
+    "flux-image": ("tiny-flux", dict(prompt="x", height=208, width=48, steps=1)),
+    "cosmos-17": ("tiny-cosmos", dict(prompt="x", height=112, width=48, frames=17, steps=1)),
+    "cosmos-33": ("tiny-cosmos", dict(prompt="x", height=112, width=32, frames=33, steps=1)),
 }
 
 
