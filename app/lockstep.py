@@ -88,6 +88,36 @@ class Generation:
     """Seconds of encode, each step and decode (the file's write is its writer's to add)."""
 
 
+class _StepClock:
+    """Each denoising step's seconds: on a GPU from CUDA events on the current stream (a step's device time,
+    read once the loop is over, so no step waits for the device), elsewhere from the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._marks = [self._now()]
+
+    def mark(self) -> None:
+        self._marks.append(self._now())
+
+    def seconds(self) -> tuple[float, ...]:
+        pairs = list(zip(self._marks, self._marks[1:]))
+        if not self._cuda:
+            return tuple(end - begin for begin, end in pairs)
+        if self._marks:
+            self._marks[-1].synchronize()
+        return tuple(begin.elapsed_time(end) / 1000 for begin, end in pairs)
+
+
 def _short(error: BaseException) -> str:
     """describe(error) without gloo's source location and advice, which hide the one fact that matters."""
     text = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", describe(error))
@@ -224,17 +254,16 @@ class LockstepService:
         encode_seconds = time.perf_counter() - started
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.
-        step_ends: list[float] = []
+        clock = _StepClock(self.ctx.device)
 
         def step_done(done: int, total: int) -> None:
             self._agree(None, stop_reason(done) if self.ctx.is_main else None)
-            if self.ctx.device.type == "cuda":  # a step's time is its device work's, not its launches'
-                torch.cuda.synchronize(self.ctx.device)
-            step_ends.append(time.perf_counter())
+            clock.mark()
             if on_step is not None:
                 on_step(done, total)
 
         denoise_started = time.perf_counter()
+        clock.start()
         try:
             latents = pipeline.denoise(request, encoded, step_done)
         except (JobFailed, RankLost):
@@ -269,7 +298,7 @@ class LockstepService:
         if not self.ctx.is_main:
             return None
         finished = time.perf_counter()
-        steps = tuple(b - a for a, b in zip([denoise_started, *step_ends], step_ends))
+        steps = clock.seconds()
         return Generation(result=result, model=message.model, request=request,
                           seconds=finished - started, step_seconds=step_seconds,
                           computed_steps=pipeline.computed_steps(),

@@ -18,7 +18,7 @@ class StageSeconds:
     encode: float
     """Text (and input) encoding on rank 0, and handing the encoding to every rank."""
     steps: tuple[float, ...]
-    """Each denoising step, its agreement point included (device-synchronised on GPUs)."""
+    """Each denoising step, its agreement point included (on GPUs: CUDA events between step ends)."""
     decode: float
     """VAE decode (split over the ranks or on rank 0) and the ranks' last meeting."""
     write: float | None = None

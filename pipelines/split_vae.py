@@ -62,11 +62,6 @@ class Parts:
         """All `count` parts in this process, one after the other; with `device`, each part's time measured."""
         return cls(count=count, mine=tuple(range(count)), device=device)
 
-    @property
-    def is_root(self) -> bool:
-        """The process that gets the whole image (rank 0, or the only one)."""
-        return self.group is None or dist.get_rank(self.group) == 0
-
     def total(self, values: list[torch.Tensor]) -> torch.Tensor:
         """The sum of every part's `values` (this process's parts, then over the ranks)."""
         summed = torch.stack(values).sum(0)
@@ -92,7 +87,7 @@ class Parts:
         elsewhere. Across ranks each piece travels padded to the largest (gather takes equal shapes)."""
         if self.group is None:
             return torch.cat([pieces[p] for p in range(self.count)], dim=-2)
-        (part, piece), = pieces.items()
+        (piece,) = pieces.values()
         padded = piece.new_zeros(*piece.shape[:-2], max(sizes), piece.shape[-1])
         padded[..., : piece.shape[-2], :] = piece
         root = dist.get_rank(self.group) == 0
@@ -265,6 +260,9 @@ def decode_kl(vae: nn.Module, z: torch.Tensor, parts: Parts) -> torch.Tensor | N
     needs = halos(blocks, [decoder.conv_out])
     xs, bands, sizes = _first_bands(x, parts, needs[0])
     for k, block in enumerate(blocks):
+        if getattr(block, "attentions", None):
+            raise ValueError(f"up block {k} ({type(block).__name__}) attends over the whole image: the split "
+                             "decode takes convolutional up blocks only")
         for resnet in block.resnets:
             xs = _kl_resnet(resnet, xs, bands, parts)
         if _upsampler(block) is not None:
