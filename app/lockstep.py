@@ -4,6 +4,7 @@ Rank 0 owns the requests (UI queue, batch file, command line); the other ranks `
 traffic goes over the context's CPU control group (gloo), one request at a time:
 
     rank 0:      broadcast Run(request); encode; broadcast the encoding (or the error it raised)
+    every rank:  finish the encoding where the pipeline splits part of it (prepare: an input video's VAE encode)
     every rank:  denoise, with an agreement point after every step and one after the loop
     rank 0:      decode (every rank, when the pipeline splits the decode over them: pipelines.split_vae);
     every rank:  one last meeting (the decode's outcome, and proof that all ranks live)
@@ -251,6 +252,11 @@ class LockstepService:
             raise JobFailed(failure)
         if cancelled is not None:
             raise JobCancelled(cancelled)
+        try:
+            encoded = pipeline.prepare(request, encoded)
+        except Exception as error:  # noqa: BLE001 - _agree raises JobFailed (or RankLost) on every rank
+            traceback.print_exc()
+            self._agree(f"rank {self.ctx.rank} (encoding): {_short(error)}")
         encode_seconds = time.perf_counter() - started
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.

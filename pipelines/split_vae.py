@@ -17,6 +17,10 @@ Why rows, and why the result is the one-rank decode's:
 So the split decode equals the whole decode up to floating-point summation order
 (tests/test_split_vae.py holds it to one 8-bit level at 2, 3 and 4 ranks).
 
+The Wan 2.1 encoder (Cosmos-Predict2's input video or image) splits the same way (`encode_wan`): its
+down path by bands of input rows whose halos cover what the convolutions and stride-2 downsamplers
+reach, the bands gathered on every rank at latent resolution, the mid-block and head on the whole.
+
 The parts run one per rank of a process group (`Parts.ranks`), or all in this process one after the
 other (`Parts.local`: the benchmark's measure of one part's time on one device).
 """
@@ -82,17 +86,22 @@ class Parts:
         for part in parts:
             self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
 
-    def gather_rows(self, pieces: dict[int, torch.Tensor], sizes: list[int]) -> torch.Tensor | None:
-        """The parts' row pieces (dim -2; part p has sizes[p] rows) joined in part order: on the root, None
-        elsewhere. Across ranks each piece travels padded to the largest (gather takes equal shapes)."""
+    def gather_rows(self, pieces: dict[int, torch.Tensor], sizes: list[int], everywhere: bool = False
+                    ) -> torch.Tensor | None:
+        """The parts' row pieces (dim -2; part p has sizes[p] rows) joined in part order: on the root (rank 0),
+        None elsewhere, or with `everywhere` on every rank. Across ranks each piece travels padded to the
+        largest (the collectives take equal shapes)."""
         if self.group is None:
             return torch.cat([pieces[p] for p in range(self.count)], dim=-2)
         (piece,) = pieces.values()
         padded = piece.new_zeros(*piece.shape[:-2], max(sizes), piece.shape[-1])
         padded[..., : piece.shape[-2], :] = piece
-        root = dist.get_rank(self.group) == 0
+        root = everywhere or dist.get_rank(self.group) == 0
         gathered = [torch.empty_like(padded) for _ in range(self.count)] if root else None
-        dist.gather(padded, gathered, group_dst=0, group=self.group)
+        if everywhere:
+            dist.all_gather(gathered, padded, group=self.group)
+        else:
+            dist.gather(padded, gathered, group_dst=0, group=self.group)
         if not root:
             return None
         return torch.cat([gathered[p][..., : sizes[p], :] for p in range(self.count)], dim=-2)
@@ -344,6 +353,79 @@ def decode_wan(vae: nn.Module, z: torch.Tensor, parts: Parts) -> torch.Tensor | 
     if vae.config.patch_size is not None:
         out = unpatchify(out, patch_size=vae.config.patch_size)
     return torch.clamp(out, min=-1.0, max=1.0)
+
+
+def _encode_halos(layers: list[nn.Module]) -> list[int]:
+    """Halo rows a band needs at the input of each of the encoder's down-path `layers` (and, last, after
+    them: none, its own rows exactly), each in rows of that point's resolution. A stride-2 downsampler
+    (zero row padded below, a 3-row kernel) reads input rows 2i to 2i + 2 for output row i: twice the halo
+    after it, plus two, which keeps every band's first row even, as the stride needs."""
+    need = 0
+    out = [need]
+    for layer in reversed(layers):
+        if getattr(layer, "mode", None) in ("downsample2d", "downsample3d"):
+            need = 2 * need + 2
+        else:
+            need += _reach(layer)
+        out.append(need)
+    return out[::-1]
+
+
+def encode_wan(vae: nn.Module, video: torch.Tensor, parts: Parts) -> torch.Tensor:
+    """AutoencoderKLWan `encode(video)`'s moments (before the DiagonalGaussianDistribution) on every process:
+    the down path split by rows over `parts` (each part's band of the input with its halo, frame chunk after
+    frame chunk with the band's own caches), the bands gathered at latent resolution, then the mid-block
+    (attention over the whole frame) and the head on the whole latent, as the encoder runs them."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+    encoder = vae.encoder
+    layers = [encoder.conv_in, *encoder.down_blocks]
+    if vae.config.is_residual or any(hasattr(layer, "to_qkv") for layer in layers):
+        raise ValueError("the split encode takes the Wan 2.1 encoder (a flat down path of convolutions): not one "
+                         "with residual down blocks or attention")
+    if vae.config.patch_size is not None:
+        video = patchify(video, patch_size=vae.config.patch_size)
+    needs = _encode_halos(layers)
+    factor = 2 ** sum(getattr(layer, "mode", "").startswith("downsample") for layer in layers)
+    rows = video.shape[-2]
+    if rows % factor:
+        raise ValueError(f"{rows} rows are not a multiple of the encoder's {factor}")
+    owned = split_rows(rows // factor, parts.count)
+    conv_count = sum(isinstance(m, nn.Conv3d) for m in encoder.modules())
+    chunks = [(0, 1)] + [(1 + 4 * i, 5 + 4 * i) for i in range((video.shape[2] - 1) // 4)]
+    pieces: dict[int, torch.Tensor] = {}
+    frames_per_chunk: list[int] = []
+    trunk_start = 0
+    for p in parts.mine:
+        with parts.clock((p,)):
+            cache: list = [None] * conv_count
+            outs = []
+            for start, stop in chunks:
+                own = (owned[p][0] * factor, owned[p][1] * factor)
+                y, band = Band(own=own, have=(0, rows), rows=rows).trim(video[:, :, start:stop], needs[0])
+                idx = [0]
+                for k, layer in enumerate(layers):
+                    y = _cached_conv(layer, y, cache, idx) if k == 0 else layer(y, feat_cache=cache, feat_idx=idx)
+                    if getattr(layer, "mode", None) in ("downsample2d", "downsample3d"):
+                        half = band.have[0] // 2
+                        band = Band(own=(band.own[0] // 2, band.own[1] // 2), have=(half, half + y.shape[-2]),
+                                    rows=band.rows // 2)
+                    y, band = band.trim(y, needs[k + 1])
+                outs.append(y)
+                trunk_start = idx[0]
+            frames_per_chunk = [out.shape[2] for out in outs]
+            pieces[p] = torch.cat(outs, dim=2)
+    features = parts.gather_rows(pieces, [b - a for a, b in owned], everywhere=True)
+    with parts.clock(parts.mine):  # every rank: the mid-block attends over the whole frame
+        cache = [None] * conv_count
+        outs, frame = [], 0
+        for count in frames_per_chunk:
+            idx = [trunk_start]
+            y = encoder.mid_block(features[:, :, frame: frame + count], feat_cache=cache, feat_idx=idx)
+            frame += count
+            y = encoder.nonlinearity(encoder.norm_out(y))
+            outs.append(_cached_conv(encoder.conv_out, y, cache, idx))
+        return vae.quant_conv(torch.cat(outs, dim=2))
 
 
 def split_decode(vae: nn.Module, z: torch.Tensor, parts: Parts) -> torch.Tensor | None:

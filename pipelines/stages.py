@@ -75,6 +75,15 @@ class StagedPipeline:
             return encode()
         return self.prompt_cache.get_or_compute(key, encode)
 
+    def encode_is_split(self, request: GenerationRequest) -> bool:
+        """Whether part of `request`'s encoding runs on every rank (`prepare`); families that split none: False."""
+        return False
+
+    def prepare(self, request: GenerationRequest, encoded: Any) -> Any:
+        """Every rank, once rank 0's encoding has reached it: the part of the encoding split over the ranks
+        (a family's input VAE encode), if any; here none, so the encoding as it came."""
+        return encoded
+
     def use_split_vae(self, group: Any) -> None:
         """Split the VAE decode over the ranks of `group` (every rank must then hold the VAE and call decode);
         None: rank 0 decodes alone."""

@@ -1,10 +1,11 @@
-"""The split VAE decode (pipelines/split_vae.py) equals the whole decode.
+"""The split VAE decode and encode (pipelines/split_vae.py) equal the whole ones.
 
 Through the pipelines at 2, 3 and 4 gloo ranks: tiny-flux images and tiny-cosmos 17- and 33-frame videos
 whose latent rows do not divide by the rank count; the tolerance is one 8-bit level of the written
 media and 1e-4 on the VAE's output in [-1, 1] (measured: 1 level where a difference of about 1e-6
-flips a rounding; at most 4e-6 on the output). In one process, parts
-one after another, the VAEs of the newer families too (FLUX.2's, Cosmos 3's Wan 2.2).
+flips a rounding; at most 4e-6 on the output). The split encode of tiny-cosmos' input (an image, and a
+video of more frames than the request's) gives the one-rank latents within 1e-4 on every rank. In one
+process, parts one after another, the VAEs of the newer families too (FLUX.2's, Cosmos 3's Wan 2.2).
 """
 
 from __future__ import annotations
@@ -44,7 +45,52 @@ def _latents(pipeline, request) -> torch.Tensor:
     return torch.randn(1, pipeline.vae_config["z_dim"], frames, rows, cols, generator=generator)
 
 
-def _rank(rank: int, world_size: int, port: int, out: str) -> None:
+def _inputs(folder: Path) -> dict[str, str]:
+    """An input image and an input video (21 frames, more than the requests' 17) for tiny-cosmos."""
+    from PIL import Image
+
+    from pipelines.media import save_mp4
+
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (21, 112, 48, 3), dtype=np.uint8)
+    Image.fromarray(frames[0]).save(folder / "start.png")
+    save_mp4(frames, folder / "start.mp4", fps=8)
+    return {"image-input": str(folder / "start.png"), "video-input": str(folder / "start.mp4")}
+
+
+def _encode_cases(ctx, inputs: dict[str, str]) -> dict[str, dict]:
+    """Rank 0 encodes (leaving the input's VAE encode to every rank), every rank prepares; rank 0 compares the
+    conditioning latents with its own one-rank encoding."""
+    import torch.distributed as dist
+
+    from pipelines.factory import load_pipeline
+    from pipelines.registry import resolve_model
+    from pipelines.requests import make_request, read_limits
+
+    spec, folder = resolve_model("tiny-cosmos", None)
+    pipeline = load_pipeline(spec, folder, with_encoders=ctx.is_main, with_vae=True)
+    report = {}
+    for case, path in inputs.items():
+        request = make_request(spec, read_limits(spec, folder), prompt="x", condition=path, frames=17, height=112,
+                               width=48, steps=1)
+        pipeline.use_split_vae(ctx.group)
+        encoded = [pipeline.encode(request) if ctx.is_main else None]
+        dist.broadcast_object_list(encoded, src=0, group=ctx.control_group)
+        if encoded[0].condition_frames is None:
+            raise RuntimeError(f"{case}: expected the input's encode to be split")
+        cond = pipeline.prepare(request, encoded[0])
+        sums: list = [None] * ctx.world_size
+        dist.all_gather_object(sums, float(cond.conditioning_latents.double().sum()), group=ctx.control_group)
+        if ctx.is_main:
+            pipeline.use_split_vae(None)
+            whole = pipeline.encode(request)
+            report[case] = dict(
+                difference=float((cond.conditioning_latents - whole.conditioning_latents).abs().max()),
+                same_on_every_rank=len(set(sums)) == 1, frames=cond.num_cond_latent_frames == whole.num_cond_latent_frames)
+    return report
+
+
+def _rank(rank: int, world_size: int, port: int, out: str, inputs: dict[str, str]) -> None:
     join_ranks(rank, world_size, port)
     import torch.distributed as dist
 
@@ -71,19 +117,24 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
                 report[case] = int(np.abs(np.asarray(split).astype(np.int16) - np.asarray(whole).astype(np.int16)).max())
             elif split is not None:
                 raise RuntimeError(f"rank {rank} got the decoded media; only rank 0 should")
+    encoding = _encode_cases(ctx, inputs)
     dist.barrier()
     if ctx.is_main:
-        Path(out).write_text(json.dumps(report))
+        Path(out).write_text(json.dumps(dict(levels=report, encode=encoding)))
     shutdown(ctx)
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_split_decode_at_n_ranks_equals_the_whole_decode(ranks: int, tmp_path: Path) -> None:
-    out = tmp_path / "levels.json"
-    spawn_ranks(_rank, ranks, str(out))
-    levels = json.loads(out.read_text())
+    out = tmp_path / "report.json"
+    spawn_ranks(_rank, ranks, str(out), _inputs(tmp_path))
+    report = json.loads(out.read_text())
+    levels, encoding = report["levels"], report["encode"]
     assert set(levels) == set(CASES)
     assert max(levels.values()) <= LEVELS, levels
+    assert set(encoding) == {"image-input", "video-input"}
+    for case in encoding.values():
+        assert case["same_on_every_rank"] and case["frames"] and case["difference"] <= RAW, encoding
 
 
 def _random(vae: torch.nn.Module) -> torch.nn.Module:
@@ -118,7 +169,18 @@ def _tiny_vaes() -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
 
 
 def test_parts_one_after_another_equal_the_whole_decode_for_every_served_vae() -> None:
+    from diffusers import AutoencoderKLWan
+
+    from pipelines.registry import ASSETS_DIR
+    from pipelines.split_vae import encode_wan
+
     with torch.no_grad():
+        wan = AutoencoderKLWan.from_pretrained(ASSETS_DIR / "tiny-cosmos" / "vae").eval()
+        video = torch.rand(1, 3, 9, 104, 40, generator=torch.Generator().manual_seed(2)) * 2 - 1
+        posterior = wan.encode(video).latent_dist
+        for count in (2, 3, 4):  # 13 latent rows: uneven bands
+            moments = encode_wan(wan, video, Parts.local(count))
+            assert (moments - torch.cat([posterior.mean, posterior.logvar], dim=1)).abs().max() <= RAW
         for name, (vae, z) in _tiny_vaes().items():
             whole = vae.decode(z).sample
             for count in (2, 3, 4):
