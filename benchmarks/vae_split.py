@@ -13,7 +13,9 @@ seconds are what rank 0 alone takes. The VAEs are the checkpoints' published arc
 bf16 on GPUs; Cosmos: float32), decoding random latents of the model's default size (--height,
 --width, --frames to change it). Reported per model: seconds of the whole decode (median of --runs),
 and per split: the largest and the mean part's seconds, the whole split's seconds (all parts one
-after another), and the largest difference from the whole decode's output (in [-1, 1]).
+after another), and the largest difference from the whole decode's output (in [-1, 1]). For the Wan
+2.1 VAE (Cosmos-Predict2) the same for the encode of an input video of that size (encode_wan: bands
+of input rows; the mid-block and head on the whole latent, in every part): `encode_s`, `encode_splits`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from benchmarks.generation import build_vae, real_components, tiny_components
 from benchmarks.inputs import benchmarkable
 from benchmarks.step import comma_list, sync
-from pipelines.split_vae import Parts, split_decode
+from pipelines.split_vae import Parts, encode_wan, split_decode
 
 MODELS = ("flux-dev", "cosmos-predict2-2b-video2world")
 
@@ -96,10 +98,39 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict[s
             row["splits"].append(dict(parts=count, largest_part_s=statistics.median(largest),
                                       mean_part_s=statistics.median(means), all_parts_s=statistics.median(totals),
                                       max_abs_difference=difference))
-    del vae, z, whole
+        del whole
+        if "z_dim" in vae.config and not vae.config.is_residual:
+            video = (torch.rand(1, 3, frames, height, width, generator=torch.Generator().manual_seed(1)) * 2 - 1)
+            row.update(_encode_rows(vae, video.to(device, vae.dtype), args, device))
+    del vae, z
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _encode_rows(vae: torch.nn.Module, video: torch.Tensor, args: argparse.Namespace, device: torch.device
+                 ) -> dict[str, Any]:
+    """The Wan encode of `video` whole and split (encode_wan's moments against the encoder's)."""
+    def moments() -> torch.Tensor:
+        posterior = vae.encode(video).latent_dist
+        return torch.cat([posterior.mean, posterior.logvar], dim=1)
+
+    timed(moments, device)  # warm-up
+    runs = [timed(moments, device) for _ in range(args.runs)]
+    whole = runs[-1][1].float()
+    splits = []
+    for count in args.parts:
+        largest, means, totals, difference = [], [], [], 0.0
+        for _ in range(args.runs):
+            parts = Parts.local(count, device=device)
+            seconds, out = timed(lambda: encode_wan(vae, video, parts), device)
+            difference = max(difference, (out.float() - whole).abs().max().item())
+            largest.append(max(parts.seconds.values()))
+            means.append(sum(parts.seconds.values()) / count)
+            totals.append(seconds)
+        splits.append(dict(parts=count, largest_part_s=statistics.median(largest), mean_part_s=statistics.median(means),
+                           all_parts_s=statistics.median(totals), max_abs_difference=difference))
+    return dict(encode_s=statistics.median(s for s, _ in runs), encode_splits=splits)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -107,10 +138,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = f"{'model':<32} {'shape':<14} {'whole s':>8} {'parts':>6} {'largest part s':>15} {'vs whole':>9} {'max diff':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        for split in r["splits"]:
-            ratio = r["whole_s"] / split["largest_part_s"]
-            lines.append(f"{r['model']:<32} {r['shape']:<14} {r['whole_s']:>8.3f} {split['parts']:>6} "
-                         f"{split['largest_part_s']:>15.3f} {ratio:>8.2f}x {split['max_abs_difference']:>9.1e}")
+        for stage, whole, splits in (("decode", r["whole_s"], r["splits"]),
+                                     ("encode", r.get("encode_s"), r.get("encode_splits", []))):
+            for split in splits:
+                ratio = whole / split["largest_part_s"]
+                lines.append(f"{r['model'] + ' ' + stage:<32} {r['shape']:<14} {whole:>8.3f} {split['parts']:>6} "
+                             f"{split['largest_part_s']:>15.3f} {ratio:>8.2f}x {split['max_abs_difference']:>9.1e}")
     return "\n".join(lines)
 
 
