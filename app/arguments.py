@@ -85,8 +85,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "run (docs/faster.md)")
     parser.add_argument("--split-vae", default="on", choices=("on", "off"),
                         help="with several ranks, split the VAE decode over them: each decodes a band of rows, rank 0 "
-                             "gathers them (the same image within one 8-bit level; every rank holds the VAE). off: "
-                             "rank 0 alone holds the VAE and decodes (default on)")
+                             "gathers them (the same image within one 8-bit level; every rank holds the VAE), and "
+                             "so the encode of a Cosmos-Predict2 input image or video. off: rank 0 alone holds the "
+                             "VAE and runs it (default on)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")

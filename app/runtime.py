@@ -2,9 +2,9 @@
 
 The same code runs as a single plain process (one rank, no process group, plain transformer) and as
 any rank of a torchrun job. Ranks > 0 load no text encoders: encoding runs once, on rank 0, which keeps
-recent encodings (pipelines.prompt_cache), and the encoded prompt is broadcast. The VAE decode is split
-over the ranks (--split-vae on, the default: every rank loads the VAE; pipelines.split_vae), or runs on
-rank 0 alone (off: ranks > 0 load no VAE).
+recent encodings (pipelines.prompt_cache), and the encoded prompt is broadcast. The VAE decode (and a
+Cosmos-Predict2 input's encode) is split over the ranks (--split-vae on, the default: every rank loads
+the VAE; pipelines.split_vae), or runs on rank 0 alone (off: ranks > 0 load no VAE).
 """
 
 from __future__ import annotations

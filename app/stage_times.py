@@ -16,7 +16,8 @@ class StageSeconds:
     """Wall seconds of one request's stages, as rank 0 saw them."""
 
     encode: float
-    """Text (and input) encoding on rank 0, and handing the encoding to every rank."""
+    """Text (and input) encoding on rank 0, handing the encoding to every rank, and the part of it every rank
+    runs (a split input encode)."""
     steps: tuple[float, ...]
     """Each denoising step, its agreement point included (on GPUs: CUDA events between step ends)."""
     decode: float

@@ -213,8 +213,8 @@ class RunOptions:
     other blocks (engines/step_cache.py): faster, approximate. None: every step computed."""
     split_vae: bool = True
     """With several ranks, each rank decodes a band of the image's rows and rank 0 gathers them
-    (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level); every rank then holds the
-    VAE. False: rank 0 alone holds the VAE and decodes."""
+    (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level), and a Cosmos-Predict2
+    input is encoded so; every rank then holds the VAE. False: rank 0 alone holds the VAE and runs it."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

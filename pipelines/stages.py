@@ -5,8 +5,10 @@ A pipeline is encode (rank 0) -> denoise (every rank) -> decode (rank 0, or ever
 decode). Its denoising loop calls the transformer in one place, through `self.transformer`, which
 engines/ replaces (use_transformer) with a context-parallel or compiled module of the same call
 signature. Its decode calls the VAE in one place, `decode_latents`, which splits the decode over the
-ranks of `use_split_vae`'s group (pipelines.split_vae) where the image is tall enough. Its encode
-runs the text encoders through `cached_text`, so that a repeated prompt is not encoded again.
+ranks of `use_split_vae`'s group (pipelines.split_vae) where the image is tall enough; a family that
+splits part of its encoding over them (Cosmos-Predict2's input video) does it in `prepare`, which every
+rank runs once rank 0's encoding reached it. Its encode runs the text encoders through `cached_text`, so
+that a repeated prompt is not encoded again.
 """
 
 from __future__ import annotations
