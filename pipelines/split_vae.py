@@ -376,15 +376,11 @@ def encode_wan(vae: nn.Module, video: torch.Tensor, parts: Parts) -> torch.Tenso
     the down path split by rows over `parts` (each part's band of the input with its halo, frame chunk after
     frame chunk with the band's own caches), the bands gathered at latent resolution, then the mid-block
     (attention over the whole frame) and the head on the whole latent, as the encoder runs them."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
-
     encoder = vae.encoder
     layers = [encoder.conv_in, *encoder.down_blocks]
-    if vae.config.is_residual or any(hasattr(layer, "to_qkv") for layer in layers):
+    if vae.config.is_residual or vae.config.patch_size is not None or any(hasattr(m, "to_qkv") for m in layers):
         raise ValueError("the split encode takes the Wan 2.1 encoder (a flat down path of convolutions): not one "
-                         "with residual down blocks or attention")
-    if vae.config.patch_size is not None:
-        video = patchify(video, patch_size=vae.config.patch_size)
+                         "with patches, residual down blocks or attention")
     needs = _encode_halos(layers)
     factor = 2 ** sum(getattr(layer, "mode", "").startswith("downsample") for layer in layers)
     rows = video.shape[-2]
