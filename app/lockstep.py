@@ -252,11 +252,16 @@ class LockstepService:
             raise JobFailed(failure)
         if cancelled is not None:
             raise JobCancelled(cancelled)
+        # 1b. Every rank runs the part of the encoding the pipeline splits over them (an input's VAE encode), and
+        #     then meets the others, so that a failure there drops the request on every rank before denoising.
+        failure = None
         try:
             encoded = pipeline.prepare(request, encoded)
-        except Exception as error:  # noqa: BLE001 - _agree raises JobFailed (or RankLost) on every rank
+        except Exception as error:  # noqa: BLE001 - agreed just below
             traceback.print_exc()
-            self._agree(f"rank {self.ctx.rank} (encoding): {_short(error)}")
+            failure = f"rank {self.ctx.rank} (encoding): {_short(error)}"
+        if failure is not None or pipeline.encode_is_split(request):
+            self._agree(failure)
         encode_seconds = time.perf_counter() - started
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.

@@ -220,6 +220,9 @@ class StageTimer:
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> Any:
         return self._timed("decode", self.pipeline.decode, request, latents)
 
+    def encode_is_split(self, request: GenerationRequest) -> bool:
+        return self.pipeline.encode_is_split(request)
+
     def prepare(self, request: GenerationRequest, encoded: Any) -> Any:
         """The pipeline's prepare (every rank: the part of the encoding split over them), counted in encode."""
         before = self.seconds.get("encode", 0.0)

@@ -57,8 +57,11 @@ class StandInPipeline:
     def decode(self, req: GenerationRequest, latents: torch.Tensor) -> float:
         return latents.item()
 
+    def encode_is_split(self, req: GenerationRequest) -> bool:
+        return False  # nothing of the encoding is left to the other ranks
+
     def prepare(self, req: GenerationRequest, encoded: torch.Tensor) -> torch.Tensor:
-        return encoded  # nothing of the encoding is left to the other ranks
+        return encoded
 
     def decode_is_split(self, req: GenerationRequest) -> bool:
         return False  # rank 0 decodes
