@@ -201,22 +201,25 @@ def _first_bands(x: torch.Tensor, parts: Parts, halo: int) -> tuple[dict[int, to
 
 def _group_norm(norm: nn.GroupNorm, xs: dict[int, torch.Tensor], bands: dict[int, Band], parts: Parts
                 ) -> dict[int, torch.Tensor]:
-    """nn.GroupNorm over the whole image, from the parts' bands: each part's mean and variance over the rows it
-    owns (float32, one pass), combined over the parts (Chan's formula: the total mean first, then the parts'
-    squared deviations and their means' deviations from it), every band row normalised with them."""
+    """nn.GroupNorm over the whole image, from the parts' bands: each part's per-channel mean and variance over
+    the rows it owns (float32), combined over the channels of a group and over the parts (Chan's
+    formula: the total mean first, then the squared deviations and the means' deviations from it), every
+    band row normalised with them."""
     groups = norm.num_groups
     first = next(iter(xs))
     batch, channels = xs[first].shape[:2]
     total = channels // groups * bands[first].rows * xs[first].shape[-1]
     stats = {}
     with parts.clock(tuple(xs)):
-        for p, x in xs.items():
-            owned = x[..., bands[p].own_slice, :].float().reshape(batch, groups, -1)
-            var, mean = torch.var_mean(owned, dim=-1, correction=0)
-            stats[p] = (owned.shape[-1], mean, var)
-    mean = parts.total([n * m for n, m, _ in stats.values()]) / total
+        for p, x in xs.items():  # per channel (no copy of the rows), grouped below
+            owned = x[..., bands[p].own_slice, :].float()
+            mean = owned.mean((-2, -1), keepdim=True)  # two passes: CPU var_mean is several times slower
+            var = (owned - mean).square().mean((-2, -1))
+            mean = mean[..., 0, 0]
+            stats[p] = (owned.shape[-2] * owned.shape[-1], mean.view(batch, groups, -1), var.view(batch, groups, -1))
+    mean = parts.total([(n * m).sum(-1) for n, m, _ in stats.values()]) / total
     with parts.clock(tuple(xs)):
-        spread = [n * (v + (m - mean).square()) for n, m, v in stats.values()]
+        spread = [(n * (v + (m - mean[..., None]).square())).sum(-1) for n, m, v in stats.values()]
     var = parts.total(spread) / total
     scale = torch.rsqrt(var + norm.eps).repeat_interleave(channels // groups, dim=1)  # [B, C]
     shift = -mean.repeat_interleave(channels // groups, dim=1) * scale
