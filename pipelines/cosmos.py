@@ -195,14 +195,14 @@ class CosmosPipeline(StagedPipeline):
 
     def encode_is_split(self, request: GenerationRequest) -> bool:
         """Whether `request`'s input is VAE-encoded by every rank of the split group (Wan 2.1's encoder, an
-        image tall enough: pipelines.split_vae.encode_wan) rather than by rank 0 alone."""
-        if self.vae_group is None or request.condition is None or self.vae_config.get("is_residual"):
+        image tall enough to gain: pipelines.split_vae.encode_splits) rather than by rank 0 alone."""
+        if self.vae_group is None or request.condition is None:
             return False
         import torch.distributed as dist
 
-        from pipelines.split_vae import splits
+        from pipelines.split_vae import encode_splits
 
-        return splits(request.height // self.spatial_factor, dist.get_world_size(self.vae_group))
+        return encode_splits(self.vae, request.height, dist.get_world_size(self.vae_group))
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, cond: CosmosConditioning) -> CosmosConditioning:

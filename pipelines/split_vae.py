@@ -374,18 +374,41 @@ def _encode_halos(layers: list[nn.Module]) -> list[int]:
     return out[::-1]
 
 
+MAX_BAND_SHARE = 0.75
+"""An input is encoded split only where every rank's band, halos included, is at most this share of its rows:
+the encoder's halos double at every downsampler going back to the input (75 rows for Wan 2.1's), so a
+small input gains nothing from a split (measured: 1.0x at 128 rows)."""
+
+
+def _encoder_layers(vae: nn.Module) -> tuple[list[nn.Module], int]:
+    """The Wan 2.1 encoder's down path (conv_in, then its blocks in order) and its spatial factor."""
+    layers = [vae.encoder.conv_in, *vae.encoder.down_blocks]
+    if vae.config.is_residual or vae.config.patch_size is not None or any(hasattr(m, "to_qkv") for m in layers):
+        raise ValueError("the split encode takes the Wan 2.1 encoder (a flat down path of convolutions): not one "
+                         "with patches, residual down blocks or attention")
+    return layers, 2 ** sum(getattr(layer, "mode", "").startswith("downsample") for layer in layers)
+
+
+def encode_splits(vae: nn.Module, rows: int, ranks: int) -> bool:
+    """Whether an input of `rows` rows is encoded split over `ranks` ranks (encode_wan; MAX_BAND_SHARE)."""
+    if ranks < 2 or vae.config.get("is_residual") or vae.config.get("patch_size") is not None:
+        return False
+    layers, factor = _encoder_layers(vae)
+    if rows % factor or rows // factor < ranks:
+        return False
+    halo = _encode_halos(layers)[0]
+    widest = max(min(rows, b * factor + halo) - max(0, a * factor - halo) for a, b in split_rows(rows // factor, ranks))
+    return widest <= MAX_BAND_SHARE * rows
+
+
 def encode_wan(vae: nn.Module, video: torch.Tensor, parts: Parts) -> torch.Tensor:
     """AutoencoderKLWan `encode(video)`'s moments (before the DiagonalGaussianDistribution) on every process:
     the down path split by rows over `parts` (each part's band of the input with its halo, frame chunk after
     frame chunk with the band's own caches), the bands gathered at latent resolution, then the mid-block
     (attention over the whole frame) and the head on the whole latent, as the encoder runs them."""
     encoder = vae.encoder
-    layers = [encoder.conv_in, *encoder.down_blocks]
-    if vae.config.is_residual or vae.config.patch_size is not None or any(hasattr(m, "to_qkv") for m in layers):
-        raise ValueError("the split encode takes the Wan 2.1 encoder (a flat down path of convolutions): not one "
-                         "with patches, residual down blocks or attention")
+    layers, factor = _encoder_layers(vae)
     needs = _encode_halos(layers)
-    factor = 2 ** sum(getattr(layer, "mode", "").startswith("downsample") for layer in layers)
     rows = video.shape[-2]
     if rows % factor:
         raise ValueError(f"{rows} rows are not a multiple of the encoder's {factor}")

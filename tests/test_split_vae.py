@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.split_vae import Parts, halos, split_decode, split_rows, splits
+from pipelines.split_vae import Parts, encode_splits, halos, split_decode, split_rows, splits
 from tests.helpers import join_ranks, spawn_ranks
 
 LEVELS = 1
@@ -52,7 +52,7 @@ def _inputs(folder: Path) -> dict[str, str]:
     from pipelines.media import save_mp4
 
     rng = np.random.default_rng(0)
-    frames = rng.integers(0, 256, (21, 112, 48, 3), dtype=np.uint8)
+    frames = rng.integers(0, 256, (21, 224, 32, 3), dtype=np.uint8)
     Image.fromarray(frames[0]).save(folder / "start.png")
     save_mp4(frames, folder / "start.mp4", fps=8)
     return {"image-input": str(folder / "start.png"), "video-input": str(folder / "start.mp4")}
@@ -71,8 +71,9 @@ def _encode_cases(ctx, inputs: dict[str, str]) -> dict[str, dict]:
     pipeline = load_pipeline(spec, folder, with_encoders=ctx.is_main, with_vae=True)
     report = {}
     for case, path in inputs.items():
-        request = make_request(spec, read_limits(spec, folder), prompt="x", condition=path, frames=17, height=112,
-                               width=48, steps=1)
+        # 224 rows: the encoder's 45-row halos leave each band at most 3/4 of them (MAX_BAND_SHARE)
+        request = make_request(spec, read_limits(spec, folder), prompt="x", condition=path, frames=17, height=224,
+                               width=32, steps=1)
         pipeline.use_split_vae(ctx.group)
         encoded = [pipeline.encode(request) if ctx.is_main else None]
         dist.broadcast_object_list(encoded, src=0, group=ctx.control_group)
@@ -191,8 +192,8 @@ def test_parts_one_after_another_equal_the_whole_decode_for_every_served_vae() -
                 assert sorted(parts.seconds) == list(range(count)) and min(parts.seconds.values()) > 0
 
 
-def test_rows_halos_and_when_a_decode_splits() -> None:
-    from diffusers import AutoencoderKL
+def test_rows_halos_and_when_a_decode_or_an_encode_splits() -> None:
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
     from pipelines.registry import ASSETS_DIR
 
@@ -204,3 +205,7 @@ def test_rows_halos_and_when_a_decode_splits() -> None:
     # tiny-flux: 2 convs per resnet x 2 resnets a block, an upsampler conv after the first three of the four
     # blocks, and conv_out (1): from the head back, 1 -> 1 + 4 = 5 -> ceil((5 + 1) / 2) + 4 = 7 -> 8 -> 9
     assert halos(list(decoder.up_blocks), [decoder.conv_out]) == [9, 8, 7, 5, 1]
+    # tiny-cosmos' encoder reaches 45 input rows: at 128 rows a band would be most of the input, at 224 not
+    wan = AutoencoderKLWan.from_pretrained(ASSETS_DIR / "tiny-cosmos" / "vae")
+    assert not encode_splits(wan, 128, 2) and encode_splits(wan, 224, 2) and encode_splits(wan, 224, 4)
+    assert not encode_splits(wan, 224, 1)
