@@ -3,8 +3,10 @@
 Rank 0 reads and validates the file line by line (a bad line is reported with its number; the rest
 go on), skips what the manifest says is already done, and runs the rest through the lockstep service
 with a progress bar. Each file is written under a temporary name and renamed when complete, then
-listed in DIR/manifest.jsonl. Exit status: 0 when every line is done, 1 when some line was bad or
-failed (the others are still written), 130 when interrupted.
+listed in DIR/manifest.jsonl with the seconds of each stage (encode, every step, decode, write). Files
+are written by a writer thread while the ranks generate the next line (an MP4 takes seconds to encode);
+the run waits for the last writes before it ends, interrupted or not. Exit status: 0 when every line is
+done, 1 when some line was bad or failed (the others are still written), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,9 @@ from pipelines.registry import ModelSpec, resolve_model
 from pipelines.requests import GenerationRequest, MediaLimits, RequestError, make_request, read_limits
 
 __all__ = ["BatchError", "add_batch_arguments", "check_batch", "run_batch"]
+
+WRITES_AHEAD = 2
+"""Results waiting for the writer thread at most: the next generation waits rather than pile up frames."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,6 @@ def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
 
     from app.failures import JobCancelled, JobFailed
     from app.manifest import Manifest
-    from app.outputs import write_result
 
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(plan.out_dir)
@@ -133,31 +138,36 @@ def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
     for item in bad:
         print(f"{plan.prompts}:{item.line}: skipped: {item.message}", file=sys.stderr)
     written, failed, interrupted = 0, [], False
-    with tqdm(total=len(tasks), desc="batch", unit="item", disable=quiet, file=sys.stderr) as bar:
-        for task in tasks:
-            bar.set_postfix_str(task.file, refresh=True)
-            try:
-                generation = runtime.service.run(plan.spec.media, task.request)
-            except JobCancelled:
-                interrupted = True
-                break
-            except JobFailed as error:
-                tqdm.write(f"{plan.prompts}:{task.line}: failed: {error}", file=sys.stderr)
-                failed.append(task.line)
+    writes: list[tuple[Task, Future]] = []
+    with tqdm(total=len(tasks), desc="batch", unit="item", disable=quiet, file=sys.stderr) as bar, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-writer") as writer:
+        try:
+            for task in tasks:
+                bar.set_postfix_str(task.file, refresh=True)
+                try:
+                    generation = runtime.service.run(plan.spec.media, task.request)
+                except JobCancelled:
+                    interrupted = True
+                    break
+                except JobFailed as error:
+                    tqdm.write(f"{plan.prompts}:{task.line}: failed: {error}", file=sys.stderr)
+                    failed.append(task.line)
+                    bar.update()
+                    continue
+                while sum(not future.done() for _, future in writes) >= WRITES_AHEAD:
+                    next(future for _, future in writes if not future.done()).exception()
+                writes.append((task, writer.submit(_write_line, plan, manifest, task, generation,
+                                                   runtime.world_size)))
                 bar.update()
-                continue
-            partial = plan.out_dir / f".partial-{task.file}"
-            write_result(generation.result, partial, task.request, plan.spec, generation.computed_steps)
-            os.replace(partial, plan.out_dir / task.file)
-            manifest.append({
-                "line": task.line, "file": task.file, "prompts": str(plan.prompts),
-                "settings": settings_of(task.request, plan.spec), "seconds": round(generation.seconds, 3),
-                "step_seconds": round(generation.step_seconds, 4), "computed_steps": generation.computed_steps,
-                "ranks": runtime.world_size,
-                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            })
+        finally:
+            writer.shutdown(wait=True)  # every result generated is written, interrupted or not
+    for task, future in writes:
+        error = future.exception()
+        if error is None:
             written += 1
-            bar.update()
+        else:
+            print(f"{plan.prompts}:{task.line}: could not write {task.file}: {error}", file=sys.stderr)
+            failed.append(task.line)
     problems = sorted([item.line for item in bad] + failed)
     print(f"batch: {written} written, {done} already done, {len(problems)} bad or failed"
           + (f" (lines {', '.join(map(str, problems))})" if problems else "")
@@ -166,3 +176,21 @@ def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
     if interrupted:
         return 130
     return 1 if problems else 0
+
+
+def _write_line(plan: BatchPlan, manifest, task: Task, generation, ranks: int) -> None:
+    """The writer thread's work for one line: the file under a temporary name, renamed, then its manifest entry."""
+    from app.outputs import write_result
+
+    started = time.perf_counter()
+    partial = plan.out_dir / f".partial-{task.file}"
+    write_result(generation.result, partial, task.request, plan.spec, generation.computed_steps)
+    os.replace(partial, plan.out_dir / task.file)
+    stages = generation.stages.with_write(time.perf_counter() - started) if generation.stages else None
+    manifest.append({
+        "line": task.line, "file": task.file, "prompts": str(plan.prompts),
+        "settings": settings_of(task.request, plan.spec), "seconds": round(generation.seconds, 3),
+        "step_seconds": round(generation.step_seconds, 4), "computed_steps": generation.computed_steps,
+        "stages": stages.to_dict() if stages else None, "ranks": ranks,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })

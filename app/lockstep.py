@@ -4,9 +4,11 @@ Rank 0 owns the requests (UI queue, batch file, command line); the other ranks `
 traffic goes over the context's CPU control group (gloo), one request at a time:
 
     rank 0:      broadcast Run(request); encode; broadcast the encoding (or the error it raised)
+    every rank:  finish the encoding where the pipeline splits part of it (prepare: an input video's VAE encode)
     every rank:  denoise, with an agreement point after every step and one after the loop
-    rank 0:      decode; every rank: one last meeting (the decode's outcome, and proof that all ranks live)
-    rank 0:      hand the result back to the caller
+    rank 0:      decode (every rank, when the pipeline splits the decode over them: pipelines.split_vae);
+    every rank:  one last meeting (the decode's outcome, and proof that all ranks live)
+    rank 0:      hand the result back to the caller, with the seconds of each stage (app.stage_times)
 
 Requests are validated (pipelines.requests.make_request) before `run`, so nothing invalid reaches a
 collective. An agreement point is one all_reduce of [stop wanted, failed, cancelled] with a time limit:
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from app.failures import JobCancelled, JobFailed, RankLost, describe
+from app.stage_times import StageSeconds
 from app.stopping import process_running
 from engines.distributed import ParallelContext
 from pipelines.requests import GenerationRequest
@@ -82,6 +85,38 @@ class Generation:
     """Mean wall time of one denoising step, agreement included."""
     computed_steps: int | None = None
     """Steps whose transformer blocks all ran (the others reused the step cache's); None without --cache."""
+    stages: StageSeconds | None = None
+    """Seconds of encode, each step and decode (the file's write is its writer's to add)."""
+
+
+class _StepClock:
+    """Each denoising step's seconds: on a GPU from CUDA events on the current stream (a step's device time,
+    read once the loop is over, so no step waits for the device), elsewhere from the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._marks = [self._now()]
+
+    def mark(self) -> None:
+        self._marks.append(self._now())
+
+    def seconds(self) -> tuple[float, ...]:
+        pairs = list(zip(self._marks, self._marks[1:]))
+        if not self._cuda:
+            return tuple(end - begin for begin, end in pairs)
+        if self._marks:
+            self._marks[-1].synchronize()
+        return tuple(begin.elapsed_time(end) / 1000 for begin, end in pairs)
 
 
 def _short(error: BaseException) -> str:
@@ -131,6 +166,8 @@ class LockstepService:
         self.last_step_seconds: float | None = None
         self.last_computed_steps: tuple[int, int] | None = None
         """(steps computed, steps) of the last request run with a step cache."""
+        self.last_stages: StageSeconds | None = None
+        """Stage seconds of the last request."""
         self._jobs = 0
         self._last_contact = time.monotonic()
         self._stopped = False
@@ -152,6 +189,7 @@ class LockstepService:
         self._broadcast(message)
         generation = self._execute(message, on_step, should_stop)
         self.last_step_seconds = generation.step_seconds
+        self.last_stages = generation.stages
         self.last_computed_steps = None if generation.computed_steps is None else (generation.computed_steps,
                                                                                    request.steps)
         return generation
@@ -214,14 +252,29 @@ class LockstepService:
             raise JobFailed(failure)
         if cancelled is not None:
             raise JobCancelled(cancelled)
+        # 1b. Every rank runs the part of the encoding the pipeline splits over them (an input's VAE encode), and
+        #     then meets the others, so that a failure there drops the request on every rank before denoising.
+        failure = None
+        try:
+            encoded = pipeline.prepare(request, encoded)
+        except Exception as error:  # noqa: BLE001 - agreed just below
+            traceback.print_exc()
+            failure = f"rank {self.ctx.rank} (encoding): {_short(error)}"
+        if failure is not None or pipeline.encode_is_split(request):
+            self._agree(failure)
+        encode_seconds = time.perf_counter() - started
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.
+        clock = _StepClock(self.ctx.device)
+
         def step_done(done: int, total: int) -> None:
             self._agree(None, stop_reason(done) if self.ctx.is_main else None)
+            clock.mark()
             if on_step is not None:
                 on_step(done, total)
 
         denoise_started = time.perf_counter()
+        clock.start()
         try:
             latents = pipeline.denoise(request, encoded, step_done)
         except (JobFailed, RankLost):
@@ -234,17 +287,19 @@ class LockstepService:
                 traceback.print_exception(error)
                 raise
         self._agree(None)  # a failure after the last step meets the others here
-        step_seconds = (time.perf_counter() - denoise_started) / request.steps
+        decode_started = time.perf_counter()
+        step_seconds = (decode_started - denoise_started) / request.steps
 
-        # 3. Rank 0 decodes, then every rank meets once more: a decode failure reaches them all, and rank 0
-        #    hands a result back only once it knows that no rank died meanwhile (else RankLost).
+        # 3. Rank 0 decodes (every rank, for a split decode), then every rank meets once more: a decode failure
+        #    reaches them all, and rank 0 hands a result back only once it knows that no rank died meanwhile
+        #    (else RankLost).
         result, failure = None, None
-        if self.ctx.is_main:
+        if self.ctx.is_main or pipeline.decode_is_split(request):
             try:
                 result = pipeline.decode(request, latents)
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
-                failure = f"rank 0 (decoding): {describe(error)}"
+                failure = f"rank {self.ctx.rank} (decoding): {describe(error)}"
         if self.ctx.is_distributed:
             reports: list[str | None] = [None] * self.ctx.world_size
             self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
@@ -253,9 +308,12 @@ class LockstepService:
             raise JobFailed(failure)
         if not self.ctx.is_main:
             return None
+        finished = time.perf_counter()
+        steps = clock.seconds()
         return Generation(result=result, model=message.model, request=request,
-                          seconds=time.perf_counter() - started, step_seconds=step_seconds,
-                          computed_steps=pipeline.computed_steps())
+                          seconds=finished - started, step_seconds=step_seconds,
+                          computed_steps=pipeline.computed_steps(),
+                          stages=StageSeconds(encode=encode_seconds, steps=steps, decode=finished - decode_started))
 
     def _agree(self, failure: str | None, cancelled: str | None = None) -> None:
         """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop (the

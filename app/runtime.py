@@ -1,9 +1,10 @@
 """One rank's start-up: join the run, load the models, parallelize their transformers, build the service.
 
 The same code runs as a single plain process (one rank, no process group, plain transformer) and as
-any rank of a torchrun job. Ranks > 0 load no text encoders and no VAE: encoding and decoding run
-once, on rank 0 (they are a small share of a request next to the transformer's steps, and splitting
-them would add a collective per stage), and the encoded prompt is broadcast.
+any rank of a torchrun job. Ranks > 0 load no text encoders: encoding runs once, on rank 0, which keeps
+recent encodings (pipelines.prompt_cache), and the encoded prompt is broadcast. The VAE decode (and a
+Cosmos-Predict2 input's encode) is split over the ranks (--split-vae on, the default: every rank loads
+the VAE; pipelines.split_vae), or runs on rank 0 alone (off: ranks > 0 load no VAE).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
+from app.stage_times import StageSeconds
 from app.stopping import StopRequest
 from engines.options import RunOptions
 from pipelines.registry import ModelSpec, family_of
@@ -55,14 +57,17 @@ class Runtime:
     step_cache: str | None = None
     """The step cache the transformers run with (its label, e.g. 'fbcache:0.08'), or None."""
 
-    def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None) -> str:
-        """Status line: models, ranks, plan, backend and (if known) the last request's step time and, with a
-        step cache, how many of its steps were computed."""
+    def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None,
+                 stages: StageSeconds | None = None) -> str:
+        """Status line: models, ranks, plan, backend and (if known) the last request's stage times (encode,
+        steps, decode, write; else its step time) and, with a step cache, how many of its steps were computed."""
         models = ", ".join(f"{m.spec.name} ({m.spec.media})" for m in self.models.values())
-        step = "—" if last_step_seconds is None else f"{last_step_seconds * 1000:.0f} ms"
+        step = "—/step" if last_step_seconds is None else f"{last_step_seconds * 1000:.0f} ms/step"
+        if stages is not None:
+            step = stages.describe()
         computed = "" if computed_steps is None else f", {computed_steps[0]} of {computed_steps[1]} steps computed"
         return (f"model {models} · {self.world_size} rank{'s' if self.world_size > 1 else ''} · "
-                f"plan {self.plan} · backend {self.backend} · last request {step}/step{computed}")
+                f"plan {self.plan} · backend {self.backend} · last request {step}{computed}")
 
 
 def usable_cores() -> int:
@@ -100,6 +105,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     from app.lockstep import LockstepService
     from engines.distributed import init_parallel, shutdown
     from pipelines.factory import default_dtype, load_pipeline
+    from pipelines.prompt_cache import PromptCache
 
     ctx = init_parallel(options.device)
     lost = False
@@ -117,6 +123,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
         dtype = default_dtype(ctx.device)
+        split_vae = options.split_vae and ctx.is_distributed
         failure = None
         try:
             loaded = {}  # a checkpoint served under its image and its video name is loaded once
@@ -125,14 +132,19 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                 if key not in loaded:
                     # tp is the mesh's innermost axis (engines.plan): this rank's share is its rank modulo tp
                     loaded[key] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
-                                                with_encoders=ctx.is_main, tp=options.tp,
-                                                tp_rank=ctx.rank % options.tp)
+                                                with_encoders=ctx.is_main, with_vae=ctx.is_main or split_vae,
+                                                tp=options.tp, tp_rank=ctx.rank % options.tp)
                 pipelines[spec.media] = loaded[key]
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
             failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
         rank_processes = _agree_on_startup(ctx, failure)
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
+        for pipeline in distinct:
+            if split_vae:
+                pipeline.use_split_vae(ctx.group)
+            if ctx.is_main:
+                pipeline.use_prompt_cache(PromptCache())
         if options.fp8:
             quantize_transformers(distinct)
         plan_label = "none (1 rank)"
@@ -146,7 +158,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             engine_label += f", cache {options.step_cache.label}"
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
-        backend += f"{ctx.device.type}, {precision}, {engine_label}"
+        backend += f"{ctx.device.type}, {precision}, {engine_label}" + (", split VAE" if split_vae else "")
 
         service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout,
                                   rank_processes=rank_processes)

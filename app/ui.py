@@ -31,6 +31,7 @@ from app.budget import RequestBudget
 from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
 from app.outputs import RecentResults, ResultsFolder, settings_of
 from app.runtime import Runtime, ServedModel
+from app.stage_times import LastStages
 from app.uploads import Uploads
 from app.lockstep import Generation
 from pipelines.requests import RequestError, make_request
@@ -59,13 +60,16 @@ class Server:
     results: ResultsFolder
     uploads: Uploads
     recent: RecentResults = field(default_factory=RecentResults)
+    last_stages: LastStages = field(default_factory=LastStages)
+    """Stage seconds of the last result written (its write included): the status line's."""
 
 
 def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
     """The page for `runtime`'s models."""
 
     def status() -> str:
-        return runtime.describe(runtime.service.last_step_seconds, runtime.service.last_computed_steps)
+        return runtime.describe(runtime.service.last_step_seconds, runtime.service.last_computed_steps,
+                                server.last_stages.get() or runtime.service.last_stages)
 
     jobs = server.jobs
     # Gradio's cache holds uploads and a copy of every result it served: every half hour, files older than an
@@ -324,10 +328,16 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     relay = _Progress(progress, request.steps, earlier[0].settings["step_seconds"] if earlier else None)
     generation = await _wait(job, relay)
     relay.writing()
+    # The ranks are on the next job already: this handler's thread writes while they work.
+    write_started = time.perf_counter()
     path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec,
                                    generation.computed_steps)
     settings = settings_of(request, model.spec, generation.computed_steps)
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
+    if generation.stages is not None:
+        stages = generation.stages.with_write(time.perf_counter() - write_started)
+        server.last_stages.set(stages)
+        settings["stages"] = stages.to_dict()
     server.recent.add(model.key, path, settings)
     return path, settings
 

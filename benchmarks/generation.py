@@ -19,13 +19,17 @@ tiny model's (assets/): their token ids are valid in the large vocabularies and 
 lengths (CLIP 77, T5 512) are the real ones.
 
 Modes: "1 GPU" (rank 0 alone, as `generate` on one GPU; the other ranks wait), then "ours <plan>"
-on all ranks for each --strategies plan (and cfg-2 with --cfg), each with every --backends engine.
+on all ranks for each --strategies plan (and cfg-2 with --cfg), each with every --backends engine;
+the parallel modes split the VAE decode over the ranks as serve does (--split-vae on, the default).
 Per mode: one warm-up generation of --warmup-steps steps (it compiles and captures the engine and
 runs every stage once), then --runs timed generations. Reported: medians of total seconds (rank 0's
-wall time of one request), seconds in encode / denoise / decode (device-synchronised), ms per
-step (denoise / steps, agreement points included), peak GiB per rank over the timed runs, and the
-speedup of total and of denoise against the 1 GPU mode of the same backend (this run's, else
---baseline's). --tiny: the embedded tiny models' configs, random float32 weights, CPU gloo ranks.
+wall time of one request), seconds in encode / denoise / decode (device-synchronised), each step's
+seconds (step_s, agreement point included, median over the runs), ms per step (denoise / steps),
+the seconds of writing the result file as the app does (write_s, PNG or MP4, after the request and
+not in its total), peak GiB per rank over the timed runs, and the speedup of total and of denoise
+against the 1 GPU mode of the same backend (this run's, else --baseline's). --tiny: the embedded tiny
+models' configs, random float32 weights, CPU gloo ranks. The prompt cache is off: every request
+encodes its prompt.
 
 Entry point: sets the run environment (engines.options.run_environment) as the app does.
 """
@@ -166,8 +170,10 @@ def construct(make: Callable[..., nn.Module], *args: Any, device: torch.device, 
     return module.eval().requires_grad_(False)
 
 
-def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with_encoders: bool) -> Any:
-    """The checkpoint's pipeline (its family's class) with random weights; ranks > 0 build no encoders."""
+def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with_encoders: bool,
+                   with_vae: bool | None = None) -> Any:
+    """The checkpoint's pipeline (its family's class) with random weights; ranks > 0 build no encoders, and
+    no VAE unless `with_vae` (None: as with_encoders)."""
     spec = arch.spec
     pipeline_class = load(family_of(spec).pipeline)
     dtype = default_dtype(device)
@@ -183,10 +189,17 @@ def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with
             parts[tokenizer] = load_component(arch.assets, tokenizer)
         if "text_tokenizer" in read_model_index(arch.assets):  # Cosmos 3: the transformer embeds token ids itself
             parts["text_tokenizer"] = load_component(arch.assets, "text_tokenizer")
-        # As the pipeline loads checkpoints: in the run's dtype unless the pipeline keeps the VAE in its own.
-        vae_dtype = pipeline_class.COMPONENT_DTYPES.get("vae", dtype)
-        parts["vae"] = construct(arch.vae_class.from_config, arch.vae_config, device=device, dtype=vae_dtype)
+    if with_encoders if with_vae is None else with_vae:
+        parts["vae"] = build_vae(arch, device=device)
     return pipeline_class(spec=spec, folder=folder, device=device, **parts)
+
+
+def build_vae(arch: Components, *, device: torch.device) -> nn.Module:
+    """The checkpoint's VAE with random weights, in its pipeline's dtype for it (as checkpoints load)."""
+    pipeline_class = load(family_of(arch.spec).pipeline)
+    vae_dtype = pipeline_class.COMPONENT_DTYPES.get("vae", default_dtype(device))
+    torch.manual_seed(0)
+    return construct(arch.vae_class.from_config, arch.vae_config, device=device, dtype=vae_dtype)
 
 
 class StageTimer:
@@ -207,6 +220,19 @@ class StageTimer:
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> Any:
         return self._timed("decode", self.pipeline.decode, request, latents)
 
+    def encode_is_split(self, request: GenerationRequest) -> bool:
+        return self.pipeline.encode_is_split(request)
+
+    def prepare(self, request: GenerationRequest, encoded: Any) -> Any:
+        """The pipeline's prepare (every rank: the part of the encoding split over them), counted in encode."""
+        before = self.seconds.get("encode", 0.0)
+        out = self._timed("encode", self.pipeline.prepare, request, encoded)
+        self.seconds["encode"] += before
+        return out
+
+    def decode_is_split(self, request: GenerationRequest) -> bool:
+        return self.pipeline.decode_is_split(request)
+
     def computed_steps(self) -> int | None:
         return self.pipeline.computed_steps()
 
@@ -220,22 +246,33 @@ class StageTimer:
 
 
 def run_requests(ctx: ParallelContext, timer: StageTimer, requests: list[GenerationRequest],
-                 rank_timeout: float) -> list[tuple[float, dict[str, float], Any]]:
-    """Run `requests` on every rank of `ctx` through one LockstepService, as serve and batch do.
+                 rank_timeout: float) -> list[tuple[float, dict[str, Any], Any]]:
+    """Run `requests` on every rank of `ctx` through one LockstepService, as serve and batch do, and write each
+    result file as they do (into a temporary folder, timed apart from the request).
 
-    Rank 0 gets (wall seconds, stage seconds, result) per request; the other ranks follow and get [].
+    Rank 0 gets (wall seconds, stage seconds, result) per request, the stages being encode / denoise / decode
+    (StageTimer), steps (each step's, the service's) and write; the other ranks follow and get [].
     A phase with no requests only starts and releases the followers.
     """
+    from app.outputs import EXTENSIONS, write_result
+
     service = LockstepService(ctx, {"bench": timer}, stop=threading.Event(), rank_timeout=rank_timeout)
     if not ctx.is_main:
         service.follow()
         return []
     done = []
+    spec = timer.pipeline.spec
     try:
-        for request in requests:
-            start = time.perf_counter()
-            generation = service.run("bench", request)
-            done.append((time.perf_counter() - start, dict(timer.seconds), generation.result))
+        with tempfile.TemporaryDirectory() as folder:
+            for request in requests:
+                start = time.perf_counter()
+                generation = service.run("bench", request)
+                wall = time.perf_counter() - start
+                write_start = time.perf_counter()
+                write_result(generation.result, Path(folder) / f"result{EXTENSIONS[spec.media]}", request, spec)
+                stages: dict[str, Any] = dict(timer.seconds, write=time.perf_counter() - write_start,
+                                              steps=list(generation.stages.steps))
+                done.append((wall, stages, generation.result))
     finally:
         service.stop()
     return done
@@ -275,6 +312,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
                                  rank_timeout=args.rank_timeout)
             if plan is not None:
                 parallelize_pipelines([pipeline], ctx, options)
+            pipeline.use_split_vae(ctx.group if plan is not None and args.split_vae else None)
             build_engines([pipeline], mode_ctx, options)
         except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
             error = describe(exc)
@@ -295,11 +333,13 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
     row: dict[str, Any] = dict(
         model=model_name, mode=mode, backend=backend, gpus=gpus, shape=shape_label(request),
         steps=request.steps, guidance=request.guidance, runs=len(runs), warmup_s=warmup_s,
+        split_vae=bool(plan is not None and args.split_vae),
         peak_gib=[r[0] for r in results], error=errors[0] if errors else None, media=media,
     )
-    for key in ("total", "encode", "denoise", "decode"):
+    for key in ("total", "encode", "denoise", "decode", "write"):
         values = [run[0] if key == "total" else run[1][key] for run in runs]
         row[f"{key}_s"] = statistics.median(values) if values else None
+    row["step_s"] = [statistics.median(step) for step in zip(*(run[1]["steps"] for run in runs))] if runs else None
     row["step_ms"] = row["denoise_s"] / request.steps * 1e3 if runs else None
     return row
 
@@ -350,15 +390,16 @@ def finish(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> list[d
 def table(rows: list[dict[str, Any]]) -> str:
     """Compact text table of the rows."""
     head = (f"{'model':<30} {'mode':<16} {'backend':<26} {'total s':>8} {'encode':>7} {'denoise':>8} {'decode':>7} "
-            f"{'ms/step':>8} {'speedup':>8} {'peak GiB/rank':>14}")
+            f"{'write':>6} {'ms/step':>8} {'speedup':>8} {'peak GiB/rank':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        cells = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("total_s", "encode_s", "denoise_s", "decode_s")]
+        cells = [f"{r[k]:.2f}" if r[k] is not None else "-"
+                 for k in ("total_s", "encode_s", "denoise_s", "decode_s", "write_s")]
         step = f"{r['step_ms']:.1f}" if r["step_ms"] else "-"
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         peak = "/".join(f"{p:.1f}" for p in r["peak_gib"])
         lines.append(f"{r['model']:<30} {r['mode']:<16} {r['backend']:<26} {cells[0]:>8} {cells[1]:>7} {cells[2]:>8} "
-                     f"{cells[3]:>7} {step:>8} {speed:>8} {peak:>14}" + (f"  ERROR {r['error']}" if r["error"] else ""))
+                     f"{cells[3]:>7} {cells[4]:>6} {step:>8} {speed:>8} {peak:>14}" + (f"  ERROR {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
 
 
@@ -372,7 +413,8 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         request = make_request(spec, read_limits(spec, folder), prompt=args.prompt, seed=0, steps=args.steps,
                                height=args.height, width=args.width, frames=args.frames)
         start = time.perf_counter()
-        pipeline = build_pipeline(arch, folder, device=ctx.device, with_encoders=ctx.is_main)
+        pipeline = build_pipeline(arch, folder, device=ctx.device, with_encoders=ctx.is_main,
+                                  with_vae=ctx.is_main or args.split_vae)
         sync(ctx.device)
         if ctx.is_main:
             meta.setdefault("models", {})[spec.name] = dict(
@@ -429,6 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="transport of the parallel modes' Ulysses all-to-alls and K/V exchanges (default nccl)")
     p.add_argument("--cfg", action="store_true", help="also the cfg-2 plan: each half of the ranks runs one "
                                                       "guidance branch (Cosmos)")
+    p.add_argument("--split-vae", default="on", choices=("on", "off"),
+                   help="the parallel modes split the VAE decode over the ranks (pipelines/split_vae.py; default on)")
     p.add_argument("--no-single", action="store_true", help="skip the 1 GPU mode (see --baseline)")
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier JSON of this benchmark whose 1 GPU rows give the speedups")
@@ -450,6 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = comma_list(p, args.model, "model", tuple(benchmarkable()))
     args.backends = engine_labels(p, args.backends or "")
     args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
+    args.split_vae = args.split_vae == "on"
     if args.runs < 1 or args.warmup_steps < 1:
         p.error("--runs and --warmup-steps must be >= 1")
     return args

@@ -214,6 +214,10 @@ class RunOptions:
     tp: int = 1
     """Ranks that split each transformer block's weights (tensor parallelism, engines/tensor_parallel.py);
     the other axes split the rest of the ranks as without it."""
+    split_vae: bool = True
+    """With several ranks, each rank decodes a band of the image's rows and rank 0 gathers them
+    (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level), and a Cosmos-Predict2
+    input is encoded so; every rank then holds the VAE. False: rank 0 alone holds the VAE and runs it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:

@@ -13,7 +13,7 @@ cosmos_guardrail package is installed (pipelines.guardrail).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +54,9 @@ class CosmosConditioning:
     """VAE latents of the input image/video, normalised, [1, C, T, h, w]; None for text-only requests."""
     num_cond_latent_frames: int
     """How many leading latent frames are given rather than generated."""
+    condition_frames: torch.Tensor | None = None
+    """The input's frames, uint8 [frames, H, W, 3] at the request's size, while every rank still has to
+    VAE-encode them together (a split encode: `prepare` turns them into conditioning_latents); else None."""
 
 
 class CosmosPipeline(StagedPipeline):
@@ -90,6 +93,7 @@ class CosmosPipeline(StagedPipeline):
         self.vae_config = vae_config
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])
         self.spatial_factor = 2 ** len(vae_config["temperal_downsample"])
+        self.vae_spatial_factor = self.spatial_factor
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
         # The guardrail is part of the NVIDIA Open Model License terms; the embedded tiny model is not under it.
         self.guardrail = Guardrail.load() if text_encoder is not None and not spec.embedded else None
@@ -105,10 +109,13 @@ class CosmosPipeline(StagedPipeline):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         with_encoders: bool = True,
+        with_vae: bool | None = None,
         share: TransformerShare | None = None,
     ) -> CosmosPipeline:
-        """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 and VAE (ranks > 0)."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
+        """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 (ranks > 0), and the VAE
+        too unless `with_vae` (a split decode runs it on every rank)."""
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
@@ -135,36 +142,87 @@ class CosmosPipeline(StagedPipeline):
             raise RuntimeError("this pipeline was loaded without encoders (with_encoders=False)")
         if self.guardrail is not None:
             self.guardrail.check_text(request.prompt)
-        prompt_embeds = self._t5(request.prompt)
-        negative = self._t5(request.negative_prompt) if request.guidance > 1.0 else None
-        conditioning_latents, num_cond = None, 0
-        if request.condition is not None:
+        negative_text = request.negative_prompt if request.guidance > 1.0 else None
+        prompt_embeds, negative = self.cached_text(
+            ("cosmos", request.prompt, negative_text, self.spec.max_sequence_length),
+            lambda: (self._t5(request.prompt), self._t5(negative_text) if negative_text is not None else None))
+        conditioning_latents, num_cond, frames = None, 0, None
+        if request.condition is not None and self.encode_is_split(request):
+            frames, num_cond = self._condition_frames(request)  # every rank encodes them in prepare
+        elif request.condition is not None:
             conditioning_latents, num_cond = self._encode_condition(request)
         return CosmosConditioning(
             prompt_embeds=prompt_embeds, negative_prompt_embeds=negative,
-            conditioning_latents=conditioning_latents, num_cond_latent_frames=num_cond,
+            conditioning_latents=conditioning_latents, num_cond_latent_frames=num_cond, condition_frames=frames,
         )
 
-    def _encode_condition(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
+    def _read_condition(self, request: GenerationRequest) -> list[PIL.Image.Image]:
         # Only the last `request.frames` frames are used: read just those, resized as they stream (with the
-        # video processor's own filter, so that its resize below is the identity).
+        # video processor's own filter, so that its resize in preprocess_video is the identity).
         resample = PIL_INTERPOLATION[self.video_processor.config.resample]
-        frames = read_frames(request.condition, (request.width, request.height), last=request.frames,
-                             resample=resample)
-        video = self.video_processor.preprocess_video([frames], request.height, request.width)
+        return read_frames(request.condition, (request.width, request.height), last=request.frames,
+                           resample=resample)
+
+    def _given_latent_frames(self, request: GenerationRequest, given: int) -> int:
+        """Latent frames the input's `given` frames condition (the last request.frames of them are used)."""
+        return (min(given, request.frames) - 1) // self.temporal_factor + 1
+
+    def _encode_condition(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
+        video = self.video_processor.preprocess_video([self._read_condition(request)], request.height, request.width)
         video = video.to(self.device, torch.float32)
         num_given = video.shape[2]
         if num_given >= request.frames:
             video = video[:, :, -request.frames:]
-            num_cond = (request.frames - 1) // self.temporal_factor + 1
-        else:
-            num_cond = (num_given - 1) // self.temporal_factor + 1
+        else:  # the last frame repeated up to the request's length
             padding = video[:, :, -1:].repeat(1, 1, request.frames - num_given, 1, 1)
             video = torch.cat([video, padding], dim=2)
         latents = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().float()
+        return self._normalised(latents), self._given_latent_frames(request, num_given)
+
+    def _condition_frames(self, request: GenerationRequest) -> tuple[torch.Tensor, int]:
+        """The input's frames as uint8 [request.frames, H, W, 3] (the last frame repeated up to the request's
+        length, as _encode_condition does), and the latent frames they condition."""
+        frames = np.stack([np.asarray(frame.convert("RGB")) for frame in self._read_condition(request)])
+        num_given = frames.shape[0]
+        frames = frames[-request.frames:]
+        if num_given < request.frames:
+            frames = np.concatenate([frames, np.repeat(frames[-1:], request.frames - num_given, axis=0)])
+        return torch.from_numpy(np.ascontiguousarray(frames)), self._given_latent_frames(request, num_given)
+
+    def _normalised(self, latents: torch.Tensor) -> torch.Tensor:
         mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
-        return (latents - mean) / std * SIGMA_DATA, num_cond
+        return (latents - mean) / std * SIGMA_DATA
+
+    def encode_is_split(self, request: GenerationRequest) -> bool:
+        """Whether `request`'s input is VAE-encoded by every rank of the split group (Wan 2.1's encoder, an
+        image tall enough to gain: pipelines.split_vae.encode_splits) rather than by rank 0 alone."""
+        if self.vae_group is None or request.condition is None:
+            return False
+        import torch.distributed as dist
+
+        from pipelines.split_vae import encode_splits
+
+        return encode_splits(self.vae, request.height, dist.get_world_size(self.vae_group))
+
+    @torch.no_grad()
+    def prepare(self, request: GenerationRequest, cond: CosmosConditioning) -> CosmosConditioning:
+        """Every rank, after rank 0's encoding reached it: the input's frames VAE-encoded over the ranks of the
+        split group, when rank 0 left them to it (condition_frames); every rank gets the latents."""
+        if cond.condition_frames is None:
+            return cond
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        from pipelines.split_vae import Parts, encode_wan
+
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        # [T, H, W, 3] uint8 -> [1, 3, T, H, W] in [-1, 1]: the float32 arithmetic of VideoProcessor.preprocess_video
+        video = cond.condition_frames.to(self.device).permute(3, 0, 1, 2).unsqueeze(0).float() / 255.0
+        video = 2.0 * video - 1.0
+        moments = encode_wan(self.vae, video.to(self.vae.dtype), Parts.ranks(self.vae_group))
+        latents = DiagonalGaussianDistribution(moments).mode().float()
+        return replace(cond, conditioning_latents=self._normalised(latents), condition_frames=None)
 
     @torch.no_grad()
     def denoise(
@@ -228,14 +286,17 @@ class CosmosPipeline(StagedPipeline):
         return latents
 
     @torch.no_grad()
-    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image:
-        """VAE-decode latents: uint8 frames [T, H, W, 3] for video models, a PIL image for image models."""
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image | None:
+        """VAE-decode latents: uint8 frames [T, H, W, 3] for video models, a PIL image for image models (None
+        on a rank > 0 of a split decode)."""
         if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_encoders=False)")
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
         mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
         latents = latents.to(self.device, torch.float32) * std / SIGMA_DATA + mean
-        video = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        video = self.decode_latents(request, latents.to(self.vae.dtype))
+        if video is None:
+            return None
         frames = self.video_processor.postprocess_video(video, output_type="np")[0]
         frames = (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
         if self.guardrail is not None:

@@ -77,6 +77,7 @@ class Cosmos3Pipeline(StagedPipeline):
         vae_config = read_component_config(folder, "vae")
         self.spatial_factor = int(vae_config.get("scale_factor_spatial", 16))
         self.temporal_factor = int(vae_config.get("scale_factor_temporal", 4))
+        self.vae_spatial_factor = self.spatial_factor
         self.latent_channels = int(vae_config["z_dim"])
         # diffusers' pipeline over the same parts: its tokenizer templates, packing and latent helpers.
         self._diffusers = None
@@ -88,9 +89,12 @@ class Cosmos3Pipeline(StagedPipeline):
     @classmethod
     def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    with_vae: bool | None = None,
                     share: TransformerShare | None = None) -> Cosmos3Pipeline:
-        """Load from a diffusers Cosmos3OmniPipeline folder; `with_encoders=False` skips tokenizer and VAE."""
-        names = ["transformer", "scheduler"] + (["text_tokenizer", "vae"] if with_encoders else [])
+        """Load from a diffusers Cosmos3OmniPipeline folder; `with_encoders=False` skips the tokenizer, and the
+        VAE too unless `with_vae` (a split decode runs it on every rank)."""
+        names = ["transformer", "scheduler"] + (["text_tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
@@ -104,9 +108,11 @@ class Cosmos3Pipeline(StagedPipeline):
             raise RuntimeError("this pipeline was loaded without tokenizer and VAE (with_encoders=False)")
         if self.guardrail is not None:
             self.guardrail.check_text(request.prompt)
-        cond_ids, uncond_ids = pipe.tokenize_prompt(
-            request.prompt, request.negative_prompt, num_frames=request.frames, height=request.height,
-            width=request.width, fps=float(request.fps))
+        cond_ids, uncond_ids = self.cached_text(
+            ("cosmos3", request.prompt, request.negative_prompt, request.frames, request.height, request.width,
+             request.fps),
+            lambda: pipe.tokenize_prompt(request.prompt, request.negative_prompt, num_frames=request.frames,
+                                         height=request.height, width=request.width, fps=float(request.fps)))
         latent_shape = (1, self.latent_channels, (request.frames - 1) // self.temporal_factor + 1,
                         request.height // self.spatial_factor, request.width // self.spatial_factor)
         condition_latents, mask = None, torch.zeros(latent_shape[2], 1, 1)
@@ -190,16 +196,22 @@ class Cosmos3Pipeline(StagedPipeline):
     # --- rank 0 ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image:
-        """VAE-decode latents: uint8 frames [T, H, W, 3], or a PIL image for a one-frame request."""
-        pipe = self._diffusers
-        if pipe is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_encoders=False)")
-        mean = pipe._vae_latents_mean.to(self.device, torch.float32).view(1, -1, 1, 1, 1)
-        inv_std = pipe._vae_latents_inv_std.to(self.device, torch.float32).view(1, -1, 1, 1, 1)
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image | None:
+        """VAE-decode latents: uint8 frames [T, H, W, 3], or a PIL image for a one-frame request (None on a
+        rank > 0 of a split decode)."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        # diffusers' Cosmos3OmniPipeline's latent statistics (its _vae_latents_mean / _inv_std), from the VAE's config
+        mean = torch.tensor(self.vae.config.latents_mean, dtype=self.vae.dtype)
+        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std, dtype=self.vae.dtype)
+        mean = mean.to(self.device, torch.float32).view(1, -1, 1, 1, 1)
+        inv_std = inv_std.to(self.device, torch.float32).view(1, -1, 1, 1, 1)
         raw = latents.to(self.device, torch.float32) / inv_std + mean
-        video = self.vae.decode(raw.to(self.vae.dtype)).sample.float()
-        frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+        video = self.decode_latents(request, raw.to(self.vae.dtype))
+        if video is None:
+            return None
+        video = video.float()
+        frames = self._diffusers.video_processor.postprocess_video(video, output_type="np")[0]
         frames = (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
         if self.guardrail is not None:
             frames = self.guardrail.check_frames(frames)

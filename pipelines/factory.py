@@ -19,18 +19,21 @@ def load_pipeline(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     with_encoders: bool = True,
+    with_vae: bool | None = None,
     tp: int = 1,
     tp_rank: int = 0,
 ) -> Any:
-    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False. With `tp` > 1 the
-    transformer is loaded split: only share `tp_rank` of every block's weights is read (pipelines.loading).
+    """Load `spec`'s pipeline from `folder`; ranks other than 0 pass with_encoders=False (and with_vae=True when
+    the VAE decode is split over the ranks; None: as with_encoders). With `tp` > 1 the transformer is loaded
+    split: only share `tp_rank` of every block's weights is read (pipelines.loading).
 
     Only the family asked for is imported: diffusers' Cosmos pipeline module alone costs seconds of start-up.
     """
     family = family_of(spec)
     cls = load(family.pipeline)
     share = TransformerShare(tp=tp, rank=tp_rank, weights=family.tensor_parallel) if tp > 1 else None
-    return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders, share=share)
+    return cls.from_folder(spec, folder, device=device, dtype=dtype, with_encoders=with_encoders, with_vae=with_vae,
+                           share=share)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

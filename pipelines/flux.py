@@ -73,6 +73,7 @@ class FluxImagePipeline(StagedPipeline):
         self.vae = vae
         vae_config = read_component_config(folder, "vae")
         self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        self.vae_spatial_factor = self.vae_scale_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         self.dtype = transformer.dtype
 
@@ -86,11 +87,15 @@ class FluxImagePipeline(StagedPipeline):
         dtype: torch.dtype = torch.float32,
         with_encoders: bool = True,
         share: TransformerShare | None = None,
+        with_vae: bool | None = None,
     ) -> FluxImagePipeline:
-        """Load from a diffusers FLUX folder; `with_encoders=False` skips text encoders and VAE (ranks > 0)."""
+        """Load from a diffusers FLUX folder; `with_encoders=False` skips the text encoders (ranks > 0), and the
+        VAE too unless `with_vae` (a split decode runs it on every rank)."""
         names = ["transformer", "scheduler"]
         if with_encoders:
-            names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae"]
+            names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"]
+        if with_encoders if with_vae is None else with_vae:
+            names.append("vae")
         return cls(spec=spec, folder=folder, device=device,
                    **load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share))
 
@@ -99,7 +104,11 @@ class FluxImagePipeline(StagedPipeline):
         """CLIP pooled + T5 sequence embeddings of the prompt, as FluxPipeline.encode_prompt computes them."""
         if self.text_encoder is None or self.text_encoder_2 is None:
             raise RuntimeError("this pipeline was loaded without text encoders (with_encoders=False)")
-        prompt = [request.prompt]
+        return self.cached_text(("flux", request.prompt, self.spec.max_sequence_length),
+                                lambda: self._encode_prompt(request.prompt))
+
+    def _encode_prompt(self, text: str) -> FluxText:
+        prompt = [text]
         clip_ids = self.tokenizer(
             prompt, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
             return_tensors="pt",
@@ -162,14 +171,16 @@ class FluxImagePipeline(StagedPipeline):
         return latents
 
     @torch.no_grad()
-    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image:
-        """VAE-decode packed latents into the image."""
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image | None:
+        """VAE-decode packed latents into the image (None on a rank > 0 of a split decode)."""
         if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_encoders=False)")
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
         latents = FluxPipeline._unpack_latents(latents.to(self.device), request.height, request.width,
                                                self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
+        image = self.decode_latents(request, latents.to(self.vae.dtype))
+        if image is None:
+            return None
         return self.image_processor.postprocess(image, output_type="pil")[0]
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:

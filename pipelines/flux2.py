@@ -75,6 +75,7 @@ class Flux2ImagePipeline(StagedPipeline):
         self.guidance_branches = 2 if uses_guidance_batch(spec) else 1
         vae_config = read_component_config(folder, "vae")
         self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        self.vae_spatial_factor = self.vae_scale_factor
         # diffusers' pipeline over the same parts: its prompt encoding, image preprocessing and latent helpers.
         self._diffusers = None
         if text_encoder is not None and vae is not None:
@@ -85,10 +86,13 @@ class Flux2ImagePipeline(StagedPipeline):
     @classmethod
     def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    with_vae: bool | None = None,
                     share: TransformerShare | None = None) -> Flux2ImagePipeline:
         """Load from a diffusers Flux2Pipeline or Flux2KleinPipeline folder; `with_encoders=False` skips the
-        text encoder, tokenizer and VAE (ranks > 0)."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer", "vae"] if with_encoders else [])
+        text encoder and tokenizer (ranks > 0), and the VAE too unless `with_vae` (a split decode runs it on
+        every rank)."""
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
 
@@ -104,8 +108,10 @@ class Flux2ImagePipeline(StagedPipeline):
         if pipe is None:
             raise RuntimeError("this pipeline was loaded without text encoder and VAE (with_encoders=False)")
         prompts = [request.prompt, request.negative_prompt][: self._branches(request)]
-        embeds, text_ids = pipe.encode_prompt(prompt=prompts, device=self.device,
-                                              max_sequence_length=self.spec.max_sequence_length)
+        embeds, text_ids = self.cached_text(
+            ("flux2", tuple(prompts), self.spec.max_sequence_length),
+            lambda: pipe.encode_prompt(prompt=prompts, device=self.device,
+                                       max_sequence_length=self.spec.max_sequence_length))
         cond = Flux2Conditioning(prompt_embeds=embeds, text_ids=text_ids[0])
         if request.condition is not None:
             image = self._reference_image(Path(request.condition))
@@ -180,19 +186,21 @@ class Flux2ImagePipeline(StagedPipeline):
     # --- rank 0 ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image:
-        """Unpack, de-normalise with the VAE's batch-norm statistics, un-patch and VAE-decode."""
-        pipe = self._diffusers
-        if pipe is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_encoders=False)")
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image | None:
+        """Unpack, de-normalise with the VAE's batch-norm statistics, un-patch and VAE-decode (None on a rank > 0
+        of a split decode)."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
         rows, cols = request.height // (self.vae_scale_factor * 2), request.width // (self.vae_scale_factor * 2)
         latents = latents.to(self.device).reshape(latents.shape[0], rows, cols, -1).permute(0, 3, 1, 2)
         bn = self.vae.bn
         mean = bn.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
-        latents = pipe._unpatchify_latents(latents * std + mean)
-        image = self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type="pil")[0]
+        latents = Flux2Pipeline._unpatchify_latents(latents * std + mean)
+        image = self.decode_latents(request, latents.to(self.vae.dtype))
+        if image is None:
+            return None
+        return self._diffusers.image_processor.postprocess(image, output_type="pil")[0]
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:
         """All three stages in one process."""

@@ -1,18 +1,27 @@
-"""What every pipeline here shares: the three stages' contract, the model's limits and the transformer seam.
+"""What every pipeline here shares: the three stages' contract, the model's limits, the transformer seam,
+the prompt-embedding cache and the split VAE decode.
 
-A pipeline is encode (rank 0) -> denoise (every rank) -> decode (rank 0). Its denoising loop calls the
-transformer in one place, through `self.transformer`, which engines/ replaces (use_transformer) with a
-context-parallel or compiled module of the same call signature.
+A pipeline is encode (rank 0) -> denoise (every rank) -> decode (rank 0, or every rank with a split
+decode). Its denoising loop calls the transformer in one place, through `self.transformer`, which
+engines/ replaces (use_transformer) with a context-parallel or compiled module of the same call
+signature. Its decode calls the VAE in one place, `decode_latents`, which splits the decode over the
+ranks of `use_split_vae`'s group (pipelines.split_vae) where the image is tall enough; a family that
+splits part of its encoding over them (Cosmos-Predict2's input video) does it in `prepare`, which every
+rank runs once rank 0's encoding reached it. Its encode runs the text encoders through `cached_text`, so
+that a repeated prompt is not encoded again.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Hashable, TypeVar
 
+from pipelines.prompt_cache import PromptCache
 from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import GenerationRequest, MediaLimits, read_limits
+
+T = TypeVar("T")
 
 
 class StagedPipeline:
@@ -23,6 +32,13 @@ class StagedPipeline:
     transformer: Any
     step_cache: Any = None
     """The transformer's step cache (engines.step_cache.StepCache, `--cache`), or None: every step computed."""
+    vae: Any = None
+    vae_spatial_factor: int = 8
+    """Image rows per latent row of what the VAE decodes (set by each family's pipeline)."""
+    vae_group: Any = None
+    """The process group over whose ranks the VAE decode is split (use_split_vae), or None: rank 0 decodes."""
+    prompt_cache: PromptCache | None = None
+    """Rank 0's recent text encodings (use_prompt_cache), or None: every request encodes its prompt."""
 
     def limits(self) -> MediaLimits:
         """What sizes and frame counts this pipeline's checkpoint accepts (from its configs)."""
@@ -50,3 +66,48 @@ class StagedPipeline:
     def computed_steps(self) -> int | None:
         """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""
         return self.step_cache.computed if self.step_cache is not None else None
+
+    def use_prompt_cache(self, cache: PromptCache | None) -> None:
+        """Keep text encodings in `cache` (rank 0): a request whose prompt settings were seen reuses them."""
+        self.prompt_cache = cache
+
+    def cached_text(self, key: Hashable, encode: Callable[[], T]) -> T:
+        """encode()'s result for `key` (what the text encoding depends on), from the prompt cache if it holds it."""
+        if self.prompt_cache is None:
+            return encode()
+        return self.prompt_cache.get_or_compute(key, encode)
+
+    def encode_is_split(self, request: GenerationRequest) -> bool:
+        """Whether part of `request`'s encoding runs on every rank (`prepare`); families that split none: False."""
+        return False
+
+    def prepare(self, request: GenerationRequest, encoded: Any) -> Any:
+        """Every rank, once rank 0's encoding has reached it: the part of the encoding split over the ranks
+        (a family's input VAE encode), if any; here none, so the encoding as it came."""
+        return encoded
+
+    def use_split_vae(self, group: Any) -> None:
+        """Split the VAE decode over the ranks of `group` (every rank must then hold the VAE and call decode);
+        None: rank 0 decodes alone."""
+        self.vae_group = group
+
+    def decode_is_split(self, request: GenerationRequest) -> bool:
+        """Whether `request`'s decode runs on every rank of the split group (else on rank 0 alone)."""
+        if self.vae_group is None:
+            return False
+        import torch.distributed as dist
+
+        from pipelines.split_vae import splits
+
+        return splits(request.height // self.vae_spatial_factor, dist.get_world_size(self.vae_group))
+
+    def decode_latents(self, request: GenerationRequest, latents: Any) -> Any:
+        """`self.vae.decode(latents).sample`: split over the ranks when decode_is_split(request) (then every rank
+        calls it and rank 0 alone gets the result, the others None), else whole."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        if self.decode_is_split(request):
+            from pipelines.split_vae import Parts, split_decode
+
+            return split_decode(self.vae, latents, Parts.ranks(self.vae_group))
+        return self.vae.decode(latents, return_dict=False)[0]

@@ -113,6 +113,9 @@ def test_batch_on_two_ranks_interrupted_and_resumed_writes_each_file_once(tmp_pa
     assert entries["escape-attempt.png"]["settings"]["steps"] == 3
     assert entries["yellow.png"]["settings"]["guidance"] == 2.0 and entries["yellow.png"]["line"] == 5
     assert entries["0006-purple.png"]["step_seconds"] > 0
+    stages = entries["0006-purple.png"]["stages"]  # where the time went (the writer thread adds its write)
+    assert len(stages["step_s"]) == entries["0006-purple.png"]["settings"]["steps"]
+    assert min(stages["encode_s"], stages["decode_s"], stages["write_s"], *stages["step_s"]) > 0
 
     # 3. Again, as one plain process: everything is already done.
     third = batch("--steps", "40", prompts=prompts, out=out, launch=False)

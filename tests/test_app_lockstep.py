@@ -57,6 +57,17 @@ class StandInPipeline:
     def decode(self, req: GenerationRequest, latents: torch.Tensor) -> float:
         return latents.item()
 
+    def encode_is_split(self, req: GenerationRequest) -> bool:
+        return req.prompt.startswith("split encode")  # every rank finishes the encoding (prepare)
+
+    def prepare(self, req: GenerationRequest, encoded: torch.Tensor) -> torch.Tensor:
+        if req.prompt == f"split encode failing on rank {self.rank}":
+            raise RuntimeError("cannot finish the encoding")
+        return encoded + 1 if self.encode_is_split(req) else encoded
+
+    def decode_is_split(self, req: GenerationRequest) -> bool:
+        return False  # rank 0 decodes
+
     def computed_steps(self) -> None:
         return None  # no step cache
 
@@ -99,6 +110,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, scenario: str) 
         results["fail_step"] = outcome(run("fail rank 1 at step 2"))
         results["fail_both"] = outcome(run("fail every rank at step 1"))
         results["fail_encode"] = outcome(run("fail encode"))
+        results["fail_prepare"] = outcome(run("split encode failing on rank 1"))
+        generation = service.run("m", request("split encode"))
+        results["split_encode"] = generation.result
+        results["stages"] = [len(generation.stages.steps), generation.stages.encode > 0, generation.stages.decode > 0]
         idle_until = time.monotonic() + CONTROL_TIMEOUT + 1.5
         while time.monotonic() < idle_until:
             service.keep_alive()
@@ -129,6 +144,9 @@ def test_failures_are_dropped_together_and_the_service_goes_on(tmp_path):
     assert rank0["fail_step"] == "JobFailed: rank 1: RuntimeError: broken step"
     assert rank0["fail_both"] == "JobFailed: rank 0: RuntimeError: broken step; rank 1: RuntimeError: broken step"
     assert rank0["fail_encode"] == "JobFailed: rank 0 (encoding): ValueError: cannot encode this"
+    assert rank0["fail_prepare"] == "JobFailed: rank 1 (encoding): RuntimeError: cannot finish the encoding"
+    assert rank0["split_encode"] == (len("split encode") + 1) * 8  # prepared on every rank, then 3 steps
+    assert rank0["stages"] == [3, True, True]  # where the time went: each step, encode, decode
     # idle longer than the control group's own timeout: the heartbeat keeps the run alive
     assert rank0["after_idle"] == "ok 88.0"
     assert rank0["stop"].startswith("JobCancelled")

@@ -126,6 +126,9 @@ def test_image_equals_the_single_process_image(server):
     assert settings["seed"] == 7 and settings["model"] == "tiny-flux"
     assert read_png_settings(file_path)["seed"] == 7
     assert "2 ranks" in status and "ms/step" in status
+    # where the time went: encode, each step, the (split: 64 px are 8 latent rows) decode, the write
+    assert "split VAE" in status and all(f"{stage} " in status for stage in ("encode", "3 steps", "decode", "write"))
+    assert len(settings["stages"]["step_s"]) == 3 and settings["stages"]["write_s"] > 0
 
     spec, folder = resolve_model("tiny-flux", None)
     request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=7, steps=3, width=64, height=64)

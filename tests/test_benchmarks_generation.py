@@ -36,6 +36,8 @@ def check_result(path: Path, modes: set[str], runs: int) -> list[dict]:
         stages = r["encode_s"] + r["denoise_s"] + r["decode_s"]
         assert 0 < stages <= r["total_s"] * 1.01, r  # medians of separate runs: allow a hair
         assert r["step_ms"] == pytest.approx(r["denoise_s"] / r["steps"] * 1e3)
+        assert len(r["step_s"]) == r["steps"] and min(r["step_s"]) > 0 and r["write_s"] > 0
+        assert r["split_vae"] == (r["mode"] != "1 GPU")  # the parallel modes' decode split over the 2 ranks
         assert len(r["peak_gib"]) == r["gpus"] == (1 if r["mode"] == "1 GPU" else 2)
         assert r["speedup"] > 0 and r["denoise_speedup"] > 0
     single = np.load(next(r["media"] for r in rows if r["mode"] == "1 GPU")).astype(np.int16)
@@ -88,3 +90,21 @@ def test_baseline_gives_the_speedup_of_a_run_without_1_gpu() -> None:
     rows = finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[row("1 GPU", 3.0, 2.5)])
     assert rows[0]["speedup"] == pytest.approx(1.5) and rows[0]["denoise_speedup"] == pytest.approx(2.5)
     assert finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[])[0]["speedup"] is None
+
+
+def test_vae_split_benchmark_tiny(tmp_path: Path) -> None:
+    """benchmarks/vae_split.py on the tiny VAEs: the whole decode and 2 and 4 parts, their outputs equal."""
+    out = tmp_path / "vae-split.json"
+    cmd = [PYTHON, "-m", "benchmarks.vae_split", "--tiny", "--runs", "1", "--height", "96", "--width", "80",
+           "--frames", "9", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["shape"]) for r in rows] == [("tiny-flux", "96x80"), ("tiny-cosmos", "9x96x80")]
+    assert "encode_s" not in rows[0] and rows[1]["encode_s"] > 0  # the Wan 2.1 VAE's input encode
+    for r in rows:
+        assert r["whole_s"] > 0 and [s["parts"] for s in r["splits"]] == [2, 4]
+        for split in r["splits"] + r.get("encode_splits", []):
+            assert 0 < split["mean_part_s"] <= split["largest_part_s"] <= split["all_parts_s"]
+            assert split["max_abs_difference"] <= 1e-4
+    assert "largest part s" in proc.stdout
