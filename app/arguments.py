@@ -12,6 +12,7 @@ from engines.options import (
     DEFAULT_TRANSPORT,
     ENGINE_CACHE_ENV,
     CACHES,
+    SPLIT_VAE,
     STRATEGIES,
     TRANSPORTS,
     CacheOptions,
@@ -88,11 +89,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              f"THRESHOLD (default {CACHES['fbcache']:g}) since the last computed step reuses the "
                              "other blocks' result; all ranks decide together, the first and last steps always "
                              "run (docs/faster.md)")
-    parser.add_argument("--split-vae", default="on", choices=("on", "off"),
-                        help="with several ranks, split the VAE decode over them: each decodes a band of rows, rank 0 "
-                             "gathers them (the same image within one 8-bit level; every rank holds the VAE), and "
-                             "so the encode of a Cosmos-Predict2 input image or video. off: rank 0 alone holds the "
-                             "VAE and runs it (default on)")
+    parser.add_argument("--split-vae", default="auto", choices=SPLIT_VAE,
+                        help="with several ranks, on: split the VAE decode over them (each decodes a band of rows, "
+                             "rank 0 gathers them; the same image within one 8-bit level; every rank holds the VAE), "
+                             "and so the encode of a Cosmos-Predict2 input; off: rank 0 alone holds the VAE and runs "
+                             "it; auto (default): on for video models, off for image models, whose decode measured "
+                             "no faster split")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -130,7 +132,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                           all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
                           rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache, tp=args.tp or 1,
-                          split_vae=args.split_vae == "on")
+                          split_vae=args.split_vae)
     except ValueError as error:
         raise OptionsError(str(error)) from None
 

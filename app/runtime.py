@@ -3,8 +3,9 @@
 The same code runs as a single plain process (one rank, no process group, plain transformer) and as
 any rank of a torchrun job. Ranks > 0 load no text encoders: encoding runs once, on rank 0, which keeps
 recent encodings (pipelines.prompt_cache), and the encoded prompt is broadcast. The VAE decode (and a
-Cosmos-Predict2 input's encode) is split over the ranks (--split-vae on, the default: every rank loads
-the VAE; pipelines.split_vae), or runs on rank 0 alone (off: ranks > 0 load no VAE).
+Cosmos-Predict2 input's encode) is split over the ranks (--split-vae on, and auto's default for video
+models: every rank loads the VAE; pipelines.split_vae), or runs on rank 0 alone (off, and auto for image
+models: ranks > 0 load no VAE).
 """
 
 from __future__ import annotations
@@ -123,16 +124,19 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
         dtype = default_dtype(ctx.device)
-        split_vae = options.split_vae and ctx.is_distributed
+        # A checkpoint served under its image and its video name is loaded once, and split as a video model.
+        keys = {spec.media: (spec.family, Path(folder).resolve()) for spec, folder in models}
+        split_keys = {keys[spec.media] for spec, _ in models
+                      if ctx.is_distributed and options.splits_vae(spec.media)}
         failure = None
         try:
-            loaded = {}  # a checkpoint served under its image and its video name is loaded once
+            loaded = {}
             for spec, folder in models:
-                key = (spec.family, Path(folder).resolve())
+                key = keys[spec.media]
                 if key not in loaded:
                     # tp is the mesh's innermost axis (engines.plan): this rank's share is its rank modulo tp
                     loaded[key] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
-                                                with_encoders=ctx.is_main, with_vae=ctx.is_main or split_vae,
+                                                with_encoders=ctx.is_main, with_vae=ctx.is_main or key in split_keys,
                                                 tp=options.tp, tp_rank=ctx.rank % options.tp)
                 pipelines[spec.media] = loaded[key]
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
@@ -140,8 +144,10 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         rank_processes = _agree_on_startup(ctx, failure)
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
+        split_media = sorted(media for media in pipelines if keys[media] in split_keys)
+        split = [pipelines[media] for media in split_media]
         for pipeline in distinct:
-            if split_vae:
+            if pipeline in split:
                 pipeline.use_split_vae(ctx.group)
             if ctx.is_main:
                 pipeline.use_prompt_cache(PromptCache())
@@ -158,7 +164,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             engine_label += f", cache {options.step_cache.label}"
         backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
         precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
-        backend += f"{ctx.device.type}, {precision}, {engine_label}" + (", split VAE" if split_vae else "")
+        backend += f"{ctx.device.type}, {precision}, {engine_label}" + (
+            f", split VAE ({', '.join(split_media)})" if split_media else "")
 
         service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout,
                                   rank_processes=rank_processes)

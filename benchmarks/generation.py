@@ -20,7 +20,7 @@ lengths (CLIP 77, T5 512) are the real ones.
 
 Modes: "1 GPU" (rank 0 alone, as `generate` on one GPU; the other ranks wait), then "ours <plan>"
 on all ranks for each --strategies plan (and cfg-2 with --cfg), each with every --backends engine;
-the parallel modes split the VAE decode over the ranks as serve does (--split-vae on, the default).
+the parallel modes split the VAE decode over the ranks as serve does (--split-vae: video models by default).
 Per mode: one warm-up generation of --warmup-steps steps (it compiles and captures the engine and
 runs every stage once), then --runs timed generations. Reported: medians of total seconds (rank 0's
 wall time of one request), seconds in encode / denoise / decode (device-synchronised), each step's
@@ -64,8 +64,8 @@ from benchmarks.inputs import BenchModel, benchmarkable, build_random
 from benchmarks.step import agreed_error, comma_list, engine_labels, gather_objects, mode_label, our_plans, sync
 from engines.compile import Engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
-from engines.options import STRATEGIES, TRANSPORTS, RunOptions, default_backend, engine_cache_dir, \
-    run_environment, set_environment
+from engines.options import SPLIT_VAE, STRATEGIES, TRANSPORTS, RunOptions, default_backend, engine_cache_dir, \
+    run_environment, set_environment, splits_vae
 from engines.plan import ParallelPlan
 from engines.wrapper import ParallelTransformer
 from pipelines.factory import default_dtype
@@ -312,7 +312,8 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
                                  rank_timeout=args.rank_timeout)
             if plan is not None:
                 parallelize_pipelines([pipeline], ctx, options)
-            pipeline.use_split_vae(ctx.group if plan is not None and args.split_vae else None)
+            pipeline.use_split_vae(ctx.group if plan is not None and splits_vae(args.split_vae, pipeline.spec.media)
+                                   else None)
             build_engines([pipeline], mode_ctx, options)
         except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
             error = describe(exc)
@@ -333,7 +334,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
     row: dict[str, Any] = dict(
         model=model_name, mode=mode, backend=backend, gpus=gpus, shape=shape_label(request),
         steps=request.steps, guidance=request.guidance, runs=len(runs), warmup_s=warmup_s,
-        split_vae=bool(plan is not None and args.split_vae),
+        split_vae=plan is not None and splits_vae(args.split_vae, timer.pipeline.spec.media),
         peak_gib=[r[0] for r in results], error=errors[0] if errors else None, media=media,
     )
     for key in ("total", "encode", "denoise", "decode", "write"):
@@ -414,7 +415,7 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
                                height=args.height, width=args.width, frames=args.frames)
         start = time.perf_counter()
         pipeline = build_pipeline(arch, folder, device=ctx.device, with_encoders=ctx.is_main,
-                                  with_vae=ctx.is_main or args.split_vae)
+                                  with_vae=ctx.is_main or splits_vae(args.split_vae, spec.media))
         sync(ctx.device)
         if ctx.is_main:
             meta.setdefault("models", {})[spec.name] = dict(
@@ -471,8 +472,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="transport of the parallel modes' Ulysses all-to-alls and K/V exchanges (default nccl)")
     p.add_argument("--cfg", action="store_true", help="also the cfg-2 plan: each half of the ranks runs one "
                                                       "guidance branch (Cosmos)")
-    p.add_argument("--split-vae", default="on", choices=("on", "off"),
-                   help="the parallel modes split the VAE decode over the ranks (pipelines/split_vae.py; default on)")
+    p.add_argument("--split-vae", default="auto", choices=SPLIT_VAE,
+                   help="whether the parallel modes split the VAE decode over the ranks (pipelines/split_vae.py), "
+                        "as serve's option: auto (default) splits video models' only")
     p.add_argument("--no-single", action="store_true", help="skip the 1 GPU mode (see --baseline)")
     p.add_argument("--baseline", type=Path, default=None,
                    help="an earlier JSON of this benchmark whose 1 GPU rows give the speedups")
@@ -494,7 +496,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = comma_list(p, args.model, "model", tuple(benchmarkable()))
     args.backends = engine_labels(p, args.backends or "")
     args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
-    args.split_vae = args.split_vae == "on"
     if args.runs < 1 or args.warmup_steps < 1:
         p.error("--runs and --warmup-steps must be >= 1")
     return args

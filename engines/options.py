@@ -185,6 +185,20 @@ class CacheOptions:
             raise
 
 
+SPLIT_VAE = ("auto", "on", "off")
+"""--split-vae choices (RunOptions.split_vae)."""
+
+
+def splits_vae(choice: str, media: str) -> bool:
+    """Whether --split-vae `choice` splits the VAE of a model making `media` ("image" or "video").
+
+    "auto" splits video VAEs only, as measured on one H100 (2026-11-25, random weights, each part run
+    alone): Cosmos-Predict2's Wan decode of 93x704x1280 takes 8.50 s whole and 4.69 s / 2.87 s for the
+    largest of 2 / 4 parts; FLUX.1's 1024² decode takes 0.090 s whole and 0.113 s / 0.089 s per part,
+    since every part repeats the whole-latent mid-block: no gain before the exchanges are paid."""
+    return choice == "on" or (choice == "auto" and media == "video")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RunOptions:
     """How a run spreads its models over the ranks and turns their transformers into engines: the
@@ -214,10 +228,11 @@ class RunOptions:
     tp: int = 1
     """Ranks that split each transformer block's weights (tensor parallelism, engines/tensor_parallel.py);
     the other axes split the rest of the ranks as without it."""
-    split_vae: bool = True
-    """With several ranks, each rank decodes a band of the image's rows and rank 0 gathers them
-    (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level), and a Cosmos-Predict2
-    input is encoded so; every rank then holds the VAE. False: rank 0 alone holds the VAE and runs it."""
+    split_vae: str = "auto"
+    """One of SPLIT_VAE. With several ranks, "on": each rank decodes a band of the image's rows and rank 0
+    gathers them (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level in float32),
+    and a Cosmos-Predict2 input is encoded so; every rank then holds the VAE. "off": rank 0 alone holds
+    the VAE and runs it. "auto": "on" for video models, "off" for image models (splits_vae)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
@@ -226,6 +241,8 @@ class RunOptions:
             raise ValueError("--fp8 does not combine with --tp: torchao quantizes each weight whole (one scale per "
                              "output row), and splitting FP8 weights and their scales over the ranks is not "
                              "implemented; run one of the two")
+        if self.split_vae not in SPLIT_VAE:
+            raise ValueError(f"unknown --split-vae {self.split_vae!r}; choose one of {', '.join(SPLIT_VAE)}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.all_to_all not in TRANSPORTS:
@@ -240,6 +257,10 @@ class RunOptions:
             if engine is not None and (engine.scope == "whole" and engine.backend != "eager" or engine.cuda_graph):
                 raise ValueError(f"--cache decides between steps outside the compiled graphs, so it needs the block "
                                  f"loop outside them: use --backend eager or inductor-blocks, not {engine.label}")
+
+    def splits_vae(self, media: str) -> bool:
+        """Whether a model making `media` ("image" or "video") splits its VAE over the ranks (with several)."""
+        return splits_vae(self.split_vae, media)
 
     @property
     def step_cache(self) -> CacheOptions | None:

@@ -126,8 +126,8 @@ def test_image_equals_the_single_process_image(server):
     assert settings["seed"] == 7 and settings["model"] == "tiny-flux"
     assert read_png_settings(file_path)["seed"] == 7
     assert "2 ranks" in status and "ms/step" in status
-    # where the time went: encode, each step, the (split: 64 px are 8 latent rows) decode, the write
-    assert "split VAE" in status and all(f"{stage} " in status for stage in ("encode", "3 steps", "decode", "write"))
+    # where the time went: encode, each step, decode, write; the server splits its video model's VAE
+    assert "split VAE (video)" in status and all(f"{stage} " in status for stage in ("encode", "3 steps", "decode", "write"))
     assert len(settings["stages"]["step_s"]) == 3 and settings["stages"]["write_s"] > 0
 
     spec, folder = resolve_model("tiny-flux", None)

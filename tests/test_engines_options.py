@@ -79,6 +79,15 @@ def test_run_options_are_checked_once() -> None:
         RunOptions(tp=0)
     with pytest.raises(ValueError, match="--fp8 does not combine with --tp"):
         RunOptions(tp=2, fp8=True)
+    with pytest.raises(ValueError, match="unknown --split-vae"):
+        RunOptions(split_vae="sometimes")
+
+
+def test_split_vae_auto_splits_video_models_only() -> None:
+    """auto: the Wan decode measured faster split, FLUX's 1024² decode did not (engines.options.splits_vae)."""
+    assert [RunOptions().splits_vae(media) for media in ("image", "video")] == [False, True]
+    assert [RunOptions(split_vae="on").splits_vae(media) for media in ("image", "video")] == [True, True]
+    assert [RunOptions(split_vae="off").splits_vae(media) for media in ("image", "video")] == [False, False]
 
 
 def test_help_needs_no_torch() -> None:
