@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,20 +85,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict[s
         whole = whole_runs[-1][1].float()
         row["whole_s"] = statistics.median(s for s, _ in whole_runs)
         row["whole_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        row["splits"] = []
-        for count in args.parts:
-            largest, means, totals, difference = [], [], [], 0.0
-            for _ in range(args.runs):
-                parts = Parts.local(count, device=device)
-                seconds, out = timed(lambda: split_decode(vae, z, parts), device)
-                difference = max(difference, (out.float() - whole).abs().max().item())
-                largest.append(max(parts.seconds.values()))
-                means.append(sum(parts.seconds.values()) / count)
-                totals.append(seconds)
-                del out
-            row["splits"].append(dict(parts=count, largest_part_s=statistics.median(largest),
-                                      mean_part_s=statistics.median(means), all_parts_s=statistics.median(totals),
-                                      max_abs_difference=difference))
+        row["splits"] = _split_rows(lambda parts: split_decode(vae, z, parts), whole, args, device)
         del whole
         if "z_dim" in vae.config and not vae.config.is_residual:
             video = (torch.rand(1, 3, frames, height, width, generator=torch.Generator().manual_seed(1)) * 2 - 1)
@@ -118,19 +106,28 @@ def _encode_rows(vae: torch.nn.Module, video: torch.Tensor, args: argparse.Names
     timed(moments, device)  # warm-up
     runs = [timed(moments, device) for _ in range(args.runs)]
     whole = runs[-1][1].float()
-    splits = []
+    splits = _split_rows(lambda parts: encode_wan(vae, video, parts), whole, args, device)
+    return dict(encode_s=statistics.median(s for s, _ in runs), encode_splits=splits)
+
+
+def _split_rows(run: Callable[[Parts], torch.Tensor], whole: torch.Tensor, args: argparse.Namespace,
+                device: torch.device) -> list[dict[str, Any]]:
+    """Per --parts count: `run(parts)` with all parts in this process, --runs times; the medians of the
+    largest part's, the mean part's and all parts' seconds, and the largest difference from `whole`."""
+    rows = []
     for count in args.parts:
         largest, means, totals, difference = [], [], [], 0.0
         for _ in range(args.runs):
             parts = Parts.local(count, device=device)
-            seconds, out = timed(lambda: encode_wan(vae, video, parts), device)
+            seconds, out = timed(lambda: run(parts), device)
             difference = max(difference, (out.float() - whole).abs().max().item())
             largest.append(max(parts.seconds.values()))
             means.append(sum(parts.seconds.values()) / count)
             totals.append(seconds)
-        splits.append(dict(parts=count, largest_part_s=statistics.median(largest), mean_part_s=statistics.median(means),
-                           all_parts_s=statistics.median(totals), max_abs_difference=difference))
-    return dict(encode_s=statistics.median(s for s, _ in runs), encode_splits=splits)
+            del out
+        rows.append(dict(parts=count, largest_part_s=statistics.median(largest), mean_part_s=statistics.median(means),
+                         all_parts_s=statistics.median(totals), max_abs_difference=difference))
+    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
