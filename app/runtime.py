@@ -118,8 +118,9 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                                f"of ranks must be a multiple of it, this run has {ctx.world_size}")
         rest = ctx.world_size // options.tp
         if options.cfg_parallel and (rest < 2 or rest % 2):
+            needs = "an even number of ranks" if options.tp == 1 else f"an even number of --tp {options.tp} groups"
             raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it needs "
-                               f"an even number of rank groups besides --tp, this run has {rest}")
+                               f"{needs}, this run has {rest}")
         if ctx.device.type == "cpu" and ctx.is_distributed:
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
