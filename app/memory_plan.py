@@ -81,9 +81,15 @@ def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_by
 
 
 def gpu_memory() -> int | None:
-    """The least free memory of the visible GPUs, in bytes; None without a GPU."""
-    import torch
+    """The least free memory of the visible GPUs, in bytes; None without a GPU.
 
-    if not torch.cuda.is_available():
-        return None
-    return min(torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count()))
+    Asked in a short child process: torch.cuda.mem_get_info creates a CUDA context on every GPU it asks
+    about (hundreds of MiB each), and the launcher lives as long as its ranks."""
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "if torch.cuda.is_available():\n"
+              "    print(min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())))\n")
+    answer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    return int(answer.stdout) if answer.returncode == 0 and answer.stdout.strip() else None
