@@ -254,14 +254,14 @@ class LockstepService:
             raise JobCancelled(cancelled)
         # 1b. Every rank runs the part of the encoding the pipeline splits over them (an input's VAE encode), and
         #     then meets the others, so that a failure there drops the request on every rank before denoising.
+        #     They meet whether or not anything was split: a rank that fails alone must find the others there.
         failure = None
         try:
             encoded = pipeline.prepare(request, encoded)
         except Exception as error:  # noqa: BLE001 - agreed just below
             traceback.print_exc()
             failure = f"rank {self.ctx.rank} (encoding): {_short(error)}"
-        if failure is not None or pipeline.encode_is_split(request):
-            self._agree(failure)
+        self._agree(failure)
         encode_seconds = time.perf_counter() - started
 
         # 2. Every rank denoises; ranks agree after every step and once more after the loop.
