@@ -107,13 +107,15 @@ def save_screenshot(page: Page, folder: Path, name: str) -> None:
     assert path.stat().st_size <= MAX_SCREENSHOT_BYTES, (path, path.stat().st_size)
 
 
+BOXES_JS = (
+    "selector => [...document.querySelectorAll(selector)].filter(e => e.offsetParent !== null)"
+    ".map(e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width,"
+    " height: r.height, text: e.innerText}; }).filter(r => r.width > 0 && r.height > 0)"
+)
+
+
 def visible_boxes(page: Page, selector: str) -> list[dict]:
-    return page.evaluate(
-        "selector => [...document.querySelectorAll(selector)].filter(e => e.offsetParent !== null)"
-        ".map(e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width,"
-        " height: r.height, text: e.innerText}; }).filter(r => r.width > 0 && r.height > 0)",
-        selector,
-    )
+    return page.evaluate(BOXES_JS, selector)
 
 
 def overlaps(a: dict, b: dict) -> bool:
@@ -131,17 +133,21 @@ def check_tab(page: Page, tab: str, folder: Path, steps: int) -> None:
     save_screenshot(page, folder, f"{tab}-before")
 
     page.locator(f"#{tab}-generate").click()
-    # Progress: once, on the result, with the stage, step k/n and the time left.
-    page.wait_for_function(
-        "tab => [...document.querySelectorAll(`#${tab}-result .meta-text`)].some(e => /left/.test(e.innerText))"
-        " && [...document.querySelectorAll(`#${tab}-result .progress-level`)].some(e => /denoising/.test(e.innerText))",
+    # Progress: once, on the result, with the stage, step k/n and the time left. The boxes are read in
+    # the same evaluation that sees the denoising stage, since the page moves on to decoding by itself.
+    during = page.wait_for_function(
+        f"tab => {{ const boxes = {BOXES_JS};"
+        " const progress = boxes(`#${tab}-result .progress-level`);"
+        " if (!progress.some(b => /denoising/.test(b.text))"
+        "     || !boxes(`#${tab}-result .meta-text`).some(b => /left/.test(b.text))) return null;"
+        " return {progress: boxes('.progress-level'), status: boxes('#status'),"
+        "         texts: boxes('.meta-text, .progress-text, .progress-level')}; }",
         arg=tab, timeout=120_000, polling=20,
-    )
+    ).json_value()
     save_screenshot(page, folder, f"{tab}-during")
-    progress = visible_boxes(page, ".progress-level")
+    progress = during["progress"]
     assert len(progress) == 1 and "denoising" in progress[0]["text"], progress
-    status = visible_boxes(page, "#status")[0]
-    texts = visible_boxes(page, ".meta-text, .progress-text, .progress-level")
+    status, texts = during["status"][0], during["texts"]
     assert all(not overlaps(status, box) for box in texts), (status, texts)
     assert len([box for box in texts if "steps" in box["text"]]) == 1, texts
 
