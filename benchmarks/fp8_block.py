@@ -2,11 +2,12 @@
 
     python -m benchmarks.fp8_block        # one GPU, random bf16 weights, about 2 minutes (one FP8 compile)
 
-Prints, for the block's three GEMM shapes at 1024² (4,608 tokens): bf16 matmul against torch._scaled_mm
-with per-row and per-tensor scales (the ceiling FP8 can reach), and one eager per-row quantization of the
-activation; then one FluxSingleTransformerBlock in bf16 and with torchao's per-row FP8 linears
-(engines/fp8.py's recipe), eager and compiled, with CUDA kernel tables. A compiled FP8 block whose kernels
-add up to less GPU time than its wall time is bound by the host (tensor-subclass handling per call).
+Prints, for the block's GEMM shapes at 1024² (4,608 tokens; q/k/v apart and fused): bf16 matmul against
+torch._scaled_mm with per-row and per-tensor scales (the ceiling FP8 can reach), and one eager per-row
+quantization of the activation; then one FluxSingleTransformerBlock in bf16 and with per-row FP8 linears
+(engines.fp8.quantize_fp8: the app's recipe, q/k/v fused), eager and compiled, with CUDA kernel tables. A
+compiled FP8 block whose kernels add up to less GPU time than its wall time is bound by the host
+(tensor-subclass handling per call).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 TOKENS, WIDTH, HEADS = 4608, 3072, 24  # FLUX.1-dev at 1024²: 512 text + 4,096 image tokens
-GEMMS = ((3072, 3072), (3072, 12288), (15360, 3072))  # (K, N): q/k/v, proj_mlp, proj_out
+GEMMS = ((3072, 3072), (3072, 9216), (3072, 12288), (15360, 3072))  # (K, N): q/k/v apart, fused, proj_mlp, proj_out
 
 
 def median_ms(fn: Callable[[], object], iters: int = 20) -> float:
@@ -69,7 +70,8 @@ def kernel_table(fn: Callable[[], object]) -> str:
 def single_block() -> None:
     """One FluxSingleTransformerBlock: bf16 eager and compiled, FP8 (per row) eager and compiled."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    from engines.fp8 import quantize_fp8
 
     dtype, generator = torch.bfloat16, torch.Generator("cuda").manual_seed(1)
     inputs = dict(hidden_states=torch.randn(1, 4096, WIDTH, device="cuda", dtype=dtype, generator=generator),
@@ -82,8 +84,7 @@ def single_block() -> None:
         compiled = torch.compile(block, fullgraph=True, dynamic=False)
         bf16_eager, bf16_compiled = median_ms(lambda: block(**inputs)), median_ms(lambda: compiled(**inputs))
         torch._dynamo.reset()
-        quantize_(block, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-                  filter_fn=lambda module, name: isinstance(module, torch.nn.Linear) and not name.startswith("norm"))
+        quantize_fp8(torch.nn.ModuleDict({"blocks": torch.nn.ModuleList([block])}), ("blocks",))
         fp8_eager = median_ms(lambda: block(**inputs))
         print(f"single block eager: bf16 {bf16_eager:.2f} ms, fp8 per-row {fp8_eager:.2f} ms", flush=True)
         print(kernel_table(lambda: block(**inputs)), flush=True)

@@ -28,6 +28,7 @@ does (engines.options.run_environment), before the first cuBLAS call and the fir
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -330,7 +331,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU, every
     # backend; each row carries the relative error of the FP8 eager output against the bf16 eager one.
     if args.fp8:
-        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows)
+        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows, unfused=args.fp8_unfused)
     del model
     # The model is also held in reference cycles (diffusers' parallelism hooks, compiled wrappers):
     # without a collection the next model's rows counted this one's weights in their peak memory
@@ -373,29 +374,38 @@ def first_output(forward: Callable[..., Any], kwargs: dict[str, Any]) -> torch.T
 
 def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], inputs: dict[str, dict[str, Any]],
                 backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None],
-                rows: list[dict[str, Any]]) -> None:
+                rows: list[dict[str, Any]], *, unfused: bool = False) -> None:
     """FP8 rows on rank 0's GPU: quantize `model` in place, time each backend, note the relative error
-    ||fp8 - bf16|| / ||bf16|| of one eager call's output against the unquantized model's."""
+    ||fp8 - bf16|| / ||bf16|| of one eager call's output against the unquantized model's. With `unfused`,
+    rows "1 GPU fp8 unfused" come first, from a copy quantized without fusing the projections that share an
+    input (engines.fp8.quantize_fp8's fuse=False): quantizing is in place, and fusing has to come before it."""
     from engines.fp8 import quantize_fp8
 
-    errors: dict[str, float] = {}
+    reference: dict[str, torch.Tensor] = {}
     if ctx.is_main:
         single = single_process_forward(spec, model, ctx.device)
         reference = {s.label: first_output(single, inputs[s.label]).float() for s in shapes}
         single.restore()
-    layers = quantize_fp8(model, spec.family.repeated_blocks)
-    single = single_process_forward(spec, model, ctx.device) if ctx.is_main else None
-    if single is not None:
-        for s in shapes:
-            out = first_output(single, inputs[s.label]).float()
-            errors[s.label] = float((out - reference[s.label]).norm() / reference[s.label].norm())
-    for options in backends:
-        for shape in shapes:
-            record("1 GPU fp8", shape, 1, single, None, options, note=f"{layers} FP8 linears")
-            if ctx.is_main:
-                rows[-1]["rel_error"] = errors[shape.label]
-    if single is not None:
-        single.restore()
+    for mode, fuse in ([("1 GPU fp8 unfused", False)] if unfused else []) + [("1 GPU fp8", True)]:
+        quantized = model if fuse else copy.deepcopy(model)
+        layers = quantize_fp8(quantized, spec.family.repeated_blocks, fuse=fuse)
+        single = single_process_forward(spec, quantized, ctx.device) if ctx.is_main else None
+        errors: dict[str, float] = {}
+        if single is not None:
+            for s in shapes:
+                out = first_output(single, inputs[s.label]).float()
+                errors[s.label] = float((out - reference[s.label]).norm() / reference[s.label].norm())
+        for options in backends:
+            for shape in shapes:
+                record(mode, shape, 1, single, None, options, note=f"{layers} FP8 linears")
+                if ctx.is_main:
+                    rows[-1]["rel_error"] = errors[shape.label]
+        if single is not None:
+            single.restore()
+        del quantized, single  # the unfused copy's memory is free before the fused rows
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
@@ -533,6 +543,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true",
                    help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
                         "and time 1 GPU again with every backend; rows carry the output's relative error")
+    p.add_argument("--fp8-unfused", action="store_true",
+                   help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
+                        "(q/k/v: engines/fp8.py), on a copy of the weights, mode \"1 GPU fp8 unfused\"")
     p.add_argument("--cached-step", action="store_true",
                    help="after the 1-GPU rows, time 1 GPU again on a step that a step cache skips (--cache: "
                         "engines/step_cache.py), with each backend that keeps the block loop in Python")

@@ -72,10 +72,7 @@ def _projected_after(
     after: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """proj(hidden_states) and encoder_proj(encoder_hidden_states) of a double-stream block, both
-    ordered after the op that produced `after` (collectives.linear_after). FP8 weights (--fp8) are called as
-    modules: a tensor subclass cannot pass through the custom op, so there the order is inductor's."""
-    if is_fp8(proj.weight) or is_fp8(encoder_proj.weight):
-        return proj(hidden_states), encoder_proj(encoder_hidden_states)
+    ordered after the op that produced `after` (collectives.linear_after)."""
     return (linear_after(hidden_states, proj.weight, proj.bias, after),
             linear_after(encoder_hidden_states, encoder_proj.weight, encoder_proj.bias, after))
 
@@ -108,9 +105,16 @@ def gathers_kv(plan: ParallelPlan) -> bool:
 
 
 def _plain_projections(attn: Any) -> bool:
-    """Whether q and v come from plain nn.Linear projections (not fused, not wrapped by an adapter)."""
+    """Whether q and v come from plain nn.Linear projections in the run's dtype (not fused, not FP8, not
+    wrapped by an adapter), which the reordered all-gather attention orders with collectives.linear_after.
+
+    --fp8 fuses the projections (engines.fp8), so its double-stream blocks take the plain path: the input
+    quantized once and one GEMM per stream are a sure saving, while the reordering gained little under FP8,
+    whose weights (a tensor subclass) cannot pass through linear_after's custom op, leaving the projections'
+    order to inductor."""
     return not attn.fused_projections and all(
-        type(proj) is nn.Linear for proj in (attn.to_q, attn.add_q_proj, attn.to_v, attn.add_v_proj))
+        type(proj) is nn.Linear and not is_fp8(proj.weight)
+        for proj in (attn.to_q, attn.add_q_proj, attn.to_v, attn.add_v_proj))
 
 
 def _joint(

@@ -15,6 +15,16 @@ examples): the embedders (patch, text, timestep and guidance), the final norm an
 the FLUX.2 / Cosmos 3 shared modulation outside the blocks), whose small errors scale every activation;
 and layers whose sizes FP8 GEMMs cannot take (not multiples of 16).
 
+Projections that read the same input are fused first (`fuse_shared_input_projections`, diffusers'
+fuse_projections): each FP8 linear quantizes its own activation. Eager, that is one per-row maximum and one
+float8 copy per projection; compiled, inductor puts them in one kernel that finds the maximum once, but it
+still scales, casts and writes one float8 copy per projection (tests/test_fp8.py counts the casts), each
+read by its own GEMM. Fused, an input is quantized once and multiplied in one GEMM: FLUX.1's attentions (q/k/v
+of each stream) and FLUX.2's double-stream ones. FLUX.2's single-stream projection comes fused; Cosmos'
+and Cosmos 3's attentions keep theirs apart (diffusers' Cosmos processor calls them one by one, Cosmos 3's
+attention declares them unfusable). The result is the same: a per-row weight scale is one output
+channel's, so concatenating weights before quantizing changes no scale.
+
 Nothing here is hand-written FP8 arithmetic: the context-parallel processors call the projections as
 modules or as F.linear on their weights, which Float8Tensor dispatches, and compiled engines trace it as
 a tensor subclass. An FP8 projection is never split by input columns (FLUX.1's overlapped single blocks
@@ -56,10 +66,32 @@ def fp8_linear_names(model: nn.Module, repeated_blocks: Iterable[str]) -> list[s
     return names
 
 
-def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
-    """Convert `model`'s block linears (fp8_linear_names) to FP8 in place; returns how many."""
+def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
+    """Fuse the q/k/v projections of every attention in the repeated blocks that supports it (diffusers'
+    fuse_projections: to_qkv, and to_added_qkv for the text stream) and drop the separate ones, which
+    nothing calls once fused and which would hold a second copy of the weights (so this is not undone);
+    returns how many attentions were fused."""
+    from diffusers.models.attention import AttentionModuleMixin
+
+    prefixes = tuple(f"{name}." for name in repeated_blocks)
+    attentions = [module for name, module in model.named_modules()
+                  if name.startswith(prefixes) and isinstance(module, AttentionModuleMixin)
+                  and module._supports_qkv_fusion and not module.fused_projections]
+    for attn in attentions:
+        attn.fuse_projections()
+        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            if getattr(attn, name, None) is not None:
+                delattr(attn, name)
+    return len(attentions)
+
+
+def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool = True) -> int:
+    """Convert `model`'s block linears (fp8_linear_names) to FP8 in place, after fusing the projections
+    that share an input (fuse_shared_input_projections) unless `fuse` is False; returns how many."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
+    if fuse:
+        fuse_shared_input_projections(model, repeated_blocks)
     chosen = set(fp8_linear_names(model, repeated_blocks))
     if not chosen:
         return 0

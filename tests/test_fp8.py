@@ -1,5 +1,6 @@
-"""--fp8 (engines/fp8.py): which layers become FP8, FP8 runs at 2 and 4 gloo ranks equal to one FP8 process,
-a compiled FP8 engine equal to the eager one, and FP8 in the engine cache's key.
+"""--fp8 (engines/fp8.py): which layers become FP8, how many activation quantizations a block runs (fused
+projections quantize a shared input once, eager and compiled), FP8 runs at 2 and 4 gloo ranks equal to one
+FP8 process, a compiled FP8 engine equal to the eager one, and FP8 in the engine cache's key.
 
 (The embedded tiny-flux keeps its held-out scores with --fp8: tests/test_tiny_quality.py.)
 """
@@ -52,6 +53,96 @@ def test_block_linears_become_fp8_and_modulation_stays() -> None:
     fp8, kept = _layers(Flux2Transformer2DModel, {**dev, "num_layers": 1, "num_single_layers": 1},
                         ("transformer_blocks", "single_transformer_blocks"))
     assert "single_transformer_blocks.N.attn.to_qkv_mlp_proj" in fp8 and not kept  # modulation is outside the blocks
+
+
+def _quantizations_per_block(model, kwargs: dict, *, compiled: bool) -> list[int]:
+    """How many activations each block call casts to float8, in call order: eager, counted as they dispatch;
+    compiled (inductor, each block apart as inductor-blocks does), counted in each block's graph after
+    inductor's own passes, which is what its kernels compute (the casts a kernel fuses still each run)."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def casts(nodes) -> int:
+        return sum(str(n.target) in ("aten._to_copy.default", "prims.convert_element_type.default")
+                   and torch.float8_e4m3fn in (*n.args[1:], n.kwargs.get("dtype")) for n in nodes)
+
+    class Casts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.count += func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float8_e4m3fn
+            return func(*args, **kwargs)
+
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    counts: list[int] = []
+    if compiled:
+        torch._dynamo.reset()
+        for block in blocks:
+            block.compile(backend="inductor", fullgraph=True)
+        with inductor_config.patch(fx_graph_cache=False,
+                                   post_grad_custom_post_pass=lambda graph: counts.append(casts(graph.nodes))):
+            with torch.no_grad():
+                model(**kwargs)
+        return counts
+    mode = Casts()
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: counts.append(mode.count))
+        block.register_forward_hook(lambda *_: counts.append(mode.count - counts.pop()))
+    with torch.no_grad(), mode:
+        model(**kwargs)
+    return counts
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_projections_that_share_an_input_quantize_it_once(compiled: bool) -> None:
+    """FLUX.1's q/k/v read one normed input per stream. Each FP8 linear casts its own float8 copy of its
+    activation, compiled too (inductor finds a shared input's per-row maximum once, but not the copies): a
+    double-stream block cast 12 activations (q, k, v of both streams, both attention outputs, both MLPs' two
+    layers), a single-stream block 5 (q, k, v, proj_mlp, proj_out). Fused
+    (engines.fp8.fuse_shared_input_projections): 8 and 3, with the same output."""
+    import torch
+
+    from engines.fp8 import quantize_fp8
+    from tests.helpers import flux_inputs, randomize, tiny_flux
+
+    torch.manual_seed(0)
+    unfused = randomize(tiny_flux())
+    fused = randomize(tiny_flux())
+    fused.load_state_dict(unfused.state_dict())
+    kwargs = flux_inputs((4, 6), 5, batch=1)
+    quantize_fp8(unfused, ("transformer_blocks", "single_transformer_blocks"), fuse=False)
+    quantize_fp8(fused, ("transformer_blocks", "single_transformer_blocks"))
+    assert fused.transformer_blocks[0].attn.fused_projections and not hasattr(fused.transformer_blocks[0].attn, "to_q")
+    with torch.no_grad():
+        expected, got = unfused(**kwargs)[0], fused(**kwargs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert _quantizations_per_block(unfused, kwargs, compiled=compiled) == [12, 5]
+    assert _quantizations_per_block(fused, kwargs, compiled=compiled) == [8, 3]
+
+
+def test_flux2_double_stream_projections_are_fused() -> None:
+    """FLUX.2's double-stream attention fuses like FLUX.1's; its single-stream blocks come fused already."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    from engines.fp8 import quantize_fp8
+    from tests.helpers import randomize
+    from tests.test_engines_flux2 import FLUX2_TINY, flux2_inputs
+
+    torch.manual_seed(0)
+    unfused = randomize(Flux2Transformer2DModel(**{**FLUX2_TINY, "num_layers": 1, "num_single_layers": 1}))
+    fused = randomize(Flux2Transformer2DModel(**{**FLUX2_TINY, "num_layers": 1, "num_single_layers": 1}))
+    fused.load_state_dict(unfused.state_dict())
+    kwargs = flux2_inputs(7, (5, 3), None, batch=1)
+    quantize_fp8(unfused, ("transformer_blocks", "single_transformer_blocks"), fuse=False)
+    quantize_fp8(fused, ("transformer_blocks", "single_transformer_blocks"))
+    with torch.no_grad():
+        expected, got = unfused(**kwargs)[0], fused(**kwargs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert _quantizations_per_block(unfused, kwargs, compiled=False) == [12, 2]
+    assert _quantizations_per_block(fused, kwargs, compiled=False) == [8, 2]
 
 
 def _request(name: str = "tiny-flux"):
