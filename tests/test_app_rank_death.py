@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -81,9 +82,16 @@ def test_a_rank_killed_during_a_request_ends_everything_within_5_s(attempt):
         output = app.final_output()
         assert ended < EXIT_BOUND_SECONDS, output
         assert app.process.returncode != 0
-        with pytest.raises(AppError, match=r"lost a rank.*rank 1 is gone"):
-            job.result(timeout=10)
-        assert "error: the job ends: rank 0: another rank died or closed its connection: rank 1 is gone" in output, output
+        try:
+            answer = job.result(timeout=10)
+        except AppError as error:
+            assert re.search(r"lost a rank.*rank 1 is gone", str(error)), error
+            assert "error: the job ends: rank 0: another rank died or closed its connection: rank 1 is gone" in output, output
+        else:
+            # The client sees progress late on a busy machine: a kill meant for just after the last step
+            # can land after the answer. Then the answer is whole, and everything still ends fast.
+            assert attempt >= 8, f"killed {moment}, yet the request was answered"
+            assert Path(answer[1]).is_file(), answer
     finally:
         app.stop()
         if attempt == TRIES - 1:
