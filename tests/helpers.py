@@ -27,6 +27,16 @@ __all__ = ["COSMOS_TINY", "FLUX_TINY", "cosmos3_inputs", "tiny_cosmos3", "PYTHON
            "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_cosmos_frames_problem(frames: int) -> str:
+    """The request error for a frame count tiny-cosmos cannot make, from its VAE's temporal compression."""
+    import json
+
+    vae = json.loads((REPO / "assets" / "tiny-cosmos" / "vae" / "config.json").read_text())
+    factor = 2 ** sum(vae["temperal_downsample"])
+    below = 1 + (frames - 1) // factor * factor
+    return f"frames {frames} is not 1 + a multiple of {factor}, which this model needs; use {below} or {below + factor}"
 PYTHON = sys.executable
 
 # Tiny transformer configs: 6 heads (divisible by 2 and 3), token counts chosen by each test.

@@ -10,6 +10,7 @@ from diffusers import FluxPipeline
 from pipelines.factory import load_pipeline
 from pipelines.registry import resolve_model
 from pipelines.requests import make_request, read_limits
+from tests.helpers import tiny_cosmos_frames_problem
 
 
 def tiny(name: str, **fields):
@@ -132,7 +133,7 @@ def test_a_request_with_several_bad_fields_is_one_error_naming_them_all():
         "prompt is empty: describe what to generate",
         "width 100 is not a multiple of 16, which this model needs; use 96 or 112",
         "steps must be between 1 and 500, got 0",
-        "frames 6 is not 1 + a multiple of 4, which this model needs; use 5 or 9",
+        tiny_cosmos_frames_problem(6),
         "fps must be between 1 and 240, got 0",
     ]
     assert str(error.value).startswith("5 problems with this request: (1) prompt is empty")

@@ -162,8 +162,8 @@ def _tiny_vaes() -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
     return {
         "tiny-flux": (AutoencoderKL.from_pretrained(ASSETS_DIR / "tiny-flux" / "vae").eval(),
                       torch.randn(1, 4, 13, 11, generator=generator)),
-        "tiny-cosmos": (AutoencoderKLWan.from_pretrained(ASSETS_DIR / "tiny-cosmos" / "vae").eval(),
-                        torch.randn(1, 8, 3, 11, 7, generator=generator)),
+        "tiny-cosmos": (cosmos := AutoencoderKLWan.from_pretrained(ASSETS_DIR / "tiny-cosmos" / "vae").eval(),
+                        torch.randn(1, cosmos.config.z_dim, 3, 11, 7, generator=generator)),
         "flux2": (_random(flux2), torch.randn(1, 8, 9, 7, generator=generator)),
         "cosmos3-wan2.2": (_random(wan22), torch.randn(1, 8, 3, 9, 6, generator=generator)),
     }

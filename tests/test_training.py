@@ -114,7 +114,8 @@ def test_cosmos_training_target_is_what_the_pipeline_inverts():
     pipe = load_pipeline(spec, folder)
     request = make_request(spec, read_limits(spec, folder), prompt="a red circle moving left", seed=0, steps=8,
                            frames=9, height=64, width=64)
-    x0 = torch.randn(1, 8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    latent_frames = (request.frames - 1) // pipe.temporal_factor + 1
+    x0 = torch.randn(1, pipe.vae_config["z_dim"], latent_frames, 8, 8, generator=torch.Generator().manual_seed(1))
 
     def oracle(*, hidden_states, timestep, **_):
         t = timestep.float()
