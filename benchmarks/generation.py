@@ -59,13 +59,13 @@ from torch import nn
 
 from app.failures import JobFailed, describe
 from app.lockstep import LockstepService
-from app.runtime import build_engines, cpu_threads_per_rank, parallelize_pipelines
+from app.runtime import build_engines, cpu_threads_per_rank, install_step_caches, parallelize_pipelines
 from benchmarks.inputs import BenchModel, benchmarkable, build_random
 from benchmarks.step import agreed_error, comma_list, engine_labels, gather_objects, mode_label, our_plans, sync
 from engines.compile import Engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
-from engines.options import SPLIT_VAE, STRATEGIES, TRANSPORTS, RunOptions, default_backend, engine_cache_dir, \
-    run_environment, set_environment, splits_vae
+from engines.options import SPLIT_VAE, STRATEGIES, TRANSPORTS, CacheOptions, RunOptions, default_backend, \
+    engine_cache_dir, run_environment, set_environment, splits_vae
 from engines.plan import ParallelPlan
 from engines.wrapper import ParallelTransformer
 from pipelines.factory import default_dtype
@@ -271,7 +271,7 @@ def run_requests(ctx: ParallelContext, timer: StageTimer, requests: list[Generat
                 write_start = time.perf_counter()
                 write_result(generation.result, Path(folder) / f"result{EXTENSIONS[spec.media]}", request, spec)
                 stages: dict[str, Any] = dict(timer.seconds, write=time.perf_counter() - write_start,
-                                              steps=list(generation.stages.steps))
+                                              steps=list(generation.stages.steps), computed=generation.computed_steps)
                 done.append((wall, stages, generation.result))
     finally:
         service.stop()
@@ -285,7 +285,11 @@ def single_context(ctx: ParallelContext) -> ParallelContext:
 
 
 def restore_transformer(pipeline: Any, model: nn.Module) -> None:
-    """Undo build_engines and parallelize_pipelines: the pipeline calls the plain `model` again."""
+    """Undo install_step_caches, build_engines and parallelize_pipelines: the pipeline calls the plain `model`
+    again."""
+    if pipeline.step_cache is not None:  # its wrappers hold the compiled blocks: out first
+        pipeline.step_cache.remove()
+        pipeline.step_cache = None
     current = pipeline.transformer
     if isinstance(current, Engine):  # compiled blocks back to plain ones
         current = current.release()
@@ -309,12 +313,14 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
         try:
             options = RunOptions(strategy=plan.strategy if plan else "ulysses", cfg_parallel=bool(plan and plan.cfg > 1),
                                  all_to_all=args.all_to_all, backend=backend, engine_cache=args.engine_cache,
-                                 rank_timeout=args.rank_timeout)
+                                 rank_timeout=args.rank_timeout, cache=args.cache)
             if plan is not None:
                 parallelize_pipelines([pipeline], ctx, options)
             pipeline.use_split_vae(ctx.group if plan is not None and splits_vae(args.split_vae, pipeline.spec.media)
                                    else None)
             build_engines([pipeline], mode_ctx, options)
+            if options.cache is not None:
+                install_step_caches([pipeline], mode_ctx, options)
         except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
             error = describe(exc)
         error = agreed_error(mode_ctx, error)
@@ -342,6 +348,8 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
         row[f"{key}_s"] = statistics.median(values) if values else None
     row["step_s"] = [statistics.median(step) for step in zip(*(run[1]["steps"] for run in runs))] if runs else None
     row["step_ms"] = row["denoise_s"] / request.steps * 1e3 if runs else None
+    row["step_cache"] = args.cache
+    row["computed_steps"] = [run[1]["computed"] for run in runs] if args.cache else None
     return row
 
 
@@ -488,6 +496,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a rank waits for the others at an agreement point (default 600)")
     p.add_argument("--fp8", action="store_true",
                    help="after the bf16 rows, every mode again with the blocks' linears as FP8 (engines/fp8.py)")
+    p.add_argument("--cache", default=None, metavar="CACHE",
+                   help="a step cache on every mode, as serve's --cache (e.g. fbcache, fbcache:0.12; "
+                        "engines/step_cache.py); rows record the steps computed per run. Random weights make the "
+                        "hit rate meaningless: read the time of a skipped step from benchmarks.step --cached-step")
     p.add_argument("--tiny", action="store_true", help="embedded tiny models' configs, float32, CPU gloo ranks")
     p.add_argument("--media-dir", type=Path, default=None,
                    help="save each mode's last image or frames here as .npy (rank 0)")
@@ -498,6 +510,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
     if args.runs < 1 or args.warmup_steps < 1:
         p.error("--runs and --warmup-steps must be >= 1")
+    if args.cache is not None:
+        try:
+            CacheOptions.parse(args.cache)
+        except ValueError as error:
+            p.error(f"--cache {args.cache!r}: {error}")
     return args
 
 

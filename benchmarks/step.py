@@ -9,6 +9,8 @@ for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled
     torchrun --nproc-per-node 2 -m benchmarks.step --model cosmos-predict2-2b-video2world --out cosmos.json
     torchrun --nproc-per-node 2 -m benchmarks.step --all-to-all nccl,copy-engine --out transports.json
     torchrun --nproc-per-node 2 -m benchmarks.step --strategies "" --no-diffusers --peers xdit --out xdit.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --model flux2-dev --strategies ulysses --no-cfg --tp 2 --out tp.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --fp8 parallel --cached-step --backends inductor-blocks --out x.json
     python -m benchmarks.step --model flux-dev                    # 1 GPU only
     torchrun --nproc-per-node 1 -m benchmarks.step --strategies "" --peers xdit   # xDiT on 1 GPU
     torchrun --nproc-per-node 2 -m benchmarks.step --tiny         # CPU, gloo, tiny configs
@@ -191,18 +193,22 @@ def mode_label(plan: ParallelPlan, transport: str) -> str:
     return f"ours {plan.label}" + (f" {transport}" if named else "")
 
 
-def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: bool) -> list[ParallelPlan]:
-    """Distinct plans to measure on ctx.world_size ranks (strategies that degenerate are skipped)."""
+def our_plans(ctx: ParallelContext, num_heads: int, strategies: list[str], cfg: bool, *, tp: int = 1
+              ) -> list[ParallelPlan]:
+    """Distinct plans to measure on ctx.world_size ranks (strategies that degenerate are skipped); with `tp`,
+    the plans that split each block's weights over tp ranks (on as many ranks as tp, the one tp plan)."""
     n = ctx.world_size
     plans: list[ParallelPlan] = []
     if n == 1:
         return plans
+    if tp == n:
+        return [ParallelPlan(tp=tp)]
     for strategy in strategies:
-        plan = ParallelPlan.auto(n, num_heads, strategy=strategy)
+        plan = ParallelPlan.auto(n, num_heads, strategy=strategy, tp=tp)
         if plan.strategy == strategy and plan not in plans:
             plans.append(plan)
-    if cfg and n % 2 == 0:
-        plan = ParallelPlan.auto(n, num_heads, cfg=2)
+    if cfg and (n // tp) % 2 == 0:
+        plan = ParallelPlan.auto(n, num_heads, cfg=2, tp=tp)
         if plan not in plans:
             plans.append(plan)
     return plans
@@ -239,7 +245,8 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             try:
                 engine = prepare_engine(forward, options, repeated_blocks=spec.family.repeated_blocks,
                                         cache_dir=args.cache_dir, rank=ctx.rank if gpus > 1 else 0)
-                timed = CachedStep(engine, spec.family) if cached else engine
+                parallel_group = dist.group.WORLD if gpus > 1 else None
+                timed = CachedStep(engine, spec.family, group=parallel_group) if cached else engine
                 device_group = ctx.group if group is not None else None
                 ms, peak, pipelined = time_forward(timed, inputs[shape.label], device=device, group=group,
                                         warmup=args.warmup if warmup is None else warmup, iters=args.iters,
@@ -291,28 +298,35 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         for shape in shapes:
             record("1 GPU", shape, 1, single, None, options)
     if args.cached_step:  # the same, on a step that a step cache skips (engines/step_cache.py)
-        for options in backends:
-            if options.scope == "blocks" or options.backend == "eager" and not options.cuda_graph:
-                for shape in shapes:
-                    record("1 GPU cached step", shape, 1, single, None, options, cached=True)
+        for options in filter(keeps_block_loop, backends):
+            for shape in shapes:
+                record("1 GPU cached step", shape, 1, single, None, options, cached=True)
     if single is not None:
         single.restore()
     if args.diffusers_forward:  # the diffusers model itself, called as its pipeline calls it
         for shape in shapes:
             record("diffusers forward", shape, 1, model if ctx.is_main else None, None, EngineOptions())
     # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
-    for plan in our_plans(ctx, spec.config["num_attention_heads"], args.strategies, cfg):
-        for transport in (args.all_to_all if plan.has_exchanges else ["nccl"]):
-            parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
-            mode = mode_label(plan, transport)
-            for options in backends:
+    heads = spec.config["num_attention_heads"]
+    modes = [(plan, transport) for plan in our_plans(ctx, heads, args.strategies, cfg)
+             for transport in (args.all_to_all if plan.has_exchanges else ["nccl"])]
+    for plan, transport in modes:
+        parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
+        mode = mode_label(plan, transport)
+        for options in backends:
+            for shape in shapes:
+                record(mode, shape, ctx.world_size, parallel, ctx.control_group, options, plan=plan,
+                       transport=transport)
+        if args.cached_step:  # a skipped step's cost, its decision agreed over the ranks
+            for options in filter(keeps_block_loop, backends):
                 for shape in shapes:
-                    record(mode, shape, ctx.world_size, parallel, ctx.control_group, options, plan=plan,
-                           transport=transport)
-            parallel.restore()
+                    record(f"{mode} cached step", shape, ctx.world_size, parallel, ctx.control_group, options,
+                           plan=plan, transport=transport, cached=True)
+        parallel.restore()
     # 3. diffusers-native Ulysses (families whose record says it runs them; CUDA only: it divides by the
-    # accelerator count)
-    if spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers:
+    # accelerator count; not with --tp, whose split of the weights would follow hooks that cannot be undone)
+    if (spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers
+            and args.tp == 1):
         from diffusers import ContextParallelConfig
 
         setup_error = None
@@ -328,10 +342,20 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # xDiT's process groups) and are the likeliest to fail.
     for name in args.peers:
         measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
-    # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU, every
-    # backend; each row carries the relative error of the FP8 eager output against the bf16 eager one.
+    # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU (unless
+    # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
+    # eager output against the bf16 eager one.
     if args.fp8:
-        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows, unfused=args.fp8_unfused)
+        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows, unfused=args.fp8_unfused,
+                    single=args.fp8 == "all", modes=modes, adapter=adapter)
+    # 6. --tp: each block's weights split over tp ranks, last of all (the split is made in place and not undone)
+    if args.tp > 1:
+        for plan in our_plans(ctx, heads, args.strategies or ["ulysses"], False, tp=args.tp):
+            parallel = parallelize_transformer(model, ctx, plan, adapter)
+            for options in backends:
+                for shape in shapes:
+                    record(mode_label(plan, "nccl"), shape, ctx.world_size, parallel, ctx.control_group, options,
+                           plan=plan, transport="nccl")
     del model
     # The model is also held in reference cycles (diffusers' parallelism hooks, compiled wrappers):
     # without a collection the next model's rows counted this one's weights in their peak memory
@@ -342,18 +366,25 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     return rows
 
 
+def keeps_block_loop(options: EngineOptions) -> bool:
+    """Whether a step cache can run on this backend: it decides between the blocks, so the block loop must
+    stay in Python (per-block compiled engines, or eager without a CUDA graph)."""
+    return not options.cuda_graph and (options.scope == "blocks" or options.backend == "eager")
+
+
 class CachedStep:
     """A transformer call that a step cache skips: step 1 of 3 of a request whose step 0 ran, under a
     threshold no change reaches. It runs what such a step costs: the embedders, the first block, the change
-    measured and agreed on, the cached residual added, the final layer."""
+    measured and agreed on over `group`'s ranks (None: one process), the cached residual added, the final
+    layer."""
 
-    def __init__(self, engine: Any, family: Any) -> None:
+    def __init__(self, engine: Any, family: Any, group: Any = None) -> None:
         from engines.options import CacheOptions
         from engines.step_cache import install_step_cache
 
         self.engine = engine
         self.cache = install_step_cache(engine, CacheOptions(threshold=1e30), block_lists=family.repeated_blocks,
-                                        outputs=family.block_outputs, stream=family.cache_stream)
+                                        outputs=family.block_outputs, stream=family.cache_stream, group=group)
         self._primed = False
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -374,35 +405,46 @@ def first_output(forward: Callable[..., Any], kwargs: dict[str, Any]) -> torch.T
 
 def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], inputs: dict[str, dict[str, Any]],
                 backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None],
-                rows: list[dict[str, Any]], *, unfused: bool = False) -> None:
-    """FP8 rows on rank 0's GPU: quantize `model` in place, time each backend, note the relative error
-    ||fp8 - bf16|| / ||bf16|| of one eager call's output against the unquantized model's. With `unfused`,
-    rows "1 GPU fp8 unfused" come first, from a copy quantized without fusing the projections that share an
-    input (engines.fp8.quantize_fp8's fuse=False): quantizing is in place, and fusing has to come before it."""
+                rows: list[dict[str, Any]], *, unfused: bool = False, single: bool = True,
+                modes: list[tuple[ParallelPlan, str]] = (), adapter: Any = None) -> None:
+    """FP8 rows: quantize `model` in place, time each backend on rank 0's GPU alone (`single`) and on all
+    ranks for each (plan, transport) of `modes`; note the relative error ||fp8 - bf16|| / ||bf16|| of one
+    eager call's output (1 GPU) against the unquantized model's. With `unfused`, rows "... fp8 unfused" come
+    first, from a copy quantized without fusing the projections that share an input (engines.fp8.quantize_fp8's
+    fuse=False): quantizing is in place, and fusing has to come before it."""
     from engines.fp8 import quantize_fp8
 
     reference: dict[str, torch.Tensor] = {}
     if ctx.is_main:
-        single = single_process_forward(spec, model, ctx.device)
-        reference = {s.label: first_output(single, inputs[s.label]).float() for s in shapes}
-        single.restore()
-    for mode, fuse in ([("1 GPU fp8 unfused", False)] if unfused else []) + [("1 GPU fp8", True)]:
+        one_gpu = single_process_forward(spec, model, ctx.device)
+        reference = {s.label: first_output(one_gpu, inputs[s.label]).float() for s in shapes}
+        one_gpu.restore()
+    for suffix, fuse in ([(" unfused", False)] if unfused else []) + [("", True)]:
         quantized = model if fuse else copy.deepcopy(model)
         layers = quantize_fp8(quantized, spec.family.repeated_blocks, fuse=fuse)
-        single = single_process_forward(spec, quantized, ctx.device) if ctx.is_main else None
+        one_gpu = single_process_forward(spec, quantized, ctx.device) if ctx.is_main else None
         errors: dict[str, float] = {}
-        if single is not None:
+        if one_gpu is not None:
             for s in shapes:
-                out = first_output(single, inputs[s.label]).float()
+                out = first_output(one_gpu, inputs[s.label]).float()
                 errors[s.label] = float((out - reference[s.label]).norm() / reference[s.label].norm())
-        for options in backends:
+        for options in backends if single else []:
             for shape in shapes:
-                record(mode, shape, 1, single, None, options, note=f"{layers} FP8 linears")
+                record(f"1 GPU fp8{suffix}", shape, 1, one_gpu, None, options, note=f"{layers} FP8 linears")
                 if ctx.is_main:
                     rows[-1]["rel_error"] = errors[shape.label]
-        if single is not None:
-            single.restore()
-        del quantized, single  # the unfused copy's memory is free before the fused rows
+        if one_gpu is not None:
+            one_gpu.restore()
+        for plan, transport in modes:
+            parallel = parallelize_transformer(quantized, ctx, plan, adapter, all_to_all=transport)
+            for options in backends:
+                for shape in shapes:
+                    record(f"{mode_label(plan, transport)} fp8{suffix}", shape, ctx.world_size, parallel,
+                           ctx.control_group, options, plan=plan, transport=transport, note=f"{layers} FP8 linears")
+                    if ctx.is_main:
+                        rows[-1]["rel_error"] = errors[shape.label]
+            parallel.restore()
+        del quantized, one_gpu  # the unfused copy's memory is free before the fused rows
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -540,15 +582,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="eager",
                    help="comma-separated engine labels (engines.options.EngineOptions): eager, inductor, "
                         "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
-    p.add_argument("--fp8", action="store_true",
+    p.add_argument("--fp8", nargs="?", const="all", default=None, choices=("all", "parallel"),
                    help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
-                        "and time 1 GPU again with every backend; rows carry the output's relative error")
+                        "and time 1 GPU and every plan again with every backend ('--fp8 parallel': the plans "
+                        "only); rows carry the output's relative error")
     p.add_argument("--fp8-unfused", action="store_true",
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
-                        "(q/k/v: engines/fp8.py), on a copy of the weights, mode \"1 GPU fp8 unfused\"")
+                        "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
     p.add_argument("--cached-step", action="store_true",
-                   help="after the 1-GPU rows, time 1 GPU again on a step that a step cache skips (--cache: "
-                        "engines/step_cache.py), with each backend that keeps the block loop in Python")
+                   help="after the 1-GPU rows and after each plan's, time them again on a step that a step cache "
+                        "skips (--cache: engines/step_cache.py), with each backend that keeps the block loop in Python")
+    p.add_argument("--tp", type=int, default=1,
+                   help="after every other row, split each block's weights over this many ranks (tensor "
+                        "parallelism, engines/tensor_parallel.py; the rest of the ranks split the sequence by "
+                        "each --strategies) and time that; the split is not undone, so it runs last (not with --fp8 "
+                        "or --peers; the diffusers-native rows are left out)")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -562,6 +610,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peers = comma_list(p, args.peers, "peer", tuple(PEERS))
     args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
     args.all_to_all = comma_list(p, args.all_to_all, "all-to-all transport", TRANSPORTS)
+    if args.tp < 1:
+        p.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and args.fp8:
+        p.error("--tp does not combine with --fp8 (the app refuses both together: engines.options.RunOptions)")
+    if args.tp > 1 and args.peers:
+        p.error("--tp does not combine with --peers (a peer's parallelism stays on the model; the split follows it)")
     return args
 
 

@@ -108,3 +108,21 @@ def test_vae_split_benchmark_tiny(tmp_path: Path) -> None:
             assert 0 < split["mean_part_s"] <= split["largest_part_s"] <= split["all_parts_s"]
             assert split["max_abs_difference"] <= 1e-4
     assert "largest part s" in proc.stdout
+
+
+def test_e2e_tiny_flux_with_a_step_cache(tmp_path: Path) -> None:
+    """--cache puts serve's step cache on every mode (agreed over the ranks) and records the steps computed."""
+    out = tmp_path / "cache.json"
+    cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", "--model", "flux-dev", "--steps", "3", "--height", "64",
+                   "--width", "64", "--runs", "1", "--warmup-steps", "1", "--cache", "fbcache:1e9", "--out", str(out))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"1 GPU", "ours ulysses-2"}
+    for r in rows:
+        # a threshold no change reaches: step 0 computes, later steps reuse its blocks
+        assert r["error"] is None and r["step_cache"] == "fbcache:1e9" and len(r["computed_steps"]) == 1, r
+        assert 1 <= r["computed_steps"][0] < 3, r
+    refused = subprocess.run([PYTHON, "-m", "benchmarks.generation", "--tiny", "--cache", "nocache"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--cache 'nocache'" in refused.stderr

@@ -35,11 +35,13 @@ def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert {(r["mode"], r["backend"]) for r in rows} == {("1 GPU", "eager"), ("1 GPU cached step", "eager"),
-                                                         ("ours ulysses-2", "eager"), ("1 GPU fp8", "eager")}
+    assert {(r["mode"], r["backend"]) for r in rows} == {
+        ("1 GPU", "eager"), ("1 GPU cached step", "eager"), ("ours ulysses-2", "eager"),
+        ("ours ulysses-2 cached step", "eager"), ("1 GPU fp8", "eager"), ("ours ulysses-2 fp8", "eager")}
     assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
-    fp8 = next(r for r in rows if r["mode"] == "1 GPU fp8")
-    assert 0 < fp8["rel_error"] < 0.05, fp8  # FP8 rounding of a float32 tiny model: small, not zero
+    for mode in ("1 GPU fp8", "ours ulysses-2 fp8"):
+        fp8 = next(r for r in rows if r["mode"] == mode)
+        assert 0 < fp8["rel_error"] < 0.05, fp8  # FP8 rounding of a float32 tiny model: small, not zero
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -83,3 +85,25 @@ def test_benchmark_tiny_cosmos3_with_diffusers_forward(tmp_path: Path) -> None:
         assert (mode, "eager") in modes
     assert ("diffusers forward", "eager") in modes
     assert all(r["error"] is None and r["ms"] > 0 and r["model"] == "tiny-cosmos3" for r in rows), rows
+
+
+def test_benchmark_tiny_tp_runs_last_and_fp8_parallel_skips_one_gpu(tmp_path: Path) -> None:
+    """--tp 2 on 2 ranks adds one tp-2 row after the others; --fp8 parallel times FP8 on the plans only."""
+    out, fp8_out = tmp_path / "tp.json", tmp_path / "fp8.json"
+    cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux2-dev", "--sizes", "64x64", "--strategies",
+                   "ulysses", "--no-cfg", "--tp", "2", "--warmup", "1", "--iters", "1", "--out", str(out))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["plan"]) for r in rows] == [("1 GPU", None), ("ours ulysses-2", "ulysses-2"),
+                                                      ("ours tp-2", "tp-2")]
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux-dev", "--sizes", "64x64", "--strategies",
+                   "allgather", "--fp8", "parallel", "--warmup", "1", "--iters", "1", "--out", str(fp8_out))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    modes = [r["mode"] for r in json.loads(fp8_out.read_text())["rows"]]
+    assert modes == ["1 GPU", "ours allgather-2", "ours allgather-2 fp8"]
+    refused = subprocess.run([PYTHON, "-m", "benchmarks.step", "--tiny", "--tp", "2", "--fp8"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--tp does not combine with --fp8" in refused.stderr

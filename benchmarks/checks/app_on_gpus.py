@@ -18,10 +18,13 @@ one-process `generate` takes the backend only):
 6. `serve` again on the now warm cache: the time until its URL answers, against step 1's;
 7. `python -m app build` of the image's shape into an empty cache (--ranks N, same options);
 8. `serve` on that cache: its first image must take less than half of step 2's first image (no
-   compiling) and be within RELAUNCH_TOLERANCE levels of step 2's (step 6's image is compared too).
+   compiling) and be within RELAUNCH_TOLERANCE levels of step 2's (step 6's image is compared too);
+9. DIR/cache_diff.json: the keys and compiler artifacts that differ between step 1's cache and step 7's
+   (benchmarks/checks/engine_cache_diff.py), to explain a difference in step 8.
 Each step has --step-timeout seconds. After each step DIR/summary.json (what it saw so far) and
 DIR/logs.txt (every command's output) are rewritten, so a step that hangs leaves them behind;
-also DIR/image.png and DIR/video.mp4. Exits 1 if a check failed.
+also DIR/image.png, DIR/video.mp4 and the images of steps 6 and 8 (DIR/warm.png, DIR/built.png). Exits 1
+if a check failed.
 """
 
 from __future__ import annotations
@@ -78,8 +81,14 @@ class Server:
                 time.sleep(0.5)
         raise TimeoutError(f"serve did not answer within {timeout} s:\n{self.log.read_text()[-3000:]}")
 
+    def after_stop(self) -> str:
+        """The log from the Ctrl-C on (a failed request earlier logs its own traceback)."""
+        return self.log.read_bytes()[self.stop_offset:].decode(errors="replace")
+
     def stop(self) -> tuple[int, float]:
-        """Ctrl-C to the launcher; (exit status, seconds until it exited)."""
+        """Ctrl-C to the launcher; (exit status, seconds until it exited). What the log says from then on is
+        `after_stop()`."""
+        self.stop_offset = self.log.stat().st_size
         started = time.monotonic()
         self.process.send_signal(signal.SIGINT)
         try:
@@ -108,9 +117,11 @@ def run_logged(command: list[str], log: Path, timeout: float) -> int | None:
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
             return None
+        finally:  # past its time, or this check stopped (SIGTERM): its own process group would outlive it
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def main() -> None:
@@ -122,6 +133,9 @@ def main() -> None:
     parser.add_argument("--all-to-all", default=None, help="--all-to-all of serve and batch (default: theirs)")
     parser.add_argument("--step-timeout", type=float, default=300, help="seconds each step may take (default 300)")
     args = parser.parse_args()
+    # A SIGTERM (`timeout`, a job's end) unwinds like Ctrl-C, so the servers and commands started below, each in
+    # its own process session, are stopped by the `finally` blocks instead of holding the GPUs after this exits.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import imageio.v3 as iio
     import torch
     from gradio_client import Client
@@ -158,8 +172,8 @@ def main() -> None:
             return gradio.submit(*inputs, api_name=api_name).result(timeout=limit)
 
         summary["status"] = ask(api_name="/status")
-        (_, first, settings, status), summary["image_first_s"] = timed(ask, *IMAGE, api_name="/generate_image")
-        (_, second, _, _), summary["image_again_s"] = timed(ask, *IMAGE, api_name="/generate_image")
+        (_, first, settings, status, _), summary["image_first_s"] = timed(ask, *IMAGE, api_name="/generate_image")
+        (_, second, _, _, _), summary["image_again_s"] = timed(ask, *IMAGE, api_name="/generate_image")
         summary["image_settings"], summary["status_after_image"] = settings, status
         checks["image twice, same seed: equal"] = bool(np.array_equal(pixels(first), pixels(second)))
         shutil.copy(first, out / "image.png")
@@ -171,17 +185,21 @@ def main() -> None:
             summary["bad_size_error"] = str(error)
             checks["bad size rejected"] = "65" in str(error)
         checks["valid request after the bad one"] = ask(*IMAGE, api_name="/generate_image")[2]["seed"] == 7
-        (_, mp4, video_settings, _), summary["video_s"] = timed(ask, *VIDEO, api_name="/generate_video")
-        summary["video_settings"] = video_settings
-        frames = np.stack(list(iio.imiter(mp4)))
-        summary["video_frames"] = list(frames.shape)
-        checks["video decodes with the asked frames"] = frames.shape[0] == VIDEO[3]
-        shutil.copy(mp4, out / "video.mp4")
+        try:  # a failed video (no ffmpeg, say) is one failed check: the steps after it still run
+            (_, mp4, video_settings, _, _), summary["video_s"] = timed(ask, *VIDEO, api_name="/generate_video")
+            summary["video_settings"] = video_settings
+            frames = np.stack(list(iio.imiter(mp4)))
+            summary["video_frames"] = list(frames.shape)
+            checks["video decodes with the asked frames"] = frames.shape[0] == VIDEO[3]
+            shutil.copy(mp4, out / "video.mp4")
+        except Exception as error:  # noqa: BLE001 - recorded in the summary
+            summary["video_error"] = repr(error)[:2000]
+            checks["video decodes with the asked frames"] = False
         save("video")
     finally:
         code, seconds = server.stop()
         summary["stop"] = {"exit": code, "seconds": seconds}
-        checks["Ctrl-C stops the job"] = code == 130 and "Traceback" not in server.log.read_text()
+        checks["Ctrl-C stops the job"] = code == 130 and "Traceback" not in server.after_stop()
         save("stop")
 
     # 4: the same image from one process on one GPU
@@ -215,7 +233,8 @@ def main() -> None:
         try:
             summary[f"{name}_start_s"] = server.wait_up(limit)
             job = Client(server.url, verbose=False).submit(*IMAGE, api_name="/generate_image")
-            (_, image, _, _), summary[f"{name}_image_s"] = timed(job.result, timeout=limit)
+            (_, image, _, _, _), summary[f"{name}_image_s"] = timed(job.result, timeout=limit)
+            shutil.copy(image, out / f"{name}.png")
             diff = summary[f"{name}_vs_cold_max_pixel_diff"] = int(np.abs(pixels(image) - pixels(out / "image.png")).max())
             return diff
         finally:
@@ -241,6 +260,14 @@ def main() -> None:
     checks[f"serve on the built cache: within {RELAUNCH_TOLERANCE} levels of the first launch's image"] = (
         diff <= RELAUNCH_TOLERANCE)
     save("checks of the built cache")
+    # 9: what differs between the cache the first launch compiled into and the one `build` filled
+    from benchmarks.checks.engine_cache_diff import compare
+
+    try:
+        (out / "cache_diff.json").write_text(json.dumps(compare(cache, built), indent=1, default=str))
+    except Exception as error:  # noqa: BLE001 - a diagnostic: never fail the checks for it
+        summary["cache_diff_error"] = repr(error)
+    save("cache diff")
     print(json.dumps(summary, indent=1, default=str))
     sys.exit(0 if all(checks.values()) else 1)
 
