@@ -194,7 +194,9 @@ def split_weights(model: nn.Module, weights: WeightSplit, *, tp: int, rank: int,
     for name, split in weights.linears.items():
         parent, _, child = name.rpartition(".")
         owner = modules[parent] if parent else model
-        setattr(owner, child, _split_linear(modules[name], split, tp, rank, group_name))
+        # popped, so that nothing here keeps the whole layer: each whole weight is freed as soon as its share
+        # replaces it, and splitting a model that fills most of a GPU in place needs one layer's share beside it
+        setattr(owner, child, _split_linear(modules.pop(name), split, tp, rank, group_name))
     for name, counts in weights.head_counts.items():
         for attribute, count in counts.items():
             setattr(modules[name], attribute, count)

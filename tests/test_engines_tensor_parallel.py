@@ -157,6 +157,37 @@ def test_a_split_that_does_not_divide_is_refused_before_any_change() -> None:
         cosmos3_weights(model, 3)
 
 
+def test_splitting_frees_each_whole_weight_as_its_share_replaces_it(monkeypatch) -> None:
+    """In place on a GPU the whole model and its shares never live side by side: a 60 GiB model split for tp 2
+    needs 60 GiB plus one layer's share, not 90 GiB."""
+    import gc
+    import weakref
+
+    from engines import tensor_parallel
+    from engines.flux import flux_weights
+
+    model = tiny_model("flux")
+    split = flux_weights(model, 2)
+    whole = {name: weakref.ref(model.get_submodule(name).weight) for name in split.linears}
+    done: list[str] = []
+    still_alive: list[str] = []
+    split_linear = tensor_parallel._split_linear
+
+    def watched(linear, *args, **kwargs):
+        # when a layer is split, every layer split before it must have let its whole weight go
+        still_alive.extend(name for name in done if whole[name]() is not None)
+        done.append(next(name for name, ref in whole.items() if ref() is linear.weight))
+        return split_linear(linear, *args, **kwargs)
+
+    monkeypatch.setattr(tensor_parallel, "_split_linear", watched)
+    gc.disable()  # freed by reference counting alone, as CUDA memory is, not by a later collection
+    try:
+        tensor_parallel.split_weights(model, split, tp=2, rank=0)
+    finally:
+        gc.enable()
+    assert len(done) == len(whole) > 10 and still_alive == []
+
+
 def test_a_model_split_for_one_degree_is_refused_for_another() -> None:
     from engines.flux import flux_weights
     from engines.tensor_parallel import RowParallelLinear, split_weights
