@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The 2-GPU figures in two commands of under 10 minutes each: regressions and the app check (part 1), the new
-# models, tensor parallelism and FP8 (part 2). Every result lands in OUT_DIR, packed into PACK after each piece.
+# The 2-GPU figures in four commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
+# each piece: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3),
+# FP8 on 2 GPUs (part 4).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/two_gpus.sh /tmp/part1     # on 2 GPUs, from the repository root
-#   PART=2 PACK=$OUT/part2.tgz benchmarks/two_gpus.sh /tmp/part2
+#   PART=2 PACK=$OUT/part2.tgz benchmarks/two_gpus.sh /tmp/part2     # (3 and 4 alike)
 #   TINY=1 PART=1 benchmarks/two_gpus.sh /tmp/tiny1                  # CPU smoke test: tiny configs, 2 gloo ranks
 #
 # Each piece runs under `timeout`, its output in OUT_DIR/<piece>.log and its exit status and seconds in
@@ -11,21 +12,25 @@
 # part share BUDGET seconds (default 530, leaving a 600 s command time for installing wheels and packing): a
 # piece gets at most what is left, and one that would get under 45 s is skipped (logged). ONLY="a b" runs
 # only those pieces, SKIP="a b" all but those. Engines compile into CACHE (default /tmp/two-gpus-cache,
-# outside OUT_DIR: the pieces of a part reuse each other's kernels, nothing large is packed).
+# outside OUT_DIR: the pieces of a part, and the parts run on one machine, reuse each other's kernels).
+# The app check needs gradio and gradio_client, its video check imageio-ffmpeg: on a machine that keeps /tmp
+# between commands they can be installed into one --target by two commands, if together they travel badly.
 #
-# Estimates on 2x H100, from docs/benchmarks.md (1 GPU FLUX.1-dev 1024² step 129 ms, 2048² 715 ms, compile
-# 10-30 s a mode; Cosmos-Predict2-2B step 6.5 s; Cosmos 3 Nano call 3.0 s; FLUX.2-dev call 462 ms; FP8
-# compile 90-290 s cold; the app check 260-290 s on 2x H200):
-#   part 1 (~485 s): app-check 270 s with cosmos2b-step 150 s beside it | flux1-step 135 s | flux1-generation
-#                    80-100 s | flux1-cached-step 100 s (runs only if time is left)
-#   part 2 (~530 s): cosmos3-nano-step 190 s | flux2-dev-step 145 s | flux1-fp8-generation 160-360 s (what
-#                    is left) | flux1-fp8-step 100 s (kernels from the generation's compile) and
-#                    flux1-cached-step 100 s (each runs only if time is left)
+# Measured on 2x H100 (docs/benchmarks.md, 2026-11-25), in seconds: app check 410-450 (up to the warm relaunch
+# in 320) | Cosmos-2B step 141 beside it | FLUX.1 step 128 | FLUX.1 generation 68 with the step's kernels |
+# cached step 82 | Cosmos 3 Nano step 144 | FLUX.2-dev step 110 up to tp 2 | FP8 compile on 2 ranks over 278
+# cold (one GPU: 294):
+#   part 1 (~450 s): app-check 500 s cap, with cosmos2b-step 200 s beside it
+#   part 2 (~480 s): flux1-step 200 | flux1-generation 160 | flux1-cached-step 150 (both transports) |
+#                    flux2-dev-step 220 (every strategy, tp 2 last)
+#   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
+#                    200 (29 frames, 1 GPU and ulysses-2)
+#   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: PART=1|2 [TINY=1] [PACK=file.tgz] benchmarks/two_gpus.sh OUT_DIR}
-part=${PART:?PART=1 or PART=2}
+out=${1:?usage: PART=1|2|3|4 [TINY=1] [PACK=file.tgz] benchmarks/two_gpus.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3 or 4}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/two-gpus-cache}
 mkdir -p "$out" "$cache"
@@ -38,10 +43,11 @@ printf 'piece\tstatus\tseconds\n' >> "$out/pieces.tsv"
 if [ -n "${TINY:-}" ]; then
     tiny=(--tiny) backend=eager fast=eager transport=nccl
     flux_sizes=64x64 cosmos_video=9x32x48 nano_video=9x64x96 steps=(--steps 4) few=(--warmup 1 --iters 1)
+    nano_frames=9 nano_steps=(--steps 4)
 else
     tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks transport=copy-engine
     flux_sizes=1024x1024,2048x2048 cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
-    few=(--warmup 1 --iters 2)
+    few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=()
 fi
 step=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.step "${tiny[@]}")
 generation=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.generation "${tiny[@]}")
@@ -97,13 +103,13 @@ if command -v nvidia-smi > /dev/null; then  # power and clocks through the part 
 fi
 
 if [ "$part" = 1 ]; then
-    # the app on 2 ranks (serve through gradio_client, Ctrl-C, generate, batch, warm cache, build, the built
-    # cache's image and what differs between the caches: app-check/cache_diff.json), first, so that it has
-    # its whole time; beside it Cosmos-Predict2-2B, whose calls are long enough not to feel it
+    # the app on 2 ranks (serve through gradio_client, a video, Ctrl-C, generate, batch, warm cache, build, the
+    # built cache's image and what differs between the caches: app-check/cache_diff.json); beside it
+    # Cosmos-Predict2-2B, whose calls are long enough not to feel it
     if wanted app-check && python3 -c "import gradio, gradio_client" 2> /dev/null; then
         # 90 s after a SIGTERM: the check stops its servers with Ctrl-C and waits for them (they run in their
         # own sessions, which would outlive this command and hold the GPUs)
-        KILL_AFTER=90 piece app-check 320 python3 -m benchmarks.checks.app_on_gpus --out "$out/app-check" --ranks 2 \
+        KILL_AFTER=90 piece app-check 500 python3 -m benchmarks.checks.app_on_gpus --out "$out/app-check" --ranks 2 \
             --strategy allgather --all-to-all "$transport" --backend "$backend" &
         app=$!
         echo "measured while the app check ran beside it on the same GPUs" > "$out/cosmos2b-note.txt"
@@ -116,45 +122,50 @@ if [ "$part" = 1 ]; then
     piece cosmos2b-step 200 "${step[@]}" --model cosmos-predict2-2b-video2world --video "$cosmos_video" \
         --strategies ring --all-to-all "$transport" --backends "$backend" --warmup 1 --iters 1 \
         --cache-dir "$cache" --out "$out/cosmos2b-step.json"
-    [ -n "$app" ] && wait "$app"  # the FLUX.1 rows below on GPUs that nothing else uses
+    [ -n "$app" ] && wait "$app"
+elif [ "$part" = 2 ]; then
     # FLUX.1-dev one step, 1024² and 2048²: 1 GPU, allgather-2 on copy engines, diffusers-native Ulysses-2
-    # (docs/benchmarks.md "FLUX.1-dev and Cosmos-Predict2-2B on 2 GPUs, one step"; the goal: <= 66 ms at 1024²)
+    # (docs/benchmarks.md "2x H100 on the current code"; the goal: <= 66 ms at 1024²)
     piece flux1-step 200 "${step[@]}" --model flux-dev --sizes "$flux_sizes" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --warmup 1 --iters 5 --cache-dir "$cache" \
         --out "$out/flux1-step.json"
-    # a whole FLUX.1-dev 1024² image, 28 steps, 1 GPU against allgather-2 (docs: "Whole generations on 2 GPUs";
-    # its blocks' kernels come from the step piece's compile, in the same inductor cache)
+    # a whole FLUX.1-dev 1024² image, 28 steps, 1 GPU against allgather-2 (its blocks' kernels come from the
+    # step piece's compile, in the same inductor cache)
     piece flux1-generation 160 "${generation[@]}" --model flux-dev "${steps[@]}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --runs 2 --warmup-steps 2 --engine-cache "$cache" \
         --out "$out/flux1-generation.json"
-    # a skipped step's cost (--cache), 1 GPU and allgather-2, if time is left
+    # a skipped step's cost (--cache), 1 GPU and allgather-2 on both transports: without CUDA graphs (the
+    # cache's backend) copy engines measured slower than 1 GPU; NCCL beside them says whether the host is why
     piece flux1-cached-step 150 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
-        --all-to-all "$transport" --backends "$fast" --cached-step --no-diffusers --warmup 1 --iters 5 \
+        --all-to-all "nccl,$transport" --backends "$fast" --cached-step --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-cached-step.json"
-elif [ "$part" = 2 ]; then
-    # Cosmos 3 Nano, one call (a guidance branch) at its default 189x720x1280 with 300 text tokens: 1 GPU, every
-    # strategy, then tp 2 (memory per rank and time; the weights are split in place, so it runs last)
-    piece cosmos3-nano-step 260 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
-        --strategies ulysses,ring,allgather --no-cfg --backends "$fast" "${few[@]}" --tp 2 --cache-dir "$cache" \
-        --out "$out/cosmos3-nano-step.json"
-    # FLUX.2-dev one call at 1024² with 512 text tokens: 1 GPU, every strategy, then tp 2
+    # FLUX.2-dev one call at 1024² with 512 text tokens: 1 GPU, every strategy, then tp 2 (the weights are
+    # split in place, so it runs last)
     piece flux2-dev-step 220 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" --text-tokens 512 \
         --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --warmup 2 --iters 5 --tp 2 \
         --cache-dir "$cache" --out "$out/flux2-dev-step.json"
+elif [ "$part" = 3 ]; then
+    # Cosmos 3 Nano, one call (a guidance branch) at its default 189x720x1280 with 300 text tokens: 1 GPU, every
+    # strategy, a skipped step's cost, then tp 2 (memory per rank and time)
+    piece cosmos3-nano-step 260 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
+        --strategies ulysses,ring,allgather --no-cfg --backends "$fast" "${few[@]}" --cached-step --tp 2 \
+        --cache-dir "$cache" --out "$out/cosmos3-nano-step.json"
+    # a whole Cosmos 3 Nano video (29 frames, 35 steps, text encoder and VAE included): 1 GPU against ulysses-2
+    piece cosmos3-nano-generation 200 "${generation[@]}" --model cosmos3-nano --frames "$nano_frames" \
+        "${nano_steps[@]}" --strategies ulysses --backends "$fast" --runs 1 --warmup-steps 1 \
+        --engine-cache "$cache" --out "$out/cosmos3-nano-generation.json"
+elif [ "$part" = 4 ]; then
     # a whole FLUX.1-dev 1024² image with --fp8 on 2 GPUs (the goal: <= 1.5 s; step_s: each step's seconds),
-    # bf16 first on the same weights; no 1 GPU rows (part 1 has them)
-    piece flux1-fp8-generation 400 "${generation[@]}" --model flux-dev "${steps[@]}" --strategies allgather \
+    # bf16 first on the same weights; no 1 GPU rows (part 2 has them). Its cold FP8 compile is most of the piece.
+    piece flux1-fp8-generation 420 "${generation[@]}" --model flux-dev "${steps[@]}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 --no-single --runs 2 --warmup-steps 2 \
         --engine-cache "$cache" --out "$out/flux1-fp8-generation.json"
     # FLUX.1-dev 1024² one step with --fp8 on 2 GPUs (the goal: <= 55 ms), against bf16 in the same run
-    piece flux1-fp8-step 400 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+    piece flux1-fp8-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-fp8-step.json"
-    piece flux1-cached-step 150 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
-        --all-to-all "$transport" --backends "$fast" --cached-step --no-diffusers --warmup 1 --iters 5 \
-        --cache-dir "$cache" --out "$out/flux1-cached-step.json"
 else
-    echo "PART must be 1 or 2, got $part" >&2
+    echo "PART must be 1, 2, 3 or 4, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"
