@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields, run_options
-from app.outputs import EXTENSIONS, settings_of
+from app.outputs import EXTENSIONS, check_writer, settings_of
 from app.prompt_files import FIELDS, SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
 from app.stopping import stop_on_signals
@@ -81,6 +81,7 @@ def check_batch(args: argparse.Namespace) -> BatchPlan:
     out_dir = Path(args.out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise BatchError(f"--out {out_dir} is a file, not a folder")
+    check_writer(spec)
     defaults = {key: value for key, value in request_fields(args).items() if value is not None}
     make_request(spec, limits, prompt="a check of the command line's settings", **defaults)
     return BatchPlan(spec=spec, folder=folder, limits=limits, prompts=prompts, out_dir=out_dir, defaults=defaults)

@@ -23,6 +23,14 @@ class OutputError(ValueError):
     """An output path that cannot receive the result."""
 
 
+def check_writer(spec: ModelSpec) -> None:
+    """OutputError if this machine cannot write `spec`'s results (an MP4 needs imageio-ffmpeg's ffmpeg)."""
+    from pipelines.media import mp4_writer_missing
+
+    if spec.media == "video" and (missing := mp4_writer_missing()):
+        raise OutputError(f"model '{spec.name}' makes MP4 videos, which cannot be written here: {missing}")
+
+
 def check_output_path(path: str | Path, spec: ModelSpec) -> Path:
     """`path` if the result of `spec` can be written there; OutputError otherwise (before any work)."""
     path = Path(path).expanduser()
@@ -38,6 +46,7 @@ def check_output_path(path: str | Path, spec: ModelSpec) -> Path:
         raise OutputError(f"cannot write {path}: it is a folder")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputError(f"cannot write {path}: permission denied")
+    check_writer(spec)
     return path
 
 

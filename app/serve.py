@@ -26,7 +26,7 @@ from app.access import AUTH_ENV, AuthError, LoginThrottle, read_logins
 from app.arguments import add_parallel_arguments, run_options
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
-from app.outputs import ResultsCap
+from app.outputs import OutputError, ResultsCap, check_writer
 from app.stopping import stop_on_signals, temporary_folder
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 
@@ -105,6 +105,11 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             models.append((spec, folder))
         if len({spec.media for spec, _ in models}) < len(models):
             raise ServeError("both models make videos; a server runs one image model and one video model at most")
+    for spec, _ in models:
+        try:
+            check_writer(spec)
+        except OutputError as error:
+            raise ServeError(f"{error}; or serve an image model alone (--model NAME)") from None
     if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
         raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
     keep_results = None

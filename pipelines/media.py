@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,22 @@ def read_png_settings(path: str | Path) -> dict[str, Any]:
     """The settings `save_png` stored in a PNG."""
     with PIL.Image.open(path) as image:
         return json.loads(image.text["parameters"])
+
+
+def mp4_writer_missing() -> str | None:
+    """Why MP4 files cannot be written here (None: they can): save_mp4 needs imageio-ffmpeg and an ffmpeg it
+    can run. Asked before any model loads, so that a video is never computed only to fail at its file."""
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        return "imageio-ffmpeg is not installed (pip install imageio-ffmpeg)"
+    try:
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError as error:
+        return f"imageio-ffmpeg finds no ffmpeg: {error}"
+    if shutil.which(exe) is None:  # IMAGEIO_FFMPEG_EXE is taken as given, unchecked
+        return f"ffmpeg {exe} (IMAGEIO_FFMPEG_EXE) is not an executable file"
+    return None
 
 
 def save_mp4(frames: np.ndarray, path: str | Path, fps: int, settings: dict[str, Any] | None = None) -> Path:

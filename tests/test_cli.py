@@ -120,3 +120,31 @@ def test_help_names_every_command_and_every_batch_field() -> None:
     for option, words in (("--prompt", "what to draw"), ("--seed", "same seed"), ("--height", "pixels"),
                           ("--width", "pixels")):
         assert option in generate and words in generate, option
+
+
+def test_a_video_model_is_refused_before_any_work_where_mp4_cannot_be_written(tmp_path, monkeypatch):
+    """imageio-ffmpeg with no ffmpeg to run: generate, batch and serve refuse a video model up front, in one
+    line, instead of computing the video and losing it at its file; image models still run."""
+    from app.cli import build_parser
+    from app.serve import ServeError, serve_plan
+
+    env = {"IMAGEIO_FFMPEG_EXE": str(tmp_path / "no-ffmpeg")}
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle moving right\n")
+    for args in (("generate", "--model", "tiny-cosmos", "--prompt", "a red circle", "--out", str(tmp_path / "v.mp4")),
+                 ("batch", str(prompts), "--model", "tiny-cosmos", "--out", str(tmp_path / "videos"))):
+        result = cli(*args, env=env)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert "model 'tiny-cosmos' makes MP4 videos, which cannot be written here" in lines[0]
+        assert "no-ffmpeg" in lines[0] and "denoising" not in result.stderr
+    assert not list(tmp_path.rglob("*.mp4"))
+
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", env["IMAGEIO_FFMPEG_EXE"])
+    with pytest.raises(ServeError, match="or serve an image model alone"):
+        serve_plan(build_parser().parse_args(["serve"]))  # the default: an image and a video model
+    assert [spec.name for spec, _ in serve_plan(build_parser().parse_args(["serve", "--model", "tiny-flux"])).models] \
+        == ["tiny-flux"]
+    image = cli("generate", "--model", "tiny-flux", "--prompt", "a red circle", "--steps", "2", "--size", "64x64",
+                "--out", str(tmp_path / "still.png"), env=env)
+    assert image.returncode == 0, image.stderr
