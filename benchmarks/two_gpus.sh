@@ -13,8 +13,9 @@
 # piece gets at most what is left, and one that would get under 45 s is skipped (logged). ONLY="a b" runs
 # only those pieces, SKIP="a b" all but those. Engines compile into CACHE (default /tmp/two-gpus-cache,
 # outside OUT_DIR: the pieces of a part, and the parts run on one machine, reuse each other's kernels).
-# The app check needs gradio and gradio_client, its video check imageio-ffmpeg: on a machine that keeps /tmp
-# between commands they can be installed into one --target by two commands, if together they travel badly.
+# The app check needs gradio, gradio_client and imageio-ffmpeg (a server of a video model refuses to start
+# where MP4 cannot be written): on a machine that keeps /tmp between commands they can be installed into one
+# --target by two commands, where together they are too big to travel in one.
 #
 # Measured on 2x H100 (docs/benchmarks.md, 2026-11-25), in seconds: app check 410-450 (up to the warm relaunch
 # in 320) | Cosmos-2B step 141 beside it | FLUX.1 step 128 | FLUX.1 generation 68 with the step's kernels |

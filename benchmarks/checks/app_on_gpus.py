@@ -136,6 +136,10 @@ def main() -> None:
     # A SIGTERM (`timeout`, a job's end) unwinds like Ctrl-C, so the servers and commands started below, each in
     # its own process session, are stopped by the `finally` blocks instead of holding the GPUs after this exits.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from pipelines.media import mp4_writer_missing
+
+    if missing := mp4_writer_missing():  # the server of the video model would refuse to start
+        sys.exit(f"the app check serves a video model, and MP4 cannot be written here: {missing}")
     import imageio.v3 as iio
     import torch
     from gradio_client import Client
@@ -185,7 +189,7 @@ def main() -> None:
             summary["bad_size_error"] = str(error)
             checks["bad size rejected"] = "65" in str(error)
         checks["valid request after the bad one"] = ask(*IMAGE, api_name="/generate_image")[2]["seed"] == 7
-        try:  # a failed video (no ffmpeg, say) is one failed check: the steps after it still run
+        try:  # a failed video is one failed check: the steps after it still run
             (_, mp4, video_settings, _, _), summary["video_s"] = timed(ask, *VIDEO, api_name="/generate_video")
             summary["video_settings"] = video_settings
             frames = np.stack(list(iio.imiter(mp4)))
