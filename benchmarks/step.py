@@ -298,7 +298,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         for shape in shapes:
             record("1 GPU", shape, 1, single, None, options)
     if args.cached_step:  # the same, on a step that a step cache skips (engines/step_cache.py)
-        for options in filter(keeps_block_loop, backends):
+        for options in (b for b in backends if b.keeps_block_loop):
             for shape in shapes:
                 record("1 GPU cached step", shape, 1, single, None, options, cached=True)
     if single is not None:
@@ -318,7 +318,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                 record(mode, shape, ctx.world_size, parallel, ctx.control_group, options, plan=plan,
                        transport=transport)
         if args.cached_step:  # a skipped step's cost, its decision agreed over the ranks
-            for options in filter(keeps_block_loop, backends):
+            for options in (b for b in backends if b.keeps_block_loop):
                 for shape in shapes:
                     record(f"{mode} cached step", shape, ctx.world_size, parallel, ctx.control_group, options,
                            plan=plan, transport=transport, cached=True)
@@ -364,12 +364,6 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
-
-
-def keeps_block_loop(options: EngineOptions) -> bool:
-    """Whether a step cache can run on this backend: it decides between the blocks, so the block loop must
-    stay in Python (per-block compiled engines, or eager without a CUDA graph)."""
-    return not options.cuda_graph and (options.scope == "blocks" or options.backend == "eager")
 
 
 class CachedStep:

@@ -124,6 +124,12 @@ class EngineOptions:
             raise ValueError("+overlap applies to the inductor backend only")
 
     @property
+    def keeps_block_loop(self) -> bool:
+        """Whether the loop over the transformer's blocks stays in Python, as a step cache needs (it decides
+        between the blocks): per-block compiled engines, or eager, either without a CUDA graph."""
+        return not self.cuda_graph and (self.scope == "blocks" or self.backend == "eager")
+
+    @property
     def label(self) -> str:
         """Short name, e.g. "eager", "inductor", "inductor-blocks+overlap+cudagraph"."""
         name = self.backend + ("-blocks" if self.scope == "blocks" else "")
@@ -254,7 +260,7 @@ class RunOptions:
         if self.cache is not None:
             CacheOptions.parse(self.cache)
             engine = EngineOptions.parse(self.backend) if self.backend else None
-            if engine is not None and (engine.scope == "whole" and engine.backend != "eager" or engine.cuda_graph):
+            if engine is not None and not engine.keeps_block_loop:
                 raise ValueError(f"--cache decides between steps outside the compiled graphs, so it needs the block "
                                  f"loop outside them: use --backend eager or inductor-blocks, not {engine.label}")
 
