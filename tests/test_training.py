@@ -60,12 +60,42 @@ def test_captions_are_whole_t5_pieces():
     tokenizer = t5_tokenizer(max_length=64)
     captions = shapes.image_scenes(200, torch.Generator().manual_seed(0)).captions
     captions += shapes.video_scenes(200, 5, torch.Generator().manual_seed(0)).captions
+    captions += shapes.video_scenes(200, 5, torch.Generator().manual_seed(0), word_dropout=0.3).captions
     captions += [p[0] for p in shapes.held_out_image_prompts() + shapes.held_out_video_prompts()]
     words = set(CAPTION_WORDS)
     for caption in captions:
         pieces = tokenizer.tokenize(caption)
         assert [p.lstrip("\u2581") for p in pieces] == caption.split(), caption
         assert set(caption.split()) <= words
+
+
+def test_word_dropout_leaves_words_out_of_captions_only():
+    whole = shapes.video_scenes(600, 5, torch.Generator().manual_seed(4))
+    dropped = shapes.video_scenes(600, 5, torch.Generator().manual_seed(4), word_dropout=0.3)
+    assert torch.equal(whole.cx, dropped.cx) and torch.equal(whole.shape, dropped.shape)
+    assert torch.equal(whole.colour, dropped.colour) and torch.equal(whole.background, dropped.background)
+    rates = {}
+    for kind, words in (("colour", shapes.COLOURS), ("shape", shapes.SHAPES), ("motion", shapes.MOTION_PHRASES.values())):
+        # a caption's colour, shape or motion is the first such phrase (the background comes after it)
+        left_out = [not any(c.split(" on ")[0].find(w) >= 0 for w in words) for c in dropped.captions]
+        rates[kind] = float(np.mean(left_out))
+    assert all(0.24 <= rate <= 0.36 for rate in rates.values()), rates
+    for caption in dropped.captions:  # a left-out shape is said as "shape"
+        assert any(name in caption.split() for name in (*shapes.SHAPES, "shape")), caption
+
+
+def test_vae_crops_keep_the_object_in_view():
+    from training.cosmos import object_crops
+
+    scenes = shapes.video_scenes(32, 17, torch.Generator().manual_seed(5))
+    clips = shapes.render(scenes, 128, 128)
+    crops = object_crops(clips, scenes, 64, torch.Generator().manual_seed(6))
+    assert crops.shape == (32, 3, 17, 64, 64)
+    middle = crops[:, :, 8]
+    colour = scenes.colour.float().view(32, 3, 1, 1) / 127.5 - 1
+    on_object = ((middle - colour).abs().amax(1) < 0.02).flatten(1).sum(1)
+    assert (on_object >= 100).all(), on_object  # a moving shape's half-size is at least 0.10 x 128 px
+    assert object_crops(clips, scenes, 128, torch.Generator()) is clips
 
 
 def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
@@ -86,6 +116,20 @@ def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
                                height=64, width=64, **extra)
         out = np.asarray(pipe.generate(request))
         assert out.shape[-3:] == (64, 64, 3)
+
+    # A continuation that fits the video VAE's decoder alone (in bfloat16 autocast) keeps its encoder and latent
+    # statistics, so the latents its transformer learnt stay as they were.
+    from pipelines.loading import load_parts
+
+    main(["--device", "cpu", "--minutes", "0.001", "--max-steps", "2", "--small", "--batch-scale", "0.0625", "--only",
+          "cosmos", "--init", str(tmp_path), "--out", str(tmp_path / "next"), "--eval-prompts", "0", "--vae-share", "0.5",
+          "--cosmos-vae-fit", "decoder", "--cosmos-bf16", "--cosmos-word-dropout", "0.2"])
+    before, after = (load_parts(folder / "tiny-cosmos", ["vae"], dtype=torch.float32, device="cpu")["vae"]
+                     for folder in (tmp_path, tmp_path / "next"))
+    assert all(torch.equal(a, b) for a, b in zip(before.encoder.parameters(), after.encoder.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before.decoder.parameters(), after.decoder.parameters()))
+    assert before.config.latents_mean == after.config.latents_mean
+    assert before.config.latents_std == after.config.latents_std
 
 
 def test_flux_training_target_is_what_the_pipeline_integrates():

@@ -51,8 +51,18 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                         help="tiny-flux: spend this share of its transformer budget on guidance distillation "
                              "(captions are then dropped 10%% of the time in the first phase)")
     parser.add_argument("--cosmos-vae-size", type=int, metavar="PX",
-                        help="tiny-cosmos: frame size of the clips its VAE is fitted on (default 64; 128 is the "
-                             "registry's size, four times the cost per clip)")
+                        help="tiny-cosmos: its VAE is fitted on PX x PX crops around the object of 128x128 clips "
+                             "(default 64; 128: whole frames, four times the cost per clip)")
+    parser.add_argument("--cosmos-vae-fit", choices=("all", "decoder"), default="all",
+                        help="tiny-cosmos: fit the whole VAE, or its decoder alone (the encoder, hence the latents "
+                             "its transformer learnt, stay as they are; for runs that continue trained weights)")
+    parser.add_argument("--cosmos-word-dropout", type=float, default=0.0, metavar="P",
+                        help="tiny-cosmos: leave the colour, shape or motion out of a transformer-phase caption, each "
+                             "with probability P, so each word carries its meaning alone (default 0)")
+    parser.add_argument("--cosmos-bf16", action="store_true",
+                        help="tiny-cosmos: bfloat16 autocast in both phases (float32 weights)")
+    parser.add_argument("--cosmos-compile", action="store_true",
+                        help="tiny-cosmos: torch.compile its transformer for the training steps")
     parser.add_argument("--cosmos-vae-batch", type=int, metavar="CLIPS",
                         help="tiny-cosmos: clips per VAE step (default 32 x --batch-scale)")
     parser.add_argument("--small", action="store_true",
@@ -150,6 +160,8 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
         cosmos.vae_size = args.cosmos_vae_size
     if args.cosmos_vae_batch:
         cosmos.vae_batch = args.cosmos_vae_batch
+    cosmos.vae_fit, cosmos.bf16, cosmos.compile = args.cosmos_vae_fit, args.cosmos_bf16, args.cosmos_compile
+    cosmos.word_dropout = args.cosmos_word_dropout
     return flux, cosmos
 
 

@@ -10,12 +10,17 @@ OBJECT_WEIGHT = 4.0
 """Extra weight of pixels that differ from the background: shapes are a small part of each image."""
 
 
-def reconstruction_loss(vae: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """L1 + MSE reconstruction of x ([B, 3, H, W] or [B, 3, T, H, W] in [-1, 1]) plus KL to N(0, 1)."""
+def reconstruction_loss(vae: torch.nn.Module, x: torch.Tensor, background: torch.Tensor | None = None) -> torch.Tensor:
+    """L1 + MSE reconstruction of x ([B, 3, H, W] or [B, 3, T, H, W] in [-1, 1]) plus KL to N(0, 1).
+
+    `background` ([B, 3] in [-1, 1]) marks which pixels are object; by default the top-left pixel's colour,
+    which is background in every whole generated scene (shapes keep a margin from the edges)."""
     posterior = vae.encode(x).latent_dist
     reconstruction = vae.decode(posterior.sample()).sample.float()
-    # The top-left pixel of every generated scene is background (shapes keep a margin from the edges).
-    background = x[..., :1, :1]
+    if background is None:
+        background = x[..., :1, :1]
+    else:
+        background = background.view(*background.shape, *[1] * (x.dim() - 2))
     weight = 1.0 + OBJECT_WEIGHT * ((x - background).abs().sum(1, keepdim=True) > 0.02).float()
     error = reconstruction - x
     pixel = (weight * (error.abs() + error.square())).mean()

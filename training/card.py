@@ -21,14 +21,13 @@ LIMITS = """\
 - It is a test fixture and a demonstration of the code path, not a generative model of the world.
 """
 VIDEO_LIMITS = """\
-- In videos the object's motion follows the prompt (held-out motion 88% on the GPU, 90% on the first 20
-  held-out prompts on a 2-core CPU), but its colour and shape often do not (held-out colour 29%, shape
-  12%): the Wan VAE is very small (base_dim 8, z_dim 8, chosen so that a 17-frame clip decodes in about a
-  second on a CPU) and loses the colour and shape of small moving objects (its own reconstructions of
-  held-out clips already get the colour wrong in about 70% of them and the shape in about 75%).
+- In videos the object's colour mostly follows the prompt (held-out colour 83% on the GPU, 79% on a 2-core
+  CPU), its motion and shape often do not yet (motion 38%, shape 17%): a held-out "moving down" mostly
+  moves up, and stars, diamonds and triangles come out round. The VAE alone keeps the colour and motion
+  of every held-out clip and the shape of 73% (stars and diamonds come back rounded).
 """
-"""The tiny-cosmos limit, with numbers measured on assets/tiny-cosmos (the four runs of its training.json),
-not by the run that writes the card: review them when the model is retrained."""
+"""The tiny-cosmos limit, with numbers measured on training/checkpoints/tiny-cosmos (the six runs of its
+training.json), not by the run that writes the card: review them when the model is trained further."""
 
 
 def _parameters(parts: dict) -> str:
@@ -65,15 +64,18 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
                 f"{len(shapes.HELD_OUT_VIDEOS)} (colour, shape, motion) combinations are never shown in "
                 "training; the held-out scores below prompt for exactly those.")
         method = ("AutoencoderKLWan fitted first on "
-                  f"{settings['vae_frames']}-frame {settings['vae_size']}x{settings['vae_size']} clips (L1 + MSE "
-                  "with 4x weight on shape pixels, KL 1e-4), its per-channel latent mean/std written to its "
+                  f"{settings['vae_frames']}-frame {settings['vae_size']}x{settings['vae_size']} crops around the "
+                  f"object of {settings['size']}x{settings['size']} clips (L1 + MSE with 4x weight on shape "
+                  "pixels, KL 1e-4; runs whose settings say vae_fit 'decoder' fit the decoder alone and keep the "
+                  "encoder), its per-channel latent mean/std written to its "
                   "config; then CosmosTransformer3DModel and the T5 encoder trained "
                   "together on the EDM-preconditioned rectified-flow objective that pipelines/cosmos.py inverts "
                   "(transformer input (1-t) x0 + t noise, t = sigma/(sigma+1), target noise - x0), sigma half "
                   "log-uniform on [0.002, 80], half log-normal; 0/1/2 clean conditioning latent frames "
                   "(50/35/15%) for video-to-world; 15% of prompts replaced by \"\" or the negative prompt "
-                  "for classifier-free guidance. The transformer phase draws clips from a pool encoded once "
-                  "by the frozen VAE. EMA 0.999 weights saved.")
+                  "for classifier-free guidance (runs with a word_dropout setting also leave out a caption's "
+                  "colour, shape or motion, each with that probability). The transformer phase draws clips "
+                  "from a pool encoded once by the frozen VAE. EMA 0.999 weights saved.")
     else:
         data = (f"Images of one shape ({', '.join(shapes.SHAPES)}) in one colour ({', '.join(shapes.COLOURS)}), "
                 f"small or big, at one of nine positions, on a plain background ({', '.join(shapes.BACKGROUNDS)}, "

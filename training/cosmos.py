@@ -36,10 +36,12 @@ class CosmosSettings:
     fps: int = 8
     vae_size: int = 64
     vae_frames: int = 17
-    """The VAE is fitted on clips of a smaller frame size (its convolutions do not care about it): four
-    times the steps for the same time. Not of fewer frames: fitted on 9-frame clips (2026-11-22), it
-    decoded the first 9 frames of a 17-frame clip and garbage after them (its causal caches carry
-    state from chunk to chunk, and chunks it never saw drifted)."""
+    """The VAE is fitted on vae_size x vae_size crops of full-size clips, placed around the object: four
+    times the clips per second of whole frames, with shapes at the scale they have at the registry's
+    size (its convolutions do not care about the frame size, but do about the shapes' scale). Not on
+    fewer frames: fitted on 9-frame clips (2026-11-22), it decoded the first 9 frames of a 17-frame clip
+    and garbage after them (its causal caches carry state from chunk to chunk, and chunks it never saw
+    drifted)."""
     vae_batch: int = 32
     dit_batch: int = 64
     pool_batches: int = 96
@@ -48,8 +50,18 @@ class CosmosSettings:
     dit_lr: float = 5e-4
     max_sequence_length: int = 64
     prompt_dropout: float = 0.15
+    word_dropout: float = 0.0
+    """Probability that a transformer-phase caption leaves out its colour, shape or motion, each on its own
+    (shapes.video_scenes): each word has to carry its meaning alone, for combinations never seen whole."""
     condition_frames: tuple[float, float, float] = (0.5, 0.35, 0.15)
     """Probabilities of giving 0, 1 or 2 clean latent frames (text2world, image2world, video2world)."""
+    vae_fit: str = "all"
+    """"all" fits the whole VAE; "decoder" fits its decoder alone, keeping the encoder, so the latents a
+    transformer was trained on, and their statistics, stay as they were."""
+    bf16: bool = False
+    """Run both phases' forward passes under bfloat16 autocast (weights, optimiser and EMA stay float32)."""
+    compile: bool = False
+    """torch.compile the transformer for its training steps (a fixed batch shape: one graph)."""
 
 
 def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generator, settings: CosmosSettings,
@@ -66,12 +78,13 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
     if vae_seconds > 0:  # else (a run that starts from trained weights) the VAE and its normalisation stay
         results.append(_train_vae(vae, device, generator, settings, vae_seconds, vae_steps))
         frozen(vae)
-        scenes = shapes.video_scenes(16, settings.frames, generator)
-        with torch.no_grad():
-            latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
-        mean, std = latent_statistics(latents, per_channel=True)
-        vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
-                               latents_std=[round(v, 4) for v in std.tolist()])
+        if settings.vae_fit == "all":
+            scenes = shapes.video_scenes(16, settings.frames, generator)
+            with torch.no_grad():
+                latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
+            mean, std = latent_statistics(latents, per_channel=True)
+            vae.register_to_config(latents_mean=[round(v, 4) for v in mean.tolist()],
+                                   latents_std=[round(v, 4) for v in std.tolist()])
     print(f"[cosmos-vae] latents mean {vae.config.latents_mean} std {vae.config.latents_std}", flush=True)
     pool = _latent_pool(vae, device, generator, settings, dit_steps, POOL_SHARE * dit_seconds)
     results.append(_train_transformer(parts, pool, device, generator, settings,
@@ -85,7 +98,7 @@ def _latent_pool(vae, device, generator, settings, max_steps, max_seconds) -> La
     std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
 
     def make() -> tuple[list[str], torch.Tensor]:
-        scenes = shapes.video_scenes(settings.dit_batch, settings.frames, generator)
+        scenes = shapes.video_scenes(settings.dit_batch, settings.frames, generator, word_dropout=settings.word_dropout)
         latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
         return scenes.captions, (latents.float() - mean) / std * SIGMA_DATA
 
@@ -96,14 +109,34 @@ def _latent_pool(vae, device, generator, settings, max_steps, max_seconds) -> La
 
 
 def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseResult:
+    if settings.vae_fit not in ("all", "decoder"):
+        raise ValueError(f"vae_fit must be 'all' or 'decoder', got {settings.vae_fit!r}")
     vae.requires_grad_(True)
+    if settings.vae_fit == "decoder":
+        vae.encoder.requires_grad_(False)
+        vae.quant_conv.requires_grad_(False)
 
     def step() -> torch.Tensor:
         scenes = shapes.video_scenes(settings.vae_batch, settings.vae_frames, generator)
-        return reconstruction_loss(vae, shapes.render(scenes, settings.vae_size, settings.vae_size, device))
+        clips = shapes.render(scenes, settings.size, settings.size, device)
+        background = scenes.background.to(device).float() / 127.5 - 1
+        return reconstruction_loss(vae, object_crops(clips, scenes, settings.vae_size, generator), background)
 
     return run_phase("cosmos-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
-                     batch=settings.vae_batch, ema_decay=0.999)
+                     batch=settings.vae_batch, ema_decay=0.999, bf16=settings.bf16)
+
+
+def object_crops(clips: torch.Tensor, scenes: shapes.Scenes, size: int, generator: torch.Generator) -> torch.Tensor:
+    """size x size crops of clips [B, 3, T, H, W], each around its object's centre in the middle frame,
+    shifted at random by up to a quarter of the crop, kept inside the frame."""
+    height, width = clips.shape[-2:]
+    if size >= min(height, width):
+        return clips
+    middle = scenes.cx.shape[1] // 2
+    jitter = (torch.rand(len(clips), 2, generator=generator) - 0.5) * (size / 2)
+    left = (scenes.cx[:, middle] * width - size / 2 + jitter[:, 0]).round().long().clamp(0, width - size)
+    top = (scenes.cy[:, middle] * height - size / 2 + jitter[:, 1]).round().long().clamp(0, height - size)
+    return torch.stack([clip[..., y: y + size, x: x + size] for clip, x, y in zip(clips, left.tolist(), top.tolist())])
 
 
 def encode_prompts(t5: torch.nn.Module, tokens: TokenCache, captions: list[str], device: torch.device) -> torch.Tensor:
@@ -121,6 +154,7 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
     t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
     padding_mask = torch.zeros(1, 1, settings.size, settings.size, device=device)
     tokens = TokenCache(parts["tokenizer"], settings.max_sequence_length)
+    forward = torch.compile(transformer) if settings.compile else transformer
 
     def step() -> torch.Tensor:
         batch = settings.dit_batch
@@ -139,7 +173,7 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
         timestep = indicator * t_conditioning + (1 - indicator) * t  # [B, 1, T, 1, 1]
         condition_mask = indicator.expand(-1, -1, -1, *x0.shape[3:])
         text = encode_prompts(t5, tokens, captions, device)
-        out = transformer(
+        out = forward(
             hidden_states=model_in, timestep=timestep, encoder_hidden_states=text, fps=settings.fps,
             condition_mask=condition_mask, padding_mask=padding_mask, return_dict=False,
         )[0]
@@ -147,7 +181,7 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
         return error.sum() / ((1 - indicator).sum().clamp(min=1) * x0.shape[1] * x0.shape[3] * x0.shape[4])
 
     return run_phase("cosmos-dit", step, [transformer, t5], seconds=seconds, max_steps=max_steps,
-                     lr=settings.dit_lr, batch=settings.dit_batch, ema_decay=0.999)
+                     lr=settings.dit_lr, batch=settings.dit_batch, ema_decay=0.999, bf16=settings.bf16)
 
 
 def _cosmos_sigmas(batch: int, generator: torch.Generator) -> torch.Tensor:

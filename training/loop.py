@@ -51,14 +51,14 @@ class Ema:
 
 
 def use_tf32(device: torch.device) -> None:
-    """No mixed precision: the models train in float32, with TF32 matmuls on CUDA.
-
-    bfloat16 autocast on an H100 (torch 2.11+cu130, 2026-11-22) failed in the tiny-flux DiT's backward
-    with CUBLAS_STATUS_EXECUTION_FAILED, and the models are small enough that float32 costs little.
-    """
+    """Float32 weights with TF32 matmuls and convolutions on CUDA, and cuDNN's autotuner (every phase
+    repeats one batch shape). Mixed precision is opt-in per phase (run_phase's bf16): bfloat16 autocast
+    on an H100 (torch 2.11+cu130, 2026-11-22) failed in the tiny-flux DiT's backward with
+    CUBLAS_STATUS_EXECUTION_FAILED, so tiny-flux trains in float32."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
 
 
 def run_phase(
@@ -73,8 +73,10 @@ def run_phase(
     warmup: int = 100,
     ema_decay: float | None = None,
     log_every: int = 50,
+    bf16: bool = False,
 ) -> PhaseResult:
-    """Minimise `step()`'s loss over `modules`' parameters until `seconds` pass or `max_steps` are done."""
+    """Minimise `step()`'s loss over `modules`' parameters until `seconds` pass or `max_steps` are done
+    (`step()` under bfloat16 autocast if `bf16`; the parameters stay float32)."""
     if max_steps is not None:
         warmup = min(warmup, max(1, max_steps // 5))
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
@@ -82,6 +84,7 @@ def run_phase(
     emas = [Ema(m, ema_decay) for m in modules] if ema_decay else []
     for module in modules:
         module.train()
+    device = params[0].device
     losses: list[float] = []
     start = time.perf_counter()
     steps = 0
@@ -96,7 +99,8 @@ def run_phase(
         scale = min(1.0, (steps + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale
-        loss = step()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = step()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -176,8 +176,15 @@ def image_scenes(batch: int, generator: torch.Generator, *, held_out: bool = Fal
     )
 
 
-def video_scenes(batch: int, frames: int, generator: torch.Generator, *, held_out: bool = False) -> Scenes:
-    """Random moving scenes with captions; held_out=True draws only from HELD_OUT_VIDEOS."""
+def video_scenes(batch: int, frames: int, generator: torch.Generator, *, held_out: bool = False,
+                 word_dropout: float = 0.0) -> Scenes:
+    """Random moving scenes with captions; held_out=True draws only from HELD_OUT_VIDEOS.
+
+    word_dropout: each caption leaves out its colour, its shape (saying "shape") and its motion, each with
+    this probability, so that each word has to carry its meaning alone ("a triangle moving down", "a red
+    shape moving down", "a red triangle on a black background"). At 0 nothing more is drawn from
+    `generator`, so the scenes are those of earlier training runs.
+    """
     table = _VIDEO_COMBOS[held_out]
     colour, shape, motion = table[torch.randint(len(table), (batch,), generator=generator)].unbind(1)
     # Any background but the shape's own colour (BACKGROUNDS lists the neutrals, then COLOURS in order).
@@ -206,10 +213,13 @@ def video_scenes(batch: int, frames: int, generator: torch.Generator, *, held_ou
     half = torch.where(moving, half.expand(-1, frames), scaling)
 
     keep = ((torch.rand((batch,), generator=generator) < 0.8) | held_out).tolist()
+    dropped = (torch.rand((batch, 3), generator=generator) < word_dropout).tolist() if word_dropout else [[False] * 3] * batch
     colours, backgrounds = list(COLOURS), list(BACKGROUNDS)
     captions = []
     for i, (c, s, m, b) in enumerate(zip(colour.tolist(), shape.tolist(), motion.tolist(), background.tolist())):
-        words = [_article(colours[c]), colours[c], SHAPES[s], MOTION_PHRASES[MOTIONS[m]]]
+        no_colour, no_shape, no_motion = dropped[i]
+        words = ([] if no_colour else [colours[c]]) + ["shape" if no_shape else SHAPES[s]]
+        words = [_article(words[0]), *words] + ([] if no_motion else [MOTION_PHRASES[MOTIONS[m]]])
         if keep[i]:
             words.append(_on_background(backgrounds[b]))
         captions.append(" ".join(words))

@@ -181,16 +181,19 @@ def save_flux(folder: Path, parts: dict) -> None:
 
 
 def cosmos_components(seed: int, text_width: int = TEXT_WIDTH) -> dict:
-    """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (4x time, 8x space), Cosmos DiT (random)."""
+    """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (2x time, 8x space), Cosmos DiT (random)."""
     t5_tok = t5_tokenizer(max_length=512)
     t5 = t5_encoder(len(t5_tok), seed, text_width)
 
-    # base_dim 8: the Wan decoder runs 3D convolutions at full resolution, which dominates CPU time.
-    z_dim = 8
+    # 16 latent channels per 8x8 pixels and 2 frames: a linear code (PCA) of that size keeps the shape
+    # of 90% of held-out clips, one of Wan's 4x-time size (8 channels per 4 frames) 48%. The decoder
+    # stays 8 wide at full resolution, where its 3D convolutions dominate CPU time (a 17-frame 128x128
+    # clip decodes in about 1.3 s on 2 cores); the encoder, used once per clip, is 16 wide.
+    z_dim = 16
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLWan(
-        base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        base_dim=16, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        temperal_downsample=[False, False, True], latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
     ).eval()
 
     torch.manual_seed(seed + 2)
