@@ -98,6 +98,26 @@ def test_vae_crops_keep_the_object_in_view():
     assert object_crops(clips, scenes, 128, torch.Generator()) is clips
 
 
+def test_video_model_card_shows_a_strip_of_held_out_frames(tmp_path):
+    from PIL import Image
+
+    from training.card import append_scores
+    from training.evaluate import Scores, frame_strip
+
+    videos = [np.full((17, 8, 6, 3), 60 * i, dtype=np.uint8) for i in range(3)]
+    frame_strip(videos, tmp_path / "examples.png")
+    strip = np.asarray(Image.open(tmp_path / "examples.png"))
+    assert strip.shape == (3 * 8, 9 * 6, 3)  # a row per video, frames 0, 2, ..., 16
+    assert [int(strip[8 * i, 0, 0]) for i in range(3)] == [0, 60, 120]
+    (tmp_path / "README.md").write_text("# card\n")
+    prompts = [p[0] for p in shapes.held_out_video_prompts()[:4]]
+    scores = Scores(colour=1.0, shape=0.5, motion=0.25, seen=[(p, "red circle right") for p in prompts])
+    append_scores(tmp_path, scores, 4, strip="examples.png")
+    card = (tmp_path / "README.md").read_text()
+    assert "](examples.png)" in card and "colour 100%, shape 50%, motion 25%" in card
+    assert all(f'"{p}"' in card for p in prompts[:3]) and f'"{prompts[3]}"' not in card
+
+
 def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
     from training.__main__ import main
 

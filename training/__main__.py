@@ -165,6 +165,10 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
     return flux, cosmos
 
 
+STRIP = "examples.png"
+"""The video model card's strip of held-out frames, in the model folder."""
+
+
 def _evaluate(out: Path, models: list[str], count: int, device: str) -> None:
     """Score the saved folders on held-out prompts and add the scores to their model cards."""
     from training.card import append_scores
@@ -178,10 +182,10 @@ def _evaluate(out: Path, models: list[str], count: int, device: str) -> None:
         vae = score_reconstructions(out / "tiny-cosmos", device=device)
         print(f"tiny-cosmos VAE alone, held-out clips: colour {vae.colour:.0%} shape {vae.shape:.0%} "
               f"motion {vae.motion:.0%} as in the originals", flush=True)
-        scores = score_videos(out / "tiny-cosmos", count=count, device=device)
+        scores = score_videos(out / "tiny-cosmos", count=count, device=device, strip=out / "tiny-cosmos" / STRIP)
         print(f"tiny-cosmos held-out: colour {scores.colour:.0%} shape {scores.shape:.0%} "
               f"motion {scores.motion:.0%}", flush=True)
-        append_scores(out / "tiny-cosmos", scores, count)
+        append_scores(out / "tiny-cosmos", scores, count, strip=STRIP)
 
 
 def _device_name(device: torch.device) -> str:

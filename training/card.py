@@ -129,12 +129,19 @@ Procedural, generated on the fly from the seed by `training/shapes.py` (no downl
     (folder / "README.md").write_text(text)
 
 
-def append_scores(folder: Path, scores, count: int) -> None:
-    """Add the held-out evaluation (training/evaluate.py) to folder/README.md."""
+def append_scores(folder: Path, scores, count: int, strip: str | None = None) -> None:
+    """Add the held-out evaluation (training/evaluate.py) to folder/README.md; `strip`, an image in `folder`
+    showing the first prompts' frames (training.evaluate.frame_strip), is shown above the table."""
     lines = [f"\n## Held-out scores ({count} prompts, registry defaults, seed = prompt index)\n",
              f"colour {scores.colour:.0%}, shape {scores.shape:.0%}"
-             + ("" if scores.motion != scores.motion else f", motion {scores.motion:.0%}") + "\n",
-             "| prompt | judged |", "| --- | --- |"]
+             + ("" if scores.motion != scores.motion else f", motion {scores.motion:.0%}") + "\n"]
+    if strip is not None:
+        from training.evaluate import EXAMPLES
+
+        shown = "; ".join(f'"{prompt}"' for prompt, _ in scores.seen[:EXAMPLES])
+        lines += [f"![every second frame of the first {EXAMPLES} held-out videos]({strip})\n",
+                  f"Rows, top to bottom: {shown}.\n"]
+    lines += ["| prompt | judged |", "| --- | --- |"]
     lines += [f"| {prompt} | {seen} |" for prompt, seen in scores.seen]
     with open(folder / "README.md", "a") as card:
         card.write("\n".join(lines) + "\n")

@@ -79,10 +79,27 @@ def judge_images(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) 
     return Scores(colour=colour / count, shape=shape / count, motion=float("nan"), seen=seen)
 
 
-def score_videos(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-cosmos") -> Scores:
-    """Generate `count` held-out video prompts (seed = index, registry defaults) and judge colour, shape, motion."""
+def score_videos(folder: Path, *, count: int = 24, device: str = "cpu", name: str = "tiny-cosmos",
+                 strip: Path | None = None) -> Scores:
+    """Generate `count` held-out video prompts (seed = index, registry defaults) and judge colour, shape, motion;
+    with `strip`, also write there a PNG of the first EXAMPLES videos' frames (frame_strip)."""
     prompts = shapes.held_out_video_prompts()[:count]
-    return judge_videos(generate(name, folder, prompts, device=device), prompts)
+    videos = generate(name, folder, prompts, device=device)
+    if strip is not None:
+        frame_strip(videos[:EXAMPLES], strip)
+    return judge_videos(videos, prompts)
+
+
+EXAMPLES = 3
+"""Videos a model card shows as frame strips."""
+
+
+def frame_strip(videos: list[np.ndarray], path: Path, every: int = 2) -> None:
+    """A PNG with one row per video ([T, H, W, 3] uint8 each): every `every`-th frame, left to right."""
+    from PIL import Image
+
+    rows = [np.concatenate(list(frames[::every]), 1) for frames in videos]
+    Image.fromarray(np.concatenate(rows, 0)).save(path)
 
 
 def judge_videos(videos: list[np.ndarray], prompts: list[tuple[str, str, str, str]]) -> Scores:
