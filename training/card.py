@@ -22,9 +22,10 @@ LIMITS = """\
 """
 VIDEO_LIMITS = """\
 - In videos the object's colour mostly follows the prompt (held-out colour 83% on the GPU, 79% on a 2-core
-  CPU), its motion and shape often do not yet (motion 38%, shape 17%): a held-out "moving down" mostly
-  moves up, and stars, diamonds and triangles come out round. The VAE alone keeps the colour and motion
-  of every held-out clip and the shape of 73% (stars and diamonds come back rounded).
+  CPU), its motion and shape often do not yet (motion 38%, shape 17%; on combinations seen in training
+  42% and 21%): the object jitters, jumps or barely moves, the first frame is empty or noisy, and stars,
+  diamonds and triangles come out round. The VAE alone keeps the colour and motion of every held-out
+  clip and the shape of 73% (stars and diamonds come back rounded).
 """
 """The tiny-cosmos limit, with numbers measured on training/checkpoints/tiny-cosmos (the six runs of its
 training.json), not by the run that writes the card: review them when the model is trained further."""
