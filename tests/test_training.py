@@ -77,7 +77,7 @@ def test_word_dropout_leaves_words_out_of_captions_only():
     rates = {}
     for kind, words in (("colour", shapes.COLOURS), ("shape", shapes.SHAPES), ("motion", shapes.MOTION_PHRASES.values())):
         # a caption's colour, shape or motion is the first such phrase (the background comes after it)
-        left_out = [not any(c.split(" on ")[0].find(w) >= 0 for w in words) for c in dropped.captions]
+        left_out = [not any(w in c.split(" on ")[0] for w in words) for c in dropped.captions]
         rates[kind] = float(np.mean(left_out))
     assert all(0.24 <= rate <= 0.36 for rate in rates.values()), rates
     for caption in dropped.captions:  # a left-out shape is said as "shape"
