@@ -11,8 +11,9 @@
   (`python -m benchmarks.tiny_speed`).
 - trace_overlap.py: compute against NCCL time, and kernel time by kind, in a profile that step wrote.
 - scaling_sweep.sh: every model, plan and GPU count in one command.
-- two_gpus.sh: the 2-GPU figures, regressions, app check, new models, tensor parallelism and FP8, in four
-  commands of under 10 minutes (PART=1 to 4; TINY=1 on CPU).
+- multi_gpu.sh: the 2-GPU figures, regressions, app check, new models, tensor parallelism and FP8, in four
+  commands of under 10 minutes (PART=1 to 4), and the scaling sweep on 4 or 8 GPUs in one (GPUS=4
+  PART=sweep); TINY=1 on CPU.
 - checks/: the acceptance checks that need GPUs (each file says how to run it): app_on_gpus.py (the
   app itself on GPUs through gradio_client), copy_engine_vs_nccl.py (copy-engine exchanges equal
   NCCL's, and their timing), engine_cache_diff.py (what differs between two engine caches).

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The 2-GPU figures in four commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
-# each piece: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3),
-# FP8 on 2 GPUs (part 4).
+# The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
+# each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
+# (part 3), FP8 (part 4). On GPUS=4 or 8: the scaling sweep (PART=sweep).
 #
-#   PART=1 PACK=$OUT/part1.tgz benchmarks/two_gpus.sh /tmp/part1     # on 2 GPUs, from the repository root
-#   PART=2 PACK=$OUT/part2.tgz benchmarks/two_gpus.sh /tmp/part2     # (3 and 4 alike)
-#   TINY=1 PART=1 benchmarks/two_gpus.sh /tmp/tiny1                  # CPU smoke test: tiny configs, 2 gloo ranks
+#   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
+#   PART=2 PACK=$OUT/part2.tgz benchmarks/multi_gpu.sh /tmp/part2     # (3 and 4 alike)
+#   GPUS=4 PART=sweep PACK=$OUT/sweep.tgz benchmarks/multi_gpu.sh /tmp/sweep4
+#   TINY=1 PART=1 benchmarks/multi_gpu.sh /tmp/tiny1                  # CPU smoke test: tiny configs, gloo ranks
 #
 # Each piece runs under `timeout`, its output in OUT_DIR/<piece>.log and its exit status and seconds in
 # OUT_DIR/pieces.tsv; a piece that fails or runs out of time is logged and the next one runs. The pieces of a
 # part share BUDGET seconds (default 530, leaving a 600 s command time for installing wheels and packing): a
 # piece gets at most what is left, and one that would get under 45 s is skipped (logged). ONLY="a b" runs
-# only those pieces, SKIP="a b" all but those. Engines compile into CACHE (default /tmp/two-gpus-cache,
+# only those pieces, SKIP="a b" all but those. Engines compile into CACHE (default /tmp/multi-gpu-cache,
 # outside OUT_DIR: the pieces of a part, and the parts run on one machine, reuse each other's kernels).
 # The app check needs gradio, gradio_client and imageio-ffmpeg (a server of a video model refuses to start
 # where MP4 cannot be written): on a machine that keeps /tmp between commands they can be installed into one
@@ -27,13 +28,16 @@
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
 #                    200 (29 frames, 1 GPU and ulysses-2)
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
+#   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
+#          against every strategy on GPUS ranks, in that order of priority
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: PART=1|2|3|4 [TINY=1] [PACK=file.tgz] benchmarks/two_gpus.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3 or 4}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|sweep [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4 or sweep}
+gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
-cache=${CACHE:-/tmp/two-gpus-cache}
+cache=${CACHE:-/tmp/multi-gpu-cache}
 mkdir -p "$out" "$cache"
 out=$(cd "$out" && pwd)
 start=$(date +%s)
@@ -50,8 +54,8 @@ else
     flux_sizes=1024x1024,2048x2048 cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
     few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=()
 fi
-step=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.step "${tiny[@]}")
-generation=(python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.generation "${tiny[@]}")
+step=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.step "${tiny[@]}")
+generation=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.generation "${tiny[@]}")
 
 pack() {
     # logs beyond 4 MB keep their last 4 MB; the app check's work folder (engine caches) stays behind
@@ -165,8 +169,23 @@ elif [ "$part" = 4 ]; then
     piece flux1-fp8-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-fp8-step.json"
+elif [ "$part" = sweep ]; then
+    # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
+    # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first
+    piece flux1-sweep 240 "${step[@]}" --model flux-dev --sizes "$flux_sizes" --strategies ulysses,ring,allgather \
+        --all-to-all "$transport" --backends "$backend" --warmup 1 --iters 3 --cache-dir "$cache" \
+        --out "$out/flux1-sweep.json"
+    piece cosmos2b-sweep 200 "${step[@]}" --model cosmos-predict2-2b-video2world --video "$cosmos_video" \
+        --strategies ulysses,ring --all-to-all "$transport" --backends "$backend" --no-diffusers --warmup 1 \
+        --iters 1 --cache-dir "$cache" --out "$out/cosmos2b-sweep.json"
+    piece flux2-dev-sweep 150 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" --text-tokens 512 \
+        --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 \
+        --cache-dir "$cache" --out "$out/flux2-dev-sweep.json"
+    piece cosmos3-nano-sweep 150 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
+        --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --no-diffusers "${few[@]}" \
+        --cache-dir "$cache" --out "$out/cosmos3-nano-sweep.json"
 else
-    echo "PART must be 1, 2, 3 or 4, got $part" >&2
+    echo "PART must be 1, 2, 3, 4 or sweep, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"
