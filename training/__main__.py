@@ -22,7 +22,7 @@ import torch
 
 from pipelines.loading import load_parts
 from training.card import write_card
-from training.cosmos import CosmosSettings, train_cosmos
+from training.cosmos import CosmosSettings, grow_transformer, train_cosmos
 from training.flux import FluxSettings, train_flux
 from training.loop import PhaseResult
 from training.tiny_models import TEXT_WIDTH, cosmos_components, flux_components, save_cosmos, save_flux
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                         help="tiny-cosmos: bfloat16 autocast in both phases (float32 weights)")
     parser.add_argument("--cosmos-compile", action="store_true",
                         help="tiny-cosmos: torch.compile its transformer for the training steps")
+    parser.add_argument("--cosmos-layers", type=int, metavar="N",
+                        help="tiny-cosmos: transformer blocks (default 4); with --init, the loaded transformer grows to N, "
+                             "its new blocks appended as identities (training.cosmos.grow_transformer)")
     parser.add_argument("--cosmos-vae-batch", type=int, metavar="CLIPS",
                         help="tiny-cosmos: clips per VAE step (default 32 x --batch-scale)")
     parser.add_argument("--small", action="store_true",
@@ -102,7 +105,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
         trained["tiny-flux"] = results
         del parts
     if "cosmos" in models:
-        parts, history = _start(args, "tiny-cosmos", lambda: cosmos_components(args.seed + 100, args.text_width))
+        parts, history = _start(args, "tiny-cosmos",
+                                lambda: cosmos_components(args.seed + 100, args.text_width, args.cosmos_layers or 4))
+        if args.cosmos_layers:
+            parts["transformer"] = grow_transformer(parts["transformer"], args.cosmos_layers)
         results = train_cosmos(parts, device=device, generator=generator, settings=cosmos_settings,
                                vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
                                vae_steps=args.max_steps, dit_steps=args.max_steps)

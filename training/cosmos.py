@@ -184,6 +184,33 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
                      lr=settings.dit_lr, batch=settings.dit_batch, ema_decay=0.999, bf16=settings.bf16)
 
 
+def grow_transformer(transformer: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """`transformer` (a CosmosTransformer3DModel) with blocks appended up to `layers`, computing the same function.
+
+    Each new block's residual branches (self-attention, cross-attention, feed-forward) end in a zeroed
+    output projection, so the block passes its input through unchanged until training moves those
+    projections (their gradients are not zero: they see the branch's input). Training continues from
+    the trained model instead of starting a deeper one from scratch.
+    """
+    current = transformer.config.num_layers
+    if layers < current:
+        raise ValueError(f"the transformer has {current} blocks; it can grow, not shrink to {layers}")
+    if layers == current:
+        return transformer
+    grown = type(transformer).from_config({**transformer.config, "num_layers": layers})
+    missing, unexpected = grown.load_state_dict(transformer.state_dict(), strict=False)
+    new = tuple(f"transformer_blocks.{i}." for i in range(current, layers))
+    if unexpected or any(not name.startswith(new) for name in missing):
+        raise RuntimeError(f"growing the transformer did not map its weights: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for block in grown.transformer_blocks[current:]:
+            for projection in (block.attn1.to_out[0], block.attn2.to_out[0], block.ff.net[2]):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
+    return grown.to(device=next(transformer.parameters()).device).eval()
+
+
 def _cosmos_sigmas(batch: int, generator: torch.Generator) -> torch.Tensor:
     log_uniform = math.log(SIGMA_MIN) + (math.log(SIGMA_MAX) - math.log(SIGMA_MIN)) * torch.rand(batch, generator=generator)
     log_normal = (1.2 * torch.randn(batch, generator=generator)).clamp(math.log(SIGMA_MIN), math.log(SIGMA_MAX))
