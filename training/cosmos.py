@@ -156,7 +156,8 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
     tokens = TokenCache(parts["tokenizer"], settings.max_sequence_length)
     forward = torch.compile(transformer) if settings.compile else transformer
     # The noise is drawn on the device: a batch of it (256 clips: 9.4 M values) took 65 ms to draw on a 2-core
-    # host, about as long as a whole training step on an H100, and a host that falls behind idles the GPU.
+    # host, against about 100 ms for a whole training step at that batch on an H100; a host that falls behind
+    # idles the GPU.
     noise_generator = torch.Generator(device=device)
     noise_generator.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))
 
