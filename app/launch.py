@@ -10,7 +10,9 @@ as it is (NCCL_*, CUDA_VISIBLE_DEVICES, ...); on CPUs OMP_NUM_THREADS defaults t
 
 Ctrl-C: torchrun runs in its own session, so the terminal's SIGINT reaches only this launcher, which
 passes it to the ranks; they stop together at their next agreement point and exit cleanly (torchrun,
-interrupted itself, would print a traceback). A second Ctrl-C kills torchrun and its ranks at once.
+interrupted itself, would print a traceback). A second Ctrl-C kills torchrun and its ranks at once (each
+rank by its own process group: torchrun starts every rank in a session of its own, so killing torchrun's
+group would leave them running).
 Exit status: torchrun treats any non-zero rank exit as a crash (and prints a traceback), so under
 this launcher rank 0 writes its command's status (0, 1 for a partly failed batch, 2 for a user error,
 130 after Ctrl-C) to the file named by $ULYSSES_STUDIO_EXIT_STATUS_FILE and exits 0; the launcher
@@ -128,13 +130,16 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
               f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
         status_file = folder / "exit-status"
         env[EXIT_STATUS_ENV] = str(status_file)
-        status, interrupted = _run_torchrun(command, env)
+        status, interrupts = _run_torchrun(command, env)
+        if status != 0 and interrupts > 1:
+            print("launch: stopped at once (a second Ctrl-C killed torchrun and its ranks)", file=sys.stderr)
+            return 130
         if status != 0:
             print(f"error: the job ended because a rank failed (torchrun exit status {status}); "
                   "the messages above say which rank and why", file=sys.stderr)
             return status
         reported = int(status_file.read_text()) if status_file.is_file() else 0
-        return 130 if interrupted and reported == 0 else reported
+        return 130 if interrupts and reported == 0 else reported
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -191,8 +196,8 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
-    """torchrun's exit status, and whether this launcher relayed a Ctrl-C or SIGTERM to it."""
+def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, int]:
+    """torchrun's exit status, and how many Ctrl-Cs or SIGTERMs this launcher received while it ran."""
     process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     interrupts = []
 
@@ -201,7 +206,7 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
         if len(interrupts) == 1:
             _signal_ranks(process.pid, signal.SIGINT)
         else:  # the user insists: end torchrun and its ranks now
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_job(process.pid)
 
     previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -209,7 +214,7 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, bool]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return status, bool(interrupts)
+    return status, len(interrupts)
 
 
 def _wait_for_ranks(torchrun: subprocess.Popen) -> int:
@@ -230,7 +235,7 @@ def _wait_for_ranks(torchrun: subprocess.Popen) -> int:
         elif running and time.monotonic() - first_exit > RANK_EXIT_GRACE_SECONDS:
             print(f"launch: a rank exited and the others still ran {RANK_EXIT_GRACE_SECONDS:g} s later: "
                   "killing them", file=sys.stderr, flush=True)
-            os.killpg(torchrun.pid, signal.SIGKILL)
+            _kill_job(torchrun.pid)
             return torchrun.wait()
 
 
@@ -255,6 +260,19 @@ def _signal_ranks(torchrun_pid: int, sig: signal.Signals) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _kill_job(torchrun_pid: int) -> None:
+    """SIGKILL the ranks, each with its process group (they lead sessions of their own), then torchrun's group."""
+    for pid in _children(torchrun_pid):  # listed first: once torchrun dies they are no longer its children
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # not a group leader (a torchrun that keeps ranks in its own group)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os.killpg(torchrun_pid, signal.SIGKILL)
 
 
 def _die_with_parent() -> None:

@@ -21,7 +21,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from tests.helpers import free_port
-from tests.test_app_serve import START_SECONDS, AppProcess, descendants
+from tests.test_app_serve import START_SECONDS, AppProcess, descendants, running
 
 TRIES = 10
 SEED = 20261124
@@ -31,13 +31,6 @@ REQUEST = ("a big red star in the center on a white background", 1, False, STEPS
 """prompt, seed, random seed, steps, guidance, width, height: 2.5 to 5 s on 2 CPU ranks."""
 
 _end_times: list[str] = []
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _kill_moment(attempt: int, job) -> str:
@@ -73,7 +66,7 @@ def test_a_rank_killed_during_a_request_ends_everything_within_5_s(attempt):
         moment = _kill_moment(attempt, job)
         os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
-        while any(_running(pid) for pid in processes) and time.monotonic() - killed < 60:
+        while any(running(pid) for pid in processes) and time.monotonic() - killed < 60:
             time.sleep(0.02)
         ended = time.monotonic() - killed
         _end_times.append(f"try {attempt}: killed {moment}, all gone {ended:.2f} s later")

@@ -87,6 +87,14 @@ class AppProcess:
             self.process.wait()
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     found = []
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
@@ -219,6 +227,29 @@ def test_ctrl_c_stops_every_rank_cleanly():
         assert "stopped" in output
         assert "Traceback" not in output, output
         assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())
+    finally:
+        app.stop()
+
+
+def test_a_second_ctrl_c_kills_the_launcher_torchrun_and_every_rank_at_once():
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        processes = [app.process.pid, *descendants(app.process.pid)]  # launcher, torchrun, ranks
+        assert sorted(app.rank_pids()) == [0, 1]
+        app.process.send_signal(signal.SIGINT)  # the ranks start their clean stop (seconds: rank 0 closes Gradio)
+        time.sleep(0.2)
+        app.process.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        assert app.process.wait(timeout=30) == 130
+        while any(running(pid) for pid in processes) and time.monotonic() - second < 30:
+            time.sleep(0.02)
+        gone = time.monotonic() - second
+        output = app.final_output()
+        assert gone < 1.5, f"processes still ran {gone:.1f} s after the second Ctrl-C\n{output}"
+        assert "a second Ctrl-C killed torchrun and its ranks" in output, output
+        assert "Traceback" not in output, output
     finally:
         app.stop()
 
