@@ -53,6 +53,10 @@ class CosmosSettings:
     word_dropout: float = 0.0
     """Probability that a transformer-phase caption leaves out its colour, shape or motion, each on its own
     (shapes.video_scenes): each word has to carry its meaning alone, for combinations never seen whole."""
+    moving_half: tuple[float, float] = shapes.MOVING_HALF
+    growth: tuple[tuple[float, float], tuple[float, float]] = shapes.GROWTH
+    """Object sizes of the training clips (shapes.video_scenes); runs before these were recorded trained on
+    moving half-sizes 0.10-0.16 and growth 0.07-0.10 to 0.22-0.27."""
     condition_frames: tuple[float, float, float] = (0.5, 0.35, 0.15)
     """Probabilities of giving 0, 1 or 2 clean latent frames (text2world, image2world, video2world)."""
     vae_fit: str = "all"
@@ -79,7 +83,7 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
         results.append(_train_vae(vae, device, generator, settings, vae_seconds, vae_steps))
         frozen(vae)
         if settings.vae_fit == "all":
-            scenes = shapes.video_scenes(16, settings.frames, generator)
+            scenes = _scenes(16, settings.frames, generator, settings)
             with torch.no_grad():
                 latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
             mean, std = latent_statistics(latents, per_channel=True)
@@ -92,13 +96,19 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
     return results
 
 
+def _scenes(batch: int, frames: int, generator: torch.Generator, settings: CosmosSettings,
+            word_dropout: float = 0.0) -> shapes.Scenes:
+    return shapes.video_scenes(batch, frames, generator, word_dropout=word_dropout,
+                               moving_half=settings.moving_half, growth=settings.growth)
+
+
 def _latent_pool(vae, device, generator, settings, max_steps, max_seconds) -> LatentPool:
     """Clips with their normalised latents (x0 of the transformer's objective)."""
     mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
     std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
 
     def make() -> tuple[list[str], torch.Tensor]:
-        scenes = shapes.video_scenes(settings.dit_batch, settings.frames, generator, word_dropout=settings.word_dropout)
+        scenes = _scenes(settings.dit_batch, settings.frames, generator, settings, word_dropout=settings.word_dropout)
         latents = vae.encode(shapes.render(scenes, settings.size, settings.size, device)).latent_dist.mode()
         return scenes.captions, (latents.float() - mean) / std * SIGMA_DATA
 
@@ -117,7 +127,7 @@ def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseRes
         vae.quant_conv.requires_grad_(False)
 
     def step() -> torch.Tensor:
-        scenes = shapes.video_scenes(settings.vae_batch, settings.vae_frames, generator)
+        scenes = _scenes(settings.vae_batch, settings.vae_frames, generator, settings)
         clips = shapes.render(scenes, settings.size, settings.size, device)
         background = scenes.background.to(device).float() / 127.5 - 1
         return reconstruction_loss(vae, object_crops(clips, scenes, settings.vae_size, generator), background)
