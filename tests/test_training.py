@@ -138,15 +138,17 @@ def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
         assert out.shape[-3:] == (64, 64, 3)
 
     # A continuation that fits the video VAE's decoder alone (in bfloat16 autocast) keeps its encoder and latent
-    # statistics, so the latents its transformer learnt stay as they were; its transformer grows a block.
+    # statistics, so the latents its transformer learnt stay as they were; its transformer grows a block and wider feed-forwards.
     from pipelines.loading import load_parts
 
     main(["--device", "cpu", "--minutes", "0.001", "--max-steps", "2", "--small", "--batch-scale", "0.0625", "--only",
           "cosmos", "--init", str(tmp_path), "--out", str(tmp_path / "next"), "--eval-prompts", "0", "--vae-share", "0.5",
-          "--cosmos-vae-fit", "decoder", "--cosmos-bf16", "--cosmos-word-dropout", "0.2", "--cosmos-layers", "5"])
+          "--cosmos-vae-fit", "decoder", "--cosmos-bf16", "--cosmos-word-dropout", "0.2", "--cosmos-layers", "5",
+          "--cosmos-mlp-ratio", "3"])
     before, after = (load_parts(folder / "tiny-cosmos", ["vae", "transformer"], dtype=torch.float32, device="cpu")
                      for folder in (tmp_path, tmp_path / "next"))
     assert (before["transformer"].config.num_layers, after["transformer"].config.num_layers) == (4, 5)
+    assert after["transformer"].config.mlp_ratio == 3
     assert "--cosmos-layers 5" in (tmp_path / "next" / "tiny-cosmos" / "README.md").read_text()
     before, after = before["vae"], after["vae"]
     assert all(torch.equal(a, b) for a, b in zip(before.encoder.parameters(), after.encoder.parameters()))
@@ -164,22 +166,30 @@ def test_a_grown_transformer_computes_the_same_function_and_trains_its_new_block
     transformer = cosmos_components(0)["transformer"]
     for param in transformer.parameters():  # trained-like weights: nothing left at its zero initialisation
         param.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(param.numel()))
-    grown = grow_transformer(transformer, 6)
+    grown = grow_transformer(transformer, 6, mlp_ratio=3.0)
     assert grown.config.num_layers == 6 and len(grown.transformer_blocks) == 6
+    assert grown.transformer_blocks[0].ff.net[2].weight.shape == (128, 384)
     generator = torch.Generator().manual_seed(0)
     inputs = dict(hidden_states=torch.randn(2, 16, 3, 8, 8, generator=generator),
                   timestep=torch.rand(2, 1, 3, 1, 1, generator=generator),
                   encoder_hidden_states=torch.randn(2, 7, 64, generator=generator), fps=8,
                   condition_mask=torch.zeros(2, 1, 3, 8, 8), padding_mask=torch.zeros(1, 1, 64, 64), return_dict=False)
     with torch.no_grad():
-        torch.testing.assert_close(grown(**inputs)[0], transformer(**inputs)[0], rtol=0, atol=0)
+        before = transformer(**inputs)[0]
+        torch.testing.assert_close(grow_transformer(transformer, 6)(**inputs)[0], before, rtol=0, atol=0)
+        # Wider feed-forwards sum over more (zero) terms: the same up to float32 rounding.
+        torch.testing.assert_close(grown(**inputs)[0], before, rtol=0, atol=1e-6)
     grown.requires_grad_(True)
     grown(**inputs)[0].square().mean().backward()
     for block in grown.transformer_blocks[4:]:
         for projection in (block.attn1.to_out[0], block.attn2.to_out[0], block.ff.net[2]):
             assert projection.weight.grad.abs().sum() > 0
+    for block in grown.transformer_blocks[:4]:  # the widened feed-forwards' new units
+        assert block.ff.net[2].weight.grad[:, 256:].abs().sum() > 0
     with pytest.raises(ValueError, match="grow, not shrink"):
         grow_transformer(grown, 4)
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        grow_transformer(grown, 6, mlp_ratio=2.0)
 
 
 def test_flux_training_target_is_what_the_pipeline_integrates():

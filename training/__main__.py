@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     parser.add_argument("--cosmos-layers", type=int, metavar="N",
                         help="tiny-cosmos: transformer blocks (default 4); with --init, the loaded transformer grows to N, "
                              "its new blocks appended as identities (training.cosmos.grow_transformer)")
+    parser.add_argument("--cosmos-mlp-ratio", type=float, metavar="R",
+                        help="tiny-cosmos: feed-forward width as a multiple of the transformer's (default 2); with "
+                             "--init, each loaded feed-forward widens to R, its new units adding nothing at first")
     parser.add_argument("--cosmos-vae-batch", type=int, metavar="CLIPS",
                         help="tiny-cosmos: clips per VAE step (default 32 x --batch-scale)")
     parser.add_argument("--small", action="store_true",
@@ -106,9 +109,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
         del parts
     if "cosmos" in models:
         parts, history = _start(args, "tiny-cosmos",
-                                lambda: cosmos_components(args.seed + 100, args.text_width, args.cosmos_layers or 4))
-        if args.cosmos_layers:
-            parts["transformer"] = grow_transformer(parts["transformer"], args.cosmos_layers)
+                                lambda: cosmos_components(args.seed + 100, args.text_width, args.cosmos_layers or 4,
+                                                          args.cosmos_mlp_ratio or 2.0))
+        if args.cosmos_layers or args.cosmos_mlp_ratio:
+            transformer = parts["transformer"]
+            parts["transformer"] = grow_transformer(transformer, args.cosmos_layers or transformer.config.num_layers,
+                                                    args.cosmos_mlp_ratio)
         results = train_cosmos(parts, device=device, generator=generator, settings=cosmos_settings,
                                vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
                                vae_steps=args.max_steps, dit_steps=args.max_steps)

@@ -199,26 +199,39 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
                      lr=settings.dit_lr, batch=settings.dit_batch, ema_decay=0.999, bf16=settings.bf16)
 
 
-def grow_transformer(transformer: torch.nn.Module, layers: int) -> torch.nn.Module:
-    """`transformer` (a CosmosTransformer3DModel) with blocks appended up to `layers`, computing the same function.
+def grow_transformer(transformer: torch.nn.Module, layers: int, mlp_ratio: float | None = None) -> torch.nn.Module:
+    """`transformer` (a CosmosTransformer3DModel) with blocks appended up to `layers` and each block's feed-forward
+    widened to `mlp_ratio` x its width (None: as it is), computing the same function.
 
     Each new block's residual branches (self-attention, cross-attention, feed-forward) end in a zeroed
-    output projection, so the block passes its input through unchanged until training moves those
-    projections (their gradients are not zero: they see the branch's input). Training continues from
-    the trained model instead of starting a deeper one from scratch.
+    output projection, so the block passes its input through unchanged; each new feed-forward unit has a
+    zeroed output column, so it adds nothing. Until training moves them: their gradients are not zero
+    (they see the branch's input). Training continues from the trained model instead of starting a
+    bigger one from scratch.
     """
-    current = transformer.config.num_layers
-    if layers < current:
-        raise ValueError(f"the transformer has {current} blocks; it can grow, not shrink to {layers}")
-    if layers == current:
+    config = transformer.config
+    mlp_ratio = config.mlp_ratio if mlp_ratio is None else mlp_ratio
+    if layers < config.num_layers or mlp_ratio < config.mlp_ratio:
+        raise ValueError(f"the transformer has {config.num_layers} blocks with feed-forward ratio {config.mlp_ratio}; "
+                         f"it can grow, not shrink to {layers} and {mlp_ratio}")
+    if layers == config.num_layers and mlp_ratio == config.mlp_ratio:
         return transformer
-    grown = type(transformer).from_config({**transformer.config, "num_layers": layers})
-    missing, unexpected = grown.load_state_dict(transformer.state_dict(), strict=False)
-    new = tuple(f"transformer_blocks.{i}." for i in range(current, layers))
-    if unexpected or any(not name.startswith(new) for name in missing):
-        raise RuntimeError(f"growing the transformer did not map its weights: missing {missing}, unexpected {unexpected}")
+    grown = type(transformer).from_config({**config, "num_layers": layers, "mlp_ratio": mlp_ratio})
+    state = grown.state_dict()
+    for name, value in transformer.state_dict().items():
+        target = state[name]
+        if target.shape == value.shape:
+            target.copy_(value)
+        elif name.endswith("ff.net.0.proj.weight"):  # [hidden, width]: the first rows are the old units
+            target[: value.shape[0]].copy_(value)
+        elif name.endswith("ff.net.2.weight"):  # [width, hidden]: the new units' columns are zero
+            target.zero_()
+            target[:, : value.shape[1]].copy_(value)
+        else:
+            raise RuntimeError(f"growing the transformer did not map {name}: {tuple(value.shape)} -> {tuple(target.shape)}")
+    grown.load_state_dict(state)
     with torch.no_grad():
-        for block in grown.transformer_blocks[current:]:
+        for block in grown.transformer_blocks[config.num_layers:]:
             for projection in (block.attn1.to_out[0], block.attn2.to_out[0], block.ff.net[2]):
                 projection.weight.zero_()
                 if projection.bias is not None:

@@ -180,9 +180,9 @@ def save_flux(folder: Path, parts: dict) -> None:
     )
 
 
-def cosmos_components(seed: int, text_width: int = TEXT_WIDTH, layers: int = 4) -> dict:
+def cosmos_components(seed: int, text_width: int = TEXT_WIDTH, layers: int = 4, mlp_ratio: float = 2.0) -> dict:
     """Cosmos-Predict2's component set, shrunk: T5 encoder, Wan 3D VAE (2x time, 8x space), Cosmos DiT of
-    `layers` blocks (random)."""
+    `layers` blocks with feed-forwards `mlp_ratio` x its width (random)."""
     t5_tok = t5_tokenizer(max_length=512)
     t5 = t5_encoder(len(t5_tok), seed, text_width)
 
@@ -200,7 +200,7 @@ def cosmos_components(seed: int, text_width: int = TEXT_WIDTH, layers: int = 4) 
     torch.manual_seed(seed + 2)
     transformer = CosmosTransformer3DModel(
         in_channels=z_dim + 1, out_channels=z_dim, num_attention_heads=4, attention_head_dim=32, num_layers=layers,
-        mlp_ratio=2.0, text_embed_dim=text_width, adaln_lora_dim=32, max_size=(32, 64, 64), patch_size=(1, 2, 2),
+        mlp_ratio=mlp_ratio, text_embed_dim=text_width, adaln_lora_dim=32, max_size=(32, 64, 64), patch_size=(1, 2, 2),
         rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=True, extra_pos_embed_type=None,
     ).eval()
 
