@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -262,3 +265,73 @@ def test_reconstruction_judge_compares_with_the_originals():
     blank = judge_reconstructions(clips, np.zeros_like(clips), scenes.captions)
     assert (blank.colour, blank.shape) == (0.0, 0.0)
     assert blank.seen[0] == (scenes.captions[0], "None None still")
+
+
+def _data_parallel_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    """Two ranks, each half of a fixed batch; saves rank `rank`'s trained weights to `out`."""
+    import torch.distributed as dist
+
+    from tests.helpers import join_ranks
+    from training.loop import run_phase
+
+    join_ranks(rank, world_size, port)
+    dist.init_process_group("gloo")
+    model, inputs, targets = _regression_problem()
+    half = len(inputs) // world_size
+    mine = slice(rank * half, (rank + 1) * half)
+    run_phase("dp", lambda: (model(inputs[mine]) - targets[mine]).square().mean(), [model], seconds=3600.0,
+              max_steps=12, lr=1e-2, batch=half, warmup=1)
+    torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _regression_problem() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+    generator = torch.Generator().manual_seed(1)
+    return model, torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+
+
+def test_data_parallel_training_equals_one_process_on_the_whole_batch(tmp_path):
+    """Ranks that average their gradients end with the same weights, those of one process on both halves."""
+    from tests.helpers import spawn_ranks
+    from training.loop import run_phase
+
+    spawn_ranks(_data_parallel_worker, 2, str(tmp_path))
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    model, inputs, targets = _regression_problem()
+    run_phase("one", lambda: (model(inputs) - targets).square().mean(), [model], seconds=3600.0, max_steps=12,
+              lr=1e-2, batch=len(inputs), warmup=1)
+    for name, value in model.state_dict().items():
+        assert torch.equal(first[name], second[name]), name
+        torch.testing.assert_close(first[name], value, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(first["0.weight"], _regression_problem()[0].state_dict()["0.weight"])  # it trained
+
+
+def test_training_under_torchrun_saves_one_model_from_all_ranks(tmp_path):
+    """Two gloo ranks on a wall-clock budget (so each rank's clock could stop it at another step) fit the VAE,
+    pool latent statistics over both ranks, train the transformer and save once, with the torchrun command."""
+    import subprocess
+
+    from tests.helpers import torchrun
+
+    out = tmp_path / "out"
+    result = subprocess.run(
+        torchrun(2, "-m", "training", "--device", "cpu", "--minutes", "0.15", "--small", "--batch-scale", "0.0625",
+                 "--only", "cosmos", "--vae-share", "0.5", "--out", str(out), "--eval-prompts", "0"),
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = json.loads((out / "tiny-cosmos" / "training.json").read_text())
+    run = history[-1]
+    assert run["command"].startswith("python -m torch.distributed.run --nproc-per-node 2 -m training ")
+    assert run["device"].startswith("2x ")
+    batches = {"cosmos-vae": run["settings"]["vae_batch"], "cosmos-dit": run["settings"]["dit_batch"]}
+    assert [phase["name"] for phase in run["phases"]] == list(batches)
+    for phase in run["phases"]:
+        assert phase["steps"] >= 1 and phase["samples"] == phase["steps"] * 2 * batches[phase["name"]]
+    assert result.stdout.count("all done in") == 1  # rank 0 alone reports and saves
+    spec, folder = get_spec("tiny-cosmos"), out / "tiny-cosmos"
+    pipe = load_pipeline(spec, folder)
+    request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=0, steps=2, height=64,
+                           width=64, frames=5)
+    assert np.asarray(pipe.generate(request)).shape == (5, 64, 64, 3)

@@ -3,15 +3,20 @@
     python -m training --device cuda --minutes 7 --out assets        # both models, ~7 minutes of training
     python -m training --device cpu --minutes 1 --out /tmp/tiny --small --eval-prompts 0   # CPU smoke run
 
+    python -m torch.distributed.run --nproc-per-node 4 -m training --device cuda --minutes 8 ...   # 4 GPUs
+
 The budget is wall-clock training time, split over the four phases (each VAE, then each transformer);
 loading, saving and the final held-out evaluation come on top. Same seed and same --max-steps give the
 same weights; with a time budget the step count depends on the machine and is written in the model card.
+Under torchrun the ranks train one model on data-parallel batches (each rank its own, drawn from the seed
+and its rank; batch sizes are per rank), averaging gradients every step (training/loop.py); rank 0 saves it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -19,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pipelines.loading import load_parts
 from training.card import write_card
@@ -80,11 +86,17 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
 
     start = time.perf_counter()
     device = torch.device(args.device)
+    ranks, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if ranks > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    generator = torch.Generator().manual_seed(args.seed + 1_000_003 * rank)  # each rank's own batches
     flux_settings, cosmos_settings = _settings(args)
     models = [args.only] if args.only else ["flux", "cosmos"]
     per_model = args.minutes * 60 / len(models)
@@ -92,10 +104,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     for model in models:
         seconds[f"{model}-vae"] = per_model * args.vae_share
         seconds[f"{model}-dit"] = per_model * (1 - args.vae_share)
-    command = "python -m training " + " ".join(argv if argv is not None else sys.argv[1:])
-    run = {"command": command, "seed": args.seed, "device": _device_name(device), "torch": torch.__version__}
+    launcher = f"python -m torch.distributed.run --nproc-per-node {ranks} -m training " if ranks > 1 else "python -m training "
+    command = launcher + " ".join(argv if argv is not None else sys.argv[1:])
+    run = {"command": command, "seed": args.seed, "torch": torch.__version__,
+           "device": (f"{ranks}x " if ranks > 1 else "") + _device_name(device)}
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
     trained: dict[str, list[PhaseResult]] = {}
     if "flux" in models:
         parts, history = _start(args, "tiny-flux", lambda: flux_components(args.seed, args.text_width))
@@ -103,8 +118,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                              vae_seconds=seconds["flux-vae"], dit_seconds=seconds["flux-dit"],
                              vae_steps=args.max_steps, dit_steps=args.max_steps)
         folder = args.out / "tiny-flux"
-        save_flux(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
-        write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run, history)
+        if rank == 0:
+            save_flux(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
+            write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run, history)
         trained["tiny-flux"] = results
         del parts
     if "cosmos" in models:
@@ -119,19 +135,24 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                                vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
                                vae_steps=args.max_steps, dit_steps=args.max_steps)
         folder = args.out / "tiny-cosmos"
-        save_cosmos(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
-        write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run, history)
+        if rank == 0:
+            save_cosmos(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
+            write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run, history)
         trained["tiny-cosmos"] = results
         del parts
+    if ranks > 1:  # the collectives are over; rank 0 alone evaluates
+        dist.destroy_process_group()
+        if rank > 0:
+            return trained
     print(f"training done in {time.perf_counter() - start:.0f}s", flush=True)
 
     if args.eval_prompts:
-        _evaluate(args.out, models, args.eval_prompts, args.device)
+        _evaluate(args.out, models, args.eval_prompts, str(device))
     if args.examples and len(models) == 2:
         from training.evaluate import save_examples
 
         args.examples.mkdir(parents=True, exist_ok=True)
-        save_examples(args.out, args.examples, device=args.device)
+        save_examples(args.out, args.examples, device=str(device))
     for name in ("tiny-flux", "tiny-cosmos"):
         folder = args.out / name
         if folder.is_dir():

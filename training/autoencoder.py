@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 KL_WEIGHT = 1e-4
 """Per-element KL weight: enough to keep the latent space smooth for the DiT, small next to reconstruction."""
@@ -30,9 +31,15 @@ def reconstruction_loss(vae: torch.nn.Module, x: torch.Tensor, background: torch
 
 @torch.no_grad()
 def latent_statistics(latents: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and standard deviation of VAE latents [B, C, ...], per channel or over everything."""
-    latents = latents.float()
-    if per_channel:
-        flat = latents.transpose(0, 1).reshape(latents.shape[1], -1)
-        return flat.mean(1), flat.std(1)
-    return latents.mean(), latents.std()
+    """Mean and standard deviation of VAE latents [B, C, ...], per channel or over everything; under torchrun,
+    of every rank's latents together, so that every rank normalises its latents alike."""
+    latents = latents.double()  # sums of squares of ~10^5 values: float32 would lose digits
+    flat = latents.transpose(0, 1).reshape(latents.shape[1], -1) if per_channel else latents.reshape(1, -1)
+    moments = torch.stack([flat.sum(1), flat.square().sum(1), torch.full_like(flat[:, 0], flat.shape[1])])
+    if dist.is_initialized():
+        dist.all_reduce(moments)
+    total, squares, count = moments
+    mean = total / count
+    std = ((squares - count * mean.square()) / (count - 1)).clamp(min=0).sqrt()
+    mean, std = mean.float(), std.float()
+    return (mean, std) if per_channel else (mean[0], std[0])

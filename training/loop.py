@@ -3,6 +3,11 @@
 A phase ends when its seconds run out (or at max_steps, for reproducible and test runs). Its learning
 rate decays with the fraction of the budget used, so a slow machine takes fewer steps but still
 finishes at a low learning rate. Exponential moving averages of the weights are what gets saved.
+
+Under torchrun (a process group initialised by training/__main__.py) each rank draws its own batches and
+the ranks average their gradients every step (data parallelism), so every rank holds the same weights;
+every SYNC_EVERY steps they agree on the budget used (the largest share of any rank), so they take the
+same learning rates and stop at the same step.
 """
 
 from __future__ import annotations
@@ -13,6 +18,43 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+
+SYNC_EVERY = 10
+"""Steps between the ranks' agreements on the budget used (reading it waits for the GPU: not every step)."""
+
+
+def world_size() -> int:
+    """Ranks training together (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Whether this process prints the log and writes the results (rank 0, or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def average_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average `params`' gradients over the ranks in one all-reduce.
+
+    What DistributedDataParallel does, without wrapping each phase's forward calls (a phase calls several
+    models, some inside helpers): the tiny models' gradients (1-3 M values) make one bucket anyway.
+    """
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for param, grad in zip(params, grads):
+        param.grad = flat[offset: offset + grad.numel()].view_as(grad)
+        offset += grad.numel()
+
+
+def _shared_progress(progress: float, device: torch.device) -> float:
+    """The largest `progress` of any rank."""
+    value = torch.tensor([progress], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,6 +68,7 @@ class PhaseResult:
     last_loss: float
     """Mean loss over the last tenth of the steps."""
     samples: int
+    """Samples seen by all ranks together."""
 
 
 class Ema:
@@ -85,14 +128,19 @@ def run_phase(
     for module in modules:
         module.train()
     device = params[0].device
+    ranks = world_size()
     losses: list[float] = []
     start = time.perf_counter()
     steps = 0
+    spent = 0.0
     while True:
-        elapsed = time.perf_counter() - start
-        progress = elapsed / seconds if seconds > 0 else 1.0
+        if ranks == 1 or steps % SYNC_EVERY == 0:
+            spent = (time.perf_counter() - start) / seconds if seconds > 0 else 1.0
+            if ranks > 1:
+                spent = _shared_progress(spent, device)
+        progress = spent
         if max_steps is not None:
-            progress = max(progress, steps / max_steps) if seconds > 0 else steps / max_steps
+            progress = max(spent, steps / max_steps) if seconds > 0 else steps / max_steps
         if progress >= 1.0 and steps > 0:
             break
         # Warm-up by steps, then cosine decay to a tenth by the share of the budget used.
@@ -103,6 +151,8 @@ def run_phase(
             loss = step()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if ranks > 1:
+            average_gradients(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         for ema in emas:
@@ -110,7 +160,7 @@ def run_phase(
         steps += 1
         if steps == 1 or steps % 5 == 0:  # reading the loss waits for the GPU: not every step
             losses.append(float(loss.detach()))
-        if steps == 1 or steps % log_every == 0:
+        if is_main() and (steps == 1 or steps % log_every == 0):
             rate = steps / max(time.perf_counter() - start, 1e-9)
             print(f"[{name}] step {steps} loss {losses[-1]:.4f} lr {lr * scale:.2e} {rate:.1f} steps/s "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
@@ -120,9 +170,10 @@ def run_phase(
         module.eval()
     tail = losses[-max(1, len(losses) // 10):]
     result = PhaseResult(name=name, steps=steps, seconds=time.perf_counter() - start, first_loss=losses[0],
-                         last_loss=sum(tail) / len(tail), samples=steps * batch)
-    print(f"[{name}] done: {result.steps} steps in {result.seconds:.0f}s, loss {result.first_loss:.4f} -> "
-          f"{result.last_loss:.4f}", flush=True)
+                         last_loss=sum(tail) / len(tail), samples=steps * batch * ranks)
+    if is_main():
+        print(f"[{name}] done: {result.steps} steps in {result.seconds:.0f}s, loss {result.first_loss:.4f} -> "
+              f"{result.last_loss:.4f}" + (f" (rank 0's batches; {ranks} ranks)" if ranks > 1 else ""), flush=True)
     return result
 
 
