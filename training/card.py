@@ -61,7 +61,9 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
     if video:
         data = (f"Clips of one shape ({', '.join(shapes.SHAPES)}) in one colour ({', '.join(shapes.COLOURS)}) on a "
                 f"plain background ({', '.join(shapes.BACKGROUNDS)}, never the shape's colour), "
-                f"{' / '.join(shapes.MOTION_PHRASES.values())}, e.g. \"{example}\". "
+                f"{' / '.join(shapes.MOTION_PHRASES.values())}, e.g. \"{example}\"; its half-size a fraction "
+                "of the frame width, the run's settings moving_half and growth (runs without them: 0.10-0.16 moving, "
+                "0.07-0.10 to 0.22-0.27 growing). "
                 f"{len(shapes.HELD_OUT_VIDEOS)} (colour, shape, motion) combinations are never shown in "
                 "training; the held-out scores below prompt for exactly those.")
         method = ("AutoencoderKLWan fitted first on "
