@@ -217,7 +217,7 @@ def grow_transformer(transformer: torch.nn.Module, layers: int, mlp_ratio: float
     if layers == config.num_layers and mlp_ratio == config.mlp_ratio:
         return transformer
     grown = type(transformer).from_config({**config, "num_layers": layers, "mlp_ratio": mlp_ratio})
-    state = grown.state_dict()
+    state = grown.state_dict()  # its tensors share the grown model's storage: copying into them sets its weights
     for name, value in transformer.state_dict().items():
         target = state[name]
         if target.shape == value.shape:
@@ -229,7 +229,6 @@ def grow_transformer(transformer: torch.nn.Module, layers: int, mlp_ratio: float
             target[:, : value.shape[1]].copy_(value)
         else:
             raise RuntimeError(f"growing the transformer did not map {name}: {tuple(value.shape)} -> {tuple(target.shape)}")
-    grown.load_state_dict(state)
     with torch.no_grad():
         for block in grown.transformer_blocks[config.num_layers:]:
             for projection in (block.attn1.to_out[0], block.attn2.to_out[0], block.ff.net[2]):
