@@ -267,6 +267,39 @@ def test_reconstruction_judge_compares_with_the_originals():
     assert blank.seen[0] == (scenes.captions[0], "None None still")
 
 
+def test_latent_blur_is_a_per_sample_gaussian_with_replicated_edges():
+    from training.autoencoder import BLUR_RADIUS, blur_latents
+
+    def reference(x: torch.Tensor, sigma: float) -> torch.Tensor:  # separable conv2d over padded frames
+        distance = torch.arange(-BLUR_RADIUS, BLUR_RADIUS + 1, dtype=torch.float32)
+        kernel = torch.exp(-0.5 * (distance / sigma).square())
+        kernel = kernel / kernel.sum()
+        frames = torch.nn.functional.pad(x.reshape(-1, 1, *x.shape[-2:]), (BLUR_RADIUS,) * 4, mode="replicate")
+        frames = torch.nn.functional.conv2d(frames, kernel.view(1, 1, -1, 1))
+        return torch.nn.functional.conv2d(frames, kernel.view(1, 1, 1, -1)).reshape(x.shape)
+
+    latents = torch.randn(3, 4, 5, 8, 8, generator=torch.Generator().manual_seed(0))
+    blurred = blur_latents(latents, torch.tensor([0.0, 0.7, 1.2]))
+    torch.testing.assert_close(blurred[0], latents[0])
+    torch.testing.assert_close(blurred[1], reference(latents[1], 0.7))
+    torch.testing.assert_close(blurred[2], reference(latents[2], 1.2))
+    images = latents[:, :, 0]  # image latents [B, C, H, W] too
+    torch.testing.assert_close(blur_latents(images, 0.9), reference(images, 0.9))
+
+
+def test_vae_fitted_on_blurred_latents_gets_gradients_through_its_encoder():
+    from training.autoencoder import reconstruction_loss
+    from training.tiny_models import cosmos_components
+
+    vae = cosmos_components(0, 32, 1, 2.0)["vae"]
+    clips = shapes.render(shapes.video_scenes(2, 5, torch.Generator().manual_seed(0)), 32, 32)
+    torch.manual_seed(0)
+    loss = reconstruction_loss(vae, clips, latent_blur=1.0)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert vae.encoder.conv_in.weight.grad.abs().sum() > 0
+
+
 def _data_parallel_worker(rank: int, world_size: int, port: int, out: str) -> None:
     """Two ranks, each half of a fixed batch; saves rank `rank`'s trained weights to `out`."""
     import torch.distributed as dist

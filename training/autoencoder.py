@@ -1,4 +1,5 @@
-"""Fitting the small VAEs: reconstruction with extra weight on the shape, plus a small KL term."""
+"""Fitting the small VAEs: reconstruction with extra weight on the shape, plus a small KL term, optionally from
+blurred latents."""
 
 from __future__ import annotations
 
@@ -11,13 +12,21 @@ OBJECT_WEIGHT = 4.0
 """Extra weight of pixels that differ from the background: shapes are a small part of each image."""
 
 
-def reconstruction_loss(vae: torch.nn.Module, x: torch.Tensor, background: torch.Tensor | None = None) -> torch.Tensor:
+def reconstruction_loss(vae: torch.nn.Module, x: torch.Tensor, background: torch.Tensor | None = None,
+                        latent_blur: float = 0.0) -> torch.Tensor:
     """L1 + MSE reconstruction of x ([B, 3, H, W] or [B, 3, T, H, W] in [-1, 1]) plus KL to N(0, 1).
 
     `background` ([B, 3] in [-1, 1]) marks which pixels are object; by default the top-left pixel's colour,
-    which is background in every whole generated scene (shapes keep a margin from the edges)."""
+    which is background in every whole generated scene (shapes keep a margin from the edges).
+    `latent_blur` > 0 decodes each sample's latents blurred (blur_latents) with a standard deviation drawn
+    uniformly from [0, latent_blur] latent pixels: what survives a blur is all the decoder can rely on, so the
+    encoder has to carry the shape in codes that spread over the object, which a transformer draws as easily
+    as a colour, rather than only in the sharpness of the object's edges, which it draws as a blob."""
     posterior = vae.encode(x).latent_dist
-    reconstruction = vae.decode(posterior.sample()).sample.float()
+    latents = posterior.sample()
+    if latent_blur > 0:
+        latents = blur_latents(latents, latent_blur * torch.rand(len(x), device=x.device))
+    reconstruction = vae.decode(latents).sample.float()
     if background is None:
         background = x[..., :1, :1]
     else:
@@ -27,6 +36,29 @@ def reconstruction_loss(vae: torch.nn.Module, x: torch.Tensor, background: torch
     pixel = (weight * (error.abs() + error.square())).mean()
     kl = 0.5 * (posterior.mean.float().square() + posterior.var.float() - 1.0 - posterior.logvar.float()).mean()
     return pixel + KL_WEIGHT * kl
+
+
+BLUR_RADIUS = 3
+"""Taps on each side of blur_latents' kernel: enough for a standard deviation up to about 1.5 latent pixels."""
+
+
+def blur_latents(latents: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
+    """Gaussian blur of latents [B, C, (T,) H, W] over their last two (spatial) axes, edges replicated, with
+    standard deviation `sigma` in latent pixels (a float, or one per sample [B]; 0 leaves a sample as it is)."""
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(len(latents))
+    offsets = range(-BLUR_RADIUS, BLUR_RADIUS + 1)
+    distance = torch.tensor(offsets, dtype=torch.float32, device=latents.device)
+    weights = torch.exp(-0.5 * (distance / sigma.clamp(min=1e-3).view(-1, 1)).square())
+    weights = (weights / weights.sum(1, keepdim=True)).to(latents.dtype)  # [B, taps]
+    per_sample = (len(latents),) + (1,) * (latents.dim() - 1)
+    for axis in (latents.dim() - 2, latents.dim() - 1):
+        positions = torch.arange(latents.shape[axis], device=latents.device)
+        blurred = torch.zeros_like(latents)
+        for tap, offset in enumerate(offsets):
+            shifted = latents.index_select(axis, (positions + offset).clamp(0, len(positions) - 1))
+            blurred += weights[:, tap].view(per_sample) * shifted
+        latents = blurred
+    return latents
 
 
 @torch.no_grad()

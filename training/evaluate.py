@@ -119,19 +119,21 @@ def judge_videos(videos: list[np.ndarray], prompts: list[tuple[str, str, str, st
 
 
 def score_reconstructions(folder: Path, *, count: int = 48, size: int = 128, frames: int = 17,
-                          device: str = "cpu") -> Scores:
+                          device: str = "cpu", blur: float = 0.0) -> Scores:
     """Encode and decode `count` held-out clips with the video VAE in `folder` alone (posterior mode) and
     score how often the judges see in the reconstruction the colour, shape and motion they see in the
-    original: what the transformer's latents can carry at best."""
+    original: what the transformer's latents can carry at best. With `blur`, the latents are blurred by that
+    many latent pixels before decoding (training.autoencoder.blur_latents)."""
     import torch
 
     from pipelines.loading import load_parts
+    from training.autoencoder import blur_latents
 
     vae = load_parts(folder, ["vae"], dtype=torch.float32, device=device)["vae"]
     scenes = shapes.video_scenes(count, frames, torch.Generator().manual_seed(0), held_out=True)
     clips = shapes.render(scenes, size, size, device)
     with torch.no_grad():
-        decoded = torch.cat([vae.decode(vae.encode(clips[i: i + 8]).latent_dist.mode()).sample
+        decoded = torch.cat([vae.decode(blur_latents(vae.encode(clips[i: i + 8]).latent_dist.mode(), blur)).sample
                              for i in range(0, count, 8)])
     return judge_reconstructions(shapes.to_uint8(clips), shapes.to_uint8(decoded), scenes.captions)
 
