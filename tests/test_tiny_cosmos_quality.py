@@ -1,10 +1,9 @@
-"""The embedded tiny-cosmos moves the object the asked way: held-out prompts judged by pixels (training/judge.py).
+"""The embedded tiny-cosmos draws what is asked: held-out prompts judged by pixels (training/judge.py).
 
 The first 20 held-out video prompts combine colours, shapes and motions never shown together in training
 (training/shapes.py HELD_OUT_VIDEOS), at the registry's default size, frames, steps and guidance, seed =
-prompt index. The bar is motion (the object moves in the asked direction in >= 80%); colour and shape are
-printed with it but are not a bar for video (see the model card's Limits: the tiny Wan VAE loses them).
-The same prompts run again on 2 gloo ranks through the runtime that `ulysses-studio launch --nproc 2 batch`
+prompt index. The bars: the middle frame's object has the asked colour in >= 80% and the asked shape in
+>= 60%, and the object moves the asked way in >= 90%. The same prompts run again on 2 gloo ranks through the runtime that `ulysses-studio launch --nproc 2 batch`
 uses (app.runtime.start_runtime and its lockstep service). Batch writes MP4s, which are lossy, so the
 ranks' frames are saved raw here instead: they equal the one-process frames within one level, so the
 score holds there. (tiny-flux's check is tests/test_tiny_quality.py.)
@@ -33,16 +32,19 @@ def one_process_videos() -> list[np.ndarray]:
     return generate("tiny-cosmos", default_folder(get_spec("tiny-cosmos")), PROMPTS)
 
 
-def _check_motion(videos: list[np.ndarray]) -> None:
+BARS = {"colour": 0.8, "shape": 0.6, "motion": 0.9}
+
+
+def _check_scores(videos: list[np.ndarray]) -> None:
     scores = judge_videos(videos, PROMPTS)
     table = "\n".join(f"{prompt!r}: saw {seen}" for prompt, seen in scores.seen)
-    assert scores.motion >= 0.8, (f"motion {scores.motion:.0%} (need 80%); colour {scores.colour:.0%}, "
-                                  f"shape {scores.shape:.0%} (no bar)\n{table}")
+    measured = ", ".join(f"{name} {getattr(scores, name):.0%} (need {bar:.0%})" for name, bar in BARS.items())
+    assert all(getattr(scores, name) >= bar for name, bar in BARS.items()), f"{measured}\n{table}"
 
 
-def test_tiny_cosmos_moves_the_object_the_asked_way(one_process_videos):
+def test_tiny_cosmos_draws_the_asked_colour_shape_and_motion(one_process_videos):
     assert len(PROMPTS) >= 20
-    _check_motion(one_process_videos)
+    _check_scores(one_process_videos)
 
 
 def _rank(rank: int, world_size: int, port: int, out: str) -> None:
@@ -62,7 +64,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         Path(out).with_suffix(".txt").write_text(f"{runtime.world_size} ranks, {runtime.plan}")
 
 
-def test_tiny_cosmos_moves_the_same_on_two_ranks(one_process_videos, tmp_path: Path):
+def test_tiny_cosmos_draws_the_same_on_two_ranks(one_process_videos, tmp_path: Path):
     out = tmp_path / "videos.npy"
     spawn_ranks(_rank, 2, str(out))
     assert out.with_suffix(".txt").read_text().startswith("2 ranks, ulysses-2")
@@ -72,4 +74,4 @@ def test_tiny_cosmos_moves_the_same_on_two_ranks(one_process_videos, tmp_path: P
         assert parallel.shape == single.shape, f"prompt {i}: {parallel.shape} != {single.shape}"
         difference = np.abs(parallel.astype(np.int16) - single.astype(np.int16)).max()
         assert difference <= 1, f"prompt {i}: 2-rank video differs from 1-process video by {difference} levels"
-    _check_motion(videos)
+    _check_scores(videos)

@@ -21,14 +21,13 @@ LIMITS = """\
 - It is a test fixture and a demonstration of the code path, not a generative model of the world.
 """
 VIDEO_LIMITS = """\
-- In videos the object's colour mostly follows the prompt (held-out colour 83% on the GPU, 79% on a 2-core
-  CPU), its motion and shape often do not yet (motion 38%, shape 17%; on combinations seen in training
-  42% and 21%): the object jitters, jumps or barely moves, the first frame is empty or noisy, and stars,
-  diamonds and triangles come out round. The VAE alone keeps the colour and motion of every held-out
-  clip and the shape of 73% (stars and diamonds come back rounded).
+- In videos the object mostly has the asked colour, shape and motion (held-out colour 100%, shape 83%, motion
+  100%, on the GPU and on a 2-core CPU), but stars mostly come out as diamonds or circles (4 of the 5 held-out
+  star prompts), the first frame is rougher than the rest, and edges are softer than in the training clips.
+  The VAE alone keeps the colour and motion of every held-out clip and the shape of 96%.
 """
-"""The tiny-cosmos limit, with numbers measured on training/checkpoints/tiny-cosmos (the six runs of its
-training.json), not by the run that writes the card: review them when the model is trained further."""
+"""The tiny-cosmos limit, with numbers measured on assets/tiny-cosmos (the fifteen runs of its training.json),
+not by the run that writes the card: review them when the model is trained further."""
 
 
 def _parameters(parts: dict) -> str:
@@ -103,7 +102,8 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
             method += (" Random guidance input in [1, 5] (guidance-distilled in form only: the value has no "
                        "effect).")
     regenerate = ("this command:" if len(runs) == 1 else
-                  "these commands, in order\n(`--init` makes a command start from the weights the command above it wrote):")
+                  "these commands, in order\n(`--init` makes a command start from the weights the command above it wrote, "
+                 "wherever its `--out` put them):")
     text = f"""# {name}
 
 Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural
