@@ -202,8 +202,8 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
 
 
 BLUR_CHECK = 0.7
-"""Blur (latent pixels) of the latents whose decoding the final report scores beside the clean latents': how well
-the shape survives a decoder input that is off by what a transformer's samples are off by."""
+"""Blur (latent pixels) of the latents whose decoding the final report scores beside the clean latents' (about a
+1-2-1 kernel): how much of the shape is carried by more than the sharpness of the object's edges."""
 STRIP = "examples.png"
 """The video model card's strip of held-out frames, in the model folder."""
 

@@ -103,7 +103,7 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
                        "effect).")
     regenerate = ("this command:" if len(runs) == 1 else
                   "these commands, in order\n(`--init` makes a command start from the weights the command above it wrote, "
-                 "wherever its `--out` put them):")
+                  "wherever its `--out` put them):")
     text = f"""# {name}
 
 Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural
