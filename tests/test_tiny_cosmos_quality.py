@@ -3,8 +3,9 @@
 The first 20 held-out video prompts combine colours, shapes and motions never shown together in training
 (training/shapes.py HELD_OUT_VIDEOS), at the registry's default size, frames, steps and guidance, seed =
 prompt index. The bars: the middle frame's object has the asked colour in >= 80% and the asked shape in
->= 60%, and the object moves the asked way in >= 90%. The same prompts run again on 2 gloo ranks through the runtime that `ulysses-studio launch --nproc 2 batch`
-uses (app.runtime.start_runtime and its lockstep service). Batch writes MP4s, which are lossy, so the
+>= 60%, and the object moves the asked way in >= 90%. The same prompts run again on 2 gloo ranks through
+the runtime that `ulysses-studio launch --nproc 2 batch` uses (app.runtime.start_runtime and its lockstep
+service). Batch writes MP4s, which are lossy, so the
 ranks' frames are saved raw here instead: they equal the one-process frames within one level, so the
 score holds there. (tiny-flux's check is tests/test_tiny_quality.py.)
 """
