@@ -101,15 +101,22 @@ class Components:
 
 
 def _embedded_folder(spec: ModelSpec) -> Path:
-    """The folder of the embedded model of `spec`'s family; Cosmos 3 ships none, so its tiny random
-    checkpoint (training.tiny_models) is written to a temporary folder for its tokenizer and scheduler."""
+    """The folder of the embedded model of `spec`'s family; Cosmos 3 and FLUX.2 ship none, so their tiny
+    random checkpoint (training.tiny_models; for FLUX.2 the one of `spec`'s pipeline class, whose text
+    encoder and tokenizer differ) is written to a temporary folder for its tokenizer and scheduler."""
     embedded = next((s for s in family_of(spec).models if s.embedded), None)
     if embedded is not None:
         return default_folder(embedded)
-    from training.tiny_models import cosmos3_components, save_cosmos3
+    from training import tiny_models
 
-    folder = Path(tempfile.mkdtemp(prefix="ulysses-bench-")) / "tiny-cosmos3"
-    save_cosmos3(folder, cosmos3_components(seed=0))
+    folder = Path(tempfile.mkdtemp(prefix="ulysses-bench-")) / f"tiny-{spec.family}"
+    if spec.family == "cosmos3":
+        tiny_models.save_cosmos3(folder, tiny_models.cosmos3_components(seed=0))
+    elif spec.family == "flux2":
+        variant = "dev" if spec.checkpoint_class == "Flux2Pipeline" else "klein"
+        tiny_models.save_flux2(folder, tiny_models.flux2_components(seed=0, variant=variant))
+    else:
+        raise ValueError(f"family '{spec.family}' has no embedded or tiny model to take a tokenizer from")
     return folder
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
-# (part 3), FP8 (part 4). On GPUS=4 or 8: the scaling sweep (PART=sweep).
+# (part 3), FP8 (part 4). On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
 #   PART=2 PACK=$OUT/part2.tgz benchmarks/multi_gpu.sh /tmp/part2     # (3 and 4 alike)
 #   GPUS=4 PART=sweep PACK=$OUT/sweep.tgz benchmarks/multi_gpu.sh /tmp/sweep4
+#   GPUS=4 PART=rest PACK=$OUT/rest.tgz benchmarks/multi_gpu.sh /tmp/rest4
 #   TINY=1 PART=1 benchmarks/multi_gpu.sh /tmp/tiny1                  # CPU smoke test: tiny configs, gloo ranks
 #
 # Each piece runs under `timeout`, its output in OUT_DIR/<piece>.log and its exit status and seconds in
@@ -22,7 +23,7 @@
 # in 320) | Cosmos-2B step 141 beside it | FLUX.1 step 128 | FLUX.1 generation 68 with the step's kernels |
 # cached step 82 | Cosmos 3 Nano step 144 | FLUX.2-dev step 110 up to tp 2 | FP8 compile on 2 ranks over 278
 # cold (one GPU: 294):
-#   part 1 (~450 s): app-check 500 s cap, with cosmos2b-step 200 s beside it
+#   part 1 (~450 s): app-check 500 s cap, with cosmos2b-step 200 s and flux2-generation 300 s beside it
 #   part 2 (~480 s): flux1-step 200 | flux1-generation 160 | flux1-cached-step 150 (both transports) |
 #                    flux2-dev-step 220 (every strategy, tp 2 last)
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
@@ -30,11 +31,12 @@
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
+#   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|sweep [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4 or sweep}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -127,6 +129,10 @@ if [ "$part" = 1 ]; then
     piece cosmos2b-step 200 "${step[@]}" --model cosmos-predict2-2b-video2world --video "$cosmos_video" \
         --strategies ring --all-to-all "$transport" --backends "$backend" --warmup 1 --iters 1 \
         --cache-dir "$cache" --out "$out/cosmos2b-step.json"
+    # a whole FLUX.2 image (default FLUX.2-dev, 1024², 50 steps, its 24B text encoder on rank 0: 105 GiB there,
+    # so H200s; FLUX2_MODEL=flux2-klein-9b fits H100s): 1 GPU against ulysses-2
+    piece flux2-generation 300 "${generation[@]}" --model "${FLUX2_MODEL:-flux2-dev}" --strategies ulysses \
+        --backends "$fast" --runs 1 --warmup-steps 1 --engine-cache "$cache" --out "$out/flux2-generation.json"
     [ -n "$app" ] && wait "$app"
 elif [ "$part" = 2 ]; then
     # FLUX.1-dev one step, 1024² and 2048²: 1 GPU, allgather-2 on copy engines, diffusers-native Ulysses-2
@@ -184,8 +190,20 @@ elif [ "$part" = sweep ]; then
     piece cosmos3-nano-sweep 150 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
         --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --no-diffusers "${few[@]}" \
         --cache-dir "$cache" --out "$out/cosmos3-nano-sweep.json"
+elif [ "$part" = rest ]; then
+    # what the sweep leaves out, on $gpus ranks: FLUX.1-dev ulysses-ring (ulysses within pairs, ring across them)
+    # beside Ulysses and xDiT's Ulysses on the same weights; FLUX.2-dev at 2048²; tp $gpus for FLUX.2-dev
+    piece flux1-ulysses-ring 240 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" \
+        --strategies ulysses,ulysses-ring --all-to-all "$transport" --backends "$backend" --no-diffusers \
+        --peers xdit --warmup 1 --iters 3 --cache-dir "$cache" --out "$out/flux1-ulysses-ring.json"
+    piece flux2-dev-2048 200 "${step[@]}" --model flux2-dev --sizes "${flux_sizes##*,}" --text-tokens 512 \
+        --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --no-diffusers --warmup 1 --iters 2 \
+        --cache-dir "$cache" --out "$out/flux2-dev-2048.json"
+    piece flux2-dev-tp 150 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" --text-tokens 512 \
+        --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
+        --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4 or sweep, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"
