@@ -11,7 +11,6 @@ from here, so the two can never disagree and `ulysses-studio --help` imports no 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,12 +83,13 @@ def set_environment(values: dict[str, str], environ: MutableMapping[str, str] = 
 
 
 def _user_set(name: str, environ: MutableMapping[str, str]) -> bool:
-    """Whether `name` in `environ` is the user's choice. Importing torch._dynamo fills in
-    TORCHINDUCTOR_CACHE_DIR with inductor's default folder (torch 2.13): that value is not a choice
-    (taking it for one sent the kernels to the machine-wide folder, where a "cold" engine cache
-    found them warm)."""
+    """Whether `name` in `environ` is the user's choice. Torch fills in TORCHINDUCTOR_CACHE_DIR with
+    inductor's default folder when parts of it are imported (torch._dynamo in torch 2.13), and a process
+    passes the value on to the processes it starts: that value is not a choice, whatever set it. Taking
+    it for one sends the kernels to the machine-wide folder, where a "cold" engine cache finds them warm
+    (served ranks on GPUs compiled there: docs/benchmarks.md, "The application on GPUs")."""
     value = environ.get(name)
-    if name == "TORCHINDUCTOR_CACHE_DIR" and value and "torch._dynamo" in sys.modules:
+    if name == "TORCHINDUCTOR_CACHE_DIR" and value:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         return os.path.abspath(value) != os.path.abspath(default_cache_dir())

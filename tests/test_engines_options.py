@@ -34,6 +34,16 @@ def test_users_inductor_cache_is_kept() -> None:
     assert environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
 
 
+def test_an_inherited_default_inductor_cache_is_replaced() -> None:
+    """Inductor's default folder, as a parent process that imported torch passes it on, is not a choice:
+    the kernels go beside the engine cache."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    environ = {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    set_environment(run_environment(Path("/cache")), environ)
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == "/cache/inductor"
+
+
 def test_library_functions_leave_the_environment_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from engines.compile import prepare_engine
     from engines.distributed import init_parallel
