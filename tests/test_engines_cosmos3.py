@@ -1,4 +1,4 @@
-"""Context-parallel Cosmos 3 (engines/cosmos3.py) on gloo ranks under torchrun (CPU, float32) against one process.
+"""Context-parallel Cosmos 3 (engines/cosmos3.py) on spawned gloo ranks (CPU, float32) against one process.
 
 The tiny config (training.tiny_models.COSMOS3_TINY_TRANSFORMER) has 24 query heads over 2 K/V heads, so Ulysses over
 3, 4 and 8 ranks runs with repeated K/V heads. Inputs are packed by diffusers' Cosmos3OmniPipeline
@@ -9,14 +9,12 @@ counts (after 2x2 patching of odd latent sizes) that the sequence degrees do not
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, cosmos3_inputs, randomize, tiny_cosmos3, torchrun
+from tests.helpers import cosmos3_inputs, join_ranks, randomize, spawn_ranks, tiny_cosmos3
 
 TOLERANCE = 1e-5
 
@@ -43,9 +41,9 @@ def plans(world_size: int) -> list:
     return out
 
 
-def _ranks(out_dir: str) -> None:
-    """One rank under torchrun: every plan of this world size, every input shape; errors to rank<i>.json."""
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """One rank: every plan of this world size, every input shape; errors to rank<i>.json."""
+    join_ranks(rank, world_size, port)
     from engines.cosmos3 import parallelize_cosmos3
     from engines.distributed import init_parallel, shutdown
     from engines.parallelize import parallelize_transformer
@@ -83,9 +81,7 @@ def _ranks(out_dir: str) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_cosmos3_parallel_matches_single_process(world_size: int, tmp_path: Path) -> None:
-    cmd = torchrun(world_size, "-m", "tests.test_engines_cosmos3", str(tmp_path))
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    spawn_ranks(_worker, world_size, str(tmp_path))
     count = 0
     for rank in range(world_size):
         for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
@@ -102,7 +98,3 @@ def test_kv_repeat_gives_whole_kv_heads_per_rank() -> None:
 
     assert [kv_repeat(8, u) for u in (1, 2, 4, 8)] == [1, 1, 1, 1]  # Nano: 8 K/V heads
     assert kv_repeat(8, 3) == 3 and kv_repeat(2, 8) == 4 and kv_repeat(2, 3) == 3
-
-
-if __name__ == "__main__":
-    _ranks(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Context-parallel FLUX.2 (engines/flux2.py) on gloo ranks under torchrun (CPU, float32) against one process.
+"""Context-parallel FLUX.2 (engines/flux2.py) on spawned gloo ranks (CPU, float32) against one process.
 
 The tiny config has 6 heads (split by 2 and 3 ranks), two double- and two single-stream blocks, and
 FLUX.2's four rotary axes. Inputs are laid out as Flux2Pipeline lays them out: the latent's tokens
@@ -10,14 +10,12 @@ that the sequence degrees do not divide them.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO, randomize, torchrun
+from tests.helpers import join_ranks, randomize, spawn_ranks
 
 TOLERANCE = 1e-5
 FLUX2_TINY = dict(
@@ -63,9 +61,9 @@ def plans(world_size: int) -> list:
     return out
 
 
-def _ranks(out_dir: str) -> None:
-    """One rank under torchrun: every plan of this world size, every input shape; results to rank<i>.json."""
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """One rank: every plan of this world size, every input shape; results to rank<i>.json."""
+    join_ranks(rank, world_size, port)
     from diffusers import Flux2Transformer2DModel
 
     from engines.distributed import init_parallel, shutdown
@@ -93,9 +91,7 @@ def _ranks(out_dir: str) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_flux2_parallel_matches_single_process(world_size: int, tmp_path: Path) -> None:
-    cmd = torchrun(world_size, "-m", "tests.test_engines_flux2", str(tmp_path))
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    spawn_ranks(_worker, world_size, str(tmp_path))
     count = 0
     for rank in range(world_size):
         for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
@@ -120,7 +116,3 @@ def test_restore_gives_back_diffusers_processors() -> None:
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None, control_group=None)
     parallelize_flux2(model, build_mesh(ctx, ParallelPlan(), "nccl")).restore()
     assert [type(p).__name__ for p in model.attn_processors.values()] == before
-
-
-if __name__ == "__main__":
-    _ranks(sys.argv[1])
