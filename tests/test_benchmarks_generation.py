@@ -88,8 +88,8 @@ def test_e2e_tiny_flux2_dev_and_klein(tmp_path: Path) -> None:
     (Mistral's chat tokenizer for FLUX.2-dev, Qwen's for Klein)."""
     out = tmp_path / "e2e.json"
     cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", "--model", "flux2-dev,flux2-klein-4b", "--steps", "2",
-                   "--height", "64", "--width", "64", "--split-vae", "on", "--runs", "1", "--warmup-steps", "1", "--backends", "eager",
-                   "--media-dir", str(tmp_path / "media"), "--out", str(out))
+                   "--height", "64", "--width", "64", "--split-vae", "on", "--runs", "1", "--warmup-steps", "1",
+                   "--backends", "eager", "--media-dir", str(tmp_path / "media"), "--out", str(out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = check_result(out, {"1 GPU", "ours ulysses-2"}, runs=1)
