@@ -73,6 +73,11 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                     ".some(e => /denoising/.test(e.innerText))", timeout=60_000, polling=20)
                 page.locator("#image-stop").click()
                 stopped = time.monotonic()
+                # The page drops the request's progress once the server has answered the cancel; until then
+                # Gradio ignores a second click on Generate (its trigger mode is "once"), as a person sees.
+                page.wait_for_function(
+                    "() => document.querySelectorAll('#image-result .progress-level').length === 0",
+                    timeout=30_000, polling=20)
                 page.locator("#image-steps input").fill("8")
                 page.locator("#image-generate").click()
                 page.wait_for_function(
