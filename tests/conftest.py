@@ -1,7 +1,19 @@
 import os
 
+import torch
+
+from app.runtime import usable_cores
+
 # Tests never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Test processes running side by side (pytest-xdist) share the cores, as ranks do: torch's default of one
+# thread per core in each of them oversubscribes the machine, which made a one-process quality test 2.8x
+# slower beside a busy process on the 2-core CI machine. Processes these tests start inherit the share.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // _workers)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The modules that take longest on the 2-core CI machine (pytest --durations), longest first. The README's
 # test command runs two test processes, each taking a whole module at a time in collection order (pytest-xdist
