@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node N --master-addr 127.0.0.1 --master-port <free> -m app COMMAND ...
 
-(run as `python -m app.torchrun`, which is torchrun ending its process without its interpreter's last second
-of clean-up; see app/torchrun.py). N defaults to the visible GPUs, or 2 CPU ranks (gloo) on a machine without one. The command line is
+(run as `python -m app.torchrun`: torchrun, ending its process without its interpreter's last second of
+clean-up). N defaults to the visible GPUs, or 2 CPU ranks (gloo) on a machine without one. The command line is
 checked here first, so a mistake is one line before any rank starts. So are the models' weights against
 the GPUs' memory (app/memory_plan.py): without --tp the ranks get the smallest tp degree that fits, and a
 model that fits no degree is refused with the memory it would need. The environment is passed on
@@ -18,7 +18,7 @@ Exit status: torchrun treats any non-zero rank exit as a crash (and prints a tra
 this launcher rank 0 writes its command's status (0, 1 for a partly failed batch, 2 for a user error,
 130 after Ctrl-C) to the file named by $ULYSSES_STUDIO_EXIT_STATUS_FILE and exits 0; the launcher
 exits with that status. When a rank dies, torchrun notices within 0.1 s and sends SIGTERM to the others;
-they report and exit within about 1.5 s (app.stopping), and this launcher reports the failure in one
+they report and exit within about 3 s (app.stopping), and this launcher reports the failure in one
 line. torchrun's own SIGKILL comes only 30 s later, so the launcher watches the ranks too: when one
 has exited and the others still run RANK_EXIT_GRACE_SECONDS later, it kills them itself.
 
