@@ -2,7 +2,7 @@ import os
 
 import torch
 
-from app.runtime import usable_cores
+from app.runtime import cpu_threads_per_rank
 
 # Tests never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # slower beside a busy process on the 2-core CI machine. Processes these tests start inherit the share.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // _workers)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(_workers)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The modules that take longest on the 2-core CI machine (pytest --durations), longest first. The README's
