@@ -23,6 +23,8 @@ SUFFIXES = (".txt", ".jsonl", ".csv")
 FIELDS = ("prompt", "negative_prompt", "seed", "size", "width", "height", "steps", "guidance", "frames", "fps",
           "input", "name", "step_cache")
 MAX_NAME_CHARS = 100
+PROMPT_NAME_CHARS = 40
+"""The most characters of its prompt's words in an unnamed line's output file name."""
 
 
 class BatchError(ValueError):
@@ -132,6 +134,16 @@ def output_name(item: PromptLine, extension: str) -> str:
     if given.lower().endswith(extension):
         given = given[: -len(extension)]
     if not given:
-        words = sanitize_name(str(item.fields.get("prompt", "")).lower())[:40].strip(".-_")
+        words = prompt_words(str(item.fields.get("prompt", "")))
         given = f"{item.line:04d}-{words}" if words else f"{item.line:04d}"
     return given + extension
+
+
+def prompt_words(prompt: str, limit: int = PROMPT_NAME_CHARS) -> str:
+    """The first whole words of `prompt` that fit in `limit` characters, sanitized and lowercase: a name that
+    reads as the prompt does, not one cut mid-word; only a first word longer than `limit` is cut."""
+    words = sanitize_name(prompt.lower())
+    if len(words) > limit:
+        # Spaces became '-': the last '-' at or before `limit` ends the last word that fits whole.
+        words = words[:limit + 1].rpartition("-")[0] or words[:limit]
+    return words.strip(".-_")

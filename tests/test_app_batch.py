@@ -12,7 +12,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from app.prompt_files import BadLine, PromptLine, output_name, read_prompt_file, request_fields, sanitize_name
+from app.prompt_files import (BadLine, PromptLine, output_name, prompt_words, read_prompt_file, request_fields,
+                              sanitize_name)
 from tests.helpers import REPO
 
 
@@ -63,6 +64,16 @@ def test_output_names_cannot_leave_the_folder():
     assert output_name(PromptLine(7, {"prompt": "x", "name": ".."}), ".png") == "0007-x.png"
     assert output_name(PromptLine(7, {"prompt": "Hello, World!"}), ".mp4") == "0007-hello-world.mp4"
     assert output_name(PromptLine(7, {"prompt": "x", "name": "shot.PNG"}), ".png") == "shot.png"
+
+
+def test_output_names_keep_whole_prompt_words():
+    square = PromptLine(2, {"prompt": "A big orange square on a white background, centred"})
+    assert output_name(square, ".png") == "0002-a-big-orange-square-on-a-white.png"
+    assert prompt_words("a big orange square on a white backgroun") == "a-big-orange-square-on-a-white-backgroun"
+    assert prompt_words("a big orange square on a white background") == "a-big-orange-square-on-a-white"
+    assert prompt_words("one two three", limit=7) == "one-two"  # the word that ends exactly at the limit stays
+    assert prompt_words("supercalifragilistic expialidocious", limit=10) == "supercalif"  # one long word: cut
+    assert prompt_words("Hi, there! general", limit=9) == "hi-there"
 
 
 def batch(*args: str, prompts: Path, out: Path, launch: bool = True) -> subprocess.Popen:
