@@ -216,6 +216,9 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, int]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    from app.torchrun import remove_ended_logs
+
+    remove_ended_logs()  # the log folder of a torchrun that _kill_job ended, which could not remove it itself
     return status, len(interrupts)
 
 
