@@ -9,14 +9,25 @@ Gradio checks passwords at POST /login and has no limit on tries. LoginThrottle 
 (an ASGI middleware): per client address, after FREE_FAILURES failed logins every attempt is refused
 with 429 for a lockout that doubles with each further failure (1 s, 2 s, 4 s, ... up to MAX_LOCKOUT
 seconds), a correct password included; a success clears the address's count.
+
+The address is the one uvicorn puts in the request's scope["client"]: it rewrites that from the
+X-Forwarded-For header, before any middleware runs, for the peers it trusts, by default 127.0.0.1 and
+::1 (or $FORWARDED_ALLOW_IPS). Gradio starts uvicorn without a say in this, so any local client could
+give every login a new made-up address and never be throttled. The server therefore sets
+$FORWARDED_ALLOW_IPS itself (trust_forwarded_headers) to exactly the `--trusted-proxy` addresses,
+none by default: a login counts against its peer, unless that peer is a trusted proxy, in which case
+against the rightmost address of its X-Forwarded-For that is not a trusted proxy (the client the
+proxies saw; the addresses left of it are the client's own to make up).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -28,6 +39,8 @@ FORGET_AFTER = 900.0
 """Seconds after its last failure that an address's count is forgotten."""
 MAX_TRACKED = 10_000
 """Addresses tracked at once (the least recent are dropped beyond it)."""
+FORWARDED_ALLOW_IPS = "FORWARDED_ALLOW_IPS"
+"""uvicorn's variable: the peers whose X-Forwarded-For it believes, comma-separated ("": none)."""
 
 
 class AuthError(ValueError):
@@ -85,13 +98,34 @@ def write_private_auth_file(logins: list[tuple[str, str]], path: Path) -> Path:
     return path
 
 
+def parse_trusted_proxies(values: list[str] | None) -> list[str]:
+    """The addresses and networks of `--trusted-proxy` (repeated, or comma-separated), written as uvicorn
+    reads them; AuthError for anything else, as uvicorn would silently compare it as text instead."""
+    proxies = []
+    for value in (part.strip() for given in values or [] for part in given.split(",") if part.strip()):
+        try:
+            network = "/" in value
+            proxies.append(str(ipaddress.ip_network(value, strict=False) if network else ipaddress.ip_address(value)))
+        except ValueError:
+            raise AuthError(f"--trusted-proxy {value!r} is not an IP address or network (e.g. 10.0.0.5 or "
+                            "10.0.0.0/24): name the proxies in front of this server, not their host names") from None
+    return proxies
+
+
+def trust_forwarded_headers(proxies: list[str], environ: MutableMapping[str, str]) -> None:
+    """Have uvicorn take a request's client from X-Forwarded-For only where its peer is one of `proxies`
+    (none: never), replacing its default and any inherited $FORWARDED_ALLOW_IPS. Set before uvicorn starts."""
+    environ[FORWARDED_ALLOW_IPS] = ",".join(proxies)
+
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class LoginThrottle:
-    """ASGI middleware that slows repeated failed logins per client address (see the module docstring)."""
+    """ASGI middleware that slows repeated failed logins per client address (see the module docstring: the
+    address is scope["client"], so uvicorn must trust forwarded headers only from real proxies)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -8,7 +8,8 @@ name only what fits in memory (each rank holds every transformer it serves).
 A shared server holds each client to limits an operator may change: the denoising time of one
 request (--max-request-seconds), the requests waiting (--max-queue), the size of an upload
 (--max-upload-mb), the results kept in a chosen --out (--keep-results), and, with a login, failed
-login attempts (app.access). Uploads and a temporary results folder go when the server ends.
+login attempts (app.access), counted per client address: a proxy's X-Forwarded-For is believed only from
+a --trusted-proxy. Uploads and a temporary results folder go when the server ends.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.access import AUTH_ENV, AuthError, LoginThrottle, read_logins
+from app.access import AUTH_ENV, AuthError, LoginThrottle, parse_trusted_proxies, read_logins, trust_forwarded_headers
 from app.arguments import add_parallel_arguments, run_options
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
@@ -49,6 +50,8 @@ class ServePlan:
     logins: list[tuple[str, str]] | None
     """Rank 0's only: None on the other ranks, which never read them."""
     keep_results: ResultsCap | None
+    trusted_proxies: list[str]
+    """Addresses and networks whose X-Forwarded-For names the client (app.access); none by default."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +70,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "after 5 failed logins an address waits 1 s, then 2, 4, ... up to 60 s")
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD",
                         help="ask for this login (shows the password in the process list: prefer --auth-file)")
+    parser.add_argument("--trusted-proxy", action="append", default=None, metavar="ADDR",
+                        help="a reverse proxy in front of this server (IP address or network, e.g. 10.0.0.0/24; "
+                             "repeat it or separate with commas): its X-Forwarded-For header names the client that "
+                             "failed logins count against; from any other address the header is ignored "
+                             "(default: none)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="folder for the results (default: a new temporary folder, removed when the server ends)")
     parser.add_argument("--keep-results", default=None, metavar="N|SIZE",
@@ -118,13 +126,17 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             keep_results = ResultsCap.parse(args.keep_results)
         except ValueError as error:
             raise ServeError(f"--keep-results: {error}") from None
+    try:
+        trusted_proxies = parse_trusted_proxies(args.trusted_proxy)
+    except AuthError as error:
+        raise ServeError(str(error)) from None
     logins = None
     if int(os.environ.get("RANK", "0")) == 0:  # logins are rank 0's business alone
         try:
             logins = read_logins(args.auth, args.auth_file)
         except AuthError as error:
             raise ServeError(str(error)) from None
-    return ServePlan(models=models, logins=logins, keep_results=keep_results)
+    return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies)
 
 
 def check_port(host: str, port: int) -> None:
@@ -194,6 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         stop.abandon = abandon
         demo = build_ui(runtime, server)
+        trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as Gradio starts it, just below
         try:
             try:
                 _, local_url, share_url = demo.launch(

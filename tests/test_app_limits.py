@@ -22,7 +22,8 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from app.access import AUTH_ENV, FREE_FAILURES, AuthError, LoginThrottle, read_logins
+from app.access import (AUTH_ENV, FORWARDED_ALLOW_IPS, FREE_FAILURES, AuthError, LoginThrottle, parse_trusted_proxies,
+                        read_logins, trust_forwarded_headers)
 from app.budget import RequestBudget, RequestClock, TokenCount
 from app.launch import _without_option
 from app.outputs import ResultsCap, ResultsFolder
@@ -146,6 +147,75 @@ def test_login_throttle_locks_an_address_out_after_repeated_failures():
     assert attempt("10.0.0.2") == 400  # another address is not affected
     now[0] = 8.0
     assert attempt() == 200 and throttle.lockout("10.0.0.1") == 0  # a success clears the count
+
+
+def test_trusted_proxies_are_ip_addresses_or_networks_given_repeated_or_comma_separated():
+    from app.cli import build_parser
+    from app.serve import ServeError, serve_plan
+
+    assert parse_trusted_proxies(None) == []
+    assert parse_trusted_proxies(["127.0.0.1", "10.0.0.7/24, ::1", ""]) == ["127.0.0.1", "10.0.0.0/24", "::1"]
+    for bad in ("proxy.example.com", "*", "10.0.0.0/33"):
+        with pytest.raises(AuthError, match="is not an IP address or network"):
+            parse_trusted_proxies([bad])
+    parser = build_parser()
+    plan = serve_plan(parser.parse_args(["serve", "--model", "tiny-flux", "--trusted-proxy", "10.1.2.3",
+                                         "--trusted-proxy", "10.9.0.0/16,127.0.0.1"]))
+    assert plan.trusted_proxies == ["10.1.2.3", "10.9.0.0/16", "127.0.0.1"]
+    assert serve_plan(parser.parse_args(["serve", "--model", "tiny-flux"])).trusted_proxies == []
+    with pytest.raises(ServeError, match="--trusted-proxy 'localhost' is not an IP address"):
+        serve_plan(parser.parse_args(["serve", "--model", "tiny-flux", "--trusted-proxy", "localhost"]))
+
+
+def _served_throttle(trusted_proxies: list[str], monkeypatch) -> tuple[LoginThrottle, object]:
+    """A LoginThrottle in front of a login route that always refuses, as uvicorn serves it with the server's
+    trust_forwarded_headers: its own Config and proxy-headers middleware, starting from an inherited
+    $FORWARDED_ALLOW_IPS that trusts everyone (which the server's setting must replace)."""
+    import uvicorn
+
+    async def wrong_password(scope, receive, send):
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    throttle = LoginThrottle(wrong_password)
+    monkeypatch.setenv(FORWARDED_ALLOW_IPS, "*")
+    trust_forwarded_headers(trusted_proxies, os.environ)
+    config = uvicorn.Config(throttle, log_level="warning")  # as Gradio makes it: nothing on proxies
+    config.load()
+    return throttle, config.loaded_app
+
+
+def _login_from(app, peer: str, forwarded_for: str | None) -> int:
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"x-forwarded-for", forwarded_for.encode())] if forwarded_for else []
+    scope = {"type": "http", "method": "POST", "path": "/login", "scheme": "http", "client": (peer, 50000),
+             "headers": headers}
+    asyncio.run(app(scope, None, send))
+    return sent[0]["status"]
+
+
+def test_a_made_up_forwarded_address_does_not_escape_the_login_throttle(monkeypatch):
+    throttle, app = _served_throttle([], monkeypatch)
+    answers = [_login_from(app, "127.0.0.1", f"203.0.113.{n}") for n in range(8)]
+    assert answers == [400] * FREE_FAILURES + [429] * (8 - FREE_FAILURES)  # counted against the peer itself
+    assert throttle.lockout("127.0.0.1") > 0 and not any(throttle.lockout(f"203.0.113.{n}") for n in range(8))
+
+
+def test_behind_a_trusted_proxy_failed_logins_count_per_forwarded_client(monkeypatch):
+    _, app = _served_throttle(["10.0.0.0/24", "127.0.0.1"], monkeypatch)
+    # eight clients behind the proxy: none locked out by the others' failures
+    assert [_login_from(app, "127.0.0.1", f"203.0.113.{n}") for n in range(8)] == [400] * 8
+    # one client making up the left of the header: the rightmost address the proxies did not add counts
+    answers = [_login_from(app, "127.0.0.1", f"198.51.100.{n}, 203.0.113.50, 10.0.0.9") for n in range(8)]
+    assert answers == [400] * FREE_FAILURES + [429] * (8 - FREE_FAILURES)
+    assert _login_from(app, "10.0.0.4", "203.0.113.50") == 429  # the same client through the other proxy
+    assert _login_from(app, "10.0.0.4", "203.0.113.51") == 400
+    # a peer that is no proxy of ours is itself the client, whatever its header says
+    assert [_login_from(app, "192.0.2.1", f"203.0.113.{100 + n}") for n in range(6)] == [400] * FREE_FAILURES + [429]
 
 
 def test_prompts_of_invisible_characters_are_empty():
@@ -351,6 +421,14 @@ def test_repeated_failed_logins_are_slowed(server):
         deadline = time.monotonic() + 20
         while login(http, PASSWORD) != 200:  # the lockout ends (after 1 s, or 2 s, 4 s after more failures)
             assert time.monotonic() < deadline
+            time.sleep(0.25)
+        # No --trusted-proxy: a made-up X-Forwarded-For on each try is not a new address
+        answers = [http.post("login", data={"username": "ann", "password": f"guess{n}"},
+                             headers={"X-Forwarded-For": f"203.0.113.{n}"}).status_code
+                   for n in range(FREE_FAILURES + 1)]
+        assert answers == [400] * FREE_FAILURES + [429], answers
+        while login(http, PASSWORD) != 200:
+            assert time.monotonic() < deadline + 20
             time.sleep(0.25)
 
 
