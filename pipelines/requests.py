@@ -152,62 +152,93 @@ def cosmos3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
                        max_frames=189 if video else 1, min_frames=1 + temporal if video else 1)
 
 
-def _as_int(name: str, value: Any) -> int:
+def _as_int(name: str, value: Any, allowed: str) -> int:
+    """`value` as a whole number: an int, a float or a string (CSV and API clients) that is one (2.0 is 2).
+    Anything else, 2.5 included, is refused rather than rounded: the person meant something else.
+
+    allowed: the field's valid values in words, for the message.
+    """
+    refused = RequestError(f"{name} must be a whole number ({allowed}), got {value!r}")
     if isinstance(value, bool):
-        raise RequestError(f"{name} must be a whole number, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+        raise refused
     if isinstance(value, str):
+        text = value.strip()
         try:
-            value = int(value.strip())
+            return int(text)  # exact for seeds beyond a float's 53 bits
         except ValueError:
-            raise RequestError(f"{name} must be a whole number, got {value!r}") from None
+            try:
+                value = float(text)
+            except ValueError:
+                raise refused from None
+    if isinstance(value, float):
+        if not value.is_integer():  # also NaN and infinities
+            raise refused
+        return int(value)
     if not isinstance(value, int):
-        raise RequestError(f"{name} must be a whole number, got {value!r}")
+        raise refused
     return value
 
 
-def _as_float(name: str, value: Any) -> float:
+def _as_float(name: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool):
+        raise RequestError(f"{name} must be a number ({allowed}), got {value!r}")
     try:
-        result = float(value)
+        result = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a number, got {value!r}") from None
+        raise RequestError(f"{name} must be a number ({allowed}), got {value!r}") from None
     if not math.isfinite(result):
-        raise RequestError(f"{name} must be a finite number, got {value!r}")
+        raise RequestError(f"{name} must be a finite number ({allowed}), got {value!r}")
     return result
 
 
-def _nearest_multiples(value: int, multiple: int) -> str:
-    low = max(multiple, value // multiple * multiple)
-    high = low + multiple
-    return f"{low} or {high}" if low != value else str(low)
+def _valid_near(value: int, step: int, first: int, last: int) -> list[int]:
+    """The valid values next to `value` (one each side, or `value`'s own) among first, first + step, ... last."""
+    below = first + (value - first) // step * step
+    return [option for option in dict.fromkeys((below, below + step)) if first <= option <= last]
+
+
+def _check_stepped(name: str, value: int, *, step: int, first: int, last: int, rule: str, allowed: str) -> None:
+    """`value` is one of first, first + step, ... last; else one message: too small, too large (with the
+    bound alone), or off the grid (with the valid values either side, never one outside the range).
+
+    rule: what the grid is, in words ("a multiple of 16"); allowed: the whole range, in words.
+    """
+    if value < first:
+        raise RequestError(f"{name} {value} is too small: at least {first} ({allowed})")
+    if value > last:
+        raise RequestError(f"{name} {value} is too large: at most {last} ({allowed})")
+    if (value - first) % step:
+        options = " or ".join(map(str, _valid_near(value, step, first, last)))
+        raise RequestError(f"{name} {value} is not {rule}, which this model needs; use {options} ({allowed})")
+
+
+def _size_range(multiple: int, maximum: int) -> str:
+    return f"multiples of {multiple} from {multiple} to {maximum // multiple * multiple}"
 
 
 def _check_size(name: str, value: int, multiple: int, maximum: int) -> None:
-    if value <= 0:
-        raise RequestError(f"{name} must be positive, got {value}")
-    if value % multiple:
-        raise RequestError(
-            f"{name} {value} is not a multiple of {multiple}, which this model needs; use {_nearest_multiples(value, multiple)}"
-        )
-    if value > maximum:
-        raise RequestError(f"{name} {value} is larger than this model accepts ({maximum})")
+    _check_stepped(name, value, step=multiple, first=multiple, last=maximum // multiple * multiple,
+                   rule=f"a multiple of {multiple}", allowed=_size_range(multiple, maximum))
+
+
+def _frame_range(limits: MediaLimits) -> tuple[int, int]:
+    """The fewest and most frames a video request may ask for (both 1 + a multiple of frame_multiple)."""
+    multiple = limits.frame_multiple
+    first = 1 + -(-(max(limits.min_frames, 1) - 1) // multiple) * multiple
+    return first, 1 + (limits.max_frames - 1) // multiple * multiple
+
+
+def _frames_allowed(limits: MediaLimits) -> str:
+    first, last = _frame_range(limits)
+    if limits.frame_multiple == 1:
+        return f"{first} to {last}"
+    return f"1 + a multiple of {limits.frame_multiple}, from {first} to {last}"
 
 
 def _check_video_frames(limits: MediaLimits, frames: int) -> None:
-    if frames <= 0:
-        raise RequestError(f"frames must be positive, got {frames}")
-    if (frames - 1) % limits.frame_multiple:
-        k = (frames - 1) // limits.frame_multiple
-        options = sorted({1 + k * limits.frame_multiple, 1 + (k + 1) * limits.frame_multiple})
-        raise RequestError(
-            f"frames {frames} is not 1 + a multiple of {limits.frame_multiple}, which this model needs; "
-            f"use {' or '.join(map(str, options))}"
-        )
-    if frames > limits.max_frames:
-        raise RequestError(f"frames {frames} is more than this model accepts ({limits.max_frames})")
-    if frames < limits.min_frames:
-        raise RequestError(f"frames {frames} is fewer than this model's videos have ({limits.min_frames} at least)")
+    first, last = _frame_range(limits)
+    _check_stepped("frames", frames, step=limits.frame_multiple, first=first, last=last,
+                   rule=f"1 + a multiple of {limits.frame_multiple}", allowed=_frames_allowed(limits))
 
 
 class _Problems:
@@ -321,27 +352,30 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
     negative_prompt = given.get("negative_prompt", spec.negative_prompt)
     problems.check(_check_negative, negative_prompt)
 
-    height = problems.check(_as_int, "height", given.get("height", spec.height))
-    width = problems.check(_as_int, "width", given.get("width", spec.width))
+    height = problems.check(_as_int, "height", given.get("height", spec.height),
+                            _size_range(limits.size_multiple, limits.max_height))
     if height is not None:
         problems.check(_check_size, "height", height, limits.size_multiple, limits.max_height)
+    width = problems.check(_as_int, "width", given.get("width", spec.width),
+                           _size_range(limits.size_multiple, limits.max_width))
     if width is not None:
         problems.check(_check_size, "width", width, limits.size_multiple, limits.max_width)
 
-    steps = problems.check(_as_int, "steps", given.get("steps", spec.steps))
+    steps = problems.check(_as_int, "steps", given.get("steps", spec.steps), f"1 to {MAX_STEPS}")
     if steps is not None:
         problems.check(_check_steps, steps)
 
-    guidance = problems.check(_as_float, "guidance", given.get("guidance", spec.guidance))
+    guidance = problems.check(_as_float, "guidance", given.get("guidance", spec.guidance), "0 to 100")
     if guidance is not None:
         problems.check(_check_guidance, limits, guidance)
 
-    seed = problems.check(_as_int, "seed", given.get("seed", 0))
+    seed = problems.check(_as_int, "seed", given.get("seed", 0), f"0 to {MAX_SEED}")
     if seed is not None:
         problems.check(_check_seed, seed)
 
-    frames = problems.check(_as_int, "frames", given.get("frames", spec.frames))
-    fps = problems.check(_as_int, "fps", given.get("fps", spec.fps))
+    frames = problems.check(_as_int, "frames", given.get("frames", spec.frames),
+                            "1 for an image model" if spec.media == "image" else _frames_allowed(limits))
+    fps = problems.check(_as_int, "fps", given.get("fps", spec.fps), "1 to 240")
     condition = given.get("condition")
     step_cache = given.get("step_cache", True)
     if isinstance(step_cache, str) and step_cache.strip().lower() in ("true", "false"):  # CSV prompt files

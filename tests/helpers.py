@@ -34,9 +34,12 @@ def tiny_cosmos_frames_problem(frames: int) -> str:
     import json
 
     vae = json.loads((REPO / "assets" / "tiny-cosmos" / "vae" / "config.json").read_text())
+    transformer = json.loads((REPO / "assets" / "tiny-cosmos" / "transformer" / "config.json").read_text())
     factor = 2 ** sum(vae["temperal_downsample"])
+    most = (transformer["max_size"][0] - 1) * factor + 1
     below = 1 + (frames - 1) // factor * factor
-    return f"frames {frames} is not 1 + a multiple of {factor}, which this model needs; use {below} or {below + factor}"
+    return (f"frames {frames} is not 1 + a multiple of {factor}, which this model needs; use {below} or "
+            f"{below + factor} (1 + a multiple of {factor}, from 1 to {most})")
 PYTHON = sys.executable
 
 # Tiny transformer configs: 6 heads (divisible by 2 and 3), token counts chosen by each test.

@@ -52,7 +52,7 @@ def test_generate_video_and_image(folder: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--frames", "8"], "frames 8 is not 1 + a multiple of 4"),
-    (["--frames", "1"], "frames 1 is fewer than this model's videos have (5 at least)"),
+    (["--frames", "1"], "frames 1 is too small: at least 5 (1 + a multiple of 4, from 5 to 189)"),
     (["--size", "72x64"], "width 72 is not a multiple of 16"),
     (["--input", "/nonexistent/start.png"], "input file start.png does not exist"),
 ])

@@ -131,7 +131,7 @@ def test_a_request_with_several_bad_fields_is_one_error_naming_them_all():
         tiny("tiny-cosmos", prompt=" ", width=100, steps=0, frames=6, fps=0)
     assert error.value.problems == [
         "prompt is empty: describe what to generate",
-        "width 100 is not a multiple of 16, which this model needs; use 96 or 112",
+        "width 100 is not a multiple of 16, which this model needs; use 96 or 112 (multiples of 16 from 16 to 1024)",
         "steps must be between 1 and 500, got 0",
         tiny_cosmos_frames_problem(6),
         "fps must be between 1 and 240, got 0",
@@ -139,4 +139,47 @@ def test_a_request_with_several_bad_fields_is_one_error_naming_them_all():
     assert str(error.value).startswith("5 problems with this request: (1) prompt is empty")
     with pytest.raises(RequestError) as error:
         tiny("tiny-flux", prompt="x", height=65)
-    assert str(error.value) == "height 65 is not a multiple of 16, which this model needs; use 64 or 80"
+    assert str(error.value) == ("height 65 is not a multiple of 16, which this model needs; use 64 or 80 "
+                                "(multiples of 16 from 16 to 4096)")
+
+
+@pytest.mark.parametrize(("model", "fields", "problem"), [
+    # Out of range: the bound alone, no suggestion beyond it.
+    ("tiny-cosmos", dict(frames=10000), "frames 10000 is too large: at most 63 (1 + a multiple of 2, from 1 to 63)"),
+    ("tiny-cosmos", dict(frames=0), "frames 0 is too small: at least 1 (1 + a multiple of 2, from 1 to 63)"),
+    ("tiny-flux", dict(width=99999), "width 99999 is too large: at most 4096 (multiples of 16 from 16 to 4096)"),
+    ("tiny-flux", dict(height=-20), "height -20 is too small: at least 16 (multiples of 16 from 16 to 4096)"),
+    # Off the grid inside the range: the valid values either side, only those inside it.
+    ("tiny-flux", dict(width=4095), "width 4095 is not a multiple of 16, which this model needs; use 4080 or 4096 "
+                                    "(multiples of 16 from 16 to 4096)"),
+    ("tiny-flux", dict(width=5), "width 5 is too small: at least 16 (multiples of 16 from 16 to 4096)"),
+    ("tiny-flux", dict(height=17), "height 17 is not a multiple of 16, which this model needs; use 16 or 32 "
+                                   "(multiples of 16 from 16 to 4096)"),
+    ("tiny-cosmos", dict(frames=62), "frames 62 is not 1 + a multiple of 2, which this model needs; use 61 or 63 "
+                                     "(1 + a multiple of 2, from 1 to 63)"),
+    # Not whole numbers, and not numbers at all (a form or API client's text): refused, never rounded.
+    ("tiny-flux", dict(steps=2.5), "steps must be a whole number (1 to 500), got 2.5"),
+    ("tiny-flux", dict(steps="abc"), "steps must be a whole number (1 to 500), got 'abc'"),
+    ("tiny-flux", dict(seed=1.5), f"seed must be a whole number (0 to {2**63 - 1}), got 1.5"),
+    ("tiny-flux", dict(width="12.5"), "width must be a whole number (multiples of 16 from 16 to 4096), got '12.5'"),
+    ("tiny-cosmos", dict(frames=float("nan")), "frames must be a whole number (1 + a multiple of 2, from 1 to 63), got nan"),
+    ("tiny-flux", dict(frames="x"), "frames must be a whole number (1 for an image model), got 'x'"),
+    ("tiny-cosmos", dict(fps=True), "fps must be a whole number (1 to 240), got True"),
+    ("tiny-flux", dict(guidance="abc"), "guidance must be a number (0 to 100), got 'abc'"),
+])
+def test_each_bad_field_is_named_with_its_range_and_only_valid_suggestions(model, fields, problem):
+    from pipelines.requests import RequestError
+
+    with pytest.raises(RequestError) as error:
+        tiny(model, prompt="x", **fields)
+    assert error.value.problems == [problem]
+
+
+def test_whole_numbers_may_come_as_floats_or_text():
+    _, _, request = tiny("tiny-cosmos", prompt="x", steps=2.0, seed=" 7 ", frames="9.0", width="64", height=80.0,
+                         guidance="4.5")
+    assert (request.steps, request.seed, request.frames, request.width, request.height, request.guidance) == \
+        (2, 7, 9, 64, 80, 4.5)
+    assert all(type(value) is int for value in (request.steps, request.seed, request.frames, request.width))
+    # a seed as text keeps every digit (a float would not)
+    assert tiny("tiny-flux", prompt="x", seed=str(2**63 - 1))[2].seed == 2**63 - 1
