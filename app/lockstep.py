@@ -363,9 +363,13 @@ class LockstepService:
             raise self._peer_lost(_short(error)) from error
 
     def lost_message(self) -> str:
-        """Why this rank ends, for a SIGTERM that came while it was busy (app.stopping's watchdog)."""
+        """Why this rank ends, for a SIGTERM that came while it was busy (app.stopping's watchdog).
+
+        Who sent the SIGTERM cannot be seen from here (torchrun after a rank's death, a person, a scheduler),
+        so the message names only what is known: which rank's process is gone, and that SIGTERM came.
+        """
         if self.dead_ranks(wait=0.0):
-            return str(self._peer_lost("torchrun stopped this rank"))
+            return str(self._peer_lost("this rank was waiting for it when SIGTERM came"))
         return f"rank {self.ctx.rank}: stopped by SIGTERM while busy"
 
     def dead_ranks(self, wait: float = DEAD_RANK_WAIT_SECONDS) -> list[int]:
@@ -383,7 +387,12 @@ class LockstepService:
     def _peer_lost(self, detail: str) -> RankLost:
         """RankLost naming the dead ranks where they can be seen (same host), with the collective's `detail`."""
         dead = self.dead_ranks()
-        names = f": rank {', '.join(map(str, dead))} is gone" if dead else ""
+        names = ""
+        if dead:
+            # Only its absence is seen: whether it was killed or crashed is torchrun's to tell (its exit status).
+            which = f"rank {dead[0]} is gone, its process" if len(dead) == 1 else \
+                f"ranks {', '.join(map(str, dead))} are gone, their processes"
+            names = f": {which} killed or crashed"
         return RankLost(f"rank {self.ctx.rank}: another rank died or closed its connection{names} ({detail})")
 
     def _require_main(self, what: str) -> None:

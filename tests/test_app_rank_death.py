@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -118,3 +119,30 @@ def test_sigterm_ends_a_stuck_process_with_its_message():
     assert process.returncode == 1
     assert 0.5 <= time.monotonic() - started < 3
     assert err.strip() == "error: the job ends: rank 0: told the clients"
+
+
+def test_the_lost_message_names_a_killed_rank_and_claims_no_sender_for_the_sigterm():
+    import socket
+    import subprocess
+    from types import SimpleNamespace
+
+    from app.lockstep import LockstepService
+
+    alive = subprocess.Popen(["sleep", "30"])
+    killed = subprocess.Popen(["sleep", "30"])
+    killed.kill()
+    killed.wait()
+    host = socket.gethostname()
+    try:
+        def service(peers: dict) -> LockstepService:
+            return LockstepService(SimpleNamespace(rank=0), {}, stop=threading.Event(), rank_timeout=1.0,
+                                   rank_processes={0: (host, os.getpid()), **peers})
+
+        message = service({1: (host, alive.pid), 2: (host, killed.pid)}).lost_message()
+        assert message == ("rank 0: another rank died or closed its connection: rank 2 is gone, its process killed "
+                           "or crashed (this rank was waiting for it when SIGTERM came)")
+        assert "torchrun" not in message
+        assert service({1: (host, alive.pid)}).lost_message() == "rank 0: stopped by SIGTERM while busy"
+    finally:
+        alive.kill()
+        alive.wait()
