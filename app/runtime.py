@@ -98,8 +98,12 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     import torch
     import transformers
 
+    from engines.fp8 import quiet_torchao_import
+
     # transformers warns at import that its image processors lack torchvision (we use none of them),
-    # and draws a progress bar per loaded component: noise next to our own progress bar.
+    # and draws a progress bar per loaded component: noise next to our own progress bar. Loading the
+    # pipelines imports diffusers' and transformers' quantizers, which import torchao, --fp8 or not.
+    quiet_torchao_import()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
