@@ -1,57 +1,115 @@
-"""How much work one request may ask of a shared server (`serve --max-request-seconds`).
+"""How much time one request may hold a shared server's ranks (`serve --max-request-seconds`).
 
-A request is held to the limit three times:
+A step cannot be interrupted once it runs, nor a decode, so the limit is mostly kept up front, by an
+estimate of the whole request (its steps and its decode), from a cost model per model:
 
-1. up front, by an estimate: its steps x a step time this server measured for the model, from the
-   measured size nearest to the request's in tokens, scaled in proportion to tokens. That is exact
-   for a size served before; across sizes, per-step overheads grow slower than tokens and attention
-   faster (tiny-flux on 2 CPU ranks, each from the size before it: 512x512 estimated at 0.29 s a
-   step, measured 0.16; 1024x1024 0.62 s, measured 0.95; 2048x2048 3.8 s, measured 10.6). Before
-   the model's first request there is no estimate;
-2. while it runs, by projection: from its second step on, its own steps so far predict the rest;
+    seconds = steps x (step overhead + step FLOPs / step rate) + decode overhead + decode FLOPs / decode rate
+
+The FLOPs come from pipelines.work, which counts them on the model's own classes at the request's
+shapes: attention's quadratic term and the VAE's are in them, so a size never served is estimated as
+well as one served before. The overheads and rates are measured: at start-up by a short calibration
+(two requests of two steps, at the model's default size and at twice its side), and after that by
+every request served, fitted by least squares on relative error. On tiny-flux, 2 CPU ranks, fitted
+from 256x256 and 512x512 alone, steps from 768x768 to 4096x4096 came out within 0.8x-1.7x of their
+measured time, decodes within 0.55x-1.3x.
+
+A request is then held to the limit three times:
+
+1. up front: refused, with its estimate, when the estimate is over the limit;
+2. while it runs, by projection: after each step, its elapsed time, its own steps so far and the
+   model's decode estimate predict the end; past the limit it is stopped;
 3. by the clock: past the limit it is stopped at the next step, whatever the estimates said.
 
-Only the denoising steps count (encoding and decoding are a small share next to them). The step time
-measured skips each request's first step, which may include compiling the engine for a new size.
+The step time measured skips each request's first step, which may include compiling the engine for a
+new size.
 """
 
 from __future__ import annotations
 
-import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from pipelines.registry import ModelSpec
-from pipelines.requests import GenerationRequest, MediaLimits, RequestError, uses_guidance_batch
+from pipelines.requests import GenerationRequest
+from pipelines.work import Work
 
 DEFAULT_MAX_REQUEST_SECONDS = 600.0
 LIMIT_OPTION = "--max-request-seconds"
+MAX_OBSERVATIONS = 64
+"""Measurements a rate is fitted from (the latest per amount of work)."""
+
+WorkCount = Callable[[GenerationRequest], Work]
 
 
-@dataclass(frozen=True, kw_only=True)
-class TokenCount:
-    """How many tokens one transformer call of a model processes for a request."""
+class RateFit:
+    """seconds = overhead + flops / rate, fitted to measurements (flops, seconds) by least squares on relative
+    error, with overhead >= 0 (the overhead is what a step or decode costs besides its arithmetic)."""
 
-    spec: ModelSpec
-    limits: MediaLimits
+    def __init__(self) -> None:
+        self._seconds: dict[float, float] = {}
+        """FLOPs -> the latest seconds measured for that much work (dict order: oldest first)."""
+        self.overhead = 0.0
+        self.seconds_per_flop: float | None = None
 
-    def __call__(self, request: GenerationRequest) -> int:
-        """Latent patches of every latent frame, twice for models that batch classifier-free guidance's two
-        branches when guidance is on."""
-        per_frame = (request.height // self.limits.size_multiple) * (request.width // self.limits.size_multiple)
-        latent_frames = 1 + (request.frames - 1) // self.limits.frame_multiple
-        branches = 2 if uses_guidance_batch(self.spec) and request.guidance > 1.0 else 1
-        return per_frame * latent_frames * branches
+    def add(self, flops: float, seconds: float) -> None:
+        self._seconds.pop(flops, None)
+        self._seconds[flops] = seconds
+        while len(self._seconds) > MAX_OBSERVATIONS:
+            del self._seconds[next(iter(self._seconds))]
+        self._fit()
+
+    def __call__(self, flops: float) -> float | None:
+        """Seconds for `flops` of work, or None before any measurement."""
+        if self.seconds_per_flop is None:
+            return None
+        return self.overhead + flops * self.seconds_per_flop
+
+    def _fit(self) -> None:
+        # Minimise sum(((c + k f) / t - 1)^2): weighted linear least squares in (c, k) with rows (1/t, f/t).
+        rows = [(1 / t, f / t) for f, t in self._seconds.items() if f > 0 and t > 0]
+        if not rows:
+            return
+        s11 = sum(a * a for a, _ in rows)
+        s12 = sum(a * b for a, b in rows)
+        s22 = sum(b * b for _, b in rows)
+        y1 = sum(a for a, _ in rows)
+        y2 = sum(b for _, b in rows)
+        determinant = s11 * s22 - s12 * s12
+        if len(rows) >= 2 and determinant > 1e-12 * s11 * s22:
+            overhead = (y1 * s22 - y2 * s12) / determinant
+            per_flop = (s11 * y2 - s12 * y1) / determinant
+            if overhead >= 0 and per_flop > 0:
+                self.overhead, self.seconds_per_flop = overhead, per_flop
+                return
+        # One size measured, or a fit that needs a negative overhead: all of it is arithmetic (k through the origin).
+        self.overhead, self.seconds_per_flop = 0.0, y2 / s22
+
+
+@dataclass
+class CostModel:
+    """One model's seconds for a request: its steps and its decode (see the module docstring)."""
+
+    step: RateFit = field(default_factory=RateFit)
+    decode: RateFit = field(default_factory=RateFit)
+
+    def estimate(self, work: Work, steps: int) -> float | None:
+        step, decode = self.step(work.step_flops), self.decode(work.decode_flops)
+        if step is None or decode is None:
+            return None
+        return steps * step + decode
 
 
 @dataclass
 class RequestClock:
-    """One running request's clock: its start and its step times."""
+    """One running request's clock: its start, its step times, and its decode's estimate."""
 
     steps: int
     started: float = field(default_factory=time.monotonic)
     step_ends: list[float] = field(default_factory=list)
+    decode_seconds: float = 0.0
+    """What its decode is expected to take (the cost model's estimate; 0 when there is none)."""
 
     def step(self, now: float | None = None) -> None:
         self.step_ends.append(time.monotonic() if now is None else now)
@@ -64,46 +122,55 @@ class RequestClock:
 
 
 class RequestBudget:
-    """The server's limit on one request's denoising time, and the step times it measured per model.
+    """The server's limit on one request's time, and the cost model of each model it serves.
 
     Used by rank 0's threads: the UI checks requests (check), the main loop records finished ones
     (record) and asks about running ones (overrun).
     """
 
-    def __init__(self, max_seconds: float | None, token_counts: dict[str, TokenCount]) -> None:
+    def __init__(self, max_seconds: float | None, work_counts: dict[str, WorkCount]) -> None:
         self.max_seconds = max_seconds
-        self._tokens = dict(token_counts)
-        self._step_seconds: dict[str, dict[int, float]] = {key: {} for key in token_counts}
-        """Model key -> tokens -> the latest steady step time measured at that many tokens."""
+        self._work = dict(work_counts)
+        self._models = {key: CostModel() for key in work_counts}
         self._lock = threading.Lock()
 
+    def work(self, key: str, request: GenerationRequest) -> Work:
+        return self._work[key](request)
+
     def estimate(self, key: str, request: GenerationRequest) -> float | None:
-        """Seconds of denoising `request` on model `key` should take, or None before a measurement."""
-        tokens = self._tokens[key](request)
+        """Seconds `request` should hold the ranks on model `key` (steps and decode), or None before any
+        measurement of the model."""
+        work = self.work(key, request)
         with self._lock:
-            measured = dict(self._step_seconds[key])
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda count: abs(math.log(count / tokens)))
-        return request.steps * measured[nearest] * tokens / nearest
+            return self._models[key].estimate(work, request.steps)
 
-    def check(self, key: str, request: GenerationRequest) -> None:
-        """RequestError if `request`'s estimate is over the limit (before it is queued)."""
-        if self.max_seconds is None:
-            return
+    def decode_estimate(self, key: str, request: GenerationRequest) -> float:
+        """Seconds the request's decode should take (0 before any measurement)."""
+        work = self.work(key, request)
+        with self._lock:
+            return self._models[key].decode(work.decode_flops) or 0.0
+
+    def check(self, key: str, request: GenerationRequest) -> float | None:
+        """The request's estimate; RequestError if it is over the limit (call before queueing)."""
+        from pipelines.requests import RequestError
+
         estimate = self.estimate(key, request)
-        if estimate is not None and estimate > self.max_seconds:
-            step = estimate / request.steps
+        if self.max_seconds is not None and estimate is not None and estimate > self.max_seconds:
+            frames = f", {request.frames} frames" if request.frames > 1 else ""
             raise RequestError(
-                f"this request would take about {_duration(estimate)} ({request.steps} steps of about "
-                f"{_duration(step)} at {request.width}x{request.height}"
-                f"{f', {request.frames} frames' if request.frames > 1 else ''}); this server's limit is "
-                f"{_duration(self.max_seconds)} a request ({LIMIT_OPTION}): ask for fewer steps or a smaller size")
+                f"this request would take about {duration(estimate)} ({request.steps} step"
+                f"{'s' if request.steps > 1 else ''} at {request.width}x{request.height}{frames}, and its decode); "
+                f"this server's limit is {duration(self.max_seconds)} a request ({LIMIT_OPTION}): ask for fewer "
+                "steps or a smaller size")
+        return estimate
 
-    def record(self, key: str, request: GenerationRequest, steady_step_seconds: float) -> None:
-        """A finished request's step time: the model's measurement at its token count from now on."""
+    def record(self, key: str, request: GenerationRequest, step_seconds: float, decode_seconds: float) -> None:
+        """A finished request's steady step time and decode time: the model's cost model learns from them."""
+        work = self.work(key, request)
         with self._lock:
-            self._step_seconds[key][self._tokens[key](request)] = steady_step_seconds
+            model = self._models[key]
+            model.step.add(work.step_flops, step_seconds)
+            model.decode.add(work.decode_flops, decode_seconds)
 
     def overrun(self, clock: RequestClock, done: int, now: float | None = None) -> str | None:
         """Why a running request must stop now (over the limit, or certain to be), or None."""
@@ -113,19 +180,53 @@ class RequestBudget:
         elapsed = now - clock.started
         where = f"at step {done} of {clock.steps}"
         if elapsed > self.max_seconds:
-            return (f"stopped {where} after {_duration(elapsed)}: this server's limit is "
-                    f"{_duration(self.max_seconds)} a request ({LIMIT_OPTION})")
+            return (f"stopped {where} after {duration(elapsed)}: this server's limit is "
+                    f"{duration(self.max_seconds)} a request ({LIMIT_OPTION})")
         step = clock.steady_step_seconds()
         if step is not None and done < clock.steps:
-            projected = elapsed + (clock.steps - done) * step
+            projected = elapsed + (clock.steps - done) * step + clock.decode_seconds
             if projected > self.max_seconds:
-                return (f"stopped {where}: at {_duration(step)} a step it would take about {_duration(projected)}, "
-                        f"and this server's limit is {_duration(self.max_seconds)} a request ({LIMIT_OPTION}): "
+                return (f"stopped {where}: at {duration(step)} a step it would take about {duration(projected)}, "
+                        f"and this server's limit is {duration(self.max_seconds)} a request ({LIMIT_OPTION}): "
                         "ask for fewer steps or a smaller size")
         return None
 
 
-def _duration(seconds: float) -> str:
+def calibration_requests(default: GenerationRequest, max_height: int, max_width: int, multiple: int
+                         ) -> list[GenerationRequest]:
+    """The two requests that seed a model's cost model: two steps (the second is the steady one) at the model's
+    default size and at twice its side (within the model's limits); the same frames and guidance."""
+    from dataclasses import replace
+
+    def larger(side: int, maximum: int) -> int:
+        return max(multiple, min(2 * side, maximum) // multiple * multiple)
+
+    small = replace(default, steps=2)
+    big = replace(small, height=larger(default.height, max_height), width=larger(default.width, max_width))
+    return [small] if big == small else [small, big]
+
+
+def counted_work(count: WorkCount, name: str) -> WorkCount:
+    """`count`, or where it cannot count a model's FLOPs (a family without an input builder), pixels and their
+    square as a rough stand-in, said once on stderr."""
+    failed: list[str] = []
+
+    def work(request: GenerationRequest) -> Work:
+        if not failed:
+            try:
+                return count(request)
+            except Exception as error:  # noqa: BLE001 - an estimate is worth having without its FLOPs
+                failed.append(str(error))
+                print(f"warning: cannot count {name}'s FLOPs ({error}); its time estimates scale with pixels",
+                      file=sys.stderr, flush=True)
+        pixels = float(request.height * request.width * request.frames)
+        return Work(step_flops=pixels + pixels * pixels / 1e6, decode_flops=pixels)
+
+    return work
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as messages and the status line say it: 0.42 s, 8.5 s, 75 s, 12 min."""
     if seconds < 10:
         return f"{seconds:.2g} s" if seconds < 1 else f"{seconds:.1f} s"
     if seconds < 120:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
-from app.budget import RequestBudget, RequestClock
+from app.budget import RequestBudget, RequestClock, duration
 from app.failures import JobCancelled, JobFailed, RankLost
 from app.lockstep import Generation, LockstepService
 from pipelines.requests import GenerationRequest
@@ -59,15 +60,21 @@ class Failed:
 class Job:
     """One submitted request and the stream of what happens to it."""
 
-    def __init__(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None) -> None:
+    def __init__(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None,
+                 estimate: float | None = None) -> None:
         self.model = model
         self.request = request
+        self.estimate = estimate
+        """Seconds the server's cost model expects it to hold the ranks (None: no estimate yet)."""
+        self.started_at: float | None = None
+        """time.monotonic() when its turn came."""
         self.cancelled: str | None = None
         """Why the job's client no longer wants it (set once, by cancel)."""
         self.steps_done = 0
         self.cancelled_after = 0
         """steps_done when cancel was called: how late the ranks stopped is measured from it."""
         self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
+        self._ended = False
         self._when_done = when_done
         """Called once the job has finished or failed (e.g. to delete the upload it used)."""
 
@@ -78,7 +85,18 @@ class Job:
             self.cancelled = reason
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self._events.put(Started())
+
+    def describe(self, name: str, now: float | None = None) -> str:
+        """What the status line says of it: model, size, and once running its step and time."""
+        request = self.request
+        size = f"{request.width}x{request.height}" + (f", {request.frames} frames" if request.frames > 1 else "")
+        about = f" of about {duration(self.estimate)}" if self.estimate is not None else ""
+        if self.started_at is None:
+            return f"{name} {size}, {request.steps} steps" + (f" (about {duration(self.estimate)})" if about else "")
+        elapsed = (time.monotonic() if now is None else now) - self.started_at
+        return f"{name} {size}, step {self.steps_done} of {request.steps}, {duration(elapsed)}{about}"
 
     def step(self, done: int, total: int) -> None:
         self.steps_done = done
@@ -90,7 +108,12 @@ class Job:
     def fail(self, message: str) -> None:
         self._end(Failed(message))
 
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
     def _end(self, event: Finished | Failed) -> None:
+        self._ended = True
         callback, self._when_done = self._when_done, None
         if callback is not None:
             try:
@@ -119,10 +142,11 @@ class JobQueue:
         """The job the main loop took last: what a SIGTERM that finds the main thread stuck must fail
         (app.serve's abandon)."""
 
-    def submit(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None) -> Job:
-        """Queue a validated request (`when_done`: see Job); raises ServiceClosed once the server is stopping,
-        ServiceBusy when `max_waiting` requests already wait."""
-        job = Job(model, request, when_done)
+    def submit(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None,
+               estimate: float | None = None) -> Job:
+        """Queue a validated request (`when_done`, `estimate`: see Job); raises ServiceClosed once the server is
+        stopping, ServiceBusy when `max_waiting` requests already wait."""
+        job = Job(model, request, when_done, estimate)
         with self._lock:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)
@@ -131,6 +155,14 @@ class JobQueue:
                                   f"--max-queue {self.max_waiting}); try again in a while")
             self._queue.put(job)
         return job
+
+    def snapshot(self) -> tuple[Job | None, list[Job]]:
+        """The running job (None when idle) and the jobs still wanted that wait, in order (for the status line)."""
+        with self._queue.mutex:  # a consistent copy of the waiting line; queue.Queue keeps it in a deque
+            waiting = [job for job in self._queue.queue if job.cancelled is None]
+        current = self.current
+        running = current if current is not None and current.started_at is not None and not current.ended else None
+        return running, waiting
 
     def take(self, timeout: float) -> Job | None:
         """The next job that is still wanted (now the current one), or None if none arrives within `timeout`
@@ -170,7 +202,7 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
                 service.keep_alive()
                 continue
             job.start()
-            clock = RequestClock(steps=job.request.steps)
+            clock = RequestClock(steps=job.request.steps, decode_seconds=budget.decode_estimate(job.model, job.request))
 
             def should_stop(done: int, total: int, job: Job = job, clock: RequestClock = clock) -> str | None:
                 if done:
@@ -191,8 +223,34 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
             except JobFailed as error:
                 job.fail(str(error))
                 continue
-            # The steps after the first (which may include compiling the engine for a new size); one step: that one.
-            budget.record(job.model, job.request, clock.steady_step_seconds() or generation.step_seconds)
+            _record(budget, job.model, job.request, clock, generation)
             job.finish(generation)
     finally:
         jobs.close("the server is shutting down")
+
+
+def _record(budget: RequestBudget, model: str, request: GenerationRequest, clock: RequestClock,
+            generation: Generation) -> None:
+    """Teach the model's cost model a finished request: its steps after the first (which may include compiling
+    the engine for a new size; one step: that one) and its decode."""
+    decode = generation.stages.decode if generation.stages is not None else 0.0
+    budget.record(model, request, clock.steady_step_seconds() or generation.step_seconds, decode)
+
+
+def calibrate(service: LockstepService, budget: RequestBudget, requests: Iterable[tuple[str, GenerationRequest]]
+              ) -> list[str]:
+    """Seed each model's cost model at start-up: run its calibration requests (app.budget.calibration_requests)
+    on every rank and record them; returns one line per request (what it took, what it will estimate)."""
+    lines = []
+    for model, request in requests:
+        clock = RequestClock(steps=request.steps)
+
+        def step_done(done: int, total: int, clock: RequestClock = clock) -> None:
+            clock.step()
+
+        started = time.monotonic()
+        generation = service.run(model, request, on_step=step_done)
+        _record(budget, model, request, clock, generation)
+        lines.append(f"{model} {request.width}x{request.height}x{request.frames}: {duration(time.monotonic() - started)}"
+                     f" (estimated now {duration(budget.estimate(model, request) or 0.0)})")
+    return lines

@@ -153,18 +153,24 @@ class ResultsFolder:
 
 
 class RecentResults:
-    """A server's latest results per model, newest first (the UI's recent-results galleries)."""
+    """A server's latest results per model and owner (app.ui.owner_of), newest first (the UI's galleries)."""
 
-    def __init__(self, keep: int = 24) -> None:
+    def __init__(self, keep: int = 24, owners: int = 1000) -> None:
         self._keep = keep
+        self._owners = owners
         self._lock = threading.Lock()
-        self._results: dict[str, deque[Result]] = {}
+        self._results: dict[tuple[str, str], deque[Result]] = {}
+        """(model, owner) -> results; dict order: least recently added to first, dropped beyond `owners`."""
 
-    def add(self, model: str, path: Path, settings: dict[str, Any]) -> None:
+    def add(self, model: str, owner: str, path: Path, settings: dict[str, Any]) -> None:
         with self._lock:
-            self._results.setdefault(model, deque(maxlen=self._keep)).appendleft(Result(path, settings))
+            results = self._results.pop((model, owner), None) or deque(maxlen=self._keep)
+            results.appendleft(Result(path, settings))
+            self._results[(model, owner)] = results
+            while len(self._results) > self._owners:
+                del self._results[next(iter(self._results))]
 
-    def of(self, model: str) -> list[Result]:
-        """The model's recent results whose files still exist (a results cap may have removed some)."""
+    def of(self, model: str, owner: str) -> list[Result]:
+        """The owner's recent results of the model whose files still exist (a results cap may have removed some)."""
         with self._lock:
-            return [result for result in self._results.get(model, ()) if result.path.is_file()]
+            return [result for result in self._results.get((model, owner), ()) if result.path.is_file()]

@@ -227,7 +227,8 @@ def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
         plan = ParallelPlan.auto(ctx.world_size, heads, strategy=options.strategy, cfg=cfg, tp=options.tp)
         pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, load(family.parallelize),
                                                          all_to_all=options.all_to_all))
-        labels.append(plan.describe(options.all_to_all))
+        # On CPU ranks every exchange is gloo's, whatever --all-to-all names for GPUs.
+        labels.append(plan.describe(options.all_to_all if ctx.device.type == "cuda" else "gloo"))
     return " / ".join(dict.fromkeys(labels))
 
 

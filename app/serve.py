@@ -154,6 +154,29 @@ def check_port(host: str, port: int) -> None:
         raise ServeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
+def _calibrate(runtime, budget) -> None:
+    """Seed the time limit's cost models with two short requests per model (app.budget), before any client comes.
+    A calibration that fails leaves the model to learn from the requests it serves."""
+    from app.budget import calibration_requests
+    from app.failures import JobFailed
+    from app.jobs import calibrate
+    from pipelines.requests import make_request
+
+    for key, model in runtime.models.items():
+        if runtime.service.stop_event.is_set():  # Ctrl-C while calibrating
+            return
+        default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0)
+        requests = calibration_requests(default, model.limits.max_height, model.limits.max_width,
+                                        model.limits.size_multiple)
+        try:
+            lines = calibrate(runtime.service, budget, [(key, request) for request in requests])
+        except JobFailed as error:
+            print(f"warning: {model.spec.name}'s time estimates start unmeasured: its calibration failed ({error})",
+                  file=sys.stderr, flush=True)
+            continue
+        print(f"calibrated {model.spec.name}'s time estimates: {'; '.join(lines)}", file=sys.stderr, flush=True)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C (rank 0 runs the UI and the queue; other ranks follow)."""
     plan = serve_plan(args)
@@ -170,7 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Gradio when it is imported (just below): removed on exit, and by the next start after a SIGKILL.
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
         os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
-        from app.budget import RequestBudget, TokenCount
+        from app.budget import RequestBudget, counted_work
         from app.jobs import JobQueue, serve_jobs
         from app.outputs import ResultsFolder
         from app.ui import Server, build_ui
@@ -179,9 +202,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
+        from pipelines.work import WorkCounter
+
         budget = RequestBudget(args.max_request_seconds or None,
-                               {key: TokenCount(spec=model.spec, limits=model.limits)
+                               {key: counted_work(WorkCounter(model.spec, model.folder, model.limits), model.spec.name)
                                 for key, model in runtime.models.items()})
+        if budget.max_seconds is not None:
+            _calibrate(runtime, budget)
         server = Server(jobs=JobQueue(args.max_queue), budget=budget,
                         results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir))
         jobs = server.jobs
@@ -205,6 +232,11 @@ def run_serve(args: argparse.Namespace) -> int:
             return message
 
         stop.abandon = abandon
+        # Results are served from their folder as they are: Gradio copies any other file it returns into its cache
+        # (one copy per result, for the server's life, whatever --keep-results removes).
+        import gradio as gr
+
+        gr.set_static_paths([out_dir])
         demo = build_ui(runtime, server)
         trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as Gradio starts it, just below
         try:

@@ -7,7 +7,9 @@ lockstep service runs one job at a time on the main thread, in arrival order. A 
 (gradio_client's Job.cancel, Gradio's /cancel) or goes away (tab closed, process ended) cancels its
 job: every rank drops it at the next step. Error messages name files by their names alone. The seed used goes back into the Seed box (so unticking
 "Random seed" repeats a result); a second, private, event then refreshes the tab's recent-results
-gallery, where clicking an item puts its settings back into the inputs.
+gallery, where clicking an item puts its settings back into the inputs. A gallery shows its owner's results
+alone: with logins, the user's (from any browser); without, the browser session's (a reload starts empty).
+The status line, refreshed every STATUS_SECONDS, says what runs (model, size, step k/n, time) and what waits.
 
 API (gradio_client): /generate_image, /generate_video, /status; see `Client(url).view_api()`. The
 generate endpoints return (media path, file path, settings, status line, seed used).
@@ -27,7 +29,7 @@ from typing import Any, Callable
 import gradio as gr
 from gradio.context import LocalContext
 
-from app.budget import RequestBudget
+from app.budget import RequestBudget, duration
 from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
 from app.outputs import RecentResults, ResultsFolder, settings_of
 from app.runtime import Runtime, ServedModel
@@ -40,6 +42,10 @@ RANDOM_SEED_LIMIT = 2**32
 EVENT_POLL_SECONDS = 0.05
 """How often a waiting handler looks at its job's events and at its client."""
 MAX_MEDIA_PX = 512
+STATUS_SECONDS = 2.0
+"""How often an open page refreshes its status line."""
+STATUS_WAITING_SHOWN = 3
+"""Waiting requests the status line names (it counts them all)."""
 """Results are shown at their own size up to this width (never upscaled); the file is full size."""
 
 # Media at native size (no upscaling), at most MAX_MEDIA_PX wide; Gradio's own rules stretch it to its box.
@@ -67,13 +73,16 @@ class Server:
 def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
     """The page for `runtime`'s models."""
 
-    def status() -> str:
-        return runtime.describe(runtime.service.last_step_seconds, runtime.service.last_computed_steps,
-                                server.last_stages.get() or runtime.service.last_stages)
-
     jobs = server.jobs
-    # Gradio's cache holds uploads and a copy of every result it served: every half hour, files older than an
-    # hour go (the whole folder goes when the server ends, app.serve).
+    names = {key: model.spec.name for key, model in runtime.models.items()}
+
+    def status() -> str:
+        line = runtime.describe(runtime.service.last_step_seconds, runtime.service.last_computed_steps,
+                                server.last_stages.get() or runtime.service.last_stages)
+        return f"{line}  \n{queue_status(jobs, names)}"
+
+    # Gradio's cache holds uploads (results are served from the results folder itself, app.serve's static path):
+    # every half hour, files older than an hour go (the whole folder goes when the server ends, app.serve).
     with gr.Blocks(title="ulysses-studio", delete_cache=(1800, 3600)) as demo:
         gr.HTML(f"<style>{CSS}</style>", container=False, padding=False)
         gr.Markdown("## ulysses-studio")
@@ -91,6 +100,8 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
             else:
                 _video_tab(demo, video, server, status, status_line, runtime.step_cache)
         demo.load(status, outputs=status_line, api_name="status", queue=False)
+        gr.Timer(STATUS_SECONDS).tick(status, outputs=status_line, api_visibility="private", show_progress="hidden",
+                                      queue=False)
     # Handlers for every request the JobQueue may hold (waiting and running) and a few more, so that the
     # JobQueue's own refusal, which names --max-queue, is what a client over the limit hears; Gradio's
     # queue holds about as many again, for bursts.
@@ -98,9 +109,28 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
     return demo
 
 
+def queue_status(jobs: JobQueue, names: dict[str, str]) -> str:
+    """What runs and what waits, e.g. "running tiny-flux 512x512, step 3 of 8, 1.2 s of about 3.0 s · 2 waiting:
+    tiny-cosmos 128x128, 17 frames, 8 steps; tiny-flux 256x256, 8 steps"."""
+    running, waiting = jobs.snapshot()
+    line = f"running {running.describe(names[running.model])}" if running is not None else "idle"
+    if waiting:
+        shown = "; ".join(job.describe(names[job.model]) for job in waiting[:STATUS_WAITING_SHOWN])
+        more = f"; and {len(waiting) - STATUS_WAITING_SHOWN} more" if len(waiting) > STATUS_WAITING_SHOWN else ""
+        line += f" · {len(waiting)} waiting: {shown}{more}"
+    return line
+
+
+def owner_of(session: gr.Request | None) -> str:
+    """Whose results a request's are: its login's user, else its browser session's."""
+    if session is None:
+        return ""
+    return f"user:{session.username}" if session.username else f"session:{session.session_hash}"
+
+
 def _seed_inputs(prefix: str) -> tuple[gr.Number, gr.Checkbox]:
     with gr.Row():
-        seed = gr.Number(label="Seed", value=0, precision=0, elem_id=f"{prefix}-seed")
+        seed = gr.Number(label="Seed", value=0, elem_id=f"{prefix}-seed")
         random_seed = gr.Checkbox(label="Random seed", value=True, elem_id=f"{prefix}-random-seed")
     return seed, random_seed
 
@@ -108,11 +138,11 @@ def _seed_inputs(prefix: str) -> tuple[gr.Number, gr.Checkbox]:
 def _size_inputs(model: ServedModel, prefix: str) -> tuple[gr.Number, gr.Number, gr.Number, gr.Number]:
     spec, multiple = model.spec, model.limits.size_multiple
     with gr.Row():
-        width = gr.Number(label=f"Width (multiple of {multiple})", value=spec.width, precision=0,
+        width = gr.Number(label=f"Width (multiple of {multiple})", value=spec.width,
                           elem_id=f"{prefix}-width")
-        height = gr.Number(label=f"Height (multiple of {multiple})", value=spec.height, precision=0,
+        height = gr.Number(label=f"Height (multiple of {multiple})", value=spec.height,
                            elem_id=f"{prefix}-height")
-        steps = gr.Number(label="Steps", value=spec.steps, precision=0, elem_id=f"{prefix}-steps")
+        steps = gr.Number(label="Steps", value=spec.steps, elem_id=f"{prefix}-steps")
         guidance = gr.Number(label="Guidance", value=spec.guidance, elem_id=f"{prefix}-guidance")
     return width, height, steps, guidance
 
@@ -140,8 +170,13 @@ def _recent_gallery(prefix: str) -> tuple[gr.Gallery, gr.State]:
     return gallery, gr.State([])
 
 
-def _gallery_of(recent: RecentResults, key: str) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
-    results = recent.of(key)
+def _examples(model: ServedModel, prompt: gr.Textbox) -> None:
+    if model.spec.examples:
+        gr.Examples(examples=[[text] for text in model.spec.examples], inputs=[prompt], label="Example prompts")
+
+
+def _gallery_of(recent: RecentResults, key: str, owner: str) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+    results = recent.of(key, owner)
     items = [(str(result.path), f"seed {result.settings['seed']}: {result.settings['prompt'][:40]}")
              for result in results]
     return items, [result.settings for result in results]
@@ -154,6 +189,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     with gr.Row():
         with gr.Column():
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="image-prompt")
+            _examples(model, prompt)
             reference = None
             if takes_reference:
                 reference = gr.File(label="Reference image (optional; deleted after use)", type="filepath",
@@ -174,8 +210,8 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     # models and of servers without a step cache call alike.
     async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
                              width: float, height: float, condition: str | None = None, step_cache: bool = True,
-                             progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = await _generate(model, server, progress, random_seed, prompt=prompt, seed=seed,
+                             session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
+        path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt, seed=seed,
                                      steps=steps, guidance=guidance, width=width, height=height,
                                      condition=condition or None, step_cache=step_cache)
         return str(path), str(path), used, status(), used["seed"]
@@ -201,13 +237,14 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     with gr.Row():
         with gr.Column():
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
+            _examples(model, prompt)
             negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
             condition = gr.File(label="Input image or video (optional, video-to-world; deleted after use)",
                                 type="filepath", value=None, height=120, elem_id="video-condition")
             with gr.Row():
                 frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
-                                   value=model.spec.frames, precision=0)
-                fps = gr.Number(label="Frames per second", value=model.spec.fps, precision=0)
+                                   value=model.spec.frames)
+                fps = gr.Number(label="Frames per second", value=model.spec.fps)
             seed, random_seed = _seed_inputs("video")
             width, height, steps, guidance = _size_inputs(model, "video")
             cached = _step_cache_input(step_cache, "video")
@@ -225,8 +262,8 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                              frames: float | None = None, fps: float | None = None, seed: float | None = None,
                              random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
                              width: float | None = None, height: float | None = None, step_cache: bool = True,
-                             progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = await _generate(model, server, progress, random_seed, prompt=prompt,
+                             session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
+        path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt,
                                      negative_prompt=negative_prompt, condition=condition or None, frames=frames,
                                      fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height,
                                      step_cache=step_cache)
@@ -254,8 +291,8 @@ def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, button: gr
     """The tab's API endpoint on its button (progress and errors on the result only), its Stop button (the
     ranks drop the request at the next step), then its gallery; returns the endpoint's event."""
 
-    def refresh() -> tuple:
-        return _gallery_of(recent, model.key)
+    def refresh(session: gr.Request) -> tuple:
+        return _gallery_of(recent, model.key, owner_of(session))
 
     event = button.click(handler, inputs=inputs, outputs=outputs, api_name=api_name, show_progress_on=outputs[0],
                          concurrency_id="generate")
@@ -301,7 +338,7 @@ class _Progress:
         self._progress((self._steps, self._steps), desc="writing", unit="steps")
 
 
-async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random_seed: bool,
+async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random_seed: bool, owner: str,
                     **fields: Any) -> tuple[Path, dict[str, Any]]:
     """Validate, queue, wait (relaying progress), write the file; returns its path and its settings.
 
@@ -317,15 +354,14 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     job = None
     try:
         request = await asyncio.to_thread(make_request, model.spec, model.limits, **fields)
-        server.budget.check(model.key, request)
-        job = server.jobs.submit(model.key, request, when_done=release)
+        estimate = await asyncio.to_thread(server.budget.check, model.key, request)  # counts FLOPs: off the loop
+        job = server.jobs.submit(model.key, request, when_done=release, estimate=estimate)
     except (RequestError, ServiceClosed, ServiceBusy) as error:
         raise gr.Error(public_message(str(error)), print_exception=False) from None
     finally:
         if job is None and release is not None:
             release()
-    earlier = server.recent.of(model.key)
-    relay = _Progress(progress, request.steps, earlier[0].settings["step_seconds"] if earlier else None)
+    relay = _Progress(progress, request.steps, None if estimate is None else estimate / request.steps)
     generation = await _wait(job, relay)
     relay.writing()
     # The ranks are on the next job already: this handler's thread writes while they work.
@@ -333,12 +369,13 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec,
                                    generation.computed_steps)
     settings = settings_of(request, model.spec, generation.computed_steps)
-    settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4))
+    settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4),
+                    estimate_seconds=None if estimate is None else round(estimate, 3))
     if generation.stages is not None:
         stages = generation.stages.with_write(time.perf_counter() - write_started)
         server.last_stages.set(stages)
         settings["stages"] = stages.to_dict()
-    server.recent.add(model.key, path, settings)
+    server.recent.add(model.key, owner, path, settings)
     return path, settings
 
 

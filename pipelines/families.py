@@ -70,7 +70,11 @@ FLUX = ModelFamily(
                   steps=4, guidance=0.0, max_sequence_length=256),
         ModelSpec(name="tiny-flux", family="flux", media="image", checkpoint_class="FluxPipeline",
                   folder="tiny-flux", source="embedded", height=256, width=256, steps=8, guidance=3.5,
-                  max_sequence_length=64, embedded=True),
+                  max_sequence_length=64, embedded=True,
+                  examples=("a big red circle in the center on a white background",
+                            "a small blue star at the top left on a yellow background",
+                            "a green triangle at the bottom right on a black background",
+                            "a big purple diamond on a gray background")),
     ),
 )
 
@@ -137,7 +141,11 @@ COSMOS = ModelFamily(
                   **_COSMOS_VIDEO),
         ModelSpec(name="tiny-cosmos", family="cosmos", media="video", checkpoint_class="Cosmos2VideoToWorldPipeline",
                   folder="tiny-cosmos", source="embedded", height=128, width=128, steps=8, guidance=3.0, frames=17,
-                  fps=8, max_sequence_length=64, negative_prompt="blurry, static", embedded=True),
+                  fps=8, max_sequence_length=64, negative_prompt="blurry, static", embedded=True,
+                  examples=("a red circle moving right on a white background",
+                            "a blue square moving down on a black background",
+                            "a yellow star growing on a blue background",
+                            "a green triangle moving left on a gray background")),
     ),
 )
 

@@ -67,6 +67,8 @@ class ModelSpec:
     negative_prompt: str = ""
     embedded: bool = False
     """True for the tiny models shipped in assets/."""
+    examples: tuple[str, ...] = ()
+    """Prompts the UI offers as examples, in the wording the model knows (the tiny models' caption grammar)."""
     architecture: Architecture | None = None
     """Published configs of its components (for random-weight benchmarks), where known."""
     guidance_batch: bool | None = None

@@ -207,7 +207,7 @@ def test_progress_is_reported_per_step(server):
 
 def test_status_line_names_model_ranks_plan_and_backend(server):
     status = Client(server.url, verbose=False).predict(api_name="/status")
-    for part in ("tiny-flux (image)", "tiny-cosmos (video)", "2 ranks", "plan ulysses-2, all-to-all nccl",
+    for part in ("tiny-flux (image)", "tiny-cosmos (video)", "2 ranks", "plan ulysses-2, all-to-all gloo",
                  "backend gloo, cpu"):
         assert part in status
 

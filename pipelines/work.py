@@ -1,0 +1,99 @@
+"""How much arithmetic a request asks of a model: FLOPs of one denoising step and of its decode.
+
+Counted, not guessed: the model's own transformer and VAE classes are built from its folder's configs
+on the meta device (no weights, no memory, nothing computed) and called at the request's shapes under
+torch's FlopCounterMode, which adds up every matmul, convolution and attention. So the count has
+attention's quadratic term and the VAE's mid-block attention wherever the architecture has them, for
+any family whose record names a transformer input builder (ModelFamily.bench.inputs). The server's
+cost model (app.budget) turns these counts into seconds with rates it measures.
+
+Counting takes a fraction of a second a shape (its meta forward runs the model's Python); counts are
+kept per shape.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.family import load
+from pipelines.registry import ModelSpec, family_of, read_component_config
+from pipelines.requests import GenerationRequest, MediaLimits, uses_guidance_batch
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs of one request's denoising step (every transformer call of it) and of its VAE decode."""
+
+    step_flops: float
+    decode_flops: float
+
+
+class WorkCounter:
+    """Counts `Work` for requests to one model (thread-safe; counts kept per shape)."""
+
+    def __init__(self, spec: ModelSpec, folder: Path, limits: MediaLimits) -> None:
+        self.spec = spec
+        self.limits = limits
+        self._family = family_of(spec)
+        self._transformer_config = read_component_config(folder, "transformer")
+        self._vae_config = read_component_config(folder, "vae")
+        self._lock = threading.Lock()
+        self._models: tuple[torch.nn.Module, torch.nn.Module] | None = None
+        self._count = lru_cache(maxsize=256)(self._count_shape)
+
+    def __call__(self, request: GenerationRequest) -> Work:
+        branches = 2 if uses_guidance_batch(self.spec) and request.guidance > 1.0 else 1
+        with self._lock:  # one meta forward at a time: FlopCounterMode is a process-wide dispatch mode
+            return self._count(request.height, request.width, request.frames, branches)
+
+    def _meta_models(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        if self._models is None:
+            import diffusers
+
+            if self._family.name == "cosmos":  # its forward needs torchvision's resize (pipelines.torchvision_shim)
+                from pipelines import torchvision_shim
+
+                torchvision_shim.install()
+            with META:
+                transformer = load(self._family.transformer).from_config(self._transformer_config)
+                vae = getattr(diffusers, self._vae_config["_class_name"]).from_config(self._vae_config)
+            self._models = (transformer.eval(), vae.eval())
+        return self._models
+
+    def _count_shape(self, height: int, width: int, frames: int, branches: int) -> Work:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from benchmarks.inputs import Shape  # the family's input builder's shape type
+
+        transformer, vae = self._meta_models()
+        shape = Shape(height=height, width=width, frames=frames, text_tokens=self.spec.max_sequence_length)
+        inputs, _ = load(self._family.bench.inputs)(self._transformer_config, shape, batch=branches, device=META,
+                                                     dtype=torch.float32)
+        with torch.no_grad():
+            with FlopCounterMode(display=False) as counter:
+                transformer(**inputs)
+            step = counter.get_total_flops()
+            with FlopCounterMode(display=False) as counter:
+                vae.decode(_latent(self._vae_config, height, width, frames))
+            decode = counter.get_total_flops()
+        return Work(step_flops=float(step), decode_flops=float(decode))
+
+
+def _latent(config: dict[str, Any], height: int, width: int, frames: int) -> torch.Tensor:
+    """A meta latent of the VAE's shape for `frames` frames of height x width: a video VAE (Wan's, with
+    temporal compression) takes [1, C, T, H, W], an image VAE [1, C, H, W]."""
+    if "z_dim" in config:
+        spatial = int(config.get("scale_factor_spatial", 2 ** len(config["temperal_downsample"])))
+        temporal = int(config.get("scale_factor_temporal", 2 ** sum(config["temperal_downsample"])))
+        return torch.empty(1, config["z_dim"], (frames - 1) // temporal + 1, height // spatial, width // spatial,
+                           device=META)
+    spatial = 2 ** (len(config["block_out_channels"]) - 1)
+    return torch.empty(1, config["latent_channels"], height // spatial, width // spatial, device=META)
