@@ -449,6 +449,8 @@ def test_the_results_folder_keeps_its_cap(server):
     for seed in range(4):
         client.predict(*_image("fill the folder", 10 + seed, steps=1, size=64), api_name="/generate_image")
     assert len([path for path in server.results.iterdir() if path.suffix in (".png", ".mp4")]) == 3
+    # Results are served from the results folder: Gradio's cache holds no copy of any (and no empty file).
+    assert not [path for path in server.uploads.rglob("*") if path.is_file()]
 
 
 def test_repeated_failed_logins_are_slowed(server):

@@ -55,6 +55,13 @@ def test_an_invalid_request_is_one_error_naming_every_bad_field(url):
     assert "width 100 is not a multiple of 16" in message and "steps must be between 1 and 500, got 0" in message
 
 
+def test_a_field_that_is_no_whole_number_is_refused_naming_it(url):
+    client = Client(url, verbose=False)
+    for steps, shown in (("abc", "'abc'"), (2.5, "2.5")):
+        with pytest.raises(AppError, match=f"steps must be a whole number .*got {shown}"):
+            client.predict("not a number", 0, False, steps, 3.5, 64, 64, api_name="/generate_image")
+
+
 def test_the_video_input_file_is_optional_in_the_api(url):
     api = Client(url, verbose=False).view_api(return_format="dict", print_info=False)
     parameters = {p["parameter_name"]: p for p in api["named_endpoints"]["/generate_video"]["parameters"]}

@@ -85,6 +85,16 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                     " return img !== null && img.getAttribute('src') !== first && img.complete; }",
                     arg=first, timeout=60_000)
                 assert time.monotonic() - stopped < 15  # the 500 steps would take about 20 s
+
+                # The gallery is the browser session's own: this page's two results, none on a new page (no login).
+                page.wait_for_function("() => document.querySelectorAll('#image-recent img').length === 2",
+                                       timeout=10_000)
+                other = browser.new_context().new_page()
+                other.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+                example = "a small blue star at the top left on a yellow background"
+                other.get_by_text(example).click()  # an example prompt fills the prompt box
+                assert other.locator("#image-prompt textarea").input_value() == example
+                assert other.locator("#image-recent img").count() == 0
             finally:
                 browser.close()
         assert len(list(tmp_path.glob("image-*-seed*.png"))) == 2
