@@ -8,7 +8,9 @@ any rank starts. Only rank 0 reads logins; the other ranks never see them.
 Gradio checks passwords at POST /login and has no limit on tries. LoginThrottle sits in front of it
 (an ASGI middleware): per client address, after FREE_FAILURES failed logins every attempt is refused
 with 429 for a lockout that doubles with each further failure (1 s, 2 s, 4 s, ... up to MAX_LOCKOUT
-seconds), a correct password included; a success clears the address's count.
+seconds), a correct password included; a success clears the address's count. The OpenAI-compatible
+API's bearer keys (`--api-key-file`, one a line, read by rank 0 alone as logins are) count in the same
+LoginFailures: a wrong key is a failed login of its address, and a locked-out address is refused either way.
 
 The address is the one uvicorn puts in the request's scope["client"]: it rewrites that from the
 X-Forwarded-For header, before any middleware runs, for the peers it trusts, by default 127.0.0.1 and
@@ -35,6 +37,8 @@ AUTH_ENV = "ULYSSES_STUDIO_AUTH"
 FREE_FAILURES = 5
 FIRST_LOCKOUT = 1.0
 MAX_LOCKOUT = 60.0
+MIN_API_KEY_CHARS = 16
+"""Shortest API key accepted: a guessable key would make the throttle the only defence."""
 FORGET_AFTER = 900.0
 """Seconds after its last failure that an address's count is forgotten."""
 MAX_TRACKED = 10_000
@@ -66,6 +70,23 @@ def read_auth_file(path: str | Path) -> list[tuple[str, str]]:
     if not logins:
         raise AuthError(f"--auth-file {path} has no USER:PASSWORD line")
     return logins
+
+
+def read_api_keys(path: str | Path) -> list[str]:
+    """The API keys of `--api-key-file`: one key a line; blank lines and lines starting with # are skipped."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise AuthError(f"cannot read --api-key-file {path}: {error.strerror or error}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise AuthError(f"--api-key-file {path} has no key")
+    if short := [number for number, line in enumerate(lines, 1) if line.strip() and not line.lstrip().startswith("#")
+                 and (len(line.strip()) < MIN_API_KEY_CHARS or any(ch.isspace() for ch in line.strip()))]:
+        raise AuthError(f"line {short[0]} of --api-key-file {path}: a key is at least {MIN_API_KEY_CHARS} characters "
+                        "without spaces")
+    return keys
 
 
 def read_logins(auth: str | None, auth_file: str | None, environ: dict[str, str] | None = None, *,
@@ -123,13 +144,11 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-class LoginThrottle:
-    """ASGI middleware that slows repeated failed logins per client address (see the module docstring: the
-    address is scope["client"], so uvicorn must trust forwarded headers only from real proxies)."""
+class LoginFailures:
+    """Failed logins per client address, and the lockout they earn (see the module docstring): shared by the
+    UI's LoginThrottle and the API's key check (app.openai_api), so that both count against one limit."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.app = app
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._failures: dict[str, tuple[int, float]] = {}
         """Address -> (failed logins, time of the last one)."""
@@ -151,6 +170,24 @@ class LoginThrottle:
         while len(self._failures) > MAX_TRACKED:
             del self._failures[next(iter(self._failures))]
 
+    def succeeded(self, address: str) -> None:
+        self._failures.pop(address, None)
+
+
+class LoginThrottle:
+    """ASGI middleware that slows repeated failed logins per client address (see the module docstring: the
+    address is scope["client"], so uvicorn must trust forwarded headers only from real proxies).
+
+    failures: the counts to keep (a server shares them with its API's key check); a new set by default.
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
+                 failures: LoginFailures | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.app = app
+        self.failures = failures if failures is not None else LoginFailures(clock)
+        self.lockout = self.failures.lockout
+        self.failed = self.failures.failed
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].rstrip("/").endswith("/login"):
             await self.app(scope, receive, send)
@@ -169,7 +206,7 @@ class LoginThrottle:
 
         await self.app(scope, receive, watch)
         if status and status[0] == 200:
-            self._failures.pop(address, None)
+            self.failures.succeeded(address)
         elif status and 400 <= status[0] < 500:
             self.failed(address)
 

@@ -10,6 +10,10 @@ request (--max-request-seconds), the requests waiting (--max-queue), the size of
 (--max-upload-mb), the results kept in a chosen --out (--keep-results), and, with a login, failed
 login attempts (app.access), counted per client address: a proxy's X-Forwarded-For is believed only from
 a --trusted-proxy. Uploads and a temporary results folder go when the server ends.
+
+The same port serves an OpenAI-compatible image and video API under /v1 (app.openai_api), sharing the
+UI's queue and limits; with --api-key-file it asks for one of its keys, failed keys counting as failed
+logins; with a UI login but no keys it is off.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.access import AUTH_ENV, AuthError, LoginThrottle, parse_trusted_proxies, read_logins, trust_forwarded_headers
-from app.arguments import add_parallel_arguments, run_options
+from app.access import (AUTH_ENV, AuthError, LoginFailures, LoginThrottle, parse_trusted_proxies, read_api_keys,
+                        read_logins, trust_forwarded_headers)
+from app.arguments import add_parallel_arguments, add_replicas_argument, run_options
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
 from app.outputs import OutputError, ResultsCap, check_writer
@@ -52,6 +57,8 @@ class ServePlan:
     keep_results: ResultsCap | None
     trusted_proxies: list[str]
     """Addresses and networks whose X-Forwarded-For names the client (app.access); none by default."""
+    api_keys: list[str] | None = None
+    """The API's bearer keys (--api-key-file), rank 0's only; None: no key asked."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +77,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "after 5 failed logins an address waits 1 s, then 2, 4, ... up to 60 s")
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD",
                         help="ask for this login (shows the password in the process list: prefer --auth-file)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="ask the OpenAI-compatible API (/v1) for a key: FILE has one key a line (16 characters "
+                             "or more); a wrong key counts as a failed login. Without it the API is open where the "
+                             "UI is, and off where the UI asks for a login")
     parser.add_argument("--trusted-proxy", action="append", default=None, metavar="ADDR",
                         help="a reverse proxy in front of this server (IP address or network, e.g. 10.0.0.0/24; "
                              "repeat it or separate with commas): its X-Forwarded-For header names the client that "
@@ -88,6 +99,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests that may wait for their turn; more are refused (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
                         help=f"largest file a client may upload (default {DEFAULT_MAX_UPLOAD_MB:g})")
+    add_replicas_argument(parser)
     add_parallel_arguments(parser)
 
 
@@ -130,13 +142,15 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
         trusted_proxies = parse_trusted_proxies(args.trusted_proxy)
     except AuthError as error:
         raise ServeError(str(error)) from None
-    logins = None
-    if int(os.environ.get("RANK", "0")) == 0:  # logins are rank 0's business alone
+    logins = api_keys = None
+    if int(os.environ.get("RANK", "0")) == 0:  # logins and keys are rank 0's business alone
         try:
             logins = read_logins(args.auth, args.auth_file)
+            api_keys = read_api_keys(args.api_key_file) if args.api_key_file else None
         except AuthError as error:
             raise ServeError(str(error)) from None
-    return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies)
+    return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies,
+                     api_keys=api_keys)
 
 
 def check_port(host: str, port: int) -> None:
@@ -185,16 +199,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from app.runtime import start_runtime
 
-    with stop_on_signals() as stop, start_runtime(plan.models, run_options(args), stop=stop) as runtime:
+    with stop_on_signals() as stop, start_runtime(plan.models, run_options(args), stop=stop,
+                                                  replicas=args.replicas) as runtime:
         if not runtime.is_main:
-            runtime.service.follow()
+            runtime.follow()
             return 0
         # Gradio's cache (uploads, and copies of the results it serves) in a folder of this server's, read by
         # Gradio when it is imported (just below): removed on exit, and by the next start after a SIGKILL.
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
         os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
         from app.budget import RequestBudget, counted_work
-        from app.jobs import JobQueue, serve_jobs
+        from app.jobs import JobQueue, Worker, serve_jobs
         from app.outputs import ResultsFolder
         from app.ui import Server, build_ui
         from app.uploads import Uploads
@@ -224,8 +239,8 @@ def run_serve(args: argparse.Namespace) -> int:
             message = runtime.service.lost_message()
             lost = bool(runtime.service.dead_ranks(wait=0.0))
             reason = f"the server {'lost a rank and is ending' if lost else 'is shutting down'}: {message}"
-            if jobs.current is not None:
-                jobs.current.fail(reason)
+            for job in jobs.running():
+                job.fail(reason)
             jobs.close(reason)
             time.sleep(CLIENT_GRACE_SECONDS)
             remove_files()
@@ -238,6 +253,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
         gr.set_static_paths([out_dir])
         demo = build_ui(runtime, server)
+        # The API's routes come first in the app, so that none of Gradio's answers under /v1; failed keys and
+        # failed UI logins count together.
+        from app.openai_api import PREFIX, api_access, api_routes
+
+        failures = LoginFailures()
+        routes = api_routes(runtime, server, api_access(plan.api_keys, bool(plan.logins), failures),
+                            int(args.max_upload_mb * 1e6))
         trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as Gradio starts it, just below
         try:
             try:
@@ -246,13 +268,16 @@ def run_serve(args: argparse.Namespace) -> int:
                     auth=[tuple(login) for login in plan.logins] if plan.logins else None,
                     prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
                     quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
-                    app_kwargs={"middleware": [Middleware(LoginThrottle)]},
+                    app_kwargs={"middleware": [Middleware(LoginThrottle, failures=failures)], "routes": routes},
                 )
             except OSError as error:
                 raise ServeError(f"cannot listen on {args.host}:{args.port}: {error}") from None
             print(f"serving on {local_url}" + (f" and {share_url}" if share_url else "")
+                  + f" (OpenAI-compatible API: {local_url.rstrip('/')}{PREFIX})"
                   + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
-            serve_jobs(runtime.service, jobs, stop, budget)
+            serve_jobs(runtime.service, jobs, stop, budget,
+                       [Worker(run=group.run, label=group.label, plan=runtime.plan) for group in runtime.remote_groups()],
+                       local_label=runtime.group_label(0), plan=runtime.plan)
         except RankLost:
             # Let the handler threads hand the failure to their pages before the server closes.
             time.sleep(CLIENT_GRACE_SECONDS)

@@ -18,27 +18,22 @@ generate endpoints return (media path, file path, settings, status line, seed us
 from __future__ import annotations
 
 import asyncio
-import re
-import secrets
 import time
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import gradio as gr
 from gradio.context import LocalContext
 
-from app.budget import RequestBudget, duration
 from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
-from app.outputs import RecentResults, ResultsFolder, settings_of
-from app.runtime import Runtime, ServedModel
-from app.stage_times import LastStages
-from app.uploads import Uploads
 from app.lockstep import Generation
-from pipelines.requests import RequestError, make_request
+from app.outputs import RecentResults
+from app.runtime import Runtime, ServedModel
+from app.submit import Server, public_message, random_seed, submit, write
+from pipelines.requests import RequestError
 
-RANDOM_SEED_LIMIT = 2**32
+__all__ = ["Server", "build_ui", "owner_of", "public_message", "queue_status"]
+
 EVENT_POLL_SECONDS = 0.05
 """How often a waiting handler looks at its job's events and at its client."""
 MAX_MEDIA_PX = 512
@@ -55,19 +50,6 @@ CSS = f"""
   max-height: {MAX_MEDIA_PX}px !important; object-fit: contain; margin: 0 auto; display: block;
 }}
 """
-
-
-@dataclass(frozen=True, kw_only=True)
-class Server:
-    """What the handlers share: the queue, the time limit, the results folder and the uploads in use."""
-
-    jobs: JobQueue
-    budget: RequestBudget
-    results: ResultsFolder
-    uploads: Uploads
-    recent: RecentResults = field(default_factory=RecentResults)
-    last_stages: LastStages = field(default_factory=LastStages)
-    """Stage seconds of the last result written (its write included): the status line's."""
 
 
 def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
@@ -113,7 +95,7 @@ def queue_status(jobs: JobQueue, names: dict[str, str]) -> str:
     """What runs and what waits, e.g. "running tiny-flux 512x512, step 3 of 8, 1.2 s of about 3.0 s · 2 waiting:
     tiny-cosmos 128x128, 17 frames, 8 steps; tiny-flux 256x256, 8 steps"."""
     running, waiting = jobs.snapshot()
-    line = f"running {running.describe(names[running.model])}" if running is not None else "idle"
+    line = "; ".join(f"running {job.describe(names[job.model])}" for job in running) or "idle"
     if waiting:
         shown = "; ".join(job.describe(names[job.model]) for job in waiting[:STATUS_WAITING_SHOWN])
         more = f"; and {len(waiting) - STATUS_WAITING_SHOWN} more" if len(waiting) > STATUS_WAITING_SHOWN else ""
@@ -338,45 +320,23 @@ class _Progress:
         self._progress((self._steps, self._steps), desc="writing", unit="steps")
 
 
-async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random_seed: bool, owner: str,
+async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random: bool, owner: str,
                     **fields: Any) -> tuple[Path, dict[str, Any]]:
     """Validate, queue, wait (relaying progress), write the file; returns its path and its settings.
 
     An upload the request brings is deleted once the request has ended (or was refused).
     """
-    if random_seed:
-        fields["seed"] = secrets.randbelow(RANDOM_SEED_LIMIT)
-    upload = fields.get("condition")
-    release = None
-    if upload:
-        server.uploads.use(upload)
-        release = partial(server.uploads.release, upload)
-    job = None
+    if random:
+        fields["seed"] = random_seed()
     try:
-        request = await asyncio.to_thread(make_request, model.spec, model.limits, **fields)
-        estimate = await asyncio.to_thread(server.budget.check, model.key, request)  # counts FLOPs: off the loop
-        job = server.jobs.submit(model.key, request, when_done=release, estimate=estimate)
+        submitted = await submit(model, server, **fields)
     except (RequestError, ServiceClosed, ServiceBusy) as error:
         raise gr.Error(public_message(str(error)), print_exception=False) from None
-    finally:
-        if job is None and release is not None:
-            release()
+    request, estimate = submitted.request, submitted.estimate
     relay = _Progress(progress, request.steps, None if estimate is None else estimate / request.steps)
-    generation = await _wait(job, relay)
+    generation = await _wait(submitted.job, relay)
     relay.writing()
-    # The ranks are on the next job already: this handler's thread writes while they work.
-    write_started = time.perf_counter()
-    path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec,
-                                   generation.computed_steps)
-    settings = settings_of(request, model.spec, generation.computed_steps)
-    settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4),
-                    estimate_seconds=None if estimate is None else round(estimate, 3))
-    if generation.stages is not None:
-        stages = generation.stages.with_write(time.perf_counter() - write_started)
-        server.last_stages.set(stages)
-        settings["stages"] = stages.to_dict()
-    server.recent.add(model.key, owner, path, settings)
-    return path, settings
+    return await write(model, server, submitted, generation, owner)
 
 
 async def _wait(job: Job, relay: _Progress) -> Generation:
@@ -414,12 +374,3 @@ def _client_watch() -> Callable[[], bool]:
     queue = getattr(blocks, "_queue", None)
     event = queue.event_ids_to_events.get(event_id) if queue is not None and event_id else None
     return lambda: event is None or event.alive
-
-
-_SERVER_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s/'\"]+/)+([^\s/'\"]+)")
-
-
-def public_message(text: str) -> str:
-    """`text` with every absolute path cut to its last part: a client is told which file, never where the
-    server keeps it (uploads, results, model folders)."""
-    return _SERVER_PATH.sub(r"\1", text)

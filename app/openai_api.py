@@ -1,0 +1,631 @@
+"""An OpenAI-compatible image and video API under /v1, on the UI's port (rank 0), for the `openai` package.
+
+    POST   /v1/images/generations    text to image (n images: seeds seed, seed + 1, ...)
+    POST   /v1/images/edits          text and a reference image to image (models that take one: FLUX.2)
+    GET    /v1/models                the served models, with their media
+    POST   /v1/videos                a video job (OpenAI's video shape); GET /v1/videos/{id} its status and
+                                     progress, GET /v1/videos/{id}/content its MP4, DELETE stops and forgets it
+    GET    /v1/files/{name}?sig=...  a result by the signed URL of response_format "url"
+
+A request takes the UI's path (app.submit): make_request checks it, the time limit estimates it, it
+waits in the one queue (server.jobs) beside the UI's requests, and its result is written with its
+settings into the results folder. The settings come back in the response (`settings`). Every error is
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so the SDK raises its own classes:
+400 a bad request (param names the field), 401 a wrong key, 403 the API is off, 404 unknown, 409 a
+video not ready, 413 an upload over --max-upload-mb, 429 the queue full (or an address locked out
+after failed keys), 500 a failed generation, 503 a lost rank or a server shutting down. Only a full
+queue is worth retrying: every other error tells the SDK not to (x-should-retry: false).
+
+Keys: with --api-key-file, every /v1 request but a signed file URL needs `Authorization: Bearer KEY`;
+a wrong key is a failed login of its address (app.access). With UI logins but no keys the API is off
+(403): a login protects the UI, and an open API beside it would bypass it. With neither, the API is
+open, as the UI is. Field mapping, and what is ignored or refused: docs/openai-api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import hmac
+import re
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from app.access import LoginFailures
+from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed, Started, Step
+from app.lockstep import Generation
+from app.outputs import RESULT_NAME, settings_of
+from app.runtime import Runtime, ServedModel
+from app.submit import Server, Submitted, public_message, random_seed, submit, write
+from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
+
+PREFIX = "/v1"
+MAX_IMAGES = 10
+"""Most images one request may ask for (n), as OpenAI's own limit."""
+MAX_VIDEOS_KEPT = 256
+"""Video jobs whose ids the server remembers; beyond it the oldest ended ones are forgotten (their files stay
+in the results folder, under its cap)."""
+EVENT_POLL_SECONDS = 0.05
+FIELD_BYTES = 1_000_000
+"""Room for a request's fields besides its upload (a prompt is at most 4000 characters)."""
+
+OUR_FIELDS = {"seed", "steps", "guidance", "negative_prompt", "step_cache"}
+"""This server's own request fields (the SDK's extra_body)."""
+IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_format", "background", "stream"}
+IMAGE_IGNORED = {"quality", "style", "moderation", "output_compression", "user", "safety_identifier",
+                 "partial_images", "input_fidelity"}
+VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames", "fps"}
+FIELD_PARAMS = {"height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
+                "fps": "fps", "steps": "steps", "guidance": "guidance", "seed": "seed", "prompt": "prompt",
+                "step_cache": "step_cache", "input file": "image", "reference image": "image", "model": "image"}
+"""The first words of make_request's problems -> the API field each names (the input: 'image' or
+'input_reference', set per endpoint)."""
+
+
+class ApiError(Exception):
+    """An error a client gets in OpenAI's shape; `retry`: whether the SDK may try again (a full queue)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry: bool = False, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = {**(headers or {}), "x-should-retry": "true" if retry else "false"}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": public_message(self.message), "type": self.type, "param": self.param,
+                          "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def refused(error: Exception, input_param: str = "image", frames_param: str = "frames") -> ApiError:
+    """The ApiError for what submit raises: a bad request (400, naming its field), a full queue (429), a
+    server that stops (503)."""
+    if isinstance(error, ServiceBusy):
+        return ApiError(429, str(error), type="rate_limit_error", code="queue_full", retry=True)
+    if isinstance(error, ServiceClosed):
+        return ApiError(503, str(error), type="server_error", code="server_shutting_down")
+    problem = error.problems[0] if isinstance(error, RequestError) else str(error)
+    param = next((name for words, name in FIELD_PARAMS.items() if problem.startswith(words)), None)
+    param = {"image": input_param, "frames": frames_param}.get(param, param)
+    return bad(str(error), param)
+
+
+@dataclass(kw_only=True)
+class ApiAccess:
+    """Who may use the API: nobody (`off` says why), the holders of `keys`, or (no keys) everyone."""
+
+    keys: list[str] | None
+    failures: LoginFailures
+    off: str | None = None
+
+    def check(self, request: Request) -> None:
+        """ApiError unless `request` may use the API; a wrong key counts as a failed login of its address."""
+        if self.off is not None:
+            raise ApiError(403, self.off, type="permission_error", code="api_off")
+        if self.keys is None:
+            return
+        address = request.client.host if request.client else "unknown"
+        wait = self.failures.lockout(address)
+        if wait > 0:
+            seconds = max(1, round(wait + 0.49))
+            raise ApiError(429, f"too many failed logins from this address: try again in {seconds} s",
+                           type="rate_limit_error", code="too_many_failed_logins",
+                           headers={"retry-after": str(seconds)})
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_bytes = given.strip().encode()
+        valid = False
+        for key in self.keys:  # every key compared, in constant time each
+            valid |= hmac.compare_digest(given_bytes, key.encode())
+        if scheme.lower() != "bearer" or not valid:
+            self.failures.failed(address)
+            raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY; the server's --api-key-file)",
+                           type="authentication_error", code="invalid_api_key")
+        self.failures.succeeded(address)
+
+
+def api_access(keys: list[str] | None, logins: bool, failures: LoginFailures) -> ApiAccess:
+    """Keys when given; else off where the UI asks for a login (an open API would bypass it); else open."""
+    off = None
+    if keys is None and logins:
+        off = ("this server's API is off: its UI asks for a login, and the API needs keys for that "
+               "(start the server with --api-key-file FILE)")
+    return ApiAccess(keys=keys, failures=failures, off=off)
+
+
+@dataclass
+class VideoJob:
+    """A video job of POST /v1/videos, as GET /v1/videos/{id} reports it."""
+
+    id: str
+    model: ServedModel
+    submitted: Submitted
+    created_at: int
+    settings: dict[str, Any]
+    status: str = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    path: Path | None = None
+    error: dict[str, str] | None = None
+    follower: asyncio.Task | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        request = self.submitted.request
+        return {
+            "id": self.id, "object": "video", "model": self.model.spec.name, "status": self.status,
+            "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
+            "expires_at": None, "prompt": request.prompt, "seconds": f"{(request.frames - 1) / request.fps:g}",
+            "size": f"{request.width}x{request.height}", "remixed_from_video_id": None, "error": self.error,
+            "settings": self.settings,
+        }
+
+
+class VideoJobs:
+    """The video jobs the server remembers, by id: the latest MAX_VIDEOS_KEPT, ended ones forgotten first."""
+
+    def __init__(self, keep: int = MAX_VIDEOS_KEPT) -> None:
+        self._keep = keep
+        self._jobs: OrderedDict[str, VideoJob] = OrderedDict()
+
+    def add(self, video: VideoJob) -> None:
+        self._jobs[video.id] = video
+        while len(self._jobs) > self._keep:
+            ended = next((key for key, job in self._jobs.items() if job.status in ("completed", "failed")), None)
+            forgotten = self._jobs.pop(ended if ended is not None else next(iter(self._jobs)))
+            forgotten.submitted.job.cancel("forgotten: the server keeps the latest video jobs alone")
+
+    def get(self, video_id: str) -> VideoJob:
+        video = self._jobs.get(video_id)
+        if video is None:
+            raise ApiError(404, f"no video {video_id!r} (unknown, deleted, or forgotten: the server keeps the "
+                           f"latest {self._keep})", type="not_found_error", param="video_id", code="not_found")
+        return video
+
+    def pop(self, video_id: str) -> VideoJob:
+        video = self.get(video_id)
+        del self._jobs[video_id]
+        return video
+
+
+class FileLinks:
+    """URLs of result files that need no key: /v1/files/NAME?sig=HMAC(NAME), with a secret of this server's life."""
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)
+
+    def signature(self, name: str) -> str:
+        return hmac.new(self._secret, name.encode(), hashlib.sha256).hexdigest()
+
+    def url(self, request: Request, path: Path) -> str:
+        base = str(request.base_url).rstrip("/")
+        return f"{base}{PREFIX}/files/{path.name}?sig={self.signature(path.name)}"
+
+    def valid(self, name: str, signature: str) -> bool:
+        return hmac.compare_digest(self.signature(name), signature)
+
+
+def _limited(request: Request, max_bytes: int) -> Request:
+    """`request`, whose body is refused (413) once more than `max_bytes` of it arrive, whatever it claims."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise _too_large(max_bytes)
+    received = 0
+    receive = request.receive
+
+    async def counted() -> dict[str, Any]:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                raise _too_large(max_bytes)
+        return message
+
+    return Request(request.scope, counted)
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the request is larger than this server's limit of {(max_bytes - FIELD_BYTES) / 1e6:g} MB "
+                    "for an upload (--max-upload-mb)", code="request_too_large")
+
+
+async def _fields(request: Request, max_bytes: int) -> tuple[dict[str, Any], dict[str, list[UploadFile]]]:
+    """A request's fields and files, from a JSON object or a multipart form."""
+    limited = _limited(request, max_bytes)
+    try:
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            form = await limited.form(max_files=8, max_fields=64, max_part_size=FIELD_BYTES)
+            fields: dict[str, Any] = {}
+            files: dict[str, list[UploadFile]] = {}
+            for name, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    files.setdefault(name.removesuffix("[]"), []).append(value)
+                else:
+                    fields[name] = value
+            return fields, files
+        try:
+            body = await limited.json()
+        except ValueError:
+            raise bad("the body is not JSON (send a JSON object, or a multipart form)") from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away") from None
+    except ApiError:
+        raise
+    except Exception as error:  # noqa: BLE001 - Starlette's multipart errors: a malformed form is the client's
+        raise bad(f"the form cannot be read: {error}") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body, {}
+
+
+def _check_fields(fields: dict[str, Any], accepted: set[str]) -> None:
+    unknown = sorted(set(fields) - accepted)
+    if unknown:
+        raise bad(f"unknown field {unknown[0]!r} (docs/openai-api.md lists what this server takes)", unknown[0],
+                  "unknown_parameter")
+
+
+def _model(runtime: Runtime, media: str, name: Any) -> ServedModel:
+    """The served model of `media` that `name` names (None: the one there is)."""
+    model = runtime.models.get(media)
+    served = ", ".join(f"{served.spec.name} ({served.spec.media})" for served in runtime.models.values())
+    if model is None:
+        raise bad(f"this server runs no {media} model (it serves {served})", "model", "model_not_found")
+    if name not in (None, "", model.spec.name):
+        raise bad(f"model {name!r} is not served here; {media}s come from {model.spec.name!r} (served: {served})",
+                  "model", "model_not_found")
+    return model
+
+
+def _size(text: Any) -> tuple[int | None, int | None]:
+    """'WxH' -> (width, height); None or 'auto' -> the model's default."""
+    if text in (None, "", "auto"):
+        return None, None
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", str(text))
+    if match is None:
+        raise bad(f"size must look like WIDTHxHEIGHT (e.g. 512x512) or be 'auto', got {text!r}", "size")
+    return int(match[1]), int(match[2])
+
+
+def _whole(name: str, value: Any) -> int:
+    """`value` (a JSON number or a form's text) as a whole number; 400 naming `name` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    try:
+        number = float(text) if not isinstance(value, bool) else float("nan")
+    except ValueError:
+        number = float("nan")
+    if not number.is_integer():
+        raise bad(f"{name} must be a whole number, got {value!r}", name)
+    return int(number)
+
+
+def _our_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    return {name: fields[name] for name in OUR_FIELDS if name in fields}
+
+
+async def _save_upload(server: Server, upload: UploadFile) -> Path:
+    """An uploaded file in the server's upload folder (a folder of its own, so that its name is the client's)."""
+    name = re.sub(r"[^\w.-]", "_", Path(upload.filename or "input").name)[-100:] or "input"
+    folder = server.uploads.folder / f"api-{uuid.uuid4().hex}"
+    path = folder / name
+
+    def copy() -> None:
+        folder.mkdir()
+        with path.open("wb") as out:
+            while chunk := upload.file.read(1 << 20):
+                out.write(chunk)
+
+    await asyncio.to_thread(copy)
+    return path
+
+
+async def _save_data_url(server: Server, url: str, max_bytes: int) -> Path:
+    """An input given as a base64 data URL (data:image/png;base64,...) in the server's upload folder."""
+    match = re.fullmatch(r"data:(image|video)/([\w.+-]+);base64,(.*)", url.strip(), re.S)
+    if match is None:
+        raise bad("input_reference's image_url must be a base64 data URL (data:image/png;base64,...): this server "
+                  "fetches nothing from the network", "input_reference")
+    try:
+        data = base64.b64decode(match[3], validate=True)
+    except (binascii.Error, ValueError):
+        raise bad("input_reference's data URL is not valid base64", "input_reference") from None
+    if len(data) > max_bytes - FIELD_BYTES:
+        raise _too_large(max_bytes)
+    suffix = {"jpeg": ".jpg", "quicktime": ".mov"}.get(match[2], f".{match[2]}")
+    if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
+        raise bad(f"input_reference's data URL has a type this server does not read ({match[1]}/{match[2]})",
+                  "input_reference")
+    folder = server.uploads.folder / f"api-{uuid.uuid4().hex}"
+    path = folder / f"input_reference{suffix}"
+
+    def save() -> None:
+        folder.mkdir()
+        path.write_bytes(data)
+
+    await asyncio.to_thread(save)
+    return path
+
+
+async def _follow(job: Job, on_step: Callable[[int, int], None] | None = None,
+                  gone: Callable[[], Awaitable[bool]] | None = None) -> Generation:
+    """Wait for `job`'s result without blocking the loop; ApiError if it fails; cancel it if `gone()` says the
+    client left, or if this coroutine is cancelled."""
+    checked = time.monotonic()
+    try:
+        while True:
+            event = job.next_event(timeout=0)
+            if event is None:
+                if gone is not None and job.cancelled is None and time.monotonic() - checked > 0.5:
+                    checked = time.monotonic()
+                    if await gone():
+                        job.cancel("the client went away")
+                await asyncio.sleep(EVENT_POLL_SECONDS)
+            elif isinstance(event, Step) and on_step is not None:
+                on_step(event.done, event.total)
+            elif isinstance(event, Failed):
+                raise _failed(event.message)
+            elif isinstance(event, Finished):
+                return event.generation
+            elif isinstance(event, Started) and on_step is not None:
+                on_step(0, job.request.steps)
+    except asyncio.CancelledError:
+        job.cancel("cancelled by the client")
+        raise
+
+
+def _failed(message: str) -> ApiError:
+    # app.jobs and app.serve say "the server lost a rank ..." / "the server is shutting down": nothing to retry here
+    if message.startswith("the server"):
+        return ApiError(503, message, type="server_error", code="server_unavailable")
+    return ApiError(500, message, type="server_error", code="generation_failed")
+
+
+def _endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiAccess | None
+              ) -> Callable[[Request], Awaitable[Response]]:
+    """`handler` behind the key check (None: no check), its ApiErrors answered in OpenAI's shape."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if access is not None:
+                access.check(request)
+            return await handler(request)
+        except ApiError as error:
+            return error.response()
+
+    return endpoint
+
+
+def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int) -> list[BaseRoute]:
+    """The /v1 routes for `runtime`'s models, sharing `server` (queue, time limit, results, uploads) with the UI."""
+    max_bytes = max_upload_bytes + FIELD_BYTES
+    links = FileLinks()
+    videos = VideoJobs()
+    created = int(time.time())
+
+    async def models(request: Request) -> Response:
+        data = [{"id": model.spec.name, "object": "model", "created": created, "owned_by": "ulysses-studio",
+                 "media": model.spec.media, "default_size": f"{model.spec.width}x{model.spec.height}",
+                 "size_multiple": model.limits.size_multiple, "takes_input": model.limits.reference_image
+                 or model.spec.media == "video"} for model in runtime.models.values()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def images(request: Request, fields: dict[str, Any], condition: Path | None) -> Response:
+        accepted = IMAGE_FIELDS | IMAGE_IGNORED | OUR_FIELDS | ({"image"} if condition is not None else set())
+        _check_fields(fields, accepted)
+        model = _model(runtime, "image", fields.get("model"))
+        count = 1 if fields.get("n") in (None, "") else _whole("n", fields["n"])
+        if not 1 <= count <= MAX_IMAGES:
+            raise bad(f"n must be between 1 and {MAX_IMAGES}, got {count}", "n")
+        response_format = fields.get("response_format") or "b64_json"
+        if response_format not in ("b64_json", "url"):
+            raise bad(f"response_format must be 'b64_json' or 'url', got {response_format!r}", "response_format")
+        if fields.get("output_format") not in (None, "", "png"):
+            raise bad("output_format: this server writes PNG alone", "output_format", "unsupported_value")
+        if fields.get("background") == "transparent":
+            raise bad("background: this server's images are opaque", "background", "unsupported_value")
+        if fields.get("stream") not in (None, False, "false", "False"):
+            raise bad("stream: this server answers once the images are made (no partial images)", "stream",
+                      "unsupported_value")
+        width, height = _size(fields.get("size"))
+        seed = random_seed() if fields.get("seed") in (None, "") else _whole("seed", fields["seed"])
+        ours = {**_our_fields(fields), "seed": seed}
+        submitted: list[Submitted] = []
+        try:
+            for index in range(count):
+                ours["seed"] = seed + index
+                submitted.append(await submit(model, server, prompt=fields.get("prompt"), width=width, height=height,
+                                              condition=None if condition is None else str(condition), **ours))
+        except (RequestError, ServiceBusy, ServiceClosed) as error:
+            for queued in submitted:
+                queued.job.cancel("another image of its request was refused")
+            raise refused(error) from None
+        data = []
+        try:
+            for queued in submitted:
+                generation = await _follow(queued.job, gone=request.is_disconnected)
+                path, settings = await write(model, server, queued, generation)
+                item: dict[str, Any] = {"revised_prompt": None, "settings": settings}
+                if response_format == "url":
+                    item["url"] = links.url(request, path)
+                else:
+                    item["b64_json"] = base64.b64encode(await asyncio.to_thread(path.read_bytes)).decode()
+                data.append(item)
+        except BaseException:
+            for queued in submitted:  # one failed, or the client left: the rest are not wanted either
+                queued.job.cancel("another image of its request failed")
+            raise
+        request_ = submitted[0].request
+        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
+                             "size": f"{request_.width}x{request_.height}", "background": "opaque"})
+
+    async def generations(request: Request) -> Response:
+        fields, files = await _fields(request, max_bytes)
+        if files:
+            raise bad("images/generations takes no file: send a reference image to images/edits", "image")
+        return await images(request, fields, None)
+
+    async def edits(request: Request) -> Response:
+        fields, files = await _fields(request, max_bytes)
+        if "mask" in files or "mask" in fields:
+            raise bad("mask: this server does not inpaint; the image is a reference for the whole picture", "mask",
+                      "unsupported_value")
+        given = files.get("image", [])
+        if len(given) != 1 or set(files) - {"image"}:
+            raise bad(f"images/edits takes one reference image (field 'image'), got {len(given)}", "image")
+        model = _model(runtime, "image", fields.get("model"))
+        if not model.limits.reference_image:
+            raise bad(f"model '{model.spec.name}' makes images from text alone; it takes no input image", "image")
+        path = await _save_upload(server, given[0])
+        await given[0].close()
+        server.uploads.use(path)  # this handler's hold; each job takes its own (app.submit)
+        try:
+            return await images(request, fields, path)
+        finally:
+            await asyncio.to_thread(server.uploads.release, path)
+
+    async def create_video(request: Request) -> Response:
+        fields, files = await _fields(request, max_bytes)
+        reference = fields.pop("input_reference[image_url]", None) or fields.pop("input_reference", None)
+        if isinstance(reference, dict):
+            reference = reference.get("image_url")
+            if reference is None:
+                raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
+                          "input_reference")
+        if "input_reference[file_id]" in fields:
+            raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
+                      "input_reference")
+        _check_fields(fields, VIDEO_FIELDS | OUR_FIELDS)
+        if set(files) - {"input_reference"} or len(files.get("input_reference", [])) > 1:
+            raise bad("a video request takes one file, input_reference", "input_reference")
+        model = _model(runtime, "video", fields.get("model"))
+        width, height = _size(fields.get("size"))
+        fps = None if fields.get("fps") in (None, "") else _whole("fps", fields["fps"])
+        frames = None if fields.get("frames") in (None, "") else _whole("frames", fields["frames"])
+        if fields.get("seconds") not in (None, ""):
+            if frames is not None:
+                raise bad("give seconds or frames, not both", "frames")
+            frames = _frames_of(fields["seconds"], fps or model.spec.fps, model.limits.frame_multiple)
+        seed = random_seed() if fields.get("seed") in (None, "") else fields["seed"]
+        path = None
+        if files.get("input_reference"):
+            path = await _save_upload(server, files["input_reference"][0])
+            await files["input_reference"][0].close()
+        elif reference is not None:
+            path = await _save_data_url(server, str(reference), max_bytes)
+        if path is not None:
+            server.uploads.use(path)
+        try:
+            submitted = await submit(model, server, prompt=fields.get("prompt"), width=width, height=height,
+                                     frames=frames, fps=fps, condition=None if path is None else str(path),
+                                     **{**_our_fields(fields), "seed": seed})
+        except (RequestError, ServiceBusy, ServiceClosed) as error:
+            raise refused(error, "input_reference", "seconds" if "seconds" in fields else "frames") from None
+        finally:
+            if path is not None:
+                await asyncio.to_thread(server.uploads.release, path)
+        video = VideoJob(id=f"video_{uuid.uuid4().hex}", model=model, submitted=submitted,
+                         created_at=int(time.time()), settings=settings_of(submitted.request, model.spec))
+        video.follower = asyncio.create_task(_run_video(video))
+        videos.add(video)
+        return JSONResponse(video.to_dict())
+
+    async def _run_video(video: VideoJob) -> None:
+        def on_step(done: int, total: int) -> None:
+            video.status = "in_progress"
+            video.progress = min(99, int(100 * done / max(total, 1)))
+
+        try:
+            generation = await _follow(video.submitted.job, on_step)
+            video.path, video.settings = await write(video.model, server, video.submitted, generation)
+            video.status, video.progress, video.completed_at = "completed", 100, int(time.time())
+        except ApiError as error:
+            video.status, video.error = "failed", {"code": error.code or "generation_failed",
+                                                   "message": public_message(error.message)}
+        except Exception as error:  # noqa: BLE001 - a write that failed: the job's client hears it
+            video.status, video.error = "failed", {"code": "write_failed", "message": public_message(str(error))}
+
+    async def retrieve_video(request: Request) -> Response:
+        return JSONResponse(videos.get(request.path_params["video_id"]).to_dict())
+
+    async def video_content(request: Request) -> Response:
+        video = videos.get(request.path_params["video_id"])
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise ApiError(400, f"variant {variant!r}: this server keeps the MP4 alone ('video')", param="variant",
+                           code="unsupported_value")
+        if video.status != "completed":
+            raise ApiError(409, f"video {video.id} is {video.status}" + (f": {video.error['message']}" if video.error
+                           else ": its MP4 is not ready yet"), code="video_not_ready")
+        if video.path is None or not video.path.is_file():
+            raise ApiError(404, f"video {video.id}'s file was removed (the server keeps its latest results: "
+                           "--keep-results)", type="not_found_error", code="not_found")
+        return FileResponse(video.path, media_type="video/mp4")
+
+    async def delete_video(request: Request) -> Response:
+        video = videos.pop(request.path_params["video_id"])
+        video.submitted.job.cancel("deleted by the client")
+        if video.path is not None:
+            await asyncio.to_thread(video.path.unlink, missing_ok=True)
+        return JSONResponse({"id": video.id, "object": "video.deleted", "deleted": True})
+
+    async def result_file(request: Request) -> Response:
+        name = request.path_params["name"]
+        path = server.results.folder / name
+        if not (RESULT_NAME.fullmatch(name) and links.valid(name, request.query_params.get("sig", ""))):
+            raise ApiError(404, "no such file", type="not_found_error", code="not_found")
+        if not path.is_file():
+            raise ApiError(404, f"{name} was removed (the server keeps its latest results: --keep-results)",
+                           type="not_found_error", code="not_found")
+        return FileResponse(path, media_type="image/png" if name.endswith(".png") else "video/mp4")
+
+    async def unknown(request: Request) -> Response:
+        raise ApiError(404, f"no endpoint {request.method} {request.url.path} here (docs/openai-api.md lists them)",
+                       type="not_found_error", code="unknown_url")
+
+    def route(path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
+              keyed: bool = True) -> Route:
+        return Route(f"{PREFIX}{path}", _endpoint(handler, access if keyed else None), methods=methods)
+
+    return [
+        route("/models", models, ["GET"]),
+        route("/images/generations", generations, ["POST"]),
+        route("/images/edits", edits, ["POST"]),
+        route("/videos", create_video, ["POST"]),
+        route("/videos/{video_id}", retrieve_video, ["GET"]),
+        route("/videos/{video_id}", delete_video, ["DELETE"]),
+        route("/videos/{video_id}/content", video_content, ["GET"]),
+        route("/files/{name}", result_file, ["GET"], keyed=False),  # the signature is the key
+        # Anything else under /v1 is this API's to answer (Gradio's routes never see it).
+        route("/{path:path}", unknown, ["GET", "POST", "PUT", "PATCH", "DELETE"], keyed=False),
+    ]
+
+
+def _frames_of(seconds: Any, fps: int, multiple: int) -> int:
+    """A clip of `seconds`: its frames after the first span seconds x fps frame intervals, rounded to the model's
+    grid (1 + a multiple of `multiple`)."""
+    try:
+        length = float(seconds)
+    except (TypeError, ValueError):
+        length = float("nan")
+    if not length > 0 or length == float("inf"):
+        raise bad(f"seconds must be a number above 0, got {seconds!r}", "seconds")
+    return 1 + max(1, round(length * fps / multiple)) * multiple
