@@ -1,0 +1,292 @@
+"""The OpenAI-compatible API (app.openai_api), driven by the official `openai` package.
+
+Most tests share one `launch --nproc 2 serve --api-key-file ... --max-queue 2` server (2 gloo CPU ranks,
+tiny-flux and tiny-cosmos, small sizes and few steps). The image edits, the upload limit, the API that
+is off beside UI logins and the key lockout run in-process: the API's routes on Starlette's test client,
+with a stand-in for the ranks that finishes each job (a FLUX.2 model's limits, no weights).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from gradio_client import Client
+from PIL import Image
+
+from pipelines.media import read_mp4_settings, read_png_settings, read_video
+from tests.helpers import free_port
+from tests.test_app_serve import START_SECONDS, AppProcess
+from tests.test_tiny_quality import PROMPTS
+from training.judge import judge_image
+
+KEY = "test-key-0123456789abcdef"
+MAX_QUEUE = 2
+
+# The SDK warns that OpenAI's own video service is ending; this server's video API is not.
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    keys = root / "keys.txt"
+    keys.write_text(f"# one key a line\n{KEY}\n")
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--out", str(root / "out"),
+                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE))
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        app.url = f"http://127.0.0.1:{port}/"
+        app.out = root / "out"
+        yield app
+    finally:
+        app.stop()
+
+
+def api(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}v1", api_key=key, max_retries=0, timeout=120)
+
+
+def decoded(item) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(item.b64_json))).convert("RGB"))
+
+
+def test_models_lists_the_served_models_with_their_media(server):
+    assert {(model.id, model.media) for model in api(server).models.list().data} == {
+        ("tiny-flux", "image"), ("tiny-cosmos", "video")}
+
+
+def test_image_draws_the_asked_colour_and_brings_its_settings(server):
+    prompt, colour, _ = PROMPTS[0]  # judged as tests/test_tiny_quality.py judges it: default size and steps, seed 0
+    result = api(server).images.generate(model="tiny-flux", prompt=prompt, extra_body={"seed": 0})
+    item = result.data[0]
+    assert judge_image(decoded(item)).colour == colour
+    assert item.settings["seed"] == 0 and item.settings["model"] == "tiny-flux" and result.size == "256x256"
+    written = max(server.out.glob("image-*seed0.png"), key=lambda path: path.stat().st_mtime)
+    assert read_png_settings(written)["prompt"] == prompt
+
+
+def test_n_images_take_consecutive_seeds_and_come_as_urls(server):
+    result = api(server).images.generate(prompt="a small blue star", n=2, size="64x48", response_format="url",
+                                         extra_body={"seed": 5, "steps": 3, "guidance": 3.0})
+    assert [item.settings["seed"] for item in result.data] == [5, 6]
+    images = []
+    for item in result.data:
+        response = httpx.get(item.url)  # a signed URL: no key needed
+        assert response.status_code == 200 and response.headers["content-type"] == "image/png"
+        images.append(Image.open(io.BytesIO(response.content)))
+        assert images[-1].size == (64, 48) and read_png_settings(io.BytesIO(response.content))["seed"] in (5, 6)
+    assert not np.array_equal(np.asarray(images[0]), np.asarray(images[1]))
+    assert httpx.get(result.data[0].url.split("?")[0] + "?sig=0").status_code == 404
+
+
+def test_bad_requests_name_their_field(server):
+    client = api(server)
+    with pytest.raises(openai.BadRequestError, match="height 65 is not a multiple of 16") as error:
+        client.images.generate(prompt="a red circle", size="64x65")
+    assert error.value.param == "size" and error.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="steps must be between") as error:
+        client.images.generate(prompt="a red circle", size="64x64", extra_body={"steps": 0})
+    assert error.value.param == "steps"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.images.generate(prompt="a red circle", extra_body={"colour": "red"})
+    assert error.value.param == "colour" and error.value.code == "unknown_parameter"
+    with pytest.raises(openai.BadRequestError, match="takes no input image") as error:
+        client.images.edit(image=("start.png", b"not used", "image/png"), prompt="a red circle")
+    assert error.value.param == "image"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.videos.create(prompt="a red square", extra_body={"frames": 4})
+    assert error.value.param == "frames"
+    with pytest.raises(openai.BadRequestError, match="not served here") as error:
+        client.images.generate(prompt="a red circle", model="dall-e-3")
+    assert error.value.param == "model"
+
+
+def test_a_wrong_key_is_refused(server):
+    with pytest.raises(openai.AuthenticationError, match="valid API key"):
+        api(server, "not-the-key").models.list()
+    response = httpx.get(f"{server.url}v1/models")  # no key at all
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_full_queue_is_refused_and_the_server_goes_on(server):
+    with pytest.raises(openai.RateLimitError, match="queue is full"):
+        api(server).images.generate(prompt="many", n=MAX_QUEUE + 3, size="64x64", extra_body={"steps": 30})
+    started = time.monotonic()  # the images of the refused request that had been queued are dropped
+    api(server).images.generate(prompt="a red circle", size="64x64", extra_body={"steps": 2})
+    assert time.monotonic() - started < 10
+
+
+def test_video_job_runs_reports_progress_and_downloads_as_mp4(server, tmp_path):
+    client = api(server)
+    video = client.videos.create(prompt="a red square moving right on a white background", model="tiny-cosmos",
+                                 size="64x64", extra_body={"frames": 5, "steps": 3, "seed": 4})
+    assert video.status in ("queued", "in_progress") and video.object == "video" and video.size == "64x64"
+    seen = {video.status}
+    while video.status in ("queued", "in_progress"):
+        time.sleep(0.1)
+        video = client.videos.retrieve(video.id)
+        seen.add(video.status)
+    assert video.status == "completed" and video.progress == 100 and video.completed_at, video
+    assert video.settings["frames"] == 5 and video.settings["seed"] == 4
+    mp4 = tmp_path / "video.mp4"
+    client.videos.download_content(video.id).write_to_file(mp4)
+    frames, fps = read_video(mp4)
+    assert len(frames) == 5 and frames[0].shape == (64, 64, 3) and fps == pytest.approx(8)
+    assert read_mp4_settings(mp4)["seed"] == 4
+    assert client.videos.delete(video.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+
+
+def test_seconds_map_to_frames(server):
+    client = api(server)
+    video = client.videos.create(prompt="a blue circle", size="64x64", seconds="1", extra_body={"steps": 1})
+    assert video.settings["frames"] == 9 and video.seconds == "1"  # 1 s at tiny-cosmos' 8 fps: 8 intervals
+    client.videos.delete(video.id)
+
+
+def test_deleting_a_running_video_frees_the_server_within_two_steps(server):
+    client = api(server)
+    video = client.videos.create(prompt="a long one", size="64x64", extra_body={"frames": 5, "steps": 300})
+    deadline = time.monotonic() + 60
+    while client.videos.retrieve(video.id).progress < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.videos.delete(video.id).deleted
+    line = server.wait_for("deleted by the client", 30)
+    asked, stopped = map(int, re.search(r"asked after step (\d+), stopped at step (\d+)", line).groups())
+    assert stopped - asked <= 2, line
+    started = time.monotonic()
+    client.images.generate(prompt="next", size="64x64", extra_body={"steps": 2})
+    assert time.monotonic() - started < 10
+
+
+def test_an_api_and_a_ui_request_sent_together_are_both_served_in_order(server):
+    def by_api():
+        return api(server).images.generate(prompt="a big red circle", size="64x64", response_format="url",
+                                           extra_body={"seed": 21, "steps": 25})
+
+    def by_ui():
+        time.sleep(0.5)  # after the API's
+        return Client(server.url, verbose=False).predict("a big blue circle", 22, False, 25, 3.5, 64, 64,
+                                                          api_name="/generate_image")
+
+    with ThreadPoolExecutor(2) as pool:
+        from_api, from_ui = pool.submit(by_api), pool.submit(by_ui)
+        api_result, ui_result = from_api.result(timeout=120), from_ui.result(timeout=120)
+    api_file = server.out / api_result.data[0].url.split("/")[-1].split("?")[0]
+    ui_file = Path(ui_result[1])
+    assert api_result.data[0].settings["seed"] == 21 and ui_result[2]["seed"] == 22
+    assert api_file.stat().st_mtime_ns < ui_file.stat().st_mtime_ns  # served in arrival order
+
+
+# In-process: the routes on Starlette's test client, a stand-in for the ranks.
+
+
+@pytest.fixture
+def local(tmp_path):
+    """An API for a FLUX.2 model (a reference image allowed) whose jobs a thread finishes as the ranks would."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from app.access import LoginFailures
+    from app.budget import RequestBudget
+    from app.jobs import JobQueue
+    from app.lockstep import Generation
+    from app.openai_api import api_access, api_routes
+    from app.outputs import ResultsFolder
+    from app.runtime import ServedModel
+    from app.submit import Server
+    from app.uploads import Uploads
+    from pipelines.registry import get_spec
+    from pipelines.requests import MediaLimits
+    from pipelines.work import Work
+
+    (tmp_path / "uploads").mkdir()
+    (tmp_path / "out").mkdir()
+    model = ServedModel(spec=get_spec("flux2-dev"), folder=tmp_path,
+                        limits=MediaLimits(size_multiple=16, max_height=4096, max_width=4096, reference_image=True))
+    server = Server(jobs=JobQueue(4), budget=RequestBudget(None, {"image": lambda request: Work(1.0, 1.0)}),
+                    results=ResultsFolder(tmp_path / "out"), uploads=Uploads(tmp_path / "uploads"))
+    runtime = type("Runtime", (), {"models": {"image": model}})()
+    seen: list = []
+    stop = threading.Event()
+
+    def ranks() -> None:
+        while not stop.is_set():
+            job = server.jobs.take(timeout=0.05)
+            if job is None:
+                continue
+            seen.append((job.request, Path(job.request.condition).is_file() if job.request.condition else None))
+            job.start()
+            job.step(1, 1)
+            image = Image.new("RGB", (job.request.width, job.request.height), (200, 30, 30))
+            job.finish(Generation(result=image, model="image", request=job.request, seconds=0.1, step_seconds=0.1))
+
+    thread = threading.Thread(target=ranks, daemon=True)
+    thread.start()
+
+    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None):
+        failures = failures or LoginFailures()
+        app = Starlette(routes=api_routes(runtime, server, api_access(keys, logins, failures), max_upload_bytes))
+        http = TestClient(app, base_url="http://testserver")
+        return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+
+    reference = tmp_path / "reference.png"
+    Image.new("RGB", (112, 80), (30, 30, 200)).save(reference)
+    yield type("Local", (), {"client": staticmethod(client), "seen": seen, "server": server,
+                             "reference": reference, "tmp": tmp_path})()
+    stop.set()
+    thread.join()
+
+
+def test_an_edit_brings_its_reference_image_to_the_request(local):
+    result = local.client().images.edit(image=local.reference.open("rb"), prompt="make it red", size="64x48",
+                                        extra_body={"seed": 3, "steps": 2})
+    request, present = local.seen[-1]
+    assert present and Path(request.condition).name == "reference.png"  # the upload, there while it ran
+    assert (request.prompt, request.width, request.height, request.seed, request.steps) == ("make it red", 64, 48, 3, 2)
+    assert result.data[0].settings["condition"] == "reference.png" and result.data[0].settings["model"] == "flux2-dev"
+    assert decoded(result.data[0]).shape == (48, 64, 3)
+    assert not any(local.server.uploads.folder.iterdir())  # the upload is gone once used
+    with pytest.raises(openai.BadRequestError, match="does not inpaint") as error:
+        local.client().images.edit(image=local.reference.open("rb"), mask=local.reference.open("rb"), prompt="x")
+    assert error.value.param == "mask"
+
+
+def test_an_upload_over_the_limit_is_refused_with_413(local):
+    big = io.BytesIO(b"\0" * 1_200_000)
+    with pytest.raises(openai.APIStatusError, match="--max-upload-mb") as error:
+        local.client(max_upload_bytes=100_000).images.edit(image=("big.png", big, "image/png"), prompt="x")
+    assert error.value.status_code == 413
+    assert not any(local.server.uploads.folder.iterdir())
+
+
+def test_the_api_is_off_beside_ui_logins_without_keys(local):
+    with pytest.raises(openai.PermissionDeniedError, match="--api-key-file"):
+        local.client(logins=True).models.list()
+    assert local.client(keys=None, logins=False).models.list().data[0].id == "flux2-dev"  # no login at all: open
+
+
+def test_failed_keys_lock_the_address_out_as_failed_logins_do(local):
+    from app.access import FREE_FAILURES, LoginFailures
+
+    failures = LoginFailures()
+    for _ in range(FREE_FAILURES):
+        with pytest.raises(openai.AuthenticationError):
+            local.client(keys=[KEY], key="wrong-key-0123456789", failures=failures).models.list()
+    with pytest.raises(openai.RateLimitError, match="too many failed logins"):
+        local.client(keys=[KEY], failures=failures).models.list()  # the right key too, while locked out
+    assert failures.lockout("testclient") > 0
