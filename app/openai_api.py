@@ -58,6 +58,8 @@ MAX_VIDEOS_KEPT = 256
 """Video jobs whose ids the server remembers; beyond it the oldest ended ones are forgotten (their files stay
 in the results folder, under its cap)."""
 EVENT_POLL_SECONDS = 0.05
+POLL_AFTER_MS = 500
+"""How often the SDK's videos.poll asks for a job's status (it reads the openai-poll-after-ms header)."""
 FIELD_BYTES = 1_000_000
 """Room for a request's fields besides its upload (a prompt is at most 4000 characters)."""
 
@@ -564,7 +566,8 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
             video.status, video.error = "failed", {"code": "write_failed", "message": public_message(str(error))}
 
     async def retrieve_video(request: Request) -> Response:
-        return JSONResponse(videos.get(request.path_params["video_id"]).to_dict())
+        return JSONResponse(videos.get(request.path_params["video_id"]).to_dict(),
+                            headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
     async def video_content(request: Request) -> Response:
         video = videos.get(request.path_params["video_id"])

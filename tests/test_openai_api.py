@@ -150,9 +150,10 @@ def test_video_job_runs_reports_progress_and_downloads_as_mp4(server, tmp_path):
         client.videos.retrieve(video.id)
 
 
-def test_seconds_map_to_frames(server):
+def test_seconds_map_to_frames_and_the_sdk_polls_to_the_end(server):
     client = api(server)
-    video = client.videos.create(prompt="a blue circle", size="64x64", seconds="1", extra_body={"steps": 1})
+    video = client.videos.create_and_poll(prompt="a blue circle", size="64x64", seconds="1", extra_body={"steps": 1})
+    assert video.status == "completed"
     assert video.settings["frames"] == 9 and video.seconds == "1"  # 1 s at tiny-cosmos' 8 fps: 8 intervals
     client.videos.delete(video.id)
 
