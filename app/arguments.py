@@ -52,6 +52,14 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
                                  "of an image model that takes one (FLUX.2)")
 
 
+def add_replicas_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=1, metavar="R",
+                        help="split the ranks into R equal groups of consecutive ranks, each with its own plan "
+                             "(--strategy, --cfg-parallel, --tp inside it) and running its own requests side by side: "
+                             "more images an hour for a team or a batch; one group (default) gives each request "
+                             "every rank, the lowest latency")
+
+
 def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: str | None = None) -> None:
     """The RunOptions arguments (read back with run_options); `backend_default` None: by device."""
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=STRATEGIES,

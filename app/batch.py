@@ -1,8 +1,8 @@
 """`ulysses-studio batch PROMPTS --out DIR`: every prompt of a file, on one rank or many, resumable.
 
 Rank 0 reads and validates the file line by line (a bad line is reported with its number; the rest
-go on), skips what the manifest says is already done, and runs the rest through the lockstep service
-with a progress bar. Each file is written under a temporary name and renamed when complete, then
+go on), skips what the manifest says is already done, and queues the rest; each group of ranks (one, or
+--replicas of them, app.groups) takes the next line as it frees up, with a progress bar. Each file is written under a temporary name and renamed when complete, then
 listed in DIR/manifest.jsonl with the seconds of each stage (encode, every step, decode, write). Files
 are written by a writer thread while the ranks generate the next line (an MP4 takes seconds to encode);
 the run waits for the last writes before it ends, interrupted or not. Exit status: 0 when every line is
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.arguments import add_model_arguments, add_parallel_arguments, add_request_arguments, request_fields, run_options
+from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, add_request_arguments,
+                           request_fields, run_options)
 from app.outputs import EXTENSIONS, check_writer, settings_of
 from app.prompt_files import FIELDS, SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
@@ -66,6 +67,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_request_arguments(parser, prompt_required=False)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_replicas_argument(parser)
     add_parallel_arguments(parser)
 
 
@@ -93,12 +95,12 @@ def run_batch(args: argparse.Namespace) -> int:
 
     from app.runtime import start_runtime
 
-    with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], run_options(args),
-                                                  stop=stop) as runtime:
+    with stop_on_signals() as stop, start_runtime([(plan.spec, plan.folder)], run_options(args), stop=stop,
+                                                  replicas=args.replicas) as runtime:
         if not runtime.is_main:
-            runtime.service.follow()
+            runtime.follow()
             return 0
-        return _run_lines(plan, runtime, quiet=args.quiet)
+        return _run_lines(plan, runtime, stop, quiet=args.quiet)
 
 
 def plan_tasks(plan: BatchPlan, manifest) -> tuple[list[Task], int, list[BadLine]]:
@@ -127,10 +129,12 @@ def plan_tasks(plan: BatchPlan, manifest) -> tuple[list[Task], int, list[BadLine
     return tasks, done, bad
 
 
-def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
+def _run_lines(plan: BatchPlan, runtime, stop, *, quiet: bool) -> int:
+    import threading
+
     from tqdm import tqdm
 
-    from app.failures import JobCancelled, JobFailed
+    from app.jobs import Job, JobQueue, Worker, serve_jobs
     from app.manifest import Manifest
 
     plan.out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,28 +144,43 @@ def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
         print(f"{plan.prompts}:{item.line}: skipped: {item.message}", file=sys.stderr)
     written, failed, interrupted = 0, [], False
     writes: list[tuple[Task, Future]] = []
+    lock = threading.Lock()
+    queue = JobQueue(max_waiting=max(1, len(tasks)))
+    task_of: dict[int, Task] = {}
+    for task in tasks:
+        task_of[id(queue.submit(plan.spec.media, task.request))] = task
     with tqdm(total=len(tasks), desc="batch", unit="item", disable=quiet, file=sys.stderr) as bar, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-writer") as writer:
-        try:
-            for task in tasks:
-                bar.set_postfix_str(task.file, refresh=True)
-                try:
-                    generation = runtime.service.run(plan.spec.media, task.request)
-                except JobCancelled:
-                    interrupted = True
-                    break
-                except JobFailed as error:
-                    tqdm.write(f"{plan.prompts}:{task.line}: failed: {error}", file=sys.stderr)
+
+        def ended(job: Job, outcome) -> None:  # in the thread of the group that ran it
+            nonlocal interrupted
+            task = task_of[id(job)]
+            with lock:
+                if isinstance(outcome, str):
+                    if stop.is_set():
+                        interrupted = True  # not done: the next run does it
+                        return
+                    tqdm.write(f"{plan.prompts}:{task.line}: failed: {outcome}", file=sys.stderr)
                     failed.append(task.line)
                     bar.update()
-                    continue
-                while sum(not future.done() for _, future in writes) >= WRITES_AHEAD:
-                    next(future for _, future in writes if not future.done()).exception()
-                writes.append((task, writer.submit(_write_line, plan, manifest, task, generation,
-                                                   runtime.world_size)))
+                    return
+                pending = [future for _, future in writes if not future.done()]
+            while len(pending) >= WRITES_AHEAD:  # the next generation waits rather than pile up frames
+                pending[0].exception()
+                pending = [future for future in pending if not future.done()]
+            with lock:
+                writes.append((task, writer.submit(_write_line, plan, manifest, task, outcome, runtime.group_size,
+                                                   job.ran_on)))
+                bar.set_postfix_str(task.file, refresh=False)
                 bar.update()
+
+        try:
+            remote = [Worker(run=group.run, label=group.label, plan=runtime.plan) for group in runtime.remote_groups()]
+            serve_jobs(runtime.service, queue, stop, None, remote, local_label=runtime.group_label(0),
+                       plan=runtime.plan, until_drained=True, on_end=ended)
         finally:
             writer.shutdown(wait=True)  # every result generated is written, interrupted or not
+    interrupted = interrupted or stop.is_set()
     for task, future in writes:
         error = future.exception()
         if error is None:
@@ -179,19 +198,20 @@ def _run_lines(plan: BatchPlan, runtime, *, quiet: bool) -> int:
     return 1 if problems else 0
 
 
-def _write_line(plan: BatchPlan, manifest, task: Task, generation, ranks: int) -> None:
-    """The writer thread's work for one line: the file under a temporary name, renamed, then its manifest entry."""
+def _write_line(plan: BatchPlan, manifest, task: Task, generation, ranks: int, ran_on: dict[str, str] | None) -> None:
+    """The writer thread's work for one line: the file under a temporary name, renamed, then its manifest entry
+    (`ran_on`: the group and plan that made it, where the ranks form several groups)."""
     from app.outputs import write_result
 
     started = time.perf_counter()
     partial = plan.out_dir / f".partial-{task.file}"
-    write_result(generation.result, partial, task.request, plan.spec, generation.computed_steps)
+    write_result(generation.result, partial, task.request, plan.spec, generation.computed_steps, ran_on)
     os.replace(partial, plan.out_dir / task.file)
     stages = generation.stages.with_write(time.perf_counter() - started) if generation.stages else None
     manifest.append({
         "line": task.line, "file": task.file, "prompts": str(plan.prompts),
         "settings": settings_of(task.request, plan.spec), "seconds": round(generation.seconds, 3),
         "step_seconds": round(generation.step_seconds, 4), "computed_steps": generation.computed_steps,
-        "stages": stages.to_dict() if stages else None, "ranks": ranks,
+        "stages": stages.to_dict() if stages else None, "ranks": ranks, **(ran_on or {}),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })

@@ -68,6 +68,10 @@ class Job:
         """Seconds the server's cost model expects it to hold the ranks (None: no estimate yet)."""
         self.started_at: float | None = None
         """time.monotonic() when its turn came."""
+        self.group = ""
+        """The group of ranks that runs it ("" when the ranks are one group)."""
+        self.plan = ""
+        """That group's plan (how its ranks split the transformer)."""
         self.cancelled: str | None = None
         """Why the job's client no longer wants it (set once, by cancel)."""
         self.steps_done = 0
@@ -84,7 +88,8 @@ class Job:
             self.cancelled_after = self.steps_done
             self.cancelled = reason
 
-    def start(self) -> None:
+    def start(self, group: str = "", plan: str = "") -> None:
+        self.group, self.plan = group, plan
         self.started_at = time.monotonic()
         self._events.put(Started())
 
@@ -96,7 +101,8 @@ class Job:
         if self.started_at is None:
             return f"{name} {size}, {request.steps} steps" + (f" (about {duration(self.estimate)})" if about else "")
         elapsed = (time.monotonic() if now is None else now) - self.started_at
-        return f"{name} {size}, step {self.steps_done} of {request.steps}, {duration(elapsed)}{about}"
+        where = f" on {self.group}" if self.group else ""
+        return f"{name} {size}, step {self.steps_done} of {request.steps}, {duration(elapsed)}{about}{where}"
 
     def step(self, done: int, total: int) -> None:
         self.steps_done = done
@@ -107,6 +113,11 @@ class Job:
 
     def fail(self, message: str) -> None:
         self._end(Failed(message))
+
+    @property
+    def ran_on(self) -> dict[str, str] | None:
+        """Where the ranks form several groups: which group and plan ran it (for its file, settings, manifest)."""
+        return {"group": self.group, "plan": self.plan} if self.group else None
 
     @property
     def ended(self) -> bool:
@@ -138,9 +149,9 @@ class JobQueue:
         self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
         self._closed_because: str | None = None
-        self.current: Job | None = None
-        """The job the main loop took last: what a SIGTERM that finds the main thread stuck must fail
-        (app.serve's abandon)."""
+        self._taken: list[Job] = []
+        """Jobs taken by a group (the ended ones are dropped as more are taken): what runs, and what a
+        SIGTERM that finds the main thread stuck must fail (app.serve's abandon)."""
 
     def submit(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None,
                estimate: float | None = None) -> Job:
@@ -156,26 +167,47 @@ class JobQueue:
             self._queue.put(job)
         return job
 
-    def snapshot(self) -> tuple[Job | None, list[Job]]:
-        """The running job (None when idle) and the jobs still wanted that wait, in order (for the status line)."""
-        with self._queue.mutex:  # a consistent copy of the waiting line; queue.Queue keeps it in a deque
+    def snapshot(self) -> tuple[list[Job], list[Job]]:
+        """The running jobs and the jobs still wanted that wait, in order (for the status line)."""
+        with self._lock, self._queue.mutex:  # a consistent copy; queue.Queue keeps its line in a deque
             waiting = [job for job in self._queue.queue if job.cancelled is None]
-        current = self.current
-        running = current if current is not None and current.started_at is not None and not current.ended else None
+            running = [job for job in self._taken if not job.ended]
         return running, waiting
 
-    def take(self, timeout: float) -> Job | None:
-        """The next job that is still wanted (now the current one), or None if none arrives within `timeout`
-        seconds. Cancelled ones are failed with their reason on the way."""
+    def take(self, timeout: float, on_take: Callable[[], None] | None = None) -> Job | None:
+        """The next job that is still wanted (now a running one), or None if none arrives within `timeout`
+        seconds. Cancelled ones are failed with their reason on the way. `on_take` runs as a job is taken,
+        under the queue's lock (so that a job is never seen neither waiting nor taken)."""
         while True:
-            try:
-                job = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            if job.cancelled is None:
-                self.current = job
-                return job
+            with self._lock:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    job = None
+                if job is not None and job.cancelled is None:
+                    self._taken.append(job)
+                    self._taken = [taken for taken in self._taken if not taken.ended]
+                    if on_take is not None:
+                        on_take()
+                    return job
+            if job is None:
+                if timeout <= 0:
+                    return None
+                wait = min(timeout, 0.02)
+                time.sleep(wait)
+                timeout -= wait
+                continue
             job.fail(job.cancelled)
+
+    def waiting(self) -> int:
+        """How many jobs wait (cancelled ones included until their turn comes)."""
+        with self._lock:
+            return self._queue.qsize()
+
+    def running(self) -> list[Job]:
+        """The jobs taken and not yet ended, oldest first."""
+        with self._lock:
+            return [job for job in self._taken if not job.ended]
 
     def close(self, reason: str) -> None:
         """Refuse new jobs and fail the waiting ones with `reason`."""
@@ -188,45 +220,103 @@ class JobQueue:
                 return
 
 
-def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, budget: RequestBudget) -> None:
-    """Rank 0's main loop: run queued jobs on all ranks until `stop` is set; heartbeat while idle.
+@dataclass(frozen=True)
+class Worker:
+    """One group of ranks as the queue sees it: its run (LockstepService.run on rank 0's own group,
+    app.groups.RemoteGroup.run on another) and its label ("" when the ranks are one group)."""
 
-    A running job stops at the next step when its client cancels it or `budget` says it is over the
-    server's time limit. A failed or stopped request is reported to its job and the loop goes on;
-    RankLost ends the loop (and the run).
+    run: Callable[..., Generation]
+    label: str = ""
+    plan: str = ""
+
+
+JobCallback = Callable[[Job, "Generation | str"], None]
+"""Called in the worker's thread when a job ends: with its Generation, or with why it failed."""
+
+
+def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, budget: RequestBudget | None,
+               remote: Iterable[Worker] = (), *, local_label: str = "", plan: str = "", until_drained: bool = False,
+               on_end: JobCallback | None = None) -> None:
+    """Rank 0's main loop: run queued jobs until `stop` is set (or, `until_drained`, until none waits or runs),
+    each on the first group free: rank 0's own (`service`, in this thread, which heartbeats it while idle) and
+    every `remote` one (a thread each). Then the queue is closed.
+
+    A running job stops at the next step when its client cancels it or `budget` says it is over the server's
+    time limit. A failed or stopped request is reported to its job and the loop goes on; RankLost, in any
+    group, ends the loop (and the run).
     """
-    try:
-        while not stop.is_set():
-            job = jobs.take(timeout=POLL_SECONDS)
+    lost: list[RankLost] = []
+    remote = list(remote)
+    busy: set[int] = set()
+
+    def over() -> bool:
+        if stop.is_set() or lost:
+            return True
+        return until_drained and jobs.waiting() == 0 and not busy
+
+    def work(worker: Worker, index: int, idle: Callable[[], None]) -> None:
+        while not over():
+            job = jobs.take(timeout=POLL_SECONDS, on_take=lambda: busy.add(index))
             if job is None:
-                service.keep_alive()
+                idle()
                 continue
-            job.start()
-            clock = RequestClock(steps=job.request.steps, decode_seconds=budget.decode_estimate(job.model, job.request))
-
-            def should_stop(done: int, total: int, job: Job = job, clock: RequestClock = clock) -> str | None:
-                if done:
-                    clock.step()
-                if job.cancelled is not None:
-                    return f"{job.cancelled} (asked after step {job.cancelled_after}, stopped at step {done} of {total})"
-                return budget.overrun(clock, done)
-
             try:
-                generation = service.run(job.model, job.request, on_step=job.step, should_stop=should_stop)
+                _run_job(worker, job, budget, on_end)
             except RankLost as error:
-                job.fail(f"the server lost a rank and is ending: {error}")
-                raise
-            except JobCancelled as error:
-                print(f"{job.model} request stopped: {error}", file=sys.stderr, flush=True)
-                job.fail(str(error))
-                continue
-            except JobFailed as error:
-                job.fail(str(error))
-                continue
-            _record(budget, job.model, job.request, clock, generation)
-            job.finish(generation)
+                lost.append(error)
+                stop.set()
+                return
+            finally:
+                busy.discard(index)
+
+    threads = [threading.Thread(target=work, args=(worker, index, lambda: None), name=f"group-{index + 1}",
+                                daemon=True) for index, worker in enumerate(remote, 1)]
+    try:
+        for thread in threads:
+            thread.start()
+        work(Worker(run=service.run, label=local_label, plan=plan), 0, service.keep_alive)
+        for thread in threads:
+            while thread.is_alive():  # the other groups end their requests (a stop reaches them too)
+                thread.join(timeout=POLL_SECONDS)
+                if lost:
+                    break
+        if lost:
+            raise lost[0]
     finally:
         jobs.close("the server is shutting down")
+
+
+def _run_job(worker: Worker, job: Job, budget: RequestBudget | None, on_end: JobCallback | None) -> None:
+    """Run one job on `worker`'s group and report its end to the job (and to `on_end`); raises RankLost."""
+    job.start(worker.label, worker.plan)
+    decode = budget.decode_estimate(job.model, job.request) if budget is not None else 0.0
+    clock = RequestClock(steps=job.request.steps, decode_seconds=decode)
+
+    def should_stop(done: int, total: int) -> str | None:
+        if done:
+            clock.step()
+        if job.cancelled is not None:
+            return f"{job.cancelled} (asked after step {job.cancelled_after}, stopped at step {done} of {total})"
+        return budget.overrun(clock, done) if budget is not None else None
+
+    try:
+        generation = worker.run(job.model, job.request, on_step=job.step, should_stop=should_stop)
+    except RankLost as error:
+        job.fail(f"the server lost a rank and is ending: {error}")
+        raise
+    except JobFailed as error:  # JobCancelled too
+        if isinstance(error, JobCancelled):
+            print(f"{job.model} request stopped{f' on {worker.label}' if worker.label else ''}: {error}",
+                  file=sys.stderr, flush=True)
+        if on_end is not None:
+            on_end(job, str(error))
+        job.fail(str(error))
+        return
+    if budget is not None:
+        _record(budget, job.model, job.request, clock, generation)
+    if on_end is not None:
+        on_end(job, generation)
+    job.finish(generation)
 
 
 def _record(budget: RequestBudget, model: str, request: GenerationRequest, clock: RequestClock,

@@ -64,6 +64,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory per GPU to plan for, in GiB (default: the least free memory of the visible GPUs; "
                              "none on a machine without one): without --tp, the command runs with the smallest tp "
                              "degree whose weights fit, and a model that fits no degree is refused before loading")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="hosts taking part (default 1): run the same launch command on each, with its own "
+                             "--node-rank, --nproc ranks on each (docs/hosts.md)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="K",
+                        help="this host's place, 0 to N-1: host 0 holds rank 0, which serves the UI and the API")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="with several hosts: host 0's address and a free port there, where the hosts meet")
     parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND ...",
                         help=f"one of {', '.join(LAUNCHABLE)} and its arguments")
 
@@ -82,15 +89,44 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun_command(nproc: int, command_line: list[str], port: int) -> list[str]:
+def torchrun_command(nproc: int, command_line: list[str], port: int, *, nnodes: int = 1, node_rank: int = 0,
+                     address: str = "127.0.0.1") -> list[str]:
     """The torchrun command line (app.torchrun: torchrun that exits at once) that starts `nproc` ranks of
-    `python -m app COMMAND ...`."""
+    `python -m app COMMAND ...` on this host, host `node_rank` of `nnodes` meeting at address:port.
+
+    The hosts meet by torchrun's static rendezvous: host K's ranks are K*nproc ... K*nproc+nproc-1, so rank 0,
+    which serves the UI, is on host 0, and a group of consecutive ranks stays inside a host."""
     return [
         sys.executable, "-m", "app.torchrun",
-        f"--nproc-per-node={nproc}", "--nnodes=1", "--max-restarts=0",
-        "--master-addr=127.0.0.1", f"--master-port={port}",
+        f"--nproc-per-node={nproc}", f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--max-restarts=0",
+        f"--master-addr={address}", f"--master-port={port}",
         "-m", "app", *command_line,
     ]
+
+
+def check_hosts(args: argparse.Namespace, inner: argparse.Namespace, nproc: int) -> tuple[str, int]:
+    """The rendezvous address and port of a launch on several hosts (this host's own free port for one), and
+    LaunchError where a group's context parallelism or tp would have to span hosts."""
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise LaunchError(f"--node-rank must be from 0 to --nnodes - 1 ({args.nnodes - 1}), got {args.node_rank}")
+    if args.nnodes == 1:
+        return "127.0.0.1", free_port()
+    if not args.rdzv_endpoint or ":" not in args.rdzv_endpoint:
+        raise LaunchError("several hosts meet at --rdzv-endpoint HOST:PORT: host 0's address and a free port there")
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint}: the port must be a number from 1 to 65535")
+    replicas = getattr(inner, "replicas", 1)
+    world = nproc * args.nnodes
+    if world % replicas:
+        raise LaunchError(f"--replicas {replicas}: {world} ranks on {args.nnodes} hosts cannot form equal groups")
+    # A group's cfg halves may span hosts; its sequence and weight splits (ring x ulysses x tp) may not.
+    inside = world // replicas // (2 if inner.cfg_parallel else 1)
+    if inside > nproc or nproc % inside:
+        raise LaunchError(f"{world} ranks on {args.nnodes} hosts in {replicas} group(s): each group's context "
+                          f"parallelism and tp ({inside} ranks) would span hosts; use more --replicas (or "
+                          f"--cfg-parallel), so that it fits in the {nproc} ranks of a host")
+    return host, int(port)
 
 
 def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -101,13 +137,22 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if not command_line or command_line[0] not in LAUNCHABLE:
         raise LaunchError(f"launch needs a command: one of {', '.join(LAUNCHABLE)} (e.g. `launch --nproc 2 serve`)")
     inner = parser.parse_args(command_line)
-    checked = inner.check(inner)  # user mistakes end here, in one line, before any rank starts
+    if inner.command == "serve" and args.node_rank > 0:  # only host 0 listens: its port is none of this host's
+        from app.serve import serve_plan
+
+        checked = serve_plan(inner)
+    else:
+        checked = inner.check(inner)  # user mistakes end here, in one line, before any rank starts
     run_options(inner)
 
     cuda = _cuda_visible()
     nproc = args.nproc if args.nproc is not None else default_nproc()
     if nproc < 1:
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    address, port = check_hosts(args, inner, nproc)
+    replicas = getattr(inner, "replicas", 1)
+    if (nproc * args.nnodes) % replicas:
+        raise LaunchError(f"--replicas {replicas}: --nproc {nproc} ranks cannot form {replicas} equal groups")
     if inner.tp is not None and nproc % inner.tp:
         raise LaunchError(f"--tp {inner.tp} splits the weights over groups of {inner.tp} ranks: --nproc {nproc} is "
                           f"not a multiple of it")
@@ -127,8 +172,10 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             env.pop(AUTH_ENV, None)
             command_line = [*_without_option(command_line, "--auth"), "--auth-file",
                             str(write_private_auth_file(logins, folder / "logins"))]
-        command = torchrun_command(nproc, command_line, free_port())
-        print(f"launch: {nproc} rank{'s' if nproc > 1 else ''} ({'GPU' if cuda else 'CPU, gloo'}): "
+        command = torchrun_command(nproc, command_line, port, nnodes=args.nnodes, node_rank=args.node_rank,
+                                   address=address)
+        hosts = f" on host {args.node_rank} of {args.nnodes}" if args.nnodes > 1 else ""
+        print(f"launch: {nproc} rank{'s' if nproc > 1 else ''}{hosts} ({'GPU' if cuda else 'CPU, gloo'}): "
               f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
         status_file = folder / "exit-status"
         env[EXIT_STATUS_ENV] = str(status_file)

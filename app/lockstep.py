@@ -260,7 +260,7 @@ class LockstepService:
             encoded = pipeline.prepare(request, encoded)
         except Exception as error:  # noqa: BLE001 - agreed just below
             traceback.print_exc()
-            failure = f"rank {self.ctx.rank} (encoding): {_short(error)}"
+            failure = f"rank {self.ctx.global_rank} (encoding): {_short(error)}"
         self._agree(failure)
         encode_seconds = time.perf_counter() - started
 
@@ -281,7 +281,7 @@ class LockstepService:
             raise
         except Exception as error:  # noqa: BLE001 - met by the others at their next agreement point
             try:  # _agree always raises when given a failure: JobFailed, or RankLost
-                self._agree(f"rank {self.ctx.rank}: {_short(error)}")
+                self._agree(f"rank {self.ctx.global_rank}: {_short(error)}")
             except JobFailed:
                 # The run goes on, so the operator gets the whole story in this rank's log.
                 traceback.print_exception(error)
@@ -299,7 +299,7 @@ class LockstepService:
                 result = pipeline.decode(request, latents)
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
-                failure = f"rank {self.ctx.rank} (decoding): {describe(error)}"
+                failure = f"rank {self.ctx.global_rank} (decoding): {describe(error)}"
         if self.ctx.is_distributed:
             reports: list[str | None] = [None] * self.ctx.world_size
             self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
@@ -334,7 +334,7 @@ class LockstepService:
         except Exception as error:  # noqa: BLE001 - a timeout or a closed connection
             if "timed out" in str(error).lower():
                 reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
-                raise RankLost(f"rank {self.ctx.rank}: {reason}") from error
+                raise RankLost(f"rank {self.ctx.global_rank}: {reason}") from error
             raise self._peer_lost(_short(error)) from error
         stop_wanted, failed, cancel_wanted = flags.tolist()
         if failed:
@@ -352,7 +352,7 @@ class LockstepService:
         if not self.ctx.is_distributed:
             return message
         box = [message]
-        self._collective(dist.broadcast_object_list, box, src=0, group=self.ctx.control_group)
+        self._collective(dist.broadcast_object_list, box, group_src=0, group=self.ctx.control_group)
         self._last_contact = time.monotonic()
         return box[0]
 
@@ -370,7 +370,7 @@ class LockstepService:
         """
         if self.dead_ranks(wait=0.0):
             return str(self._peer_lost("this rank was waiting for it when SIGTERM came"))
-        return f"rank {self.ctx.rank}: stopped by SIGTERM while busy"
+        return f"rank {self.ctx.global_rank}: stopped by SIGTERM while busy"
 
     def dead_ranks(self, wait: float = DEAD_RANK_WAIT_SECONDS) -> list[int]:
         """The ranks on this host whose process has exited, looking for up to `wait` seconds (a killed
@@ -379,7 +379,7 @@ class LockstepService:
         deadline = time.monotonic() + wait
         while True:
             dead = [rank for rank, (rank_host, pid) in sorted(self.rank_processes.items())
-                    if rank != self.ctx.rank and rank_host == host and not process_running(pid)]
+                    if rank != self.ctx.global_rank and rank_host == host and not process_running(pid)]
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.02)
@@ -393,7 +393,7 @@ class LockstepService:
             which = f"rank {dead[0]} is gone, its process" if len(dead) == 1 else \
                 f"ranks {', '.join(map(str, dead))} are gone, their processes"
             names = f": {which} killed or crashed"
-        return RankLost(f"rank {self.ctx.rank}: another rank died or closed its connection{names} ({detail})")
+        return RankLost(f"rank {self.ctx.global_rank}: another rank died or closed its connection{names} ({detail})")
 
     def _require_main(self, what: str) -> None:
         if not self.ctx.is_main:

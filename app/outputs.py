@@ -50,10 +50,12 @@ def check_output_path(path: str | Path, spec: ModelSpec) -> Path:
     return path
 
 
-def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None) -> dict[str, Any]:
+def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None,
+                ran_on: dict[str, str] | None = None) -> dict[str, Any]:
     """What a result file records about how it was made; `computed_steps`: of a request run with a step cache,
-    the steps whose transformer blocks all ran (the others reused the cache)."""
-    settings = {"model": spec.name, **request.to_dict()}
+    the steps whose transformer blocks all ran (the others reused the cache); `ran_on`: the group of ranks and
+    the plan that ran it ({"group": ..., "plan": ...}), where the ranks form several groups."""
+    settings = {"model": spec.name, **request.to_dict(), **(ran_on or {})}
     if computed_steps is None:  # run without a step cache: the request's choice had no effect
         settings.pop("step_cache")
     else:
@@ -67,11 +69,11 @@ def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int
 
 
 def write_result(result: Any, path: Path, request: GenerationRequest, spec: ModelSpec,
-                 computed_steps: int | None = None) -> Path:
+                 computed_steps: int | None = None, ran_on: dict[str, str] | None = None) -> Path:
     """Write a pipeline result (PIL image or uint8 frames) to `path` as PNG or MP4, with its settings."""
     from pipelines.media import save_mp4, save_png
 
-    settings = settings_of(request, spec, computed_steps)
+    settings = settings_of(request, spec, computed_steps, ran_on)
     if spec.media == "image":
         return save_png(result, path, settings)
     return save_mp4(result, path, request.fps, settings)
@@ -123,10 +125,12 @@ class ResultsFolder:
         self.cap = cap
         self._lock = threading.Lock()
 
-    def write(self, result: Any, request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None) -> Path:
+    def write(self, result: Any, request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None,
+              ran_on: dict[str, str] | None = None) -> Path:
         """Write a result under a new name (write_result), then hold the folder to its cap."""
         name = f"{spec.media}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"
-        path = write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec, computed_steps)
+        path = write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec, computed_steps,
+                            ran_on)
         self.prune(keep=path)
         return path
 

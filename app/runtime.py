@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -25,6 +25,7 @@ from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import MediaLimits, read_limits, uses_guidance_batch
 
 if TYPE_CHECKING:  # the module stays light to import: torch comes in with start_runtime
+    from app.groups import Link, RemoteGroup
     from app.lockstep import LockstepService
 
 
@@ -46,10 +47,12 @@ class Runtime:
     """What a command needs once its rank has started."""
 
     service: LockstepService
+    """This rank's group's lockstep service."""
     models: dict[str, ServedModel]
     """Service key -> model."""
     world_size: int
     is_main: bool
+    """Rank 0: the rank that talks to the user."""
     plan: str
     """How the ranks split each transformer (its plan), e.g. 'allgather-2, all-to-all copy-engine' or
     'none (1 rank)'."""
@@ -57,6 +60,38 @@ class Runtime:
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
     step_cache: str | None = None
     """The step cache the transformers run with (its label, e.g. 'fbcache:0.08'), or None."""
+    replicas: int = 1
+    """Groups of ranks, each running its own requests (app.groups)."""
+    links: dict[int, Link] = field(default_factory=dict)
+    """Rank 0: its channels with every other group's leader (by group index); such a leader: its own."""
+
+    @property
+    def group_size(self) -> int:
+        return self.world_size // self.replicas
+
+    def group_label(self, replica: int) -> str:
+        """E.g. "group 2 of 2 (ranks 2-3)"; "" with one group."""
+        if self.replicas == 1:
+            return ""
+        first, last = replica * self.group_size, (replica + 1) * self.group_size - 1
+        return f"group {replica + 1} of {self.replicas} ({f'rank {first}' if first == last else f'ranks {first}-{last}'})"
+
+    def remote_groups(self) -> list[RemoteGroup]:
+        """Rank 0: a handle on every group it does not lead."""
+        from app.groups import RemoteGroup
+
+        return [RemoteGroup(link, leader=replica * self.group_size, label=self.group_label(replica))
+                for replica, link in sorted(self.links.items())]
+
+    def follow(self) -> None:
+        """Every rank but 0: take part in the requests until the run ends (a group's leader runs the ones rank 0
+        hands it; the others follow their leader)."""
+        if self.service.ctx.is_main:
+            from app.groups import lead
+
+            lead(self.service, self.links[self.service.ctx.replica])
+        else:
+            self.service.follow()
 
     def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None,
                  stages: StageSeconds | None = None) -> str:
@@ -67,7 +102,10 @@ class Runtime:
         if stages is not None:
             step = stages.describe()
         computed = "" if computed_steps is None else f", {computed_steps[0]} of {computed_steps[1]} steps computed"
-        return (f"model {models} · {self.world_size} rank{'s' if self.world_size > 1 else ''} · "
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        if self.replicas > 1:
+            ranks += f" in {self.replicas} groups of {self.group_size}"
+        return (f"model {models} · {ranks} · "
                 f"plan {self.plan} · backend {self.backend} · last request {step}{computed}")
 
 
@@ -84,9 +122,12 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
 
 
 @contextmanager
-def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, stop: threading.Event
-                  ) -> Iterator[Runtime]:
+def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, stop: threading.Event,
+                  replicas: int = 1) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
+
+    `replicas`: the ranks form that many equal groups, each with its own plan and lockstep service
+    (app.groups); rank 0 leads the first.
 
     Enter it inside app.stopping.stop_on_signals, so that a Ctrl-C during the (long) imports and
     loads is honoured at the first agreement point instead of ending one rank alone.
@@ -107,27 +148,34 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
+    from app.groups import make_links
     from app.lockstep import LockstepService
-    from engines.distributed import init_parallel, shutdown
+    from engines.distributed import init_parallel, shutdown, split_replicas
     from pipelines.factory import default_dtype, load_pipeline
     from pipelines.prompt_cache import PromptCache
 
-    ctx = init_parallel(options.device)
+    world = init_parallel(options.device)
+    ctx = world
     lost = False
     pipelines = {}
     try:
+        if world.world_size % replicas:
+            raise StartupError(f"--replicas {replicas}: {world.world_size} ranks cannot form {replicas} equal groups")
+        ctx = split_replicas(world, replicas)
+        links = make_links(replicas, ctx.world_size, world.rank)
+        per_group = f" per group ({replicas} groups of {ctx.world_size})" if replicas > 1 else ""
         if ctx.world_size % options.tp:
             # Every rank sees the same world size: all of them stop here, before any collective.
             raise StartupError(f"--tp {options.tp} splits the weights over groups of {options.tp} ranks: the number "
-                               f"of ranks must be a multiple of it, this run has {ctx.world_size}")
+                               f"of ranks{per_group} must be a multiple of it, this run has {ctx.world_size}")
         rest = ctx.world_size // options.tp
         if options.cfg_parallel and (rest < 2 or rest % 2):
             needs = "an even number of ranks" if options.tp == 1 else f"an even number of --tp {options.tp} groups"
             raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it needs "
-                               f"{needs}, this run has {rest}")
-        if ctx.device.type == "cpu" and ctx.is_distributed:
+                               f"{needs}{per_group}, this run has {rest}")
+        if ctx.device.type == "cpu" and world.is_distributed:
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
-            torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))))
+            torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))))
         dtype = default_dtype(ctx.device)
         # A checkpoint served under its image and its video name is loaded once, and split as a video model.
         keys = {spec.media: (spec.family, Path(folder).resolve()) for spec, folder in models}
@@ -145,8 +193,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                                                 tp=options.tp, tp_rank=ctx.rank % options.tp)
                 pipelines[spec.media] = loaded[key]
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
-            failure = f"rank {ctx.rank} could not load {spec.name} from {folder}: {describe(error)}"
-        rank_processes = _agree_on_startup(ctx, failure)
+            failure = f"rank {world.rank} could not load {spec.name} from {folder}: {describe(error)}"
+        rank_processes = _agree_on_startup(world, failure)
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
         split_media = sorted(media for media in pipelines if keys[media] in split_keys)
@@ -167,7 +215,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         if options.cache is not None:
             install_step_caches(distinct, ctx, options)
             engine_label += f", cache {options.step_cache.label}"
-        backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if ctx.is_distributed else ""
+        backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if world.is_distributed else ""
         precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
         backend += f"{ctx.device.type}, {precision}, {engine_label}" + (
             f", split VAE ({', '.join(split_media)})" if split_media else "")
@@ -179,9 +227,10 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         served = {spec.media: ServedModel(spec=spec, folder=folder,
                                           limits=read_limits(spec, folder, cfg_parallel=options.cfg_parallel))
                   for spec, folder in models}
-        runtime = Runtime(service=service, models=served, world_size=ctx.world_size, is_main=ctx.is_main,
+        runtime = Runtime(service=service, models=served, world_size=world.world_size, is_main=world.is_main,
                           plan=plan_label, backend=backend,
-                          step_cache=options.step_cache.label if options.cache is not None else None)
+                          step_cache=options.step_cache.label if options.cache is not None else None,
+                          replicas=replicas, links=links)
         try:
             yield runtime
         except RankLost:
@@ -190,13 +239,26 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         finally:
             if ctx.is_main and not lost:
                 service.stop()
+                if world.is_main:
+                    release_groups(links)
     except RankLost:
         lost = True
         raise
     finally:
         if not lost:
             release_engines({id(p): p for p in pipelines.values()}.values())
-            shutdown(ctx)
+            shutdown(world)
+
+
+def release_groups(links: dict[int, Link]) -> None:
+    """Rank 0: tell every other group's leader that the run is over (it releases its group and ends)."""
+    from app.groups import Stop
+
+    for link in links.values():
+        try:
+            link.down.send(Stop())
+        except Exception:  # noqa: BLE001 - a leader that is gone needs no release
+            pass
 
 
 def quantize_transformers(pipelines: Iterable) -> None:
@@ -265,11 +327,9 @@ def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
 
 
 def install_step_caches(pipelines: Iterable, ctx, options: RunOptions) -> None:
-    """--cache: a step cache on each pipeline's transformer, deciding over all ranks (engines/step_cache.py)."""
-    import torch.distributed as dist
-
+    """--cache: a step cache on each pipeline's transformer, deciding over its group's ranks (engines/step_cache.py)."""
     for pipeline in pipelines:
-        pipeline.use_step_cache(options.step_cache, dist.group.WORLD if ctx.is_distributed else None)
+        pipeline.use_step_cache(options.step_cache, ctx.group if ctx.is_distributed else None)
 
 
 def release_engines(pipelines: Iterable) -> None:

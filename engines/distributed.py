@@ -18,12 +18,17 @@ import torch.distributed as dist
 
 @dataclass(kw_only=True)
 class ParallelContext:
-    """Where this rank runs and how it talks to the others."""
+    """Where this rank runs and how it talks to the others of its group.
+
+    A run's ranks form one group, or `replicas` equal groups of consecutive ranks (split_replicas), each
+    running its own requests: rank and world_size are then this rank's place in its group and the group's
+    size, and the groups below are the group's.
+    """
 
     rank: int
-    """Global rank (0 in a single process)."""
+    """Rank in the group (the global rank when the run is one group; 0 in a single process)."""
     world_size: int
-    """Number of ranks (1 in a single process)."""
+    """Number of ranks of the group (1 in a single process)."""
     local_rank: int
     """Rank on this host; picks the GPU."""
     device: torch.device
@@ -32,16 +37,62 @@ class ParallelContext:
     """Group for tensor collectives (NCCL for CUDA tensors, gloo for CPU); None in a single process."""
     control_group: dist.ProcessGroup | None
     """gloo group for CPU objects (requests, errors) from the app layer; None in a single process."""
+    replica: int = 0
+    """Which group this rank belongs to."""
+    replicas: int = 1
+    """How many groups the run's ranks form."""
 
     @property
     def is_distributed(self) -> bool:
-        """True when more than one rank runs."""
+        """True when the group has more than one rank."""
         return self.world_size > 1
 
     @property
     def is_main(self) -> bool:
-        """True on the rank that talks to the user (rank 0)."""
+        """True on the group's leader (its lowest rank), which runs the group's requests; with one group,
+        rank 0, which talks to the user."""
         return self.rank == 0
+
+    @property
+    def first_rank(self) -> int:
+        """Global rank of the group's leader."""
+        return self.replica * self.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.first_rank + self.rank
+
+    def describe_group(self) -> str:
+        """E.g. "group 2 of 2 (ranks 2-3)"; "" for a run of one group."""
+        if self.replicas == 1:
+            return ""
+        last = self.first_rank + self.world_size - 1
+        ranks = f"rank {self.first_rank}" if last == self.first_rank else f"ranks {self.first_rank}-{last}"
+        return f"group {self.replica + 1} of {self.replicas} ({ranks})"
+
+
+def split_replicas(ctx: ParallelContext, replicas: int) -> ParallelContext:
+    """This rank's group when the run's ranks form `replicas` equal groups of consecutive ranks (collective:
+    every rank calls it with the same number; groups of consecutive ranks keep a group's context parallelism
+    and tp inside a host, as torchrun numbers a host's ranks consecutively).
+
+    Each group gets its own tensor group and gloo control group, created by every rank in the same order.
+    """
+    if replicas == 1:
+        return ctx
+    if replicas < 1 or ctx.world_size % replicas:
+        raise ValueError(f"{ctx.world_size} ranks cannot form {replicas} equal groups")
+    size = ctx.world_size // replicas
+    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    mine = ctx.rank // size
+    groups = {}
+    for replica in range(replicas):
+        ranks = list(range(replica * size, (replica + 1) * size))
+        groups[replica] = (dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend="gloo"))
+    tensor_group, control_group = groups[mine]
+    return ParallelContext(rank=ctx.rank % size, world_size=size, local_rank=ctx.local_rank, device=ctx.device,
+                           group=tensor_group if size > 1 else None, control_group=control_group if size > 1 else None,
+                           replica=mine, replicas=replicas)
 
 
 def _default_device(local_rank: int) -> torch.device:

@@ -86,7 +86,11 @@ def build_mesh(ctx: ParallelContext, plan: ParallelPlan, all_to_all: str = "nccl
             plan=plan, device_mesh=None, ulysses_group=None, ring_group=None, cfg_group=None,
             ulysses_rank=0, ring_rank=0, cfg_rank=0,
         )
-    mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses, plan.tp), mesh_dim_names=AXES)
+    if ctx.replicas == 1:
+        mesh = init_device_mesh(ctx.device.type, (plan.cfg, plan.ring, plan.ulysses, plan.tp), mesh_dim_names=AXES)
+    else:  # every group's axes in one mesh of the whole run (every rank builds it): each rank's groups are its group's
+        mesh = init_device_mesh(ctx.device.type, (ctx.replicas, plan.cfg, plan.ring, plan.ulysses, plan.tp),
+                                mesh_dim_names=("replica", *AXES))
     ulysses, ring, tp = mesh.get_group("ulysses"), mesh.get_group("ring"), mesh.get_group("tp")
     return ParallelMesh(
         plan=plan,

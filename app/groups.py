@@ -1,0 +1,245 @@
+"""Replica groups: the run's ranks as several groups side by side, each running its own requests.
+
+With `--replicas R` the ranks form R equal groups of consecutive ranks (engines.distributed.split_replicas),
+each with its own plan, its own lockstep service (app.lockstep) and its leader, its lowest rank. Rank 0
+talks to the user (UI, API, batch file) and keeps the one queue; it leads group 1 itself and hands whole
+requests to the other leaders, which run them in their group and send back each step and the result:
+
+    rank 0 -> leader:  Run(job, model, request) | Cancel(job, reason) | Stop()
+    leader -> rank 0:  Stepped(job, done, total) ... then Done(job, generation or failure) | Lost(message)
+
+Each direction has its own two-rank gloo group, so that one thread of each side only sends and another
+only receives; a group's lockstep never waits on another group. Cancelling (a client that left, the time
+limit) is rank 0's decision as before: it sends Cancel, and the leader's group drops the request at its
+next agreement point. A request that fails in one group is that group's alone; a lost rank ends the run,
+as it does with one group.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from app.failures import JobCancelled, JobFailed, RankLost, describe
+from app.lockstep import Generation, LockstepService, StepCallback, StopCheck
+from pipelines.requests import GenerationRequest
+
+POLL_SECONDS = 0.2
+"""How often a waiting side looks at its stop flag (and an idle leader heartbeats its group)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    job: int
+    model: str
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The run is over: the leader releases its group and ends."""
+
+
+@dataclass(frozen=True)
+class Stepped:
+    job: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Done:
+    job: int
+    generation: Generation | None = None
+    failure: str | None = None
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class Lost:
+    message: str
+
+
+class Channel:
+    """Objects one way between rank 0 and a group's leader, over their own two-rank gloo group."""
+
+    def __init__(self, group: dist.ProcessGroup, peer: int) -> None:
+        self._group = group
+        self._peer = peer
+        """The other side's rank in the two-rank group."""
+
+    def send(self, message: Any) -> None:
+        dist.send_object_list([message], group=self._group, group_dst=self._peer)
+
+    def receive(self) -> Any:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, group=self._group, group_src=self._peer)
+        return box[0]
+
+
+@dataclass(frozen=True)
+class Link:
+    """Rank 0's channels with one leader: `down` to it, `up` from it."""
+
+    down: Channel
+    up: Channel
+
+
+def make_links(replicas: int, group_size: int, rank: int) -> dict[int, Link]:
+    """Channels between rank 0 and the leader of every other group (collective: every rank calls it, in the
+    same order). Rank 0 gets one Link per other group (by group index), such a leader its own, others none."""
+    links: dict[int, Link] = {}
+    for replica in range(1, replicas):
+        leader = replica * group_size
+        down, up = dist.new_group([0, leader], backend="gloo"), dist.new_group([0, leader], backend="gloo")
+        if rank == 0:
+            links[replica] = Link(down=Channel(down, 1), up=Channel(up, 1))
+        elif rank == leader:
+            links[replica] = Link(down=Channel(down, 0), up=Channel(up, 0))
+    return links
+
+
+def _receive_into(channel: Channel, inbox: queue.Queue, who: str) -> None:
+    """A receiving thread: every message into `inbox`; a closed connection becomes a Lost message."""
+    while True:
+        try:
+            message = channel.receive()
+        except Exception as error:  # noqa: BLE001 - gloo raises when the other side is gone
+            inbox.put(Lost(f"{who} is gone ({describe(error).split('. This is typically')[0]})"))
+            return
+        inbox.put(message)
+        if isinstance(message, (Stop, Lost)):
+            return
+
+
+class RemoteGroup:
+    """Rank 0's handle on a group another rank leads: `run` runs a request there as LockstepService.run would."""
+
+    def __init__(self, link: Link, *, leader: int, label: str) -> None:
+        self.label = label
+        self.leader = leader
+        self._down = link.down
+        self._events: queue.Queue = queue.Queue()
+        self._jobs = 0
+        threading.Thread(target=_receive_into, args=(link.up, self._events, f"rank {leader} (leader of {label})"),
+                         name=f"from-rank-{leader}", daemon=True).start()
+
+    def run(self, model: str, request: GenerationRequest, on_step: StepCallback | None = None,
+            should_stop: StopCheck | None = None) -> Generation:
+        """Run a validated request on the group; raises JobFailed, JobCancelled or RankLost, as the local service."""
+        ask = should_stop or (lambda done, total: None)
+        reason = ask(0, request.steps)
+        if reason is not None:
+            raise JobCancelled(reason)
+        self._jobs += 1
+        job = self._jobs
+        self._send(Run(job, model, request))
+        cancelled = False
+        while True:
+            message = self._events.get()
+            if isinstance(message, Lost):
+                raise RankLost(message.message)
+            if getattr(message, "job", job) != job:
+                continue  # what an earlier, cancelled job still said
+            if isinstance(message, Stepped):
+                if on_step is not None:
+                    on_step(message.done, message.total)
+                reason = ask(message.done, message.total)
+                if reason is not None and not cancelled:
+                    cancelled = True
+                    self._send(Cancel(job, reason))
+            elif isinstance(message, Done):
+                if message.generation is not None:
+                    return message.generation
+                raise (JobCancelled if message.cancelled else JobFailed)(message.failure or "failed")
+
+    def _send(self, message: Any) -> None:
+        try:
+            self._down.send(message)
+        except Exception as error:  # noqa: BLE001 - the leader is gone
+            raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) is gone ({describe(error)})") from error
+
+
+def lead(service: LockstepService, link: Link) -> None:
+    """A group leader other than rank 0: run rank 0's requests on this group until rank 0 says Stop.
+
+    Raises RankLost if rank 0 is gone (or a rank of this group, which rank 0 is told first). A Ctrl-C reaches
+    every rank: the group's lockstep service stops the request it runs at its next agreement point."""
+    inbox: queue.Queue = queue.Queue()
+    rank = service.ctx.global_rank
+    threading.Thread(target=_receive_into, args=(link.down, inbox, "rank 0"), name="from-rank-0",
+                     daemon=True).start()
+    later: list[Any] = []
+    """Messages that came during a request and are for after it (a Stop)."""
+    while True:
+        message = later.pop(0) if later else _next(inbox)
+        if message is None:
+            service.keep_alive()
+            continue
+        if isinstance(message, Stop):
+            return
+        if isinstance(message, Lost):
+            raise RankLost(f"rank {rank}: {message.message}")
+        if not isinstance(message, Run):
+            continue  # a Cancel for a request that is over
+        job = message.job
+        wanted: list[str] = []
+
+        def should_stop(done: int, total: int, job: int = job, wanted: list[str] = wanted) -> str | None:
+            while True:
+                try:
+                    news = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(news, Cancel) and news.job == job:
+                    wanted.append(news.reason)
+                elif isinstance(news, (Stop, Lost)):
+                    later.append(news)
+                    wanted.append("the server is shutting down")
+            return wanted[0] if wanted else None
+
+        def on_step(done: int, total: int, job: int = job) -> None:
+            link.up.send(Stepped(job, done, total))
+
+        try:
+            generation = service.run(message.model, message.request, on_step=on_step, should_stop=should_stop)
+        except RankLost as error:
+            _tell(link, Lost(str(error)))
+            raise
+        except JobCancelled as error:
+            _tell(link, Done(job, failure=str(error), cancelled=True))
+            continue
+        except JobFailed as error:
+            _tell(link, Done(job, failure=str(error)))
+            continue
+        except Exception as error:  # noqa: BLE001 - anything else is this group's failure, not the run's
+            traceback.print_exc()
+            _tell(link, Done(job, failure=f"rank {rank}: {describe(error)}"))
+            continue
+        _tell(link, Done(job, generation=generation))
+
+
+def _next(inbox: queue.Queue) -> Any:
+    try:
+        return inbox.get(timeout=POLL_SECONDS)
+    except queue.Empty:
+        return None
+
+
+def _tell(link: Link, message: Any) -> None:
+    try:
+        link.up.send(message)
+    except Exception as error:  # noqa: BLE001 - rank 0 is gone: this leader ends at its next receive
+        print(f"could not tell rank 0: {describe(error)}", file=sys.stderr, flush=True)
