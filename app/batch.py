@@ -134,7 +134,7 @@ def _run_lines(plan: BatchPlan, runtime, stop, *, quiet: bool) -> int:
 
     from tqdm import tqdm
 
-    from app.jobs import Job, JobQueue, Worker, serve_jobs
+    from app.jobs import Job, JobQueue, remote_workers, serve_jobs
     from app.manifest import Manifest
 
     plan.out_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ def _run_lines(plan: BatchPlan, runtime, stop, *, quiet: bool) -> int:
                 bar.update()
 
         try:
-            remote = [Worker(run=group.run, label=group.label, plan=runtime.plan) for group in runtime.remote_groups()]
+            remote = remote_workers(runtime)
             serve_jobs(runtime.service, queue, stop, None, remote, local_label=runtime.group_label(0),
                        plan=runtime.plan, until_drained=True, on_end=ended)
         finally:

@@ -133,8 +133,10 @@ class RemoteGroup:
         self._down = link.down
         self._events: queue.Queue = queue.Queue()
         self._jobs = 0
-        threading.Thread(target=_receive_into, args=(link.up, self._events, f"rank {leader} (leader of {label})"),
-                         name=f"from-rank-{leader}", daemon=True).start()
+        self._receiver = threading.Thread(target=_receive_into, name=f"from-rank-{leader}", daemon=True,
+                                          args=(link.up, self._events, f"rank {leader} (leader of {label})"))
+        self._receiver.start()
+        self._released = False
 
     def run(self, model: str, request: GenerationRequest, on_step: StepCallback | None = None,
             should_stop: StopCheck | None = None) -> Generation:
@@ -150,7 +152,7 @@ class RemoteGroup:
         while True:
             message = self._events.get()
             if isinstance(message, Lost):
-                raise RankLost(message.message)
+                raise RankLost(f"rank 0: {message.message}")
             if getattr(message, "job", job) != job:
                 continue  # what an earlier, cancelled job still said
             if isinstance(message, Stepped):
@@ -164,6 +166,29 @@ class RemoteGroup:
                 if message.generation is not None:
                     return message.generation
                 raise (JobCancelled if message.cancelled else JobFailed)(message.failure or "failed")
+
+    def release(self, timeout: float = 5.0) -> None:
+        """The run is over: tell the leader (it releases its group and ends) and wait for its answer, so that no
+        receive is left pending when the process group goes. Calling it again does nothing."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            self._down.send(Stop())
+        except Exception:  # noqa: BLE001 - a leader that is gone needs no release
+            return
+        self._receiver.join(timeout=timeout)
+
+    def keep_alive(self) -> None:
+        """While the group is idle: RankLost if its leader (or a rank of its group) is gone; what an earlier,
+        cancelled request still said is dropped."""
+        while True:
+            try:
+                message = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, Lost):
+                raise RankLost(f"rank 0: {message.message}")
 
     def _send(self, message: Any) -> None:
         try:
@@ -189,6 +214,7 @@ def lead(service: LockstepService, link: Link) -> None:
             service.keep_alive()
             continue
         if isinstance(message, Stop):
+            _tell(link, Stop())  # rank 0's receiving thread ends with it
             return
         if isinstance(message, Lost):
             raise RankLost(f"rank {rank}: {message.message}")

@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 from app.budget import RequestBudget, RequestClock, duration
 from app.failures import JobCancelled, JobFailed, RankLost
 from app.lockstep import Generation, LockstepService
+from app.runtime import Runtime
 from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
@@ -68,6 +69,9 @@ class Job:
         """Seconds the server's cost model expects it to hold the ranks (None: no estimate yet)."""
         self.started_at: float | None = None
         """time.monotonic() when its turn came."""
+        self.started_time: float | None = None
+        self.ended_time: float | None = None
+        """time.time() when its turn came and when it ended (the settings a client gets record them)."""
         self.group = ""
         """The group of ranks that runs it ("" when the ranks are one group)."""
         self.plan = ""
@@ -91,6 +95,7 @@ class Job:
     def start(self, group: str = "", plan: str = "") -> None:
         self.group, self.plan = group, plan
         self.started_at = time.monotonic()
+        self.started_time = time.time()
         self._events.put(Started())
 
     def describe(self, name: str, now: float | None = None) -> str:
@@ -124,6 +129,7 @@ class Job:
         return self._ended
 
     def _end(self, event: Finished | Failed) -> None:
+        self.ended_time = time.time()
         self._ended = True
         callback, self._when_done = self._when_done, None
         if callback is not None:
@@ -228,6 +234,14 @@ class Worker:
     run: Callable[..., Generation]
     label: str = ""
     plan: str = ""
+    keep_alive: Callable[[], None] = lambda: None
+    """Called while the group is idle: heartbeats, and RankLost where the group is gone."""
+
+
+def remote_workers(runtime: Runtime) -> list[Worker]:
+    """Rank 0: a Worker for each group another rank leads (none when the ranks are one group)."""
+    return [Worker(run=group.run, label=group.label, plan=runtime.plan, keep_alive=group.keep_alive)
+            for group in runtime.remote]
 
 
 JobCallback = Callable[[Job, "Generation | str"], None]
@@ -254,13 +268,13 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
             return True
         return until_drained and jobs.waiting() == 0 and not busy
 
-    def work(worker: Worker, index: int, idle: Callable[[], None]) -> None:
+    def work(worker: Worker, index: int) -> None:
         while not over():
             job = jobs.take(timeout=POLL_SECONDS, on_take=lambda: busy.add(index))
-            if job is None:
-                idle()
-                continue
             try:
+                if job is None:
+                    worker.keep_alive()
+                    continue
                 _run_job(worker, job, budget, on_end)
             except RankLost as error:
                 lost.append(error)
@@ -269,12 +283,12 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
             finally:
                 busy.discard(index)
 
-    threads = [threading.Thread(target=work, args=(worker, index, lambda: None), name=f"group-{index + 1}",
-                                daemon=True) for index, worker in enumerate(remote, 1)]
+    threads = [threading.Thread(target=work, args=(worker, index), name=f"group-{index + 1}", daemon=True)
+               for index, worker in enumerate(remote, 1)]
     try:
         for thread in threads:
             thread.start()
-        work(Worker(run=service.run, label=local_label, plan=plan), 0, service.keep_alive)
+        work(Worker(run=service.run, label=local_label, plan=plan, keep_alive=service.keep_alive), 0)
         for thread in threads:
             while thread.is_alive():  # the other groups end their requests (a stop reaches them too)
                 thread.join(timeout=POLL_SECONDS)

@@ -66,7 +66,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "degree whose weights fit, and a model that fits no degree is refused before loading")
     parser.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="hosts taking part (default 1): run the same launch command on each, with its own "
-                             "--node-rank, --nproc ranks on each (docs/hosts.md)")
+                             "--node-rank, --nproc ranks on each (docs/groups-and-hosts.md)")
     parser.add_argument("--node-rank", type=int, default=0, metavar="K",
                         help="this host's place, 0 to N-1: host 0 holds rank 0, which serves the UI and the API")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",

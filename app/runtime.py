@@ -63,7 +63,9 @@ class Runtime:
     replicas: int = 1
     """Groups of ranks, each running its own requests (app.groups)."""
     links: dict[int, Link] = field(default_factory=dict)
-    """Rank 0: its channels with every other group's leader (by group index); such a leader: its own."""
+    """A group's leader other than rank 0: its channels with rank 0 (under its group's index)."""
+    remote: list[RemoteGroup] = field(default_factory=list)
+    """Rank 0: a handle on every group it does not lead."""
 
     @property
     def group_size(self) -> int:
@@ -75,13 +77,6 @@ class Runtime:
             return ""
         first, last = replica * self.group_size, (replica + 1) * self.group_size - 1
         return f"group {replica + 1} of {self.replicas} ({f'rank {first}' if first == last else f'ranks {first}-{last}'})"
-
-    def remote_groups(self) -> list[RemoteGroup]:
-        """Rank 0: a handle on every group it does not lead."""
-        from app.groups import RemoteGroup
-
-        return [RemoteGroup(link, leader=replica * self.group_size, label=self.group_label(replica))
-                for replica, link in sorted(self.links.items())]
 
     def follow(self) -> None:
         """Every rank but 0: take part in the requests until the run ends (a group's leader runs the ones rank 0
@@ -148,7 +143,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
-    from app.groups import make_links
+    from app.groups import RemoteGroup, make_links
     from app.lockstep import LockstepService
     from engines.distributed import init_parallel, shutdown, split_replicas
     from pipelines.factory import default_dtype, load_pipeline
@@ -230,7 +225,11 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         runtime = Runtime(service=service, models=served, world_size=world.world_size, is_main=world.is_main,
                           plan=plan_label, backend=backend,
                           step_cache=options.step_cache.label if options.cache is not None else None,
-                          replicas=replicas, links=links)
+                          replicas=replicas, links={} if world.is_main else links)
+        if world.is_main:
+            runtime.remote.extend(RemoteGroup(link, leader=replica * ctx.world_size,
+                                              label=runtime.group_label(replica))
+                                  for replica, link in sorted(links.items()))
         try:
             yield runtime
         except RankLost:
@@ -239,8 +238,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         finally:
             if ctx.is_main and not lost:
                 service.stop()
-                if world.is_main:
-                    release_groups(links)
+                for group in runtime.remote:
+                    group.release()
     except RankLost:
         lost = True
         raise
@@ -248,17 +247,6 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         if not lost:
             release_engines({id(p): p for p in pipelines.values()}.values())
             shutdown(world)
-
-
-def release_groups(links: dict[int, Link]) -> None:
-    """Rank 0: tell every other group's leader that the run is over (it releases its group and ends)."""
-    from app.groups import Stop
-
-    for link in links.values():
-        try:
-            link.down.send(Stop())
-        except Exception:  # noqa: BLE001 - a leader that is gone needs no release
-            pass
 
 
 def quantize_transformers(pipelines: Iterable) -> None:

@@ -209,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
         os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
         from app.budget import RequestBudget, counted_work
-        from app.jobs import JobQueue, Worker, serve_jobs
+        from app.jobs import JobQueue, remote_workers, serve_jobs
         from app.outputs import ResultsFolder
         from app.ui import Server, build_ui
         from app.uploads import Uploads
@@ -276,7 +276,7 @@ def run_serve(args: argparse.Namespace) -> int:
                   + f" (OpenAI-compatible API: {local_url.rstrip('/')}{PREFIX})"
                   + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
             serve_jobs(runtime.service, jobs, stop, budget,
-                       [Worker(run=group.run, label=group.label, plan=runtime.plan) for group in runtime.remote_groups()],
+                       remote_workers(runtime),
                        local_label=runtime.group_label(0), plan=runtime.plan)
         except RankLost:
             # Let the handler threads hand the failure to their pages before the server closes.

@@ -91,8 +91,10 @@ async def write(model: ServedModel, server: Server, submitted: Submitted, genera
     path = await asyncio.to_thread(server.results.write, generation.result, request, model.spec,
                                    generation.computed_steps, ran_on)
     settings = settings_of(request, model.spec, generation.computed_steps, ran_on)
+    job = submitted.job
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4),
-                    estimate_seconds=None if estimate is None else round(estimate, 3))
+                    estimate_seconds=None if estimate is None else round(estimate, 3),
+                    ran_from=[round(job.started_time, 3), round(job.ended_time, 3)])  # when its group had it (epoch s)
     if generation.stages is not None:
         stages = generation.stages.with_write(time.perf_counter() - write_started)
         server.last_stages.set(stages)

@@ -44,8 +44,8 @@ class GroupStandIn(StandInPipeline):
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.groups import lead, make_links
-    from app.jobs import JobQueue, Worker, serve_jobs
+    from app.groups import RemoteGroup, lead, make_links
+    from app.jobs import JobQueue, remote_workers, serve_jobs
     from app.lockstep import LockstepService
     from app.runtime import Runtime
     from engines.distributed import ParallelContext, split_replicas
@@ -68,7 +68,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
         return
     runtime = Runtime(service=service, models={}, world_size=world_size, is_main=True, plan="ulysses-2",
-                      backend="gloo", replicas=2, links=links)
+                      backend="gloo", replicas=2)
+    runtime.remote.append(RemoteGroup(links[1], leader=2, label=runtime.group_label(1)))
     jobs = JobQueue(max_waiting=8)
     spans: dict[str, list[float]] = {}
     outcomes: dict[str, str] = {}
@@ -88,13 +89,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         cancelled.cancel("cancelled by the client")
 
     threading.Thread(target=cancel_later, daemon=True).start()
-    remote = [Worker(run=group.run, label=group.label, plan="ulysses-2") for group in runtime.remote_groups()]
+    remote = remote_workers(runtime)
     serve_jobs(service, jobs, stop, None, remote, local_label=runtime.group_label(0), plan="ulysses-2",
                until_drained=True, on_end=ended)
     service.stop()
-    from app.runtime import release_groups
-
-    release_groups(links)
+    runtime.remote[0].release()
     Path(out_dir, "rank0.json").write_text(json.dumps({"spans": spans, "outcomes": outcomes,
                                                        "cancelled_after": cancelled.steps_done}))
     dist.barrier()

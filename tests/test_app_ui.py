@@ -85,3 +85,21 @@ def test_the_step_cache_is_a_choice_of_each_request(url):
     parameters = {p["parameter_name"]: p for p in client.view_api(return_format="dict", print_info=False)[
         "named_endpoints"]["/generate_video"]["parameters"]}
     assert parameters["step_cache"]["parameter_default"] is True
+
+
+def test_a_gallery_is_its_owners_the_user_with_logins_else_the_browser_session(tmp_path):
+    from types import SimpleNamespace
+
+    from app.outputs import RecentResults
+    from app.ui import owner_of
+
+    ann_here, ann_there = (SimpleNamespace(username="ann", session_hash=h) for h in ("tab1", "tab2"))
+    anonymous, other = (SimpleNamespace(username=None, session_hash=h) for h in ("tab1", "tab2"))
+    assert owner_of(ann_here) == owner_of(ann_there) == "user:ann"  # one user, any browser
+    assert owner_of(anonymous) != owner_of(other)  # no login: each browser session its own
+    recent = RecentResults()
+    image = tmp_path / "image.png"
+    image.write_bytes(b"png")
+    recent.add("image", owner_of(ann_here), image, {"seed": 1})
+    assert [result.path for result in recent.of("image", owner_of(ann_there))] == [image]
+    assert recent.of("image", owner_of(anonymous)) == [] and recent.of("image", owner_of(other)) == []
