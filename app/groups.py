@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from app.failures import JobCancelled, JobFailed, RankLost, describe
-from app.lockstep import Generation, LockstepService, StepCallback, StopCheck
+from app.lockstep import Generation, LockstepService, Run, StepCallback, Stop, StopCheck
 from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
@@ -35,21 +35,9 @@ POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
-class Run:
-    job: int
-    model: str
-    request: GenerationRequest
-
-
-@dataclass(frozen=True)
 class Cancel:
     job: int
     reason: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The run is over: the leader releases its group and ends."""
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Stop:
-    """Control message: leave `follow()`; the run is over."""
+    """Control message: the run is over (a follower leaves `follow()`; a group's leader, app.groups.lead, releases
+    its group and ends)."""
 
 
 @dataclass(frozen=True, kw_only=True)
