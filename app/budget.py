@@ -8,8 +8,8 @@ estimate of the whole request (its steps and its decode), from a cost model per 
 The FLOPs come from pipelines.work, which counts them on the model's own classes at the request's
 shapes: attention's quadratic term and the VAE's are in them, so a size never served is estimated as
 well as one served before. The overheads and rates are measured: at start-up by a short calibration
-(two requests of two steps, at the model's default size and at twice its side), and after that by
-every request served, fitted by least squares on relative error. On tiny-flux, 2 CPU ranks, fitted
+(two requests of two steps: the model's default size, then twice its side, each at the fewest frames), and
+after that by every request served, fitted by least squares on relative error. On tiny-flux, 2 CPU ranks, fitted
 from 256x256 and 512x512 alone, steps from 768x768 to 4096x4096 came out within 0.8x-1.7x of their
 measured time, decodes within 0.55x-1.3x.
 
@@ -30,17 +30,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pipelines.requests import GenerationRequest
-from pipelines.work import Work
+
+if TYPE_CHECKING:  # pipelines.work imports torch; the CLI's --help must not
+    from pipelines.work import Work
 
 DEFAULT_MAX_REQUEST_SECONDS = 600.0
 LIMIT_OPTION = "--max-request-seconds"
 MAX_OBSERVATIONS = 64
 """Measurements a rate is fitted from (the latest per amount of work)."""
 
-WorkCount = Callable[[GenerationRequest], Work]
+WorkCount = Callable[[GenerationRequest], "Work"]
 
 
 class RateFit:
@@ -192,18 +194,25 @@ class RequestBudget:
         return None
 
 
-def calibration_requests(default: GenerationRequest, max_height: int, max_width: int, multiple: int
-                         ) -> list[GenerationRequest]:
-    """The two requests that seed a model's cost model: two steps (the second is the steady one) at the model's
-    default size and at twice its side (within the model's limits); the same frames and guidance."""
+CALIBRATION_SECONDS = 10.0
+"""The most a second calibration request may be estimated to take (from the first one's measurement)."""
+
+
+def calibration_requests(default: GenerationRequest, *, min_frames: int, max_height: int, max_width: int,
+                         multiple: int) -> tuple[GenerationRequest, list[GenerationRequest]]:
+    """The requests that seed a model's cost model, two steps each (the second is the steady one): first the
+    model's default size at its fewest frames (a video's default length can cost minutes), then the first of
+    the candidates whose estimate, from the first's measurement, is under CALIBRATION_SECONDS: twice the side
+    (within the model's limits), then, for a video, its default length."""
     from dataclasses import replace
 
     def larger(side: int, maximum: int) -> int:
         return max(multiple, min(2 * side, maximum) // multiple * multiple)
 
-    small = replace(default, steps=2)
-    big = replace(small, height=larger(default.height, max_height), width=larger(default.width, max_width))
-    return [small] if big == small else [small, big]
+    first = replace(default, steps=2, frames=min_frames if default.frames > 1 else 1)
+    candidates = [replace(first, height=larger(first.height, max_height), width=larger(first.width, max_width)),
+                  replace(first, frames=default.frames)]
+    return first, [request for request in candidates if request != first]
 
 
 def counted_work(count: WorkCount, name: str) -> WorkCount:
@@ -212,6 +221,8 @@ def counted_work(count: WorkCount, name: str) -> WorkCount:
     failed: list[str] = []
 
     def work(request: GenerationRequest) -> Work:
+        from pipelines.work import Work
+
         if not failed:
             try:
                 return count(request)

@@ -277,8 +277,12 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
                     continue
                 _run_job(worker, job, budget, on_end)
             except RankLost as error:
+                # Not `stop.set()`: a set stop makes the SIGTERM that torchrun sends next a KeyboardInterrupt,
+                # which would end this process before its clients hear why. The other groups' requests are
+                # cancelled instead (each stops at its next step), and every loop sees `lost`.
                 lost.append(error)
-                stop.set()
+                for running in jobs.running():
+                    running.cancel(f"the server lost a rank and is ending: {error}")
                 return
             finally:
                 busy.discard(index)
@@ -341,12 +345,17 @@ def _record(budget: RequestBudget, model: str, request: GenerationRequest, clock
     budget.record(model, request, clock.steady_step_seconds() or generation.step_seconds, decode)
 
 
-def calibrate(service: LockstepService, budget: RequestBudget, requests: Iterable[tuple[str, GenerationRequest]]
-              ) -> list[str]:
-    """Seed each model's cost model at start-up: run its calibration requests (app.budget.calibration_requests)
-    on every rank and record them; returns one line per request (what it took, what it will estimate)."""
+def calibrate(service: LockstepService, budget: RequestBudget, model: str, first: GenerationRequest,
+              candidates: Iterable[GenerationRequest], most_seconds: float) -> list[str]:
+    """Seed a model's cost model at start-up: run `first` on rank 0's group, then the first of `candidates` whose
+    estimate is under `most_seconds` (app.budget.calibration_requests); returns one line per request run (what it
+    took, what the model now estimates)."""
     lines = []
-    for model, request in requests:
+    for request in [first, *candidates]:
+        if request is not first:
+            estimate = budget.estimate(model, request)
+            if estimate is None or estimate > most_seconds:
+                continue
         clock = RequestClock(steps=request.steps)
 
         def step_done(done: int, total: int, clock: RequestClock = clock) -> None:
@@ -355,6 +364,8 @@ def calibrate(service: LockstepService, budget: RequestBudget, requests: Iterabl
         started = time.monotonic()
         generation = service.run(model, request, on_step=step_done)
         _record(budget, model, request, clock, generation)
-        lines.append(f"{model} {request.width}x{request.height}x{request.frames}: {duration(time.monotonic() - started)}"
+        lines.append(f"{request.width}x{request.height}x{request.frames}: {duration(time.monotonic() - started)}"
                      f" (estimated now {duration(budget.estimate(model, request) or 0.0)})")
+        if request is not first:
+            break
     return lines

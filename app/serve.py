@@ -171,7 +171,7 @@ def check_port(host: str, port: int) -> None:
 def _calibrate(runtime, budget) -> None:
     """Seed the time limit's cost models with two short requests per model (app.budget), before any client comes.
     A calibration that fails leaves the model to learn from the requests it serves."""
-    from app.budget import calibration_requests
+    from app.budget import CALIBRATION_SECONDS, calibration_requests
     from app.failures import JobFailed
     from app.jobs import calibrate
     from pipelines.requests import make_request
@@ -180,10 +180,12 @@ def _calibrate(runtime, budget) -> None:
         if runtime.service.stop_event.is_set():  # Ctrl-C while calibrating
             return
         default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0)
-        requests = calibration_requests(default, model.limits.max_height, model.limits.max_width,
-                                        model.limits.size_multiple)
+        limits = model.limits
+        first, candidates = calibration_requests(default, min_frames=max(limits.min_frames, 1 + limits.frame_multiple),
+                                                 max_height=limits.max_height, max_width=limits.max_width,
+                                                 multiple=limits.size_multiple)
         try:
-            lines = calibrate(runtime.service, budget, [(key, request) for request in requests])
+            lines = calibrate(runtime.service, budget, key, first, candidates, CALIBRATION_SECONDS)
         except JobFailed as error:
             print(f"warning: {model.spec.name}'s time estimates start unmeasured: its calibration failed ({error})",
                   file=sys.stderr, flush=True)

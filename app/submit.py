@@ -64,6 +64,7 @@ async def submit(model: ServedModel, server: Server, **fields: Any) -> Submitted
     Raises RequestError (a bad request, or over the time limit), ServiceBusy (queue full) or ServiceClosed.
     An upload in `fields["condition"]` is deleted once the job ends, or at once if it is refused.
     """
+    await asyncio.to_thread(server.uploads.remove_orphans)
     upload = fields.get("condition")
     release = None
     if upload:

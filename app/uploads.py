@@ -9,8 +9,12 @@ bytes land on the same path), so an upload is counted while requests use it and 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from pathlib import Path
+
+ORPHAN_SECONDS = 2.0
+"""Age past which an empty temporary file at the top of the upload folder is an orphan (see remove_orphans)."""
 
 
 class Uploads:
@@ -45,3 +49,23 @@ class Uploads:
             folder = path.parent
             if folder != self.folder and folder.is_relative_to(self.folder) and not any(folder.iterdir()):
                 folder.rmdir()  # Gradio's per-upload folder
+
+    def remove_orphans(self, now: float | None = None) -> list[Path]:
+        """Delete the empty temporary files Gradio leaves at the top of its folder (returns them).
+
+        gradio.File(type="filepath") makes an empty NamedTemporaryFile for every file it preprocesses and keeps
+        only its name (gradio 6.31, components/file.py): one orphan per request that brings a file. An upload
+        in flight also starts as a top-level temporary file, but holds data within milliseconds, so an empty
+        one older than ORPHAN_SECONDS is no upload's."""
+        now = time.time() if now is None else now
+        removed = []
+        for path in self.folder.iterdir():
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            if (path.name.startswith("tmp") and path.is_file() and stat.st_size == 0
+                    and now - stat.st_mtime > ORPHAN_SECONDS):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        return removed

@@ -27,6 +27,7 @@ from app.access import (AUTH_ENV, FORWARDED_ALLOW_IPS, FREE_FAILURES, AuthError,
 from app.budget import RateFit, RequestBudget, RequestClock, calibration_requests
 from app.launch import _without_option
 from app.outputs import ResultsCap, ResultsFolder
+from app.uploads import ORPHAN_SECONDS
 from app.ui import public_message
 from pipelines.media import MediaError, check_input, read_frames
 from pipelines.registry import resolve_model
@@ -74,7 +75,9 @@ def test_budget_estimates_unseen_sizes_from_their_flops_and_refuses_over_the_lim
     budget = RequestBudget(100.0, {"image": count})
     assert budget.estimate("image", big) is None  # nothing measured yet: nothing refused up front
     budget.check("image", big)
-    for request, (step, decode) in zip(calibration_requests(small, 4096, 4096, 16), ((0.05, 0.3), (0.17, 1.0))):
+    first, candidates = calibration_requests(small, min_frames=1, max_height=4096, max_width=4096, multiple=16)
+    assert (first.width, first.steps, candidates[0].width) == (256, 2, 512)
+    for request, (step, decode) in zip((first, candidates[0]), ((0.05, 0.3), (0.17, 1.0))):
         budget.record("image", request, step, decode)
     estimate = budget.estimate("image", big)
     assert 8 * 12 < estimate < 8 * 40  # measured on 2 CPU ranks: 12 s a step and 34 s of decode
@@ -449,7 +452,10 @@ def test_the_results_folder_keeps_its_cap(server):
     for seed in range(4):
         client.predict(*_image("fill the folder", 10 + seed, steps=1, size=64), api_name="/generate_image")
     assert len([path for path in server.results.iterdir() if path.suffix in (".png", ".mp4")]) == 3
-    # Results are served from the results folder: Gradio's cache holds no copy of any (and no empty file).
+    # Results are served from the results folder: Gradio's cache holds no copy of any; the empty file Gradio
+    # leaves for each request that brought one (above) goes with the next request once it is ORPHAN_SECONDS old.
+    time.sleep(ORPHAN_SECONDS)
+    client.predict(*_image("one more", 20, steps=1, size=64), api_name="/generate_image")
     assert not [path for path in server.uploads.rglob("*") if path.is_file()]
 
 

@@ -135,7 +135,7 @@ def test_the_lost_message_names_a_killed_rank_and_claims_no_sender_for_the_sigte
     host = socket.gethostname()
     try:
         def service(peers: dict) -> LockstepService:
-            return LockstepService(SimpleNamespace(rank=0), {}, stop=threading.Event(), rank_timeout=1.0,
+            return LockstepService(SimpleNamespace(rank=0, global_rank=0), {}, stop=threading.Event(), rank_timeout=1.0,
                                    rank_processes={0: (host, os.getpid()), **peers})
 
         message = service({1: (host, alive.pid), 2: (host, killed.pid)}).lost_message()

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     parser.add_argument("--cosmos-latent-blur", type=float, default=0.0, metavar="SIGMA",
                         help="tiny-cosmos: its VAE learns to decode latents blurred by up to SIGMA latent pixels, so "
                              "that the shape is carried by codes over the whole object, not by its edges alone (default 0)")
+    parser.add_argument("--cosmos-latent-noise", type=float, default=0.0, metavar="SIGMA",
+                        help="tiny-cosmos: its VAE learns to decode latents with noise of up to SIGMA times their "
+                             "spread, as a transformer's latents have (default 0)")
     parser.add_argument("--cosmos-word-dropout", type=float, default=0.0, metavar="P",
                         help="tiny-cosmos: leave the colour, shape or motion out of a transformer-phase caption, each "
                              "with probability P, so each word carries its meaning alone (default 0)")
@@ -198,6 +201,7 @@ def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:
         cosmos.vae_batch = args.cosmos_vae_batch
     cosmos.vae_fit, cosmos.bf16, cosmos.compile = args.cosmos_vae_fit, args.cosmos_bf16, args.cosmos_compile
     cosmos.word_dropout, cosmos.latent_blur = args.cosmos_word_dropout, args.cosmos_latent_blur
+    cosmos.latent_noise = args.cosmos_latent_noise
     return flux, cosmos
 
 

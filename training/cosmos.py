@@ -66,6 +66,9 @@ class CosmosSettings:
     edges, 1 latent pixel (8 px) wide, and after 40,000 steps the transformer still drew every shape as a blob
     (held-out shape 29%). Refitted with 0.6, the VAE keeps 96% (56% blurred) and 12,500 transformer steps on its
     latents reached 83%; with 1.0, 90% (75% blurred) and 75% (2026-11-26, assets/tiny-cosmos' runs 13-15)."""
+    latent_noise: float = 0.0
+    """Largest standard deviation, relative to the latents' per-channel spread, of the noise added to the latents
+    the VAE learns to decode (training.autoencoder.reconstruction_loss); 0: none."""
     vae_fit: str = "all"
     """"all" fits the whole VAE; "decoder" fits its decoder alone, keeping the encoder, so the latents a
     transformer was trained on, and their statistics, stay as they were."""
@@ -138,7 +141,7 @@ def _train_vae(vae, device, generator, settings, seconds, max_steps) -> PhaseRes
         clips = shapes.render(scenes, settings.size, settings.size, device)
         background = scenes.background.to(device).float() / 127.5 - 1
         return reconstruction_loss(vae, object_crops(clips, scenes, settings.vae_size, generator), background,
-                                   latent_blur=settings.latent_blur)
+                                   latent_blur=settings.latent_blur, latent_noise=settings.latent_noise)
 
     return run_phase("cosmos-vae", step, [vae], seconds=seconds, max_steps=max_steps, lr=settings.vae_lr,
                      batch=settings.vae_batch, ema_decay=0.999, bf16=settings.bf16)

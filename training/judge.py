@@ -43,6 +43,20 @@ def background_colour(image: np.ndarray) -> np.ndarray:
     return np.median(border, axis=0)
 
 
+def off_palette(image: np.ndarray, far: float = 60.0, off: float = 48.0) -> float:
+    """Share of an [H, W, 3] uint8 image's pixels more than `off` levels away from the line between its
+    background colour and its object's (pixels `far` from the background): specks and smears of colours the
+    scene does not have. A clean drawing, anti-aliased edges included, has next to none."""
+    pixels = image.reshape(-1, 3).astype(np.float32)
+    background = background_colour(image).astype(np.float32)
+    distant = pixels[np.linalg.norm(pixels - background, axis=1) > far]
+    if len(distant) < 10:
+        return 0.0
+    direction = np.median(distant, axis=0) - background
+    along = np.clip(((pixels - background) @ direction) / (direction @ direction), 0, 1)
+    return float((np.linalg.norm(pixels - (background + along[:, None] * direction), axis=1) > off).mean())
+
+
 def object_mask(image: np.ndarray) -> np.ndarray:
     """Boolean [H, W]: the largest 4-connected region that differs from the background."""
     distance = np.linalg.norm(image.astype(np.float32) - background_colour(image), axis=-1)
