@@ -217,7 +217,7 @@ def test_both_tabs_before_during_after_a_request_and_after_an_error(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": PAGE_WIDTH, "height": 900})
                 page.goto(f"http://127.0.0.1:{server.port}/", timeout=60_000)
-                check_tab(page, "image", folder, steps=12)
+                check_tab(page, "image", folder, steps=40)
                 check_tab(page, "video", folder, steps=24)
             finally:
                 browser.close()
