@@ -93,7 +93,8 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                 other.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
                 example = "a small blue star at the top left on a yellow background"
                 other.get_by_text(example).click()  # an example prompt fills the prompt box
-                assert other.locator("#image-prompt textarea").input_value() == example
+                other.wait_for_function("text => document.querySelector('#image-prompt textarea').value === text",
+                                        arg=example, timeout=10_000)
                 assert other.locator("#image-recent img").count() == 0
             finally:
                 browser.close()
