@@ -1,8 +1,25 @@
-"""Context-parallel attention: Ulysses, Ring, AllGather-KV and Ulysses x Ring, on sequence shards.
+"""Context-parallel attention, the one place where attention gets split: Ulysses, Ring, AllGather-KV and
+Ulysses x Ring, on sequence shards.
+
+split_attention(mesh) reads the plan's strategy (the only switch on it in engines/: tests/
+test_engines_attention_split.py holds it there) and returns that strategy's SplitAttention, built once
+when an adapter is installed; every model family's attention is a call of it:
+
+    attention = split_attention(mesh)                         # once per processor or block
+    out = attention(q, k, v, layout=layout)                   # BSHD in, BSHD out
+
+with what some families need beyond q, k, v as arguments of the same call:
+- extra_kv: keys/values replicated on every rank, attended by every query besides the sharded ones
+  (Cosmos 3's text stream: engines/cosmos3.py); K/V may have fewer heads than q (grouped-query);
+- while_waiting: the caller's own work, run while the exchanges travel (FLUX.1's single-stream block
+  runs its MLP there: engines/flux_blocks.py);
+- q and v given as functions that make them, so that a strategy with an exchange to hide them under
+  projects them there (the all-gather: FLUX's double-stream blocks, engines/flux_attention.py).
 
 All communication goes through engines.collectives (functional collectives, traceable by
 torch.compile with fullgraph=True), and every shape and split is a Python int fixed by the
-ShardLayout, so the graph is static.
+ShardLayout, so the graph is static. The strategy is chosen in Python when the object is built:
+calling it adds no branch, copy or collective to what its strategy does (each class says what that is).
 
 Shape legend: B batch, S local tokens, H heads (h = H / ulysses), D head dim; "BSHD" is the
 diffusers layout of q/k/v at the attention call, "BHSD" the layout of the SDPA kernels.
@@ -10,12 +27,15 @@ diffusers layout of q/k/v at the attention call, "BHSD" the layout of the SDPA k
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from engines import copy_engine
 from engines.collectives import (
-    all_to_all,
     finish,
     finish_all_gather,
     start_all_gather,
@@ -26,59 +46,239 @@ from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout
 
 Runs = tuple[tuple[int, int], ...]
+Made = torch.Tensor | Callable[[torch.Tensor | None], torch.Tensor | list[torch.Tensor]]
+"""q or v, or a function that makes it (BSHD; v may come in consecutive parts along the sequence, a
+list) given `after`: the pending exchange that its projections are to follow (collectives.linear_after),
+or None when nothing travels yet."""
+ExtraKV = tuple[torch.Tensor, torch.Tensor] | None
+"""Replicated keys and values (BSHD, with the K/V heads), placed before the sharded keys."""
 
 
-def context_parallel_attention(
-    q_BSHD: torch.Tensor,
-    k_BSHD: torch.Tensor,
-    v_BSHD: torch.Tensor,
-    *,
-    mesh: ParallelMesh,
-    layout: ShardLayout,
-) -> torch.Tensor:
-    """Attention of this rank's query shard over the keys/values of all shards; returns BSHD.
-
-    Ulysses (if ulysses > 1) first trades sequence shards for head shards inside the ulysses
-    group; the K/V axis (if ring > 1) then shares K/V by passing them around ("ring") or by one
-    all-gather ("allgather", GatherAttention). Padded key positions (see ShardLayout) are left out
-    of the softmax.
-    """
+def split_attention(mesh: ParallelMesh) -> SplitAttention:
+    """The attention of the mesh's plan, by its strategy: the one switch on the strategy."""
     plan = mesh.plan
-    if plan.ring > 1 and plan.kv_exchange == "allgather":  # a plan with no Ulysses axis (ParallelPlan)
-        gather = GatherAttention(mesh=mesh, layout=layout)
-        return gather.finish(gather.attend(gather.start(q_BSHD, k_BSHD, v_BSHD)))
-    if plan.ulysses > 1:
-        q, k, v = _ulysses_scatter_heads(q_BSHD, k_BSHD, v_BSHD, mesh)
-    else:
-        q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD))
-
+    if plan.seq_degree == 1:
+        raise ValueError("the plan splits no sequence: the model's own attention serves it")
+    if plan.kv_exchange == "allgather":  # a plan with no Ulysses axis (ParallelPlan)
+        return GatherAttention(mesh)
     if plan.ring == 1:
-        out = _attention(q, k, v, layout.valid_runs(mesh.ring_shards(mesh.ring_rank)))
-    else:
-        out = _ring_attention(q, k, v, mesh, layout)
-
-    if plan.ulysses > 1:
-        return _ulysses_gather_heads(out, mesh)
-    return out.transpose(1, 2)
+        return UlyssesAttention(mesh)
+    if plan.ulysses == 1:
+        return RingAttention(mesh)
+    return HybridAttention(mesh)
 
 
-def ulysses_all_to_all(x: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
-    """Even all_to_all along dim 0 over the Ulysses group, by the mesh's transport."""
-    if mesh.all_to_all == "nccl":
-        return all_to_all(x, mesh.ulysses_group)
-    return finish(start_all_to_all(x, mesh.ulysses_group_name, mesh.plan.ulysses, mesh.all_to_all))
+class SplitAttention:
+    """Attention of this rank's query shard over the keys/values of every shard, as one strategy splits
+    it (the subclasses below); padded key positions (see ShardLayout) are left out of the softmax."""
+
+    def __init__(self, mesh: ParallelMesh) -> None:
+        self.mesh = mesh
+
+    def __call__(
+        self,
+        q: Made,
+        k: torch.Tensor,
+        v: Made,
+        *,
+        layout: ShardLayout,
+        extra_kv: ExtraKV = None,
+        while_waiting: Sequence[Callable[..., Any]] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The attention (BSHD) of q over every shard's k/v and `extra_kv`.
+
+        Args:
+            q, v: tensors, or functions that make them (Made): called at once, or, by a strategy that
+                can, while its exchange of the keys travels.
+            while_waiting: functions run in turn while the exchanges travel, each given the previous
+                one's result (the first nothing): the first once the first exchange is issued, each
+                next one once the next is, the rest at the strategy's last exchange. With them the call
+                returns (attention, the last one's result).
+        """
+        work = _Work(while_waiting)
+        out = self._attend(q, k, v, layout, extra_kv, work)
+        work.rest()
+        return (out, work.result) if while_waiting else out
+
+    def _attend(self, q: Made, k: torch.Tensor, v: Made, layout: ShardLayout, extra: ExtraKV,
+                work: _Work) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def _ulysses_scatter_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BSHD sequence shards -> BhSD head shards over degree*S tokens, with ONE all-to-all for q, k, v."""
-    return _unpack_heads(ulysses_all_to_all(_pack_heads(q, k, v, mesh.plan.ulysses), mesh))
+class _Work:
+    """A call's while_waiting functions, run in turn: each given the previous one's result."""
+
+    def __init__(self, functions: Sequence[Callable[..., Any]]) -> None:
+        self.functions, self.done, self.result = tuple(functions), 0, None
+
+    def next(self) -> None:
+        """Run the next function, if any (at a strategy's waiting point that is not its last)."""
+        if self.done < len(self.functions):
+            function = self.functions[self.done]
+            self.result = function() if self.done == 0 else function(self.result)
+            self.done += 1
+
+    def rest(self) -> None:
+        """Run every function left (at a strategy's last waiting point)."""
+        while self.done < len(self.functions):
+            self.next()
 
 
-def _ulysses_gather_heads(out: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
-    """BhSD head shards over degree*S tokens -> BSHD sequence shard with all H heads."""
-    return _unpack_tokens(ulysses_all_to_all(_pack_tokens(out, mesh.plan.ulysses), mesh))
+def _made(x: Made, after: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
+    return x if isinstance(x, torch.Tensor) else x(after)
+
+
+def _whole(x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A BSHD tensor, or its consecutive parts along the sequence joined."""
+    return x if isinstance(x, torch.Tensor) else torch.cat(x, dim=1)
+
+
+def _parts(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """A tensor, or its consecutive parts along the sequence, as a list of parts."""
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+class UlyssesAttention(SplitAttention):
+    """Ulysses: ONE all-to-all trades this rank's sequence shard of q, k and v for a head shard of every
+    token, attention runs there, a second all-to-all trades the output back.
+
+    Cost: the two all-to-alls (the q/k/v message, then the output); a copy to pack q/k/v, one to lay
+    them out for the kernels, one to unpack the output (the output's pack needs none when B == 1).
+    With grouped K/V heads (fewer than q's) they travel as K/V heads, each repeated kv_repeat() times
+    where the degree does not divide them; replicated extra K/V are narrowed to this rank's heads and
+    concatenated ahead of the keys (one copy). while_waiting: the first function runs while the first
+    all-to-all travels (before the attention), the rest while the second does.
+    """
+
+    def _attend(self, q: Made, k: torch.Tensor, v: Made, layout: ShardLayout, extra: ExtraKV,
+                work: _Work) -> torch.Tensor:
+        q, k, v, extra = self._scatter_heads(_made(q), k, _whole(_made(v)), extra, work)
+        out = self._head_attention(q, k, v, layout, extra, work)
+        pending = self._start(_pack_tokens(out, self.mesh.plan.ulysses))
+        work.rest()
+        return _unpack_tokens(finish(pending))
+
+    def _start(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.mesh
+        return start_all_to_all(x, mesh.ulysses_group_name, mesh.plan.ulysses, mesh.all_to_all)
+
+    def _scatter_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: ExtraKV, work: _Work
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExtraKV]:
+        """BSHD sequence shards -> BhSD head shards over degree*S tokens, with ONE all-to-all for q, k,
+        v (work.next() runs while it travels); `extra` narrowed to this rank's K/V heads (BSHD)."""
+        degree = self.mesh.plan.ulysses
+        if k.shape[2] == q.shape[2]:
+            pending = self._start(_pack_heads(q, k, v, degree))
+            work.next()
+            q, k, v = _unpack_heads(finish(pending))
+        else:
+            repeat = kv_repeat(k.shape[2], degree)
+            if repeat > 1:
+                k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+                extra = None if extra is None else tuple(t.repeat_interleave(repeat, dim=2) for t in extra)
+            heads = (q.shape[2] // degree, k.shape[2] // degree)
+            pending = self._start(_pack_grouped_heads(q, k, v, degree))
+            work.next()
+            q, k, v = _unpack_grouped_heads(finish(pending), *heads)
+        if extra is not None:
+            local = k.shape[1]
+            extra = tuple(t.narrow(2, self.mesh.ulysses_rank * local, local) for t in extra)
+        return q, k, v, extra
+
+    def _head_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout,
+                        extra: ExtraKV, work: _Work) -> torch.Tensor:
+        """Attention (BHSD) of this rank's head shard, every key of it here."""
+        mesh = self.mesh
+        return _attention(q, k, v, layout.valid_runs(mesh.ring_shards(mesh.ring_rank)), extra)
+
+
+class HybridAttention(UlyssesAttention):
+    """Ulysses x Ring: Ulysses' all-to-alls inside each ring member's Ulysses group, ring attention of
+    the head shards over the K/V axis between them. Cost: Ulysses' plus RingAttention's; while_waiting:
+    the first function under the first all-to-all, the second under the first K/V pass, the rest under
+    the second all-to-all."""
+
+    def _head_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ShardLayout,
+                        extra: ExtraKV, work: _Work) -> torch.Tensor:
+        return _ring_attention(q, k, v, self.mesh, layout, extra, work.next)
+
+
+class RingAttention(SplitAttention):
+    """Ring: this rank's K/V block travels around the K/V axis, one attention per block, the partial
+    results merged by log-sum-exp (ring_steps), each pass issued before the attention it hides under.
+
+    Cost: ring - 1 passes of one (k, v) message; a copy to stack k and v, one float32 merge per block.
+    Grouped K/V travel as K/V heads and are widened on arrival; replicated extra K/V are one more block,
+    attended locally (no exchange). while_waiting: every function runs under the first pass, before the
+    attention (nothing travels after it).
+    """
+
+    def _attend(self, q: Made, k: torch.Tensor, v: Made, layout: ShardLayout, extra: ExtraKV,
+                work: _Work) -> torch.Tensor:
+        q, v = _made(q), _whole(_made(v))
+        out = _ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.mesh, layout, extra,
+                              work.rest)
+        return out.transpose(1, 2)
+
+
+class GatherAttention(SplitAttention):
+    """All-gather ("allgather": no Ulysses axis): ONE all-gather of every rank's K/V, then one attention
+    kernel over every key.
+
+    Same result as ring attention without its split: one kernel over all keys instead of one per
+    block plus the log-sum-exp merge. On FLUX's single blocks at 1024² on 2 GPUs the exchange hides
+    under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge
+    (docs/benchmarks.md). It holds every rank's K/V at once, which ring attention does not: the
+    memory the choice between the two strategies trades.
+
+    Cost: the one all-gather; with NCCL a copy to stack k and v (v made in parts, as FLUX's text and
+    image streams, are joined by that copy) and one to lay the gathered K/V out in sequence order; on
+    copy engines (mesh.all_to_all) each part is pushed from where it was made and the attention reads
+    the K/V where they landed (gathered_attention): no copy. Replicated extra K/V are concatenated
+    ahead of the gathered keys (one copy) and take the NCCL gather. When v is made by the call, the
+    keys go first: on copy engines they travel while v is made, and q is made while v travels
+    (FLUX's double blocks); NCCL gathers both at once, q made under it. while_waiting: every function
+    runs under the gather, before the attention.
+    """
+
+    def _attend(self, q: Made, k: torch.Tensor, v: Made, layout: ShardLayout, extra: ExtraKV,
+                work: _Work) -> torch.Tensor:
+        mesh = self.mesh
+        on_copy_engine = mesh.all_to_all == "copy-engine" and extra is None
+        if isinstance(v, torch.Tensor):
+            pending = self._start_kv(k, v, on_copy_engine)
+        elif on_copy_engine:  # the keys travel while the values are made
+            keys = copy_engine.start_gather_kv(_sbhd([k]), [], mesh.ring_group_name, mesh.plan.ring)
+            values = _parts(v(keys))
+            pending = copy_engine.start_gather_kv([], _sbhd(values), mesh.ring_group_name, mesh.plan.ring,
+                                                  keys_sent=keys)
+        else:  # NCCL gathers keys and values in one collective: the values are made first
+            pending = self._start_kv(k, v(k), on_copy_engine)
+        q = _made(q, pending)
+        work.rest()
+        runs = gathered_runs(mesh, layout)
+        if on_copy_engine:
+            flat = [i for run in runs for i in run]
+            return gathered_attention(q, finish(pending), mesh.ring_group_name, mesh.plan.ring, flat)
+        kv = finish_all_gather(pending, mesh.plan.ring)  # (2, ring*S, B, H, D)
+        return _kv_attention(q, kv, runs, extra).transpose(1, 2)
+
+    def _start_kv(self, k: torch.Tensor, v: torch.Tensor | list[torch.Tensor], on_copy_engine: bool) -> torch.Tensor:
+        """Issue the all-gather of this rank's K/V (v may come in parts); finish it in _attend."""
+        mesh = self.mesh
+        if on_copy_engine:  # lands in the exchange buffer, read there by gathered_attention
+            return copy_engine.start_gather_kv(_sbhd([k]), _sbhd(_parts(v)), mesh.ring_group_name, mesh.plan.ring)
+        # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
+        # sequence order
+        kv = torch.stack((k, _whole(v))).transpose(1, 2)
+        return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring)
+
+
+def kv_repeat(kv_heads: int, ulysses: int) -> int:
+    """How many times each K/V head is repeated so that `ulysses` ranks hold whole K/V heads:
+    lcm(kv_heads, ulysses) / kv_heads (1 when the degree divides the K/V heads)."""
+    return math.lcm(kv_heads, ulysses) // kv_heads
 
 
 def _pack_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int) -> torch.Tensor:
@@ -99,6 +299,20 @@ def _unpack_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return x[0], x[1], x[2]
 
 
+def _pack_grouped_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int) -> torch.Tensor:
+    """BSHD q (H heads) and k, v (kv heads) -> (degree, B, S, h + 2 kv/degree, D): leading axis =
+    destination rank (head group), q, k and v side by side along the heads, one message per peer."""
+    return torch.cat([t.unflatten(2, (degree, -1)).permute(2, 0, 1, 3, 4) for t in (q, k, v)], dim=3)
+
+
+def _unpack_grouped_heads(x: torch.Tensor, h: int, kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(degree, B, S, h + 2 kv, D) after the all-to-all -> q (h heads), k, v (kv heads) as BhSD over
+    degree*S tokens: views when B == 1 (the tokens stay in BSHD memory)."""
+    x = x.transpose(0, 1).flatten(1, 2)  # (B, degree*S, h + 2 kv, D)
+    q, k, v = x.split([h, kv, kv], dim=2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
 def _pack_tokens(out: torch.Tensor, degree: int) -> torch.Tensor:
     """BhSD attention output over degree*S tokens -> (degree, B, S, h, D), leading = owner of the
     sequence shard. SDPA kernels write BSHD memory, so with B == 1 this needs no copy."""
@@ -112,38 +326,6 @@ def _unpack_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(B, S, degree * h, D)
 
 
-class UlyssesAttention:
-    """Ulysses attention in three calls, so that a caller can compute while each all-to-all travels.
-
-        pending = ulysses.start(q, k, v)        # head-scatter all-to-all issued
-        ...independent compute...                # runs during the transfer
-        pending = ulysses.attend(pending)        # wait, attention, token-gather all-to-all issued
-        ...independent compute...
-        out = ulysses.finish(pending)            # wait: BSHD, like context_parallel_attention
-
-    Same result as context_parallel_attention for a Ulysses-only plan (ring == 1). The waits are
-    explicit ops (engines.collectives.start_all_to_all), so the overlap survives torch.compile.
-    `group_name` is mesh.ulysses_group_name; `transport` mesh.all_to_all.
-    """
-
-    def __init__(self, *, degree: int, group_name: str, layout: ShardLayout, transport: str = "nccl") -> None:
-        self.degree = degree
-        self.group_name = group_name
-        self.transport = transport
-        self.runs = layout.valid_runs(list(range(degree)))
-
-    def start(self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor) -> torch.Tensor:
-        packed = _pack_heads(q_BSHD, k_BSHD, v_BSHD, self.degree)
-        return start_all_to_all(packed, self.group_name, self.degree, self.transport)
-
-    def attend(self, pending: torch.Tensor) -> torch.Tensor:
-        out = _attention(*_unpack_heads(finish(pending)), self.runs)
-        return start_all_to_all(_pack_tokens(out, self.degree), self.group_name, self.degree, self.transport)
-
-    def finish(self, pending: torch.Tensor) -> torch.Tensor:
-        return _unpack_tokens(finish(pending))
-
-
 def select_runs(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:
     """Keep the real-token runs of `x` along `dim` (a no-op when there is no padding)."""
     if len(runs) == 1 and runs[0] == (0, x.shape[dim]):
@@ -151,10 +333,24 @@ def select_runs(x: torch.Tensor, runs: Runs, dim: int) -> torch.Tensor:
     return torch.cat([x.narrow(dim, start, length) for start, length in runs], dim=dim)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs) -> torch.Tensor:
-    """Plain attention (BHSD) over the real keys. Dropping padded keys instead of masking them
-    keeps the unmasked fast kernels (flash) usable whatever the token count."""
-    return F.scaled_dot_product_attention(q, select_runs(k, runs, 2), select_runs(v, runs, 2))
+def _real_keys(x: torch.Tensor, runs: Runs, extra: torch.Tensor | None) -> torch.Tensor:
+    """Keys or values (BHSD) at their real-token runs, after the replicated `extra` ones (BSHD) if any:
+    then ONE copy, into BSHD memory."""
+    if extra is None:
+        return select_runs(x, runs, 2)
+    tokens = x.transpose(1, 2)
+    return torch.cat([extra, *(tokens.narrow(1, start, length) for start, length in runs)], dim=1).transpose(1, 2)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, extra: ExtraKV = None) -> torch.Tensor:
+    """Plain attention (BHSD) over the real keys (and `extra`, ahead of them). Dropping padded keys
+    instead of masking them keeps the unmasked fast kernels (flash) usable whatever the token count.
+    K/V may have fewer heads than q (grouped-query attention)."""
+    k = _real_keys(k, runs, None if extra is None else extra[0])
+    v = _real_keys(v, runs, None if extra is None else extra[1])
+    if k.shape[1] == q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,11 +398,22 @@ def ring_pass(kv: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
 
 
 def _ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh, layout: ShardLayout, extra: ExtraKV,
+    waiting: Callable[[], None],
 ) -> torch.Tensor:
-    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE."""
+    """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE.
+    `waiting` runs once the first pass is issued; the replicated `extra` K/V (BSHD) are attended then."""
+    groups = q.shape[1] // k.shape[1]
     kv = torch.stack((k, v))  # one message per step
-    return ring_steps(q, kv, ring_pass(kv, mesh), mesh, layout)
+    pending = ring_pass(kv, mesh)
+    waiting()
+    start = None
+    if extra is not None and extra[0].shape[1]:
+        keys, values = (t.transpose(1, 2) for t in extra)
+        if groups > 1:
+            keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))
+        start = merge_attention(None, None, *attention_with_lse(q, keys, values))
+    return ring_steps(q, kv, pending, mesh, layout, groups=groups, start=start)
 
 
 def ring_steps(
@@ -238,131 +445,16 @@ def ring_steps(
     return out.to(q.dtype)
 
 
-class RingAttention:
-    """Ring attention (a ring-only plan) in UlyssesAttention's three calls:
-
-        pending = ring.start(q, k, v)     # this rank's K/V pass issued
-        ...independent compute...          # runs during the transfer
-        out = ring.attend(pending)         # local block, wait, next blocks, merged
-        out = ring.finish(out)             # BSHD, like context_parallel_attention
-    """
-
-    def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
-        self.mesh = mesh
-        self.layout = layout
-
-    def start(
-        self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kv = torch.stack((k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)))
-        return q_BSHD.transpose(1, 2), kv, ring_pass(kv, self.mesh)
-
-    def attend(self, pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return ring_steps(*pending, self.mesh, self.layout)
-
-    def finish(self, out: torch.Tensor) -> torch.Tensor:
-        return out.transpose(1, 2)
-
-
-class GatherAttention:
-    """Attention over all keys of an all-gather plan ("allgather": no Ulysses axis) with ONE K/V
-    exchange, in UlyssesAttention's three calls (for a block that has independent compute to hide
-    the exchange behind):
-
-        pending = gather.start(q, k, v)   # all-gather of this rank's K/V issued
-        ...independent compute...          # runs during the transfer
-        out = gather.attend(pending)       # wait, one attention kernel over every key
-        out = gather.finish(out)           # BSHD, like context_parallel_attention
-
-    or, when the queries can be computed while the K/V travel (FLUX's double blocks):
-
-        kv = gather.start_kv(k, v)         # all-gather of this rank's K/V issued
-        q = ...                            # query projections run during the transfer
-        out = gather.finish(gather.attend_query(q, kv))
-
-    and with the keys ahead of the values (FLUX's double blocks; k/v may come in parts):
-
-        keys = gather.start_keys(k)        # copy engines: the keys travel ...
-        v = ...                            # ... while the value projections run
-        kv = gather.start_values(v, keys)  # then as above
-
-    Same result as ring attention without its split: one kernel over all keys instead of one per
-    block plus the log-sum-exp merge. On FLUX's single blocks at 1024² on 2 GPUs the exchange hides
-    under the MLP GEMM, and one kernel over 2x the keys is faster than two plus a merge
-    (docs/benchmarks.md). It holds every rank's K/V at once, which ring attention does not: the
-    memory the choice between the two strategies trades.
-    """
-
-    def __init__(self, *, mesh: ParallelMesh, layout: ShardLayout) -> None:
-        self.mesh = mesh
-        self.runs = gathered_runs(mesh, layout)
-
-    def start(
-        self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return q_BSHD, self.start_kv(k_BSHD, v_BSHD)
-
-    def start_kv(self, k_BSHD: torch.Tensor | list[torch.Tensor], v_BSHD: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
-        """Issue the all-gather of this rank's K/V; pass the result to attend_query(). Either may
-        come in consecutive parts along the sequence (a list), as FLUX's text and image streams."""
-        keys, values = _parts(k_BSHD), _parts(v_BSHD)
-        mesh = self.mesh
-        if mesh.all_to_all == "copy-engine":  # lands in the exchange buffer, read there by attend_query
-            # each part pushed from where it was made: no stacking or concatenation copy first
-            return copy_engine.start_gather_kv(_sbhd(keys), _sbhd(values), mesh.ring_group_name, mesh.plan.ring)
-        # (2, S, B, H, D): the sequence right after the k/v axis, so that gathered pieces land in
-        # sequence order
-        kv = torch.stack((torch.cat(keys, dim=1), torch.cat(values, dim=1))).transpose(1, 2)
-        return start_all_gather(kv, mesh.ring_group_name, mesh.plan.ring)
-
-    def start_keys(self, k_BSHD: torch.Tensor) -> torch.Tensor:
-        """Issue the all-gather of this rank's keys ahead of its values; pass the result to
-        start_values(). On copy engines the keys travel while the values are made; NCCL gathers
-        both in one collective, issued by start_values() (the result is then the keys themselves)."""
-        mesh = self.mesh
-        if mesh.all_to_all == "copy-engine":
-            return copy_engine.start_gather_kv(_sbhd([k_BSHD]), [], mesh.ring_group_name, mesh.plan.ring)
-        return k_BSHD
-
-    def start_values(self, v_BSHD: torch.Tensor | list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
-        """Issue the all-gather of this rank's values, after start_keys() (its result is `keys`);
-        pass the result to attend_query()."""
-        mesh = self.mesh
-        if mesh.all_to_all == "copy-engine":
-            return copy_engine.start_gather_kv([], _sbhd(_parts(v_BSHD)), mesh.ring_group_name, mesh.plan.ring,
-                                               keys_sent=keys)
-        return self.start_kv(keys, v_BSHD)
-
-    def attend(self, pending: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.attend_query(*pending)
-
-    def attend_query(self, q_BSHD: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-        """Wait for the K/V all-gather, then attention (BHSD) of this rank's queries over every key."""
-        mesh = self.mesh
-        if mesh.all_to_all == "copy-engine":
-            runs = [i for run in self.runs for i in run]
-            return gathered_attention(q_BSHD, finish(gathered), mesh.ring_group_name, mesh.plan.ring, runs).transpose(1, 2)
-        kv = finish_all_gather(gathered, mesh.plan.ring)  # (2, ring*S, B, H, D)
-        return _kv_attention(q_BSHD, kv, self.runs)
-
-    def finish(self, out: torch.Tensor) -> torch.Tensor:
-        return out.transpose(1, 2)
-
-
-def _parts(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-    """A tensor, or its consecutive parts along the sequence, as a list of parts."""
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
 def _sbhd(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """BSHD parts seen in the gathered layout's order, SBHD (with batch 1 the transpose moves no data)."""
     return [p.transpose(0, 1) for p in parts]
 
 
-def _kv_attention(q_BSHD: torch.Tensor, kv: torch.Tensor, runs: Runs) -> torch.Tensor:
-    """Attention (BHSD) of q over gathered K/V (2, ring*S, B, H, D), their real-token runs only."""
+def _kv_attention(q_BSHD: torch.Tensor, kv: torch.Tensor, runs: Runs, extra: ExtraKV = None) -> torch.Tensor:
+    """Attention (BHSD) of q over gathered K/V (2, ring*S, B, H, D), their real-token runs only, after
+    the replicated `extra` K/V (BSHD) if any."""
     k, v = (t.permute(1, 2, 0, 3) for t in kv)  # BHSD views
-    return _attention(q_BSHD.transpose(1, 2), k, v, runs)
+    return _attention(q_BSHD.transpose(1, 2), k, v, runs, extra)
 
 
 @torch.library.custom_op("ulysses_studio::gathered_attention", mutates_args=())

@@ -24,7 +24,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
-from engines.attention import context_parallel_attention
+from engines.attention import split_attention
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
@@ -54,7 +54,7 @@ class CosmosContextParallelProcessor:
     """CosmosAttnProcessor2_0 for self-attention (attn1), with the attention call made context-parallel."""
 
     def __init__(self, mesh: ParallelMesh) -> None:
-        self.mesh = mesh
+        self.attention = split_attention(mesh)
 
     def __call__(
         self,
@@ -80,9 +80,8 @@ class CosmosContextParallelProcessor:
         key = key.repeat_interleave(query.size(3) // key.size(3), dim=3)
         value = value.repeat_interleave(query.size(3) // value.size(3), dim=3)
 
-        hidden_states = context_parallel_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-            mesh=self.mesh, layout=image_rotary_emb.layout,
+        hidden_states = self.attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), layout=image_rotary_emb.layout
         )
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](hidden_states))

@@ -19,14 +19,17 @@ The split:
   costs every rank the text stream's compute (189 frames at 720p are about 44,000 gen tokens; 300
   text tokens add about 5% to each of 8 ranks' 5,500), and saves a causal ring and a second
   exchange per layer.
-- Ulysses: one all-to-all carries this shard's gen q, k and v to head shards. When the Ulysses
+- The gen stream's attention is engines.attention's split_attention, as for every model, with the
+  und keys/values as its replicated `extra_kv` and the K/V heads as they are (grouped-query):
+  Ulysses: one all-to-all carries this shard's gen q, k and v to head shards. When the Ulysses
   degree does not divide the K/V heads (8 ranks of a model with fewer than 8 K/V heads, or 3
   ranks of one with 8), each K/V head is repeated r = lcm(kv, ulysses) / kv times before the
-  all-to-all (kv_repeat), so every rank holds whole K/V heads for its query heads. Exact: a
-  repeated head is the same keys.
-- Ring / allgather: gen K/V travel over the K/V axis as for the other models, with their K/V
+  all-to-all (attention.kv_repeat), so every rank holds whole K/V heads for its query heads.
+  Exact: a repeated head is the same keys.
+  Ring / allgather: gen K/V travel over the K/V axis as for the other models, with their K/V
   heads only (widened to the query heads on arrival); the replicated und keys are one more block,
-  merged by log-sum-exp (ring) or concatenated (allgather).
+  merged by log-sum-exp (ring) or concatenated (allgather; over the group's collectives also when
+  the run's transport is copy-engine, whose K/V gather takes no replicated keys).
 - CFG: `forward_guided` runs the conditional and unconditional calls on different rank groups at
   once and exchanges the predictions.
 - Compiled engines: the text stream's length changes with every prompt, so the shard seam marks it
@@ -36,7 +39,6 @@ The split:
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
@@ -47,15 +49,7 @@ from diffusers.models.transformers.transformer_cosmos3 import (
     _rotate_half,
 )
 
-from engines.attention import (
-    attention_with_lse,
-    gathered_runs,
-    merge_attention,
-    ring_pass,
-    ring_steps,
-    select_runs,
-    ulysses_all_to_all,
-)
+from engines.attention import split_attention
 from engines.collectives import all_gather
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, gather_tokens, shard_tokens
@@ -71,12 +65,6 @@ class Cosmos3Rotary(NamedTuple):
     und: tuple[torch.Tensor, torch.Tensor]
     gen: tuple[torch.Tensor, torch.Tensor]
     layout: ShardLayout
-
-
-def kv_repeat(kv_heads: int, ulysses: int) -> int:
-    """How many times each K/V head is repeated so that `ulysses` ranks hold whole K/V heads:
-    lcm(kv_heads, ulysses) / kv_heads (1 when the degree divides the K/V heads)."""
-    return math.lcm(kv_heads, ulysses) // kv_heads
 
 
 def _rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -95,7 +83,7 @@ class Cosmos3ContextParallelProcessor:
     """Cosmos3AttnProcessor (diffusers 0.42) with the gen stream's attention made context-parallel."""
 
     def __init__(self, mesh: ParallelMesh) -> None:
-        self.mesh = mesh
+        self.attention = split_attention(mesh)
 
     def __call__(
         self, attn: Any, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: Cosmos3Rotary
@@ -115,68 +103,10 @@ class Cosmos3ContextParallelProcessor:
         q_gen, k_gen = (_rope(t, rotary_emb.gen) for t in (q_gen, k_gen))
 
         causal_out = _sdpa(q_und, k_und, v_und, causal=True)  # whole und stream, on every rank
-        full_out = gen_attention(q_gen, k_gen, v_gen, k_und_for_gen, v_und, mesh=self.mesh, layout=rotary_emb.layout)
+        # gen queries over every gen key (sharded) and every und key (replicated): SHD seen as BSHD, B = 1
+        full_out = self.attention(q_gen.unsqueeze(0), k_gen.unsqueeze(0), v_gen.unsqueeze(0), layout=rotary_emb.layout,
+                                  extra_kv=(k_und_for_gen.unsqueeze(0), v_und.unsqueeze(0))).squeeze(0)
         return attn.to_out(causal_out.flatten(-2, -1)), attn.to_add_out(full_out.flatten(-2, -1))
-
-
-def gen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_und: torch.Tensor, v_und: torch.Tensor,
-    *, mesh: ParallelMesh, layout: ShardLayout,
-) -> torch.Tensor:
-    """Attention (SHD) of this rank's gen queries over all und keys (replicated here) and all gen keys
-    (sharded by `layout`); k, v, k_und, v_und carry the K/V heads only."""
-    plan = mesh.plan
-    if plan.ulysses > 1:
-        repeat = kv_repeat(k.shape[1], plan.ulysses)
-        if repeat > 1:
-            k, v, k_und, v_und = (t.repeat_interleave(repeat, dim=1) for t in (k, v, k_und, v_und))
-        q, k, v = _scatter_heads(q, k, v, mesh)
-        kv_local = k.shape[1]
-        k_und, v_und = (t.narrow(1, mesh.ulysses_rank * kv_local, kv_local) for t in (k_und, v_und))
-    if plan.ring == 1:
-        runs = layout.valid_runs(mesh.ring_shards(mesh.ring_rank))
-        keys = torch.cat([k_und, select_runs(k, runs, 0)])
-        values = torch.cat([v_und, select_runs(v, runs, 0)])
-        out = _sdpa(q, keys, values)
-    elif plan.kv_exchange == "allgather":
-        kv = all_gather(torch.stack((k, v)), 1, mesh.ring_group, plan.ring)  # (2, ring*S, kv, D)
-        runs = gathered_runs(mesh, layout)
-        out = _sdpa(q, torch.cat([k_und, select_runs(kv[0], runs, 0)]), torch.cat([v_und, select_runs(kv[1], runs, 0)]))
-    else:
-        out = _ring_attention(q, k, v, k_und, v_und, mesh, layout)
-    if plan.ulysses > 1:
-        out = _gather_heads(out, mesh)
-    return out
-
-
-def _ring_attention(q, k, v, k_und, v_und, mesh: ParallelMesh, layout: ShardLayout) -> torch.Tensor:
-    """Ring attention (SHD) of q over the gen K/V blocks passed around the ring, plus the und keys."""
-    groups = q.shape[1] // k.shape[1]
-    q_bhsd = q.transpose(0, 1).unsqueeze(0)
-    kv = torch.stack((k, v)).permute(0, 2, 1, 3).unsqueeze(1)  # (2, 1, kv, S, D): blocks in BHSD
-    pending = ring_pass(kv, mesh)
-    und = [t.transpose(0, 1).unsqueeze(0).repeat_interleave(groups, dim=1) for t in (k_und, v_und)]
-    start = merge_attention(None, None, *attention_with_lse(q_bhsd, *und)) if k_und.shape[0] else None
-    out = ring_steps(q_bhsd, kv, pending, mesh, layout, groups=groups, start=start)
-    return out.squeeze(0).transpose(0, 1)
-
-
-def _scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: ParallelMesh):
-    """SHD sequence shards (q with H heads, k/v with kv heads) -> head shards over degree*S tokens
-    (H/degree and kv/degree heads), with ONE all-to-all."""
-    degree = mesh.plan.ulysses
-    h, kv = q.shape[1] // degree, k.shape[1] // degree
-    # (degree, S, h + 2 kv, D): leading axis = destination rank (head group), q, k, v in one message
-    packed = torch.cat([t.unflatten(1, (degree, -1)).transpose(0, 1) for t in (q, k, v)], dim=2)
-    gathered = ulysses_all_to_all(packed.contiguous(), mesh).flatten(0, 1)  # (degree*S, h + 2 kv, D)
-    return gathered.split([h, kv, kv], dim=1)
-
-
-def _gather_heads(out: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
-    """SHD head shard over degree*S tokens -> this rank's S tokens with every head."""
-    degree = mesh.plan.ulysses
-    back = ulysses_all_to_all(out.unflatten(0, (degree, -1)).contiguous(), mesh)  # (degree: head group, S, h, D)
-    return back.transpose(0, 1).flatten(1, 2)
 
 
 class ParallelCosmos3(ParallelTransformer):

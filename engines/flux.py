@@ -205,13 +205,11 @@ def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> Paral
         attentions = [b.attn for b in model.transformer_blocks] + [b.attn for b in model.single_transformer_blocks]
         replaced = replace_processors(attentions, FluxContextParallelProcessor(mesh))
     modulation = None
-    if plan.seq_degree > 1 and (plan.ulysses == 1 or plan.ring == 1):  # one sequence axis
+    axes = mesh.sequence_axes()
+    if len(axes) == 1:  # one sequence axis
         blocks = model.single_transformer_blocks
         for index, block in enumerate(blocks if plan.tp == 1 else []):
             blocks[index] = OverlappedSingleBlock(block, mesh)
-        if plan.ulysses > 1:
-            modulation = SharedModulation(model, mesh.ulysses_group, mesh.ulysses_rank, plan.ulysses)
-        else:
-            modulation = SharedModulation(model, mesh.ring_group, mesh.ring_rank, plan.ring)
+        modulation = SharedModulation(model, *axes[0])
         modulation.install()
     return ParallelFlux(model, mesh, replaced, modulation)

@@ -35,7 +35,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 from torch import nn
 
-from engines.attention import context_parallel_attention
+from engines.attention import split_attention
 from engines.flux import IMAGE, shard_joint_tokens
 from engines.flux_attention import FluxContextParallelProcessor
 from engines.mesh import ParallelMesh
@@ -47,7 +47,7 @@ class Flux2SingleProcessor:
     """Flux2ParallelSelfAttnProcessor (diffusers 0.42) with the attention call made context-parallel."""
 
     def __init__(self, mesh: ParallelMesh) -> None:
-        self.mesh = mesh
+        self.attention = split_attention(mesh)
 
     def __call__(
         self,
@@ -72,7 +72,7 @@ class Flux2SingleProcessor:
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
+        out = self.attention(query, key, value, layout=cp_layout)
         out = out.flatten(2, 3).to(query.dtype)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 

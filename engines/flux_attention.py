@@ -1,5 +1,6 @@
 """FLUX's attention made context-parallel: q/k/v as diffusers' FluxAttnProcessor makes them, and the
-processor that installs in each FluxAttention of a parallelized FluxTransformer2DModel.
+processor that installs in each FluxAttention of a parallelized FluxTransformer2DModel (its attention
+call is engines.attention's split_attention, whatever the strategy).
 
 The projections are written here, not imported (diffusers keeps its own helper private): plain
 to_q/to_k/to_v and add_*_proj, or diffusers' fused to_qkv/to_added_qkv after fuse_qkv_projections().
@@ -13,11 +14,10 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
-from engines.attention import GatherAttention, context_parallel_attention
+from engines.attention import split_attention
 from engines.collectives import linear_after
 from engines.fp8 import is_fp8
 from engines.mesh import ParallelMesh
-from engines.plan import ParallelPlan
 from engines.sharding import ShardLayout
 
 
@@ -69,19 +69,22 @@ def _projected_after(
     encoder_hidden_states: torch.Tensor,
     proj: nn.Linear,
     encoder_proj: nn.Linear,
-    after: torch.Tensor,
+    after: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """proj(hidden_states) and encoder_proj(encoder_hidden_states) of a double-stream block, both
-    ordered after the op that produced `after` (collectives.linear_after)."""
+    ordered after the op that produced `after` (collectives.linear_after; plain projections for None)."""
+    if after is None:
+        return proj(hidden_states), encoder_proj(encoder_hidden_states)
     return (linear_after(hidden_states, proj.weight, proj.bias, after),
             linear_after(encoder_hidden_states, encoder_proj.weight, encoder_proj.bias, after))
 
 
 def _values(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-            after: torch.Tensor) -> list[torch.Tensor]:
+            after: torch.Tensor | None) -> list[torch.Tensor]:
     """v of a double-stream block (unfused projections) as its text and image parts, in the joint
-    order: the K/V all-gather takes them apart, which spares their concatenation. Both projections
-    are ordered after the op that produced `after` (the keys' all-gather, which travels meanwhile)."""
+    order: the copy-engine K/V all-gather takes them apart, which spares their concatenation. Both
+    projections are ordered after the op that produced `after` (the keys' all-gather, which travels
+    meanwhile; None: nothing travels)."""
     value, encoder_value = _projected_after(hidden_states, encoder_hidden_states, attn.to_v, attn.add_v_proj, after)
     return [_joint(attn, encoder_value, None, None, None, None), _joint(attn, value, None, None, None, None)]
 
@@ -91,22 +94,17 @@ def _queries(
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-    after: torch.Tensor,
+    after: torch.Tensor | None,
 ) -> torch.Tensor:
     """q of a double-stream block (unfused projections), as query_key_value makes it, with both
-    projections ordered after the op that produced `after` (collectives.linear_after)."""
+    projections ordered after the op that produced `after` (collectives.linear_after; None: unordered)."""
     query, encoder_query = _projected_after(hidden_states, encoder_hidden_states, attn.to_q, attn.add_q_proj, after)
     return _joint(attn, query, encoder_query, attn.norm_q, attn.norm_added_q, image_rotary_emb)
 
 
-def gathers_kv(plan: ParallelPlan) -> bool:
-    """Whether the plan shares K/V with ONE all-gather (GatherAttention): the "allgather" strategy."""
-    return plan.ring > 1 and plan.kv_exchange == "allgather"
-
-
 def _plain_projections(attn: Any) -> bool:
     """Whether q and v come from plain nn.Linear projections in the run's dtype (not fused, not FP8, not
-    wrapped by an adapter), which the reordered all-gather attention orders with collectives.linear_after.
+    wrapped by an adapter), which the all-gather attention reorders with collectives.linear_after.
 
     --fp8 fuses the projections (engines.fp8), so its double-stream blocks take the plain path: the input
     quantized once and one GEMM per stream are a sure saving, while the reordering gained little under FP8,
@@ -143,19 +141,19 @@ def _joint(
 class FluxContextParallelProcessor:
     """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope).
 
-    With the "allgather" strategy a double-stream block's attention is reordered around its one
-    K/V all-gather (GatherAttention): the keys of both streams are projected first and their
-    all-gather issued, the values are projected while the keys travel (on copy engines; NCCL
-    gathers both at once) and their all-gather issued, the queries are projected while the values
-    travel, then one attention kernel runs over every key. (Ring attention hides its K/V pass
-    under the attention to the own K/V instead, and pays for it with one attention kernel per
-    block and a log-sum-exp merge; a double block has no other compute to hide the exchange
-    behind: docs/benchmarks.md.)
+    A double-stream block with plain projections hands its keys to the attention and its values and
+    queries as functions that make them: the all-gather strategy (engines.attention.GatherAttention)
+    projects the keys of both streams first and issues their all-gather, projects the values while
+    the keys travel (on copy engines; NCCL gathers both at once) and issues theirs, projects the
+    queries while the values travel, then runs one attention kernel over every key; the other
+    strategies make them at once, as diffusers does. (Ring attention hides its K/V pass under the
+    attention to the own K/V instead, and pays for it with one attention kernel per block and a
+    log-sum-exp merge; a double block has no other compute to hide the exchange behind:
+    docs/benchmarks.md.)
     """
 
     def __init__(self, mesh: ParallelMesh) -> None:
-        self.mesh = mesh
-        self.gather_double = gathers_kv(mesh.plan)
+        self.attention = split_attention(mesh)
 
     def __call__(
         self,
@@ -171,18 +169,18 @@ class FluxContextParallelProcessor:
         if attention_mask is not None:
             raise ValueError("FLUX attention masks are not supported with context parallelism")
         double = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
-        if double and self.gather_double and _plain_projections(attn):
-            gather = GatherAttention(mesh=self.mesh, layout=cp_layout)
-            key = _keys(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-            keys = gather.start_keys(key)
-            value = _values(attn, hidden_states, encoder_hidden_states, after=keys)
-            pending = gather.start_values(value, keys)
-            query = _queries(attn, hidden_states, encoder_hidden_states, image_rotary_emb, after=pending)
-            hidden_states = gather.finish(gather.attend_query(query, pending))
+        if double and _plain_projections(attn):
+            x, context = hidden_states, encoder_hidden_states
+            out = self.attention(
+                lambda after: _queries(attn, x, context, image_rotary_emb, after),
+                _keys(attn, x, context, image_rotary_emb),
+                lambda after: _values(attn, x, context, after),
+                layout=cp_layout,
+            )
         else:
             query, key, value = query_key_value(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-            hidden_states = context_parallel_attention(query, key, value, mesh=self.mesh, layout=cp_layout)
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+            out = self.attention(query, key, value, layout=cp_layout).to(query.dtype)
+        hidden_states = out.flatten(2, 3)
 
         if encoder_hidden_states is None:
             return hidden_states

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 from torch import nn
 
-from engines.attention import GatherAttention, RingAttention, UlyssesAttention
-from engines.flux_attention import gathers_kv, query_key_value
+from engines.attention import split_attention
+from engines.flux_attention import query_key_value
 from engines.fp8 import is_fp8
 from engines.mesh import ParallelMesh
 
@@ -21,17 +21,17 @@ class OverlappedSingleBlock(nn.Module):
 
     The block computes mlp = GELU(proj_mlp(x)) and attention(x) side by side, then
     proj_out(cat(attention, mlp)). diffusers runs the MLP first and the attention after, so each
-    exchange of the attention waits with nothing to do. Here (engines.attention's UlyssesAttention,
-    GatherAttention or RingAttention, as the plan says):
-    1. q/k/v are projected and their head-scatter all-to-all (Ulysses), the all-gather of this
-       rank's K/V (allgather) or its first K/V pass (ring) is issued;
+    exchange of the attention waits with nothing to do. Here the attention (engines.attention's
+    split_attention: the plan's strategy) runs the MLP's two steps as its while_waiting work:
+    1. q/k/v are projected and the attention's first exchange is issued: the head-scatter
+       all-to-all (Ulysses), the all-gather of this rank's K/V (allgather) or its first K/V pass (ring);
     2. the MLP runs while it travels (4x the FLOPs of the q/k/v projections);
-    3. Ulysses: attention, then its token-gather all-to-all is issued, and the MLP's share of
-       proj_out runs while that travels: proj_out(cat(a, m)) = a W_a^T + m W_m^T + b, W_a and W_m
-       being column slices of proj_out's weight (views: no copy);
-       ring and allgather: the MLP's share of proj_out also runs before the attention (nothing
-       travels after it), so the K/V exchange has both GEMMs to hide under: inside a CUDA graph
-       its local copy-out may run as a kernel, which waits for free SMs (docs/benchmarks.md);
+    3. the MLP's share of proj_out runs while the next exchange travels: proj_out(cat(a, m)) =
+       a W_a^T + m W_m^T + b, W_a and W_m being column slices of proj_out's weight (views: no copy).
+       Ulysses: its token-gather all-to-all, after the attention; ring and allgather: the same K/V
+       exchange, before the attention (nothing travels after it), so that exchange has both GEMMs to
+       hide under: inside a CUDA graph its local copy-out may run as a kernel, which waits for free
+       SMs (docs/benchmarks.md);
     4. the attention's share is added. Residual and gate as in diffusers.
     Splitting proj_out also spares the concatenation, which under ring fused with the LSE merge
     into one slow kernel (150 us a block at FLUX 1024², against ~40 us for GELU alone).
@@ -46,7 +46,7 @@ class OverlappedSingleBlock(nn.Module):
     def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh) -> None:
         super().__init__()
         self.block = block
-        self.mesh = mesh
+        self.attention = split_attention(mesh)
 
     def forward(
         self,
@@ -60,38 +60,29 @@ class OverlappedSingleBlock(nn.Module):
         layout = (joint_attention_kwargs or {}).get("cp_layout")
         if layout is None:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
-        mesh = self.mesh
-        if mesh.plan.ulysses > 1:
-            split = UlyssesAttention(degree=mesh.plan.ulysses, group_name=mesh.ulysses_group_name, layout=layout,
-                                     transport=mesh.all_to_all)
-        elif gathers_kv(mesh.plan):
-            split = GatherAttention(mesh=mesh, layout=layout)
-        else:
-            split = RingAttention(mesh=mesh, layout=layout)
         text_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
 
         query, key, value = query_key_value(attn, norm_hidden_states, None, image_rotary_emb)
-        pending = split.start(query, key, value)
-        mlp = block.act_mlp(block.proj_mlp(norm_hidden_states))
         weight = block.proj_out.weight
         width = weight.shape[1] - block.mlp_hidden_dim  # attention output width
+
+        def mlp() -> torch.Tensor:
+            return block.act_mlp(block.proj_mlp(norm_hidden_states))
+
+        def mlp_share(activation: torch.Tensor) -> torch.Tensor:  # the MLP's share of proj_out
+            return F.linear(activation, weight[:, width:], block.proj_out.bias)
+
         if is_fp8(weight):
             # FP8 (--fp8): proj_out runs whole, as in diffusers' block. Its activation is quantized with one
             # scale per token over [attention, MLP]; the two shares quantized apart would round differently
             # from one process (2 gloo ranks: 23 levels off after 3 steps of tiny-flux).
-            attention = split.finish(split.attend(pending)).flatten(2, 3).to(query.dtype)
-            out = block.proj_out(torch.cat([attention, mlp], dim=2))
-        elif isinstance(split, UlyssesAttention):  # its second all-to-all travels under the MLP's proj_out share
-            pending = split.attend(pending)
-            out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
-        else:  # ring, allgather: no exchange after the attention; K/V get the MLP's proj_out share too
-            out = F.linear(mlp, weight[:, width:], block.proj_out.bias)
-            pending = split.attend(pending)
-        if not is_fp8(weight):
-            attention = split.finish(pending).flatten(2, 3).to(query.dtype)
-            out = out + F.linear(attention, weight[:, :width])
+            attention, mlp_out = self.attention(query, key, value, layout=layout, while_waiting=(mlp,))
+            out = block.proj_out(torch.cat([attention.flatten(2, 3).to(query.dtype), mlp_out], dim=2))
+        else:
+            attention, out = self.attention(query, key, value, layout=layout, while_waiting=(mlp, mlp_share))
+            out = out + F.linear(attention.flatten(2, 3).to(query.dtype), weight[:, :width])
 
         hidden_states = hidden_states + gate.unsqueeze(1) * out
         if hidden_states.dtype == torch.float16:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -13,6 +14,14 @@ from engines.plan import ParallelPlan
 
 AXES = ("cfg", "ring", "ulysses", "tp")
 """Mesh axes, outermost first (ParallelPlan says why tp is innermost)."""
+
+
+class SequenceAxis(NamedTuple):
+    """One mesh axis that splits the sequence: its group, this rank's index on it, its size."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,6 +62,14 @@ class ParallelMesh:
     def seq_rank(self) -> int:
         """Index of the sequence shard this rank holds."""
         return self.ring_rank * self.plan.ulysses + self.ulysses_rank
+
+    def sequence_axes(self) -> list[SequenceAxis]:
+        """The axes that split the sequence (more than one rank), Ulysses first: gathering over them in
+        this order yields the shards in seq_rank order. How attention splits over them is
+        engines.attention's business (split_attention)."""
+        axes = [SequenceAxis(self.ulysses_group, self.ulysses_rank, self.plan.ulysses),
+                SequenceAxis(self.ring_group, self.ring_rank, self.plan.ring)]
+        return [axis for axis in axes if axis.size > 1]
 
     def ring_shards(self, ring_rank: int) -> list[int]:
         """Sequence shards held, after the Ulysses all-to-all, by the ring member `ring_rank`."""

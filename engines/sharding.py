@@ -87,12 +87,9 @@ def shard_tokens(x: torch.Tensor, layout: ShardLayout, *, segment: int, shard: i
 
 def gather_tokens(x: torch.Tensor, mesh: ParallelMesh, *, length: int, dim: int) -> torch.Tensor:
     """All-gather a single-segment sequence sharded along `dim` and cut the padding (to `length`)."""
-    plan = mesh.plan
     # Shard s = ring_rank * ulysses + ulysses_rank: gathering the inner axis first yields shard order.
-    if plan.ulysses > 1:
-        x = all_gather(x, dim, mesh.ulysses_group, plan.ulysses)
-    if plan.ring > 1:
-        x = all_gather(x, dim, mesh.ring_group, plan.ring)
+    for axis in mesh.sequence_axes():
+        x = all_gather(x, dim, axis.group, axis.size)
     return x.narrow(dim, 0, length)
 
 

@@ -94,7 +94,7 @@ def test_cosmos3_parallel_matches_single_process(world_size: int, tmp_path: Path
 
 
 def test_kv_repeat_gives_whole_kv_heads_per_rank() -> None:
-    from engines.cosmos3 import kv_repeat
+    from engines.attention import kv_repeat
 
     assert [kv_repeat(8, u) for u in (1, 2, 4, 8)] == [1, 1, 1, 1]  # Nano: 8 K/V heads
     assert kv_repeat(8, 3) == 3 and kv_repeat(2, 8) == 4 and kv_repeat(2, 3) == 3
