@@ -200,7 +200,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             if ctx.is_main:
                 pipeline.use_prompt_cache(PromptCache())
         if options.fp8:
-            quantize_transformers(distinct)
+            quantize_transformers(distinct, ctx.group)
         plan_label = "none (1 rank)"
         if ctx.is_distributed:
             plan_label = parallelize_pipelines(distinct, ctx, options)
@@ -249,13 +249,14 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             shutdown(world)
 
 
-def quantize_transformers(pipelines: Iterable) -> None:
+def quantize_transformers(pipelines: Iterable, group=None) -> None:
     """--fp8: each transformer's block linears as FP8 GEMMs (engines/fp8.py), on every rank alike (the same
-    weights give the same FP8 weights), before the adapters and engines wrap them."""
+    weights give the same FP8 weights), before the adapters and engines wrap them; collective over `group`
+    (the ranks' tensor group) for transformers loaded split by --tp."""
     from engines.fp8 import quantize_fp8
 
     for pipeline in pipelines:
-        quantize_fp8(pipeline.transformer, family_of(pipeline.spec).repeated_blocks)
+        quantize_fp8(pipeline.transformer, family_of(pipeline.spec).repeated_blocks, group=group)
 
 
 def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:

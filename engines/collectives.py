@@ -52,10 +52,11 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -
     return torch.cat(out.chunk(size, dim=0), dim=dim)
 
 
-def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of every peer's `x` (tensor parallelism's row-parallel layers), waited for at once: the next
-    op (the bias, the residual) needs it. `group_name` is the group's name, read outside traced code."""
-    return finish(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name))
+def all_reduce(x: torch.Tensor, group_name: str, op: str = "sum") -> torch.Tensor:
+    """Sum (or `op`: "max", ...) of every peer's `x` (tensor parallelism's row-parallel layers), waited for
+    at once: the next op (the bias, the residual) needs it. `group_name` is the group's name, read outside
+    traced code."""
+    return finish(torch.ops._c10d_functional.all_reduce(x.contiguous(), op, group_name))
 
 
 def start_all_to_all(x: torch.Tensor, group_name: str, size: int, transport: str = "nccl") -> torch.Tensor:

@@ -27,8 +27,23 @@ channel's, so concatenating weights before quantizing changes no scale.
 
 Nothing here is hand-written FP8 arithmetic: the context-parallel processors call the projections as
 modules or as F.linear on their weights, which Float8Tensor dispatches, and compiled engines trace it as
-a tensor subclass. An FP8 projection is never split by input columns (FLUX.1's overlapped single blocks
-run proj_out whole under FP8): each token's activation scale covers its whole row, as in one process. torchao refuses to
+a tensor subclass. Each token's activation scale covers its whole row, as in one process, so the context-parallel
+code never splits an FP8 projection by input columns (FLUX.1's overlapped single blocks run proj_out whole under FP8).
+
+With tensor parallelism (--tp) the model is split first (loaded split, engines/sharded_loading.py) and each rank
+quantizes its shards, with the scales one process uses, so the GEMMs' FP8 inputs are one process's, bit for bit:
+- a column-parallel shard keeps whole output rows: its per-row weight scales are one process's as they come,
+  and its activation is the whole, replicated one;
+- a row-parallel shard keeps its input columns of every row (RowParallelLinear): its weight scales come from each
+  row's absolute maximum over all the shards (one all-reduce of the per-row maxima over the run's group when the
+  model is quantized: `quantize_fp8(..., group=)`), and each call's activation scales from each token's maximum
+  over all the tp ranks' columns (one all-reduce of one number a token, `quantize_whole_rows`), which the layer
+  quantizes itself before its partial GEMM. The partial products are then summed as without FP8.
+Quantizing whole and splitting the FP8 tensor would give the same bytes, but the ranks load only their shards.
+A split model's projections stay unfused: the families' splits name them (and FLUX.2's refuses fused ones), so
+under tp each q/k/v projection quantizes its input apart, the same values at the cost of the extra casts.
+
+torchao refuses to
 quantize unless a GPU with FP8 GEMMs (CUDA compute capability 8.9+, MI300, XPU) is present; torch
 2.13's _scaled_mm also runs float8 on CPUs, so for CPU models that check is skipped and the CPU tests
 run the same code path as the GPUs.
@@ -41,6 +56,7 @@ import sys
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 FP8_MULTIPLE = 16
@@ -120,25 +136,87 @@ def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[st
     return len(attentions)
 
 
-def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool = True) -> int:
+def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool = True,
+                 group: dist.ProcessGroup | None = None) -> int:
     """Convert `model`'s block linears (fp8_linear_names) to FP8 in place, after fusing the projections
-    that share an input (fuse_shared_input_projections) unless `fuse` is False; returns how many."""
+    that share an input (fuse_shared_input_projections) unless `fuse` is False or the model is split by tensor
+    parallelism; returns how many.
+
+    Args:
+        group: for a model split by tensor parallelism, a process group whose ranks together hold every shard
+            (the run's group; collective over it): its row-parallel layers get each row's scale over the whole
+            row (see the module docstring). Not needed for a model that is not split.
+    """
     quiet_torchao_import()
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    if fuse:
+    from engines.tensor_parallel import RowParallelLinear
+
+    split = any(isinstance(module, RowParallelLinear) for module in model.modules())
+    if fuse and not split:  # a split model keeps them apart: its family's split names them (see the docstring)
         fuse_shared_input_projections(model, repeated_blocks)
     chosen = set(fp8_linear_names(model, repeated_blocks))
     if not chosen:
         return 0
     for name in chosen:
         model.get_submodule(name).to(torch.bfloat16)
+    rows = sorted(name for name in chosen if isinstance(model.get_submodule(name), RowParallelLinear))
     # A row of zeros (Cosmos zeroes its padded prompt tokens; shards are zero-padded) has amax 0: without a
     # floor its scale is 0 and the row quantizes to 0/0 = NaN. With one it quantizes to zeros, exactly.
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_AMAX_FLOOR)
     with _cpu_allowed(next(model.parameters()).device):
-        quantize_(model, config, filter_fn=lambda module, name: name in chosen)
+        quantize_(model, config, filter_fn=lambda module, name: name in chosen and name not in rows)
+    if rows:
+        _quantize_row_parallel([model.get_submodule(name) for name in rows], config, group)
     return len(chosen)
+
+
+def _quantize_row_parallel(layers: list[nn.Linear], config: object, group: dist.ProcessGroup | None) -> None:
+    """Row-parallel shards to FP8 with each row's scale over the whole row (all the shards' columns), as one
+    process quantizes the whole weight: the maxima of all the layers' rows in one all-reduce over `group`.
+
+    Any group whose ranks hold every shard gives each row's whole maximum: ranks outside one tp group hold the
+    same shards as its ranks. The scale and the rounding are torchao's own functions (its per-row path)."""
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.quant_primitives import _quantize_affine_float8
+
+    if group is None:
+        raise ValueError("this model is split by tensor parallelism: quantizing it to FP8 needs its process group "
+                         "(quantize_fp8(..., group=)), over which each row's scale is taken from the whole row")
+    # float32 holds every bfloat16 value exactly, and gloo reduces float32 on any build
+    maxima = torch.cat([layer.weight.detach().abs().amax(dim=1) for layer in layers]).float()
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    for layer, row_max in zip(layers, maxima.split([layer.out_features for layer in layers]), strict=True):
+        weight = layer.weight.detach()
+        scale = _scale_of(row_max.to(weight.dtype)[:, None])
+        quantized = Float8Tensor(_quantize_affine_float8(weight, scale), scale, block_size=[1, weight.shape[1]],
+                                 mm_config=config.mm_config, kernel_preference=config.kernel_preference,
+                                 dtype=weight.dtype)  # no act_quant_kwargs: RowParallelLinear quantizes its input
+        layer.weight = nn.Parameter(quantized, requires_grad=False)
+
+
+def quantize_whole_rows(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The FP8 form of a row-parallel FP8 layer's input `x` (this rank's columns of each token's row): each
+    token's scale from its maximum over all the tp group's columns (an all-reduce of one number a token over
+    `group_name`), so the float8 values are one process's. `weight`: the layer's FP8 weight (its GEMM config)."""
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.quant_primitives import _quantize_affine_float8
+
+    from engines.collectives import all_reduce
+
+    row_max = all_reduce(x.abs().amax(dim=-1, keepdim=True), group_name, op="max")
+    scale = _scale_of(row_max, ACTIVATION_AMAX_FLOOR)  # with torchao's floor for activations
+    return Float8Tensor(_quantize_affine_float8(x, scale), scale, block_size=[1] * (x.dim() - 1) + [x.shape[-1]],
+                        mm_config=weight.mm_config, kernel_preference=weight.kernel_preference, dtype=x.dtype)
+
+
+def _scale_of(row_max: torch.Tensor, floor: float | None = None) -> torch.Tensor:
+    """torchao's per-row float8 scale (its own function, dtype and `floor`) of rows whose absolute maximum is
+    `row_max` (shape [..., 1]): found from two columns that hold it (one column would be reduced whole)."""
+    from torchao.quantization.quant_primitives import _choose_scale_float8
+
+    rows = torch.cat([row_max, row_max], dim=-1)
+    return _choose_scale_float8(rows, block_size=[1] * (rows.dim() - 1) + [2], hp_value_lb=floor)
 
 
 def is_fp8(weight: torch.Tensor) -> bool:

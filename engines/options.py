@@ -227,7 +227,7 @@ class RunOptions:
     """Seconds a rank waits for the others at an agreement point."""
     fp8: bool = False
     """The linear layers of the transformer's repeated blocks run as FP8 GEMMs (engines/fp8.py): faster,
-    approximate."""
+    approximate. With `tp`, each rank quantizes its shards with the scales one process uses."""
     cache: str | None = None
     """A CacheOptions label ("fbcache", "fbcache:0.12"): steps whose first block barely changed skip the
     other blocks (engines/step_cache.py): faster, approximate. None: every step computed."""
@@ -243,10 +243,6 @@ class RunOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ValueError(f"--tp must be a positive integer, got {self.tp!r}")
-        if self.tp > 1 and self.fp8:
-            raise ValueError("--fp8 does not combine with --tp: torchao quantizes each weight whole (one scale per "
-                             "output row), and splitting FP8 weights and their scales over the ranks is not "
-                             "implemented; run one of the two")
         if self.split_vae not in SPLIT_VAE:
             raise ValueError(f"unknown --split-vae {self.split_vae!r}; choose one of {', '.join(SPLIT_VAE)}")
         if self.strategy not in STRATEGIES:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.collectives import all_reduce
+from engines.fp8 import is_fp8, quantize_whole_rows
 from engines.mesh import ParallelMesh
 
 
@@ -141,6 +142,8 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.group_name:
             raise RuntimeError("this row-parallel layer has no tp group: parallelize the model first")
+        if is_fp8(self.weight):  # --fp8: the input's scales over its whole rows, as one process (engines/fp8.py)
+            x = quantize_whole_rows(x, self.weight, self.group_name)
         out = all_reduce(F.linear(x, self.weight), self.group_name)
         return out if self.bias is None else out + self.bias
 
