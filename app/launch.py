@@ -159,7 +159,8 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if inner.tp is not None and inner.cfg_parallel and (nproc // inner.tp) % 2:
         raise LaunchError(f"--cfg-parallel needs an even number of tp groups: --nproc {nproc} over --tp {inner.tp} "
                           f"makes {nproc // inner.tp}")
-    command_line += plan_memory(checked, inner.tp, nproc, args.gpu_memory, cuda, groups=2 if inner.cfg_parallel else 1)
+    command_line += plan_memory(checked, inner.tp, nproc, args.gpu_memory, cuda, groups=2 if inner.cfg_parallel else 1,
+                                fp8=getattr(inner, "fp8", False))
     env = dict(os.environ)
     if not cuda:
         from app.runtime import cpu_threads_per_rank
@@ -194,10 +195,11 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def plan_memory(checked: object, tp: int | None, nproc: int, gpu_memory_gib: float | None, cuda: bool,
-                groups: int = 1) -> list[str]:
+                groups: int = 1, fp8: bool = False) -> list[str]:
     """Check that the launched models' weights fit the GPUs (app.memory_plan) and say with which tp; the
     `--tp N` to add to the command line where it gave none. On CPUs without --gpu-memory only a given --tp
-    is checked (that it splits the models). `groups`: 2 with --cfg-parallel (app.memory_plan.choose_tp)."""
+    is checked (that it splits the models). `groups`: 2 with --cfg-parallel, `fp8`: the FP8 weights of --fp8 are
+    counted (app.memory_plan.choose_tp)."""
     from app.memory_plan import MemoryPlanError, choose_tp, gpu_memory, rank_bytes
     from pipelines.memory import GIB
 
@@ -208,7 +210,7 @@ def plan_memory(checked: object, tp: int | None, nproc: int, gpu_memory_gib: flo
             if tp:
                 rank_bytes(models, tp)  # ValueError where tp does not split a model
             return []
-        plan = choose_tp(models, nproc=nproc, gpu_bytes=gpu_bytes, requested=tp, groups=groups)
+        plan = choose_tp(models, nproc=nproc, gpu_bytes=gpu_bytes, requested=tp, groups=groups, fp8=fp8)
     except ValueError as error:
         raise LaunchError(f"--tp {tp}: {error}" if tp and not isinstance(error, MemoryPlanError) else str(error)) from None
     print(f"launch: {plan.describe()}" + ("" if tp else " (the smallest tp that fits)"), file=sys.stderr, flush=True)

@@ -2,9 +2,13 @@
 
 Counted before any rank starts, without reading weights (pipelines/memory.py): per rank, the
 transformer's share at a tp degree plus, on rank 0 (the fullest), the text encoders and VAE that stay
-on its GPU, at 2 bytes a parameter (the GPUs' bfloat16). Weights may take WEIGHTS_SHARE of a GPU's
-memory; the rest is for activations, workspaces and the CUDA context. The GPUs' memory is the least
-free memory of the visible GPUs (torch.cuda.mem_get_info), or `launch --gpu-memory GIB`.
+on its GPU, at 2 bytes a parameter (the GPUs' bfloat16); with --fp8, the transformer's block linears at
+1 byte an element plus a float32 scale per output row, what stays resident, so tp is chosen for the FP8
+weights. (A rank still loads its share in bfloat16 and quantizes it on the GPU: until loading quantizes
+on the host, a degree chosen for FP8 alone may not leave room for that moment; docs/tensor-parallel.md.)
+Weights may take WEIGHTS_SHARE of a GPU's memory; the rest is for activations, workspaces and the CUDA
+context. The GPUs' memory is the least free memory of the visible GPUs (torch.cuda.mem_get_info), or
+`launch --gpu-memory GIB`.
 """
 
 from __future__ import annotations
@@ -12,10 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.memory import GIB, WEIGHTS_SHARE, rank0_gpu_parameters, spec_transformer_config, transformer_parameters
+from pipelines.memory import BF16_BYTES, GIB, WEIGHTS_SHARE, rank0_gpu_parameters, spec_transformer_config, transformer_bytes
 from pipelines.registry import ModelSpec, family_of
-
-BYTES_PER_PARAMETER = 2
 
 
 def size(count: int) -> str:
@@ -35,40 +37,45 @@ class MemoryPlan:
     rank_bytes: int
     """Weights on rank 0 (transformer share, text encoders and VAE on its GPU)."""
     gpu_bytes: int
+    fp8: bool = False
+    """The transformers' block linears counted as FP8 (--fp8)."""
 
     def describe(self) -> str:
-        return (f"--tp {self.tp}: {size(self.rank_bytes)} of weights on the fullest rank, within "
+        weights = "weights (FP8 block linears)" if self.fp8 else "weights"
+        return (f"--tp {self.tp}: {size(self.rank_bytes)} of {weights} on the fullest rank, within "
                 f"{WEIGHTS_SHARE:.0%} of {size(self.gpu_bytes)} per GPU")
 
 
-def rank_bytes(models: list[tuple[ModelSpec, Path | None]], tp: int) -> int:
+def rank_bytes(models: list[tuple[ModelSpec, Path | None]], tp: int, *, fp8: bool = False) -> int:
     """Bytes of weights rank 0 holds running `models` with `tp` (a checkpoint served under two names
-    counts once); ValueError when tp does not split one of them."""
+    counts once), the transformers' block linears in FP8 with `fp8`; ValueError when tp does not split one
+    of them."""
     total = 0
     for spec, folder in {(folder or spec.name): (spec, folder) for spec, folder in models}.values():
         config = spec_transformer_config(spec, folder)
-        total += transformer_parameters(family_of(spec), config, tp) + rank0_gpu_parameters(spec, folder)
-    return total * BYTES_PER_PARAMETER
+        total += transformer_bytes(family_of(spec), config, tp, fp8=fp8)
+        total += rank0_gpu_parameters(spec, folder) * BF16_BYTES
+    return total
 
 
 def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_bytes: int,
-              requested: int | None = None, groups: int = 1) -> MemoryPlan:
+              requested: int | None = None, groups: int = 1, fp8: bool = False) -> MemoryPlan:
     """The smallest tp degree (dividing `nproc` into a multiple of `groups` tp groups, 2 with --cfg-parallel,
-    and splitting every model) whose weights fit `gpu_bytes` per GPU, or `requested` if it fits;
-    MemoryPlanError naming the memory needed otherwise."""
+    and splitting every model) whose weights fit `gpu_bytes` per GPU, or `requested` if it fits, counting
+    the transformers' block linears as FP8 with `fp8`; MemoryPlanError naming the memory needed otherwise."""
     degrees = [requested] if requested else [tp for tp in range(1, nproc + 1)
                                              if nproc % tp == 0 and (nproc // tp) % groups == 0]
     budget = int(gpu_bytes * WEIGHTS_SHARE)
     tried = []
     for tp in degrees:
         try:
-            need = rank_bytes(models, tp)
+            need = rank_bytes(models, tp, fp8=fp8)
         except ValueError as error:
             if requested:
                 raise MemoryPlanError(f"--tp {tp}: {error}") from None
             continue
         if need <= budget:
-            return MemoryPlan(tp=tp, rank_bytes=need, gpu_bytes=gpu_bytes)
+            return MemoryPlan(tp=tp, rank_bytes=need, gpu_bytes=gpu_bytes, fp8=fp8)
         tried.append((tp, need))
     if not tried:
         raise MemoryPlanError(f"no tp degree dividing the {nproc} ranks splits the model's heads")
@@ -76,8 +83,8 @@ def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_by
     names = ", ".join(dict.fromkeys(spec.name for spec, _ in models))
     raise MemoryPlanError(
         f"{names} does not fit {nproc} GPU{'s' if nproc > 1 else ''} of {size(gpu_bytes)}: at --tp {tp} "
-        f"rank 0 needs {size(need)} of weights, more than the {size(budget)} ({WEIGHTS_SHARE:.0%}) "
-        f"they may take; use more or larger GPUs" + ("" if requested is None else " or a larger --tp"))
+        f"rank 0 needs {size(need)} of weights{' (FP8 block linears)' if fp8 else ''}, more than the "
+        f"{size(budget)} ({WEIGHTS_SHARE:.0%}) they may take; use more or larger GPUs" + ("" if requested is None else " or a larger --tp"))
 
 
 def gpu_memory() -> int | None:

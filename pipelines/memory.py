@@ -3,7 +3,9 @@ meta device and split at a tp degree (its family's split), the other components 
 headers (a real folder) or their published configs (benchmarks on random weights).
 
 Context parallelism (Ulysses, ring, all-gather, CFG) splits the tokens, not the weights: only tensor
-parallelism divides the transformer's bytes. The text encoders and the VAE live on rank 0 only.
+parallelism divides the transformer's bytes. The text encoders and the VAE live on rank 0 only. With --fp8 the
+transformer's block linears (engines/fp8.py) keep 1 byte an element and a float32 scale per output row, and
+the rest of it stays in bfloat16 (embedders, modulation, norms, the final projection).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from pipelines.family import ModelFamily, load
 from pipelines.registry import ModelSpec
 
 GIB = 1024**3
+BF16_BYTES = 2
+"""Bytes of a parameter on the GPUs (bfloat16)."""
+FP8_BYTES = 1
+"""Bytes of an FP8 weight's element (--fp8: float8_e4m3fn)."""
+FP8_SCALE_BYTES = 4
+"""Bytes of an FP8 weight's scale, one per output row (float32)."""
 WEIGHTS_SHARE = 0.85
 """Share of a GPU's memory that weights may fill; the rest is for activations, workspaces, the CUDA context."""
 HOST_TEXT_ENCODER_PARAMETERS = 12e9
@@ -50,6 +58,29 @@ def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int)
     split = load(family.tensor_parallel)(model, tp)
     split.check(model, tp)
     return rank_parameters(model, split, tp)
+
+
+def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, fp8: bool = False) -> int:
+    """Bytes one rank keeps of the family's transformer built from `config`, split over `tp` ranks, in bfloat16
+    (BF16_BYTES a parameter); with `fp8` its FP8 layers (engines.fp8.fp8_linear_names of the rank's shares) at
+    FP8_BYTES an element plus one float32 scale per output row. ValueError as transformer_parameters."""
+    from engines.fp8 import fp8_linear_names
+    from engines.plan import ParallelPlan
+    from engines.tensor_parallel import split_weights
+
+    ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
+    with torch.device("meta"):
+        model = load(family.transformer)(**config)
+    split_weights(model, load(family.tensor_parallel)(model, tp), tp=tp, rank=0)  # meta: local shapes, no data
+    quantized = set(fp8_linear_names(model, family.repeated_blocks)) if fp8 else set()
+    total = 0
+    for name, parameter in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        if module in quantized and kind == "weight":
+            total += parameter.numel() * FP8_BYTES + parameter.shape[0] * FP8_SCALE_BYTES
+        else:
+            total += parameter.numel() * BF16_BYTES
+    return total
 
 
 def folder_transformer_config(folder: Path) -> dict[str, Any]:

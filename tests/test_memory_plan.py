@@ -32,6 +32,45 @@ def test_the_smallest_tp_that_fits_real_architectures() -> None:
         choose_tp(super_, nproc=6, gpu_bytes=80 * GIB, requested=3)
 
 
+def test_fp8_weights_count_a_byte_an_element_and_a_scale_a_row() -> None:
+    """--fp8 keeps the blocks' linears resident as FP8 (1 byte an element, a float32 scale per output row of the
+    rank's share) and the rest of the transformer in bfloat16."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from engines.fp8 import fp8_linear_names
+    from pipelines.memory import GIB, transformer_bytes, transformer_parameters
+    from pipelines.registry import family_of, get_spec
+
+    spec = get_spec("flux-dev")
+    family, config = family_of(spec), dict(spec.architecture.transformer)
+    assert transformer_bytes(family, config, 1) == 2 * transformer_parameters(family, config, 1)
+    bf16, fp8 = (transformer_bytes(family, config, 1, fp8=fp8) for fp8 in (False, True))
+    assert (round(bf16 / GIB, 2), round(fp8 / GIB, 2)) == (22.17, 14.16)  # 11.9B parameters, 8.6B in FP8
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**config)
+    quantized = [model.get_submodule(name).weight for name in fp8_linear_names(model, family.repeated_blocks)]
+    assert bf16 - fp8 == sum(w.numel() - 4 * w.shape[0] for w in quantized)  # 2 -> 1 byte, plus the scales
+
+
+def test_launch_picks_tp_for_fp8_weights() -> None:
+    """On 80 GB GPUs: Cosmos 3 Super (119 GiB in bfloat16) needs tp 2, its FP8 weights (61 GiB) fit one GPU;
+    FLUX.2-dev's transformer fits one GPU either way (60.2 / 30.9 GiB on rank 0). On 32 GB: FLUX.2-dev needs
+    tp 4 in bfloat16 (30.9 GiB at tp 2 is more than 85%), tp 2 in FP8 (16.3 GiB)."""
+    from app.memory_plan import choose_tp
+    from pipelines.memory import GIB
+    from pipelines.registry import get_spec
+
+    super_, flux2 = [(get_spec("cosmos3-super"), None)], [(get_spec("flux2-dev"), None)]
+    bf16, fp8 = (choose_tp(super_, nproc=8, gpu_bytes=80 * GIB, fp8=fp8) for fp8 in (False, True))
+    assert (bf16.tp, fp8.tp) == (2, 1)
+    assert fp8.describe() == ("--tp 1: 62.4 GiB of weights (FP8 block linears) on the fullest rank, within 85% of "
+                              "80.0 GiB per GPU")
+    assert [choose_tp(flux2, nproc=8, gpu_bytes=80 * GIB, fp8=fp8).rank_bytes // 2**20 for fp8 in (False, True)] == [
+        61_621, 31_684]
+    assert [choose_tp(flux2, nproc=8, gpu_bytes=32 * GIB, fp8=fp8).tp for fp8 in (False, True)] == [4, 2]
+
+
 def test_per_rank_parameters_of_the_largest_models() -> None:
     from pipelines.memory import transformer_parameters
     from pipelines.registry import family_of, get_spec
@@ -60,11 +99,16 @@ def test_launch_picks_tp_and_refuses_what_cannot_fit() -> None:
     assert plan_memory(checked, None, 2, 7 * MIB / 1024**3, cuda=False) == ["--tp", "2"]
     assert plan_memory(checked, 2, 2, 1.0, cuda=False) == []  # given: checked, kept
     assert plan_memory(checked, None, 2, None, cuda=False) == []  # no GPU, no --gpu-memory: nothing to plan
+    # --fp8: 5.1 MiB at tp 1 (its block linears in FP8), 4.3 MiB at tp 2
+    assert plan_memory(checked, None, 2, 7 * MIB / 1024**3, cuda=False, fp8=True) == ["--tp", "1"]
 
     refused = _launch("--gpu-memory", "0.004", "generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png")
     assert refused.returncode == 2
     assert "tiny-flux does not fit 2 GPUs of 4.1 MiB: at --tp 2 rank 0 needs 5.1 MiB" in refused.stderr
     assert "torch.distributed.run" not in refused.stderr  # refused before any rank started
+    refused = _launch("--gpu-memory", "0.004", "generate", "--model", "tiny-flux", "--prompt", "x", "--fp8",
+                      "--out", "/tmp/x.png")
+    assert "at --tp 2 rank 0 needs 4.3 MiB of weights (FP8 block linears)" in refused.stderr
 
 
 def test_only_text_encoders_larger_than_12b_stay_in_host_memory() -> None:
