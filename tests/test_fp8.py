@@ -1,6 +1,6 @@
 """--fp8 (engines/fp8.py): which layers become FP8, how many activation quantizations a block runs (fused
 projections quantize a shared input once, eager and compiled), FP8 runs at 2 and 4 gloo ranks equal to one
-FP8 process, a compiled FP8 engine equal to the eager one, and FP8 in the engine cache's key.
+FP8 process (with --tp too: tests/test_fp8_tensor_parallel.py checks the FP8 weights bit for bit), a compiled FP8 engine equal to the eager one, and FP8 in the engine cache's key.
 
 (The embedded tiny-flux keeps its held-out scores with --fp8: tests/test_tiny_quality.py.)
 """
@@ -166,9 +166,9 @@ def _run(options: dict) -> np.ndarray | None:
         return np.asarray(runtime.service.run("image", req).result)
 
 
-def _rank(rank: int, world_size: int, port: int, strategy: str, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, options: dict, out: str) -> None:
     join_ranks(rank, world_size, port)
-    image = _run(dict(strategy=strategy))
+    image = _run(options)
     if image is not None:
         np.save(out, image)
 
@@ -195,12 +195,35 @@ def one_process() -> np.ndarray:
     return _run({})
 
 
-@pytest.mark.parametrize(("world_size", "strategy"), [(2, "ulysses"), (4, "allgather")])
-def test_fp8_ranks_equal_one_fp8_process(one_process: np.ndarray, world_size: int, strategy: str,
+@pytest.mark.parametrize(("world_size", "options"), [
+    (2, dict(strategy="ulysses")), (4, dict(strategy="allgather")),
+    (2, dict(tp=2)), (4, dict(strategy="ulysses", tp=2)),  # each rank loads its share, then quantizes it
+], ids=["ulysses-2", "allgather-4", "tp-2", "ulysses-2xtp-2"])
+def test_fp8_ranks_equal_one_fp8_process(one_process: np.ndarray, world_size: int, options: dict,
                                          tmp_path: Path) -> None:
     out = tmp_path / "ranks.npy"
-    spawn_ranks(_rank, world_size, strategy, str(out))
-    _assert_within_fp8_noise(np.load(out), one_process, f"{world_size} FP8 ranks")
+    spawn_ranks(_rank, world_size, options, str(out))
+    _assert_within_fp8_noise(np.load(out), one_process, f"{world_size} FP8 ranks ({options})")
+
+
+def test_launch_generate_with_tp_and_fp8(one_process: np.ndarray, tmp_path: Path) -> None:
+    """`launch --nproc 2 generate --tp 2 --fp8`: the memory plan counts the FP8 weights, the two ranks draw one
+    FP8 process's image."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from tests.helpers import REPO
+
+    out = tmp_path / "tp.png"
+    result = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", "2", "--gpu-memory", "1",
+                             "generate", "--model", "tiny-flux", "--prompt", PROMPT, "--seed", "3", "--steps", "3",
+                             "--size", "96x64", "--tp", "2", "--fp8", "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "launch: --tp 2:" in result.stderr and "FP8" in result.stderr, result.stderr
+    _assert_within_fp8_noise(np.asarray(Image.open(out).convert("RGB")), one_process, "launch --tp 2 --fp8")
 
 
 def test_compiled_fp8_engine_equals_eager_and_has_its_own_cache_key(one_process: np.ndarray, tmp_path: Path) -> None:
