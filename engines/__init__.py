@@ -5,9 +5,10 @@ Map: options.py (every option's name and default; torch-free), distributed.py (p
 init_parallel, ParallelContext), plan.py (ParallelPlan: the degrees and the K/V exchange), mesh.py
 (one group per axis), sharding.py (ShardLayout: who holds which tokens; entry and exit moves),
 collectives.py (functional collectives), copy_engine.py (the exchanges on copy engines,
---all-to-all copy-engine), attention.py (where attention gets split: Ulysses, Ring, AllGather,
-hybrid), tensor_parallel.py (where weights get split: --tp) + sharded_loading.py (each rank reads
-its share from safetensors), flux.py + flux_attention.py + flux_blocks.py + flux_modulation.py,
+--all-to-all copy-engine), attention.py (where attention gets split: split_attention picks Ulysses,
+Ring, AllGather or hybrid once per mesh, and every family's attention calls it), tensor_parallel.py
+(where weights get split: --tp) + sharded_loading.py (each rank reads its share from safetensors),
+flux.py + flux_attention.py + flux_blocks.py + flux_modulation.py,
 cosmos.py, cosmos3.py, flux2.py (one adapter per model family, with its tensor-parallel split),
 parallelize.py (the entry point), compile.py + cache.py (engines and their on-disk cache).
 

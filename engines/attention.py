@@ -18,8 +18,9 @@ with what some families need beyond q, k, v as arguments of the same call:
 
 All communication goes through engines.collectives (functional collectives, traceable by
 torch.compile with fullgraph=True), and every shape and split is a Python int fixed by the
-ShardLayout, so the graph is static. The strategy is chosen in Python when the object is built:
-calling it adds no branch, copy or collective to what its strategy does (each class says what that is).
+ShardLayout, so the graph is static. The strategy is chosen when the object is built, not per call:
+a call runs its strategy's exchanges, copies and kernels (each class says which) and nothing more; its
+few Python checks (is q a tensor or a function?) vanish under torch.compile.
 
 Shape legend: B batch, S local tokens, H heads (h = H / ulysses), D head dim; "BSHD" is the
 diffusers layout of q/k/v at the attention call, "BHSD" the layout of the SDPA kernels.
@@ -142,12 +143,13 @@ class UlyssesAttention(SplitAttention):
     """Ulysses: ONE all-to-all trades this rank's sequence shard of q, k and v for a head shard of every
     token, attention runs there, a second all-to-all trades the output back.
 
-    Cost: the two all-to-alls (the q/k/v message, then the output); a copy to pack q/k/v, one to lay
-    them out for the kernels, one to unpack the output (the output's pack needs none when B == 1).
-    With grouped K/V heads (fewer than q's) they travel as K/V heads, each repeated kv_repeat() times
-    where the degree does not divide them; replicated extra K/V are narrowed to this rank's heads and
-    concatenated ahead of the keys (one copy). while_waiting: the first function runs while the first
-    all-to-all travels (before the attention), the rest while the second does.
+    Cost: the two all-to-alls (the q/k/v message, then the output); a copy to pack q/k/v into that
+    message, one to lay them out for the kernels (none for grouped K/V heads with B == 1), one to
+    unpack the output (its pack needs none when B == 1). Grouped K/V heads (fewer than q's) travel as
+    K/V heads, each repeated kv_repeat() times (a copy) where the degree does not divide them;
+    replicated extra K/V are narrowed to this rank's heads (a view) and concatenated ahead of the keys
+    (one copy). while_waiting: the first function runs while the first all-to-all travels (before the
+    attention), the rest while the second does.
     """
 
     def _attend(self, q: Made, k: torch.Tensor, v: Made, layout: ShardLayout, extra: ExtraKV,

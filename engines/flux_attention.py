@@ -146,7 +146,7 @@ class FluxContextParallelProcessor:
     projects the keys of both streams first and issues their all-gather, projects the values while
     the keys travel (on copy engines; NCCL gathers both at once) and issues theirs, projects the
     queries while the values travel, then runs one attention kernel over every key; the other
-    strategies make them at once, as diffusers does. (Ring attention hides its K/V pass under the
+    strategies make them at once, before their first exchange. (Ring attention hides its K/V pass under the
     attention to the own K/V instead, and pays for it with one attention kernel per block and a
     log-sum-exp merge; a double block has no other compute to hide the exchange behind:
     docs/benchmarks.md.)
