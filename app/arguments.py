@@ -52,12 +52,23 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
                                  "of an image model that takes one (FLUX.2)")
 
 
+def replicas_value(text: str) -> int | str:
+    """--replicas: "auto" or a whole number of groups, at least 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--replicas takes a number of groups (1 or more) or auto, not {text!r}")
+    return int(text)
+
+
 def add_replicas_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=1, metavar="R",
+    parser.add_argument("--replicas", type=replicas_value, default=None, metavar="R|auto",
                         help="split the ranks into R equal groups of consecutive ranks, each with its own plan "
                              "(--strategy, --cfg-parallel, --tp inside it) and running its own requests side by side: "
-                             "more images an hour for a team or a batch; one group (default) gives each request "
-                             "every rank, the lowest latency")
+                             "more images an hour for a team or a batch; 1 gives each request every rank, the lowest "
+                             "latency. auto (the default on 2+ GPUs of one host; else 1, and one group per host on "
+                             "several hosts): every rank as one group while requests come one at a time, smaller "
+                             "groups while they wait, the split whose time estimates end the queue soonest")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: str | None = None) -> None:

@@ -134,7 +134,7 @@ def _run_lines(plan: BatchPlan, runtime, stop, *, quiet: bool) -> int:
 
     from tqdm import tqdm
 
-    from app.jobs import Job, JobQueue, remote_workers, serve_jobs
+    from app.jobs import Job, JobQueue, serve_jobs
     from app.manifest import Manifest
 
     plan.out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,15 +169,13 @@ def _run_lines(plan: BatchPlan, runtime, stop, *, quiet: bool) -> int:
                 pending[0].exception()
                 pending = [future for future in pending if not future.done()]
             with lock:
-                writes.append((task, writer.submit(_write_line, plan, manifest, task, outcome, runtime.group_size,
+                writes.append((task, writer.submit(_write_line, plan, manifest, task, outcome, job.ranks,
                                                    job.ran_on)))
                 bar.set_postfix_str(task.file, refresh=False)
                 bar.update()
 
         try:
-            remote = remote_workers(runtime)
-            serve_jobs(runtime.service, queue, stop, None, remote, local_label=runtime.group_label(0),
-                       plan=runtime.plan, until_drained=True, on_end=ended)
+            serve_jobs(runtime, queue, stop, None, until_drained=True, on_end=ended)
         finally:
             writer.shutdown(wait=True)  # every result generated is written, interrupted or not
     interrupted = interrupted or stop.is_set()

@@ -130,27 +130,30 @@ class RequestBudget:
     (record) and asks about running ones (overrun).
     """
 
-    def __init__(self, max_seconds: float | None, work_counts: dict[str, WorkCount]) -> None:
+    def __init__(self, max_seconds: float | None, work_counts: dict[str, WorkCount], layouts: int = 1) -> None:
         self.max_seconds = max_seconds
         self._work = dict(work_counts)
-        self._models = {key: CostModel() for key in work_counts}
+        # One cost model per model and layout (app.groups.Layout: how the ranks form groups), for a group of each
+        # layout runs at its own speed. Layout 0 is the one a request is checked against: every rank as one group
+        # where the run may regroup (the fastest for one request), else the run's only layout.
+        self._models = {(key, layout): CostModel() for key in work_counts for layout in range(layouts)}
         self._lock = threading.Lock()
 
     def work(self, key: str, request: GenerationRequest) -> Work:
         return self._work[key](request)
 
-    def estimate(self, key: str, request: GenerationRequest) -> float | None:
-        """Seconds `request` should hold the ranks on model `key` (steps and decode), or None before any
-        measurement of the model."""
+    def estimate(self, key: str, request: GenerationRequest, layout: int = 0) -> float | None:
+        """Seconds `request` should hold a group of `layout` on model `key` (steps and decode), or None before any
+        measurement of the model there."""
         work = self.work(key, request)
         with self._lock:
-            return self._models[key].estimate(work, request.steps)
+            return self._models[key, layout].estimate(work, request.steps)
 
-    def decode_estimate(self, key: str, request: GenerationRequest) -> float:
+    def decode_estimate(self, key: str, request: GenerationRequest, layout: int = 0) -> float:
         """Seconds the request's decode should take (0 before any measurement)."""
         work = self.work(key, request)
         with self._lock:
-            return self._models[key].decode(work.decode_flops) or 0.0
+            return self._models[key, layout].decode(work.decode_flops) or 0.0
 
     def check(self, key: str, request: GenerationRequest) -> float | None:
         """The request's estimate; RequestError if it is over the limit (call before queueing)."""
@@ -166,11 +169,13 @@ class RequestBudget:
                 "steps or a smaller size")
         return estimate
 
-    def record(self, key: str, request: GenerationRequest, step_seconds: float, decode_seconds: float) -> None:
-        """A finished request's steady step time and decode time: the model's cost model learns from them."""
+    def record(self, key: str, request: GenerationRequest, step_seconds: float, decode_seconds: float,
+               layout: int = 0) -> None:
+        """A finished request's steady step time and decode time (on a group of `layout`): the model's cost model
+        there learns from them."""
         work = self.work(key, request)
         with self._lock:
-            model = self._models[key]
+            model = self._models[key, layout]
             model.step.add(work.step_flops, step_seconds)
             model.decode.add(work.decode_flops, decode_seconds)
 

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from app.arguments import add_model_arguments, add_parallel_arguments, request_fields, run_options
+from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, request_fields,
+                           run_options)
 
 DEFAULT_BACKEND = "inductor-blocks"
 """What `build --device cpu` compiles when no --backend is given (on GPUs: what serve runs there)."""
@@ -37,6 +38,7 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks the engines are built for (default 1)")
     parser.add_argument("--steps", type=int, default=2, help="denoising steps run while building (default 2)")
+    add_replicas_argument(parser)
     add_parallel_arguments(parser, backend_default=None)
 
 
@@ -86,20 +88,43 @@ def run_build(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     options = dataclasses.replace(run_options(args), backend=engine.label)
     cache_dir = options.cache_dir
-    with stop_on_signals() as stop, start_runtime([(spec, folder)], options, stop=stop) as runtime:
+    with stop_on_signals() as stop, start_runtime([(spec, folder)], options, stop=stop,
+                                                  replicas=args.replicas) as runtime:
         if not runtime.is_main:
-            runtime.service.follow()
+            runtime.follow()
             return 0
         shape = f"{request.width}x{request.height}" + (f"x{request.frames}" if spec.media == "video" else "")
-        _progress(f"building {engine.label} engine of {spec.name} for {shape} on {runtime.world_size} "
-                  "rank(s); the first step compiles")
-        runtime.service.run(spec.media, request, on_step=lambda done, total: _progress(f"step {done}/{total}"))
-        built = runtime.service.pipelines[spec.media].transformer
-        for record in getattr(built, "builds", {}).values():
-            state = "cache hit" if record.cache_hit else "built"
-            _progress(f"rank 0: {state} in {record.seconds:.1f} s, key {record.key} under {cache_dir}")
+        for index, layout in enumerate(runtime.layouts):
+            # Every group builds its own ranks' engines, side by side (where the run regroups, in every layout
+            # rank 0 may choose).
+            runtime.regroup(index)
+            where = f"{runtime.world_size} rank(s)" if layout.replicas == 1 else \
+                f"{layout.replicas} groups of {layout.group_size} rank(s)"
+            _progress(f"building {engine.label} engine of {spec.name} for {shape} on {where} ({layout.plan}); "
+                      "the first step compiles")
+            _run_everywhere(runtime, index, spec.media, request)
+            built = layout.service.pipelines[spec.media].transformer
+            for record in getattr(built, "builds", {}).values():
+                state = "cache hit" if record.cache_hit else "built"
+                _progress(f"rank 0: {state} in {record.seconds:.1f} s, key {record.key} under {cache_dir}")
+        runtime.regroup(0)
     _progress(f"done in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _run_everywhere(runtime, index: int, model: str, request) -> None:
+    """Run `request` on every group of layout `index` at once (rank 0's own in this thread); raises the first
+    failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.jobs import layout_workers
+
+    own, *others = layout_workers(runtime, index)
+    with ThreadPoolExecutor(max(1, len(others))) as pool:
+        pending = [pool.submit(worker.run, model, request) for worker in others]
+        own.run(model, request, on_step=lambda done, total: _progress(f"step {done}/{total}"))
+        for future in pending:
+            future.result()
 
 
 def _progress(text: str) -> None:

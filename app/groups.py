@@ -21,13 +21,13 @@ import queue
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from app.failures import JobCancelled, JobFailed, RankLost, describe
-from app.lockstep import Generation, LockstepService, Run, StepCallback, Stop, StopCheck
+from app.lockstep import Generation, HandOver, LockstepService, Run, StepCallback, Stop, StopCheck
 from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
@@ -85,6 +85,47 @@ class Link:
     up: Channel
 
 
+@dataclass(kw_only=True)
+class Layout:
+    """One way the run's ranks form groups: `replicas` equal groups of consecutive ranks, each with its plan, running
+    its own requests. A run has one layout (`--replicas R`), or, with `--replicas auto`, one per group size its plan
+    allows, every rank as one group first; rank 0 moves the ranks between them as its queue grows and drains
+    (app.runtime.Runtime.regroup)."""
+
+    replicas: int
+    world_size: int
+    """Ranks of the run."""
+    service: LockstepService
+    """This rank's group's lockstep service in this layout."""
+    plan: str
+    """How a group of this layout splits each transformer, e.g. 'ulysses-2, all-to-all gloo' or 'none (1 rank)'."""
+    links: dict[int, Link] = field(default_factory=dict)
+    """A group's leader other than rank 0: its channels with rank 0 (under its group's index); rank 0: every other
+    group's, which its RemoteGroups use."""
+    remote: list[RemoteGroup] = field(default_factory=list)
+    """Rank 0: a handle on every group of this layout it does not lead."""
+    named: bool = False
+    """Whether one group is named too (where the run regroups, every request says where it ran)."""
+
+    @property
+    def group_size(self) -> int:
+        return self.world_size // self.replicas
+
+    def label(self, replica: int) -> str:
+        """E.g. "group 2 of 2 (ranks 2-3)", "all 4 ranks" (a run that regroups); "" for a run of one group."""
+        size = self.group_size
+        if self.replicas == 1:
+            return f"all {size} ranks" if self.named else ""
+        first, last = replica * size, (replica + 1) * size - 1
+        return f"group {replica + 1} of {self.replicas} ({f'rank {first}' if first == last else f'ranks {first}-{last}'})"
+
+    def describe(self) -> str:
+        """E.g. "ulysses-2, all-to-all gloo in 2 groups of 2"."""
+        if self.replicas == 1:
+            return self.plan
+        return f"{self.plan} in {self.replicas} groups of {self.group_size}"
+
+
 def make_links(replicas: int, group_size: int, rank: int) -> dict[int, Link]:
     """Channels between rank 0 and the leader of every other group (collective: every rank calls it, in the
     same order). Rank 0 gets one Link per other group (by group index), such a leader its own, others none."""
@@ -108,23 +149,48 @@ def _receive_into(channel: Channel, inbox: queue.Queue, who: str) -> None:
             inbox.put(Lost(f"{who} is gone ({describe(error).split('. This is typically')[0]})"))
             return
         inbox.put(message)
-        if isinstance(message, (Stop, Lost)):
+        if isinstance(message, (Stop, HandOver, Lost)):
             return
 
 
 class RemoteGroup:
     """Rank 0's handle on a group another rank leads: `run` runs a request there as LockstepService.run would."""
 
-    def __init__(self, link: Link, *, leader: int, label: str) -> None:
+    def __init__(self, link: Link, *, leader: int, label: str, listen: bool = True) -> None:
         self.label = label
         self.leader = leader
+        self._link = link
         self._down = link.down
         self._events: queue.Queue = queue.Queue()
         self._jobs = 0
-        self._receiver = threading.Thread(target=_receive_into, name=f"from-rank-{leader}", daemon=True,
-                                          args=(link.up, self._events, f"rank {leader} (leader of {label})"))
-        self._receiver.start()
+        self._receiver: threading.Thread | None = None
         self._released = False
+        if listen:
+            self.listen()
+
+    def listen(self) -> None:
+        """Start hearing the leader (at start, or when rank 0 forms this group again after a hand_over)."""
+        self._receiver = threading.Thread(target=_receive_into, name=f"from-rank-{self.leader}", daemon=True,
+                                          args=(self._link.up, self._events,
+                                                f"rank {self.leader} (leader of {self.label})"))
+        self._receiver.start()
+
+    def hand_over(self, timeout: float = 30.0) -> None:
+        """The group is idle and its ranks are to be grouped another way: tell the leader (it releases its group)
+        and wait for its answer; RankLost if it does not come."""
+        self._send(HandOver())
+        while True:
+            try:
+                message = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) did not answer within "
+                               f"{timeout:g} s") from None
+            if isinstance(message, Lost):
+                raise RankLost(f"rank 0: {message.message}")
+            if isinstance(message, HandOver):
+                self._receiver.join(timeout=timeout)
+                self._receiver = None
+                return
 
     def run(self, model: str, request: GenerationRequest, on_step: StepCallback | None = None,
             should_stop: StopCheck | None = None) -> Generation:
@@ -158,7 +224,7 @@ class RemoteGroup:
     def release(self, timeout: float = 5.0) -> None:
         """The run is over: tell the leader (it releases its group and ends) and wait for its answer, so that no
         receive is left pending when the process group goes. Calling it again does nothing."""
-        if self._released:
+        if self._released or self._receiver is None:  # not formed now: its leader waits elsewhere
             return
         self._released = True
         try:
@@ -185,8 +251,9 @@ class RemoteGroup:
             raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) is gone ({describe(error)})") from error
 
 
-def lead(service: LockstepService, link: Link) -> None:
-    """A group leader other than rank 0: run rank 0's requests on this group until rank 0 says Stop.
+def lead(service: LockstepService, link: Link) -> Stop | HandOver:
+    """A group leader other than rank 0: run rank 0's requests on this group until rank 0 says Stop or HandOver
+    (returned, once answered; the caller releases its group).
 
     Raises RankLost if rank 0 is gone (or a rank of this group, which rank 0 is told first). A Ctrl-C reaches
     every rank: the group's lockstep service stops the request it runs at its next agreement point."""
@@ -201,9 +268,9 @@ def lead(service: LockstepService, link: Link) -> None:
         if message is None:
             service.keep_alive()
             continue
-        if isinstance(message, Stop):
-            _tell(link, Stop())  # rank 0's receiving thread ends with it
-            return
+        if isinstance(message, (Stop, HandOver)):
+            _tell(link, message)  # rank 0's receiving thread ends with it
+            return message
         if isinstance(message, Lost):
             raise RankLost(f"rank {rank}: {message.message}")
         if not isinstance(message, Run):

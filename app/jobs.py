@@ -26,7 +26,9 @@ from app.runtime import Runtime
 from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
-"""How often the idle main loop looks at the stop flag and the heartbeat clock."""
+"""How often the main loop looks at the other groups' threads as they end."""
+TAKE_SECONDS = 0.02
+"""How often an idle group looks for a job (and at its heartbeat clock, the stop flag, the layout)."""
 
 
 class ServiceClosed(RuntimeError):
@@ -76,6 +78,8 @@ class Job:
         """The group of ranks that runs it ("" when the ranks are one group)."""
         self.plan = ""
         """That group's plan (how its ranks split the transformer)."""
+        self.ranks = 0
+        """How many ranks that group has."""
         self.cancelled: str | None = None
         """Why the job's client no longer wants it (set once, by cancel)."""
         self.steps_done = 0
@@ -92,8 +96,8 @@ class Job:
             self.cancelled_after = self.steps_done
             self.cancelled = reason
 
-    def start(self, group: str = "", plan: str = "") -> None:
-        self.group, self.plan = group, plan
+    def start(self, group: str = "", plan: str = "", ranks: int = 0) -> None:
+        self.group, self.plan, self.ranks = group, plan, ranks
         self.started_at = time.monotonic()
         self.started_time = time.time()
         self._events.put(Started())
@@ -229,51 +233,115 @@ class JobQueue:
 @dataclass(frozen=True)
 class Worker:
     """One group of ranks as the queue sees it: its run (LockstepService.run on rank 0's own group,
-    app.groups.RemoteGroup.run on another) and its label ("" when the ranks are one group)."""
+    app.groups.RemoteGroup.run on another), its label ("" when the ranks are one group) and its layout's index."""
 
     run: Callable[..., Generation]
     label: str = ""
     plan: str = ""
     keep_alive: Callable[[], None] = lambda: None
     """Called while the group is idle: heartbeats, and RankLost where the group is gone."""
+    layout: int = 0
+    ranks: int = 1
+    """How many ranks the group has."""
 
 
-def remote_workers(runtime: Runtime) -> list[Worker]:
-    """Rank 0: a Worker for each group another rank leads (none when the ranks are one group)."""
-    return [Worker(run=group.run, label=group.label, plan=runtime.plan, keep_alive=group.keep_alive)
-            for group in runtime.remote]
+def layout_workers(runtime: Runtime, index: int) -> list[Worker]:
+    """Rank 0: a Worker for each group of layout `index`, its own group's first."""
+    layout = runtime.layouts[index]
+    own = Worker(run=layout.service.run, label=layout.label(0), plan=layout.plan,
+                 keep_alive=layout.service.keep_alive, layout=index, ranks=layout.group_size)
+    return [own, *(Worker(run=group.run, label=group.label, plan=layout.plan, keep_alive=group.keep_alive,
+                          layout=index, ranks=layout.group_size) for group in layout.remote)]
+
+
+def choose_layout(waiting: list[Job], groups: list[int], budget: RequestBudget | None) -> int:
+    """Which layout (by its number of groups, `groups`; the first has one) serves the `waiting` jobs: one job alone
+    runs on every rank as one group (the lowest latency on GPUs); several, on the layout that ends them soonest by
+    its estimates of them (the budget's cost models, one per layout) dealt in order to its groups as they free up,
+    on a tie the fewer groups. A layout where some job would run over the server's limit is not chosen. Before
+    every layout has estimates of them all: the most groups that the waiting jobs can fill.
+    """
+    if len(waiting) <= 1:
+        return 0
+    finish: dict[int, float] = {}
+    for index, count in enumerate(groups):
+        estimates = [budget.estimate(job.model, job.request, index) for job in waiting] if budget else [None]
+        if any(estimate is None for estimate in estimates):
+            return max((i for i, c in enumerate(groups) if c <= len(waiting)), key=lambda i: groups[i])
+        if budget.max_seconds is not None and max(estimates) > budget.max_seconds:
+            continue
+        ends = [0.0] * count
+        for estimate in estimates:
+            ends[ends.index(min(ends))] += estimate
+        finish[index] = max(ends)
+    if not finish:
+        return 0
+    return min(finish, key=lambda index: (finish[index], groups[index]))
 
 
 JobCallback = Callable[[Job, "Generation | str"], None]
 """Called in the worker's thread when a job ends: with its Generation, or with why it failed."""
 
 
-def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, budget: RequestBudget | None,
-               remote: Iterable[Worker] = (), *, local_label: str = "", plan: str = "", until_drained: bool = False,
-               on_end: JobCallback | None = None) -> None:
+def serve_jobs(runtime: Runtime, jobs: JobQueue, stop: threading.Event, budget: RequestBudget | None, *,
+               until_drained: bool = False, on_end: JobCallback | None = None) -> None:
     """Rank 0's main loop: run queued jobs until `stop` is set (or, `until_drained`, until none waits or runs),
-    each on the first group free: rank 0's own (`service`, in this thread, which heartbeats it while idle) and
-    every `remote` one (a thread each). Then the queue is closed.
+    each on the first group free of the layout the ranks are in: rank 0's own (in this thread, which heartbeats it
+    while idle) and every other one (a thread each). Then the queue is closed.
+
+    Where the run regroups (`--replicas auto`), whenever every group is idle the layout that ends the waiting jobs
+    soonest is chosen (choose_layout) and the ranks move to it (Runtime.regroup): one request alone runs on every
+    rank; a queue runs on smaller groups, side by side; once the queue drains the ranks are one group again.
 
     A running job stops at the next step when its client cancels it or `budget` says it is over the server's
     time limit. A failed or stopped request is reported to its job and the loop goes on; RankLost, in any
     group, ends the loop (and the run).
     """
+    groups = [layout.replicas for layout in runtime.layouts]
+    choose = (lambda waiting: choose_layout(waiting, groups, budget)) if runtime.regroups else None
+    try:
+        while True:
+            target = _serve_layout(layout_workers(runtime, runtime.active), jobs, stop, budget, choose,
+                                   until_drained, on_end)
+            if target is None:
+                return
+            runtime.regroup(target)
+    finally:
+        jobs.close("the server is shutting down")
+
+
+def _serve_layout(workers: list[Worker], jobs: JobQueue, stop: threading.Event, budget: RequestBudget | None,
+                  choose: Callable[[list[Job]], int] | None, until_drained: bool, on_end: JobCallback | None
+                  ) -> int | None:
+    """serve_jobs in one layout: until it is over (None), or until every group is idle and `choose` wants another
+    layout for the jobs waiting (that layout's index)."""
     lost: list[RankLost] = []
-    remote = list(remote)
     busy: set[int] = set()
+    leave: list[int] = []
+    lock = threading.Lock()
+    """Held while a group takes a job or the layout is judged, so that no job is taken as the ranks regroup."""
+    here = workers[0].layout
 
     def over() -> bool:
-        if stop.is_set() or lost:
+        if stop.is_set() or lost or leave:
             return True
         return until_drained and jobs.waiting() == 0 and not busy
 
     def work(worker: Worker, index: int) -> None:
         while not over():
-            job = jobs.take(timeout=POLL_SECONDS, on_take=lambda: busy.add(index))
+            with lock:
+                if leave:
+                    return
+                if choose is not None and not busy:
+                    target = choose(jobs.snapshot()[1])
+                    if target != here:
+                        leave.append(target)
+                        return
+                job = jobs.take(timeout=0, on_take=lambda: busy.add(index))
             try:
                 if job is None:
                     worker.keep_alive()
+                    time.sleep(TAKE_SECONDS)
                     continue
                 _run_job(worker, job, budget, on_end)
             except RankLost as error:
@@ -288,26 +356,24 @@ def serve_jobs(service: LockstepService, jobs: JobQueue, stop: threading.Event, 
                 busy.discard(index)
 
     threads = [threading.Thread(target=work, args=(worker, index), name=f"group-{index + 1}", daemon=True)
-               for index, worker in enumerate(remote, 1)]
-    try:
-        for thread in threads:
-            thread.start()
-        work(Worker(run=service.run, label=local_label, plan=plan, keep_alive=service.keep_alive), 0)
-        for thread in threads:
-            while thread.is_alive():  # the other groups end their requests (a stop reaches them too)
-                thread.join(timeout=POLL_SECONDS)
-                if lost:
-                    break
-        if lost:
-            raise lost[0]
-    finally:
-        jobs.close("the server is shutting down")
+               for index, worker in enumerate(workers[1:], 1)]
+    for thread in threads:
+        thread.start()
+    work(workers[0], 0)
+    for thread in threads:
+        while thread.is_alive():  # the other groups end their requests (a stop reaches them too)
+            thread.join(timeout=POLL_SECONDS)
+            if lost:
+                break
+    if lost:
+        raise lost[0]
+    return leave[0] if leave and not stop.is_set() else None
 
 
 def _run_job(worker: Worker, job: Job, budget: RequestBudget | None, on_end: JobCallback | None) -> None:
     """Run one job on `worker`'s group and report its end to the job (and to `on_end`); raises RankLost."""
-    job.start(worker.label, worker.plan)
-    decode = budget.decode_estimate(job.model, job.request) if budget is not None else 0.0
+    job.start(worker.label, worker.plan, worker.ranks)
+    decode = budget.decode_estimate(job.model, job.request, worker.layout) if budget is not None else 0.0
     clock = RequestClock(steps=job.request.steps, decode_seconds=decode)
 
     def should_stop(done: int, total: int) -> str | None:
@@ -331,29 +397,30 @@ def _run_job(worker: Worker, job: Job, budget: RequestBudget | None, on_end: Job
         job.fail(str(error))
         return
     if budget is not None:
-        _record(budget, job.model, job.request, clock, generation)
+        _record(budget, job.model, job.request, clock, generation, worker.layout)
     if on_end is not None:
         on_end(job, generation)
     job.finish(generation)
 
 
 def _record(budget: RequestBudget, model: str, request: GenerationRequest, clock: RequestClock,
-            generation: Generation) -> None:
+            generation: Generation, layout: int = 0) -> None:
     """Teach the model's cost model a finished request: its steps after the first (which may include compiling
     the engine for a new size; one step: that one) and its decode."""
     decode = generation.stages.decode if generation.stages is not None else 0.0
-    budget.record(model, request, clock.steady_step_seconds() or generation.step_seconds, decode)
+    budget.record(model, request, clock.steady_step_seconds() or generation.step_seconds, decode, layout)
 
 
 def calibrate(service: LockstepService, budget: RequestBudget, model: str, first: GenerationRequest,
-              candidates: Iterable[GenerationRequest], most_seconds: float) -> list[str]:
-    """Seed a model's cost model at start-up: run `first` on rank 0's group, then the first of `candidates` whose
-    estimate is under `most_seconds` (app.budget.calibration_requests); returns one line per request run (what it
-    took, what the model now estimates)."""
+              candidates: Iterable[GenerationRequest], most_seconds: float, layout: int = 0) -> list[str]:
+    """Seed a model's cost model (in `layout`, whose rank 0's group `service` is) at start-up: run `first` on rank
+    0's group, then the first of `candidates` whose estimate is under `most_seconds`
+    (app.budget.calibration_requests); returns one line per request run (what it took, what the model now
+    estimates)."""
     lines = []
     for request in [first, *candidates]:
         if request is not first:
-            estimate = budget.estimate(model, request)
+            estimate = budget.estimate(model, request, layout)
             if estimate is None or estimate > most_seconds:
                 continue
         clock = RequestClock(steps=request.steps)
@@ -363,9 +430,9 @@ def calibrate(service: LockstepService, budget: RequestBudget, model: str, first
 
         started = time.monotonic()
         generation = service.run(model, request, on_step=step_done)
-        _record(budget, model, request, clock, generation)
+        _record(budget, model, request, clock, generation, layout)
         lines.append(f"{request.width}x{request.height}x{request.frames}: {duration(time.monotonic() - started)}"
-                     f" (estimated now {duration(budget.estimate(model, request) or 0.0)})")
+                     f" (estimated now {duration(budget.estimate(model, request, layout) or 0.0)})")
         if request is not first:
             break
     return lines

@@ -116,8 +116,12 @@ def check_hosts(args: argparse.Namespace, inner: argparse.Namespace, nproc: int)
     host, _, port = args.rdzv_endpoint.rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint}: the port must be a number from 1 to 65535")
-    replicas = getattr(inner, "replicas", 1)
+    replicas = getattr(inner, "replicas", None)
+    if replicas == "auto":
+        raise LaunchError("--replicas auto regroups the ranks of one host; on several hosts give --replicas R (a "
+                          f"multiple of --nnodes {args.nnodes}), or leave it out for one group per host")
     world = nproc * args.nnodes
+    replicas = replicas or args.nnodes  # the default on several hosts: one group per host
     if world % replicas:
         raise LaunchError(f"--replicas {replicas}: {world} ranks on {args.nnodes} hosts cannot form equal groups")
     # A group's cfg halves may span hosts; its sequence and weight splits (ring x ulysses x tp) may not.
@@ -150,8 +154,8 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if nproc < 1:
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
     address, port = check_hosts(args, inner, nproc)
-    replicas = getattr(inner, "replicas", 1)
-    if (nproc * args.nnodes) % replicas:
+    replicas = getattr(inner, "replicas", None)
+    if isinstance(replicas, int) and (nproc * args.nnodes) % replicas:
         raise LaunchError(f"--replicas {replicas}: --nproc {nproc} ranks cannot form {replicas} equal groups")
     if inner.tp is not None and nproc % inner.tp:
         raise LaunchError(f"--tp {inner.tp} splits the weights over groups of {inner.tp} ranks: --nproc {nproc} is "

@@ -72,6 +72,19 @@ class Stop:
     its group and ends)."""
 
 
+@dataclass(frozen=True)
+class HandOver:
+    """Control message: the group's ranks leave this service, for rank 0 to group them another way (app.groups); the
+    service stays usable."""
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """Control message on the service of all ranks: form the groups of layout `layout` (app.groups.Layout)."""
+
+    layout: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class Generation:
     """What rank 0 gets back from `run`."""
@@ -208,16 +221,23 @@ class LockstepService:
             self._stopped = True
             self._broadcast(Stop())
 
+    def hand_over(self, message: HandOver | Regroup) -> None:
+        """Release the followers for a while (rank 0 only): their `follow()` returns `message`, and they come back
+        to this service (or another one) as it says."""
+        self._require_main("hand_over")
+        self._broadcast(message)
+
     # --- ranks > 0 ----------------------------------------------------------------------------
 
-    def follow(self) -> None:
-        """Execute rank 0's requests until it sends Stop (ranks > 0). Raises RankLost if rank 0 is gone."""
+    def follow(self) -> Stop | HandOver | Regroup:
+        """Execute rank 0's requests until it sends Stop, HandOver or Regroup (ranks > 0), and return that message.
+        Raises RankLost if rank 0 is gone."""
         if self.ctx.is_main:
             raise RuntimeError("follow() is for ranks > 0; rank 0 calls run()")
         while True:
             message = self._broadcast(None)
-            if isinstance(message, Stop):
-                return
+            if isinstance(message, (Stop, HandOver, Regroup)):
+                return message
             if isinstance(message, Run):
                 try:
                     self._execute(message, None, None)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from app.failures import RankLost, StartupError, describe
 from app.stage_times import StageSeconds
@@ -25,7 +25,7 @@ from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import MediaLimits, read_limits, uses_guidance_batch
 
 if TYPE_CHECKING:  # the module stays light to import: torch comes in with start_runtime
-    from app.groups import Link, RemoteGroup
+    from app.groups import Layout
     from app.lockstep import LockstepService
 
 
@@ -42,51 +42,112 @@ class ServedModel:
         return self.spec.media
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class Runtime:
     """What a command needs once its rank has started."""
 
-    service: LockstepService
-    """This rank's group's lockstep service."""
+    layouts: list[Layout]
+    """How the ranks may form groups (app.groups.Layout): one layout, or with `--replicas auto` one per group size,
+    every rank as one group first."""
     models: dict[str, ServedModel]
     """Service key -> model."""
     world_size: int
     is_main: bool
     """Rank 0: the rank that talks to the user."""
-    plan: str
-    """How the ranks split each transformer (its plan), e.g. 'allgather-2, all-to-all copy-engine' or
-    'none (1 rank)'."""
     backend: str
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
     step_cache: str | None = None
     """The step cache the transformers run with (its label, e.g. 'fbcache:0.08'), or None."""
-    replicas: int = 1
-    """Groups of ranks, each running its own requests (app.groups)."""
-    links: dict[int, Link] = field(default_factory=dict)
-    """A group's leader other than rank 0: its channels with rank 0 (under its group's index)."""
-    remote: list[RemoteGroup] = field(default_factory=list)
-    """Rank 0: a handle on every group it does not lead."""
+    active: int = 0
+    """Rank 0: the layout the ranks are in now (regroup moves them)."""
+
+    @property
+    def service(self) -> LockstepService:
+        """This rank's group's lockstep service in the first layout (every rank as one group where the run regroups),
+        for commands that run requests one at a time (generate, build, the calibration)."""
+        return self.layouts[0].service
+
+    @property
+    def plan(self) -> str:
+        """How the first layout's groups split each transformer, e.g. 'allgather-2, all-to-all copy-engine' or
+        'none (1 rank)'."""
+        return self.layouts[0].plan
+
+    @property
+    def replicas(self) -> int:
+        return self.layouts[0].replicas
 
     @property
     def group_size(self) -> int:
-        return self.world_size // self.replicas
+        return self.layouts[0].group_size
+
+    @property
+    def regroups(self) -> bool:
+        """Whether rank 0 moves the ranks between layouts as its queue grows and drains (`--replicas auto`)."""
+        return len(self.layouts) > 1
 
     def group_label(self, replica: int) -> str:
         """E.g. "group 2 of 2 (ranks 2-3)"; "" with one group."""
-        if self.replicas == 1:
-            return ""
-        first, last = replica * self.group_size, (replica + 1) * self.group_size - 1
-        return f"group {replica + 1} of {self.replicas} ({f'rank {first}' if first == last else f'ranks {first}-{last}'})"
+        return self.layouts[0].label(replica)
+
+    def regroup(self, index: int) -> None:
+        """Rank 0: move every rank to layout `index`. The groups of the layout they are in must be idle: each is
+        handed over (its leader answers once its group has left it) and every rank meets on the first layout's
+        service, which is the target itself or tells them which layout to form. Raises RankLost if a group's
+        leader does not answer."""
+        from app.lockstep import HandOver, Regroup
+
+        if index == self.active:
+            return
+        current = self.layouts[self.active]
+        if self.active != 0:
+            for group in current.remote:
+                group.hand_over()
+            current.service.hand_over(HandOver())
+        self.active = index
+        if index != 0:
+            target = self.layouts[index]
+            self.layouts[0].service.hand_over(Regroup(index))
+            for group in target.remote:
+                group.listen()
+
+    def release(self) -> None:
+        """Rank 0, at the end: release every rank from the layout they are in (each leaves the run)."""
+        layout = self.layouts[self.active]
+        layout.service.stop()
+        for group in layout.remote:
+            group.release()
 
     def follow(self) -> None:
         """Every rank but 0: take part in the requests until the run ends (a group's leader runs the ones rank 0
-        hands it; the others follow their leader)."""
-        if self.service.ctx.is_main:
-            from app.groups import lead
+        hands it; the others follow their leader), in whichever layout rank 0 forms."""
+        from app.lockstep import Regroup, Stop
 
-            lead(self.service, self.links[self.service.ctx.replica])
+        if not self.regroups:
+            self._follow(self.layouts[0])
+            return
+        while True:
+            message = self.layouts[0].service.follow()
+            if isinstance(message, Stop):
+                return
+            if isinstance(message, Regroup) and isinstance(self._follow(self.layouts[message.layout]), Stop):
+                return
+
+    @staticmethod
+    def _follow(layout: Layout) -> Any:
+        """Follow in `layout` until rank 0 ends it: its Stop (the run is over) or HandOver (regroup)."""
+        from app.groups import lead
+        from app.lockstep import HandOver, Stop
+
+        service = layout.service
+        if not service.ctx.is_main:
+            return service.follow()
+        message = lead(service, layout.links[service.ctx.replica])
+        if isinstance(message, Stop):
+            service.stop()
         else:
-            self.service.follow()
+            service.hand_over(HandOver())
+        return message
 
     def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None,
                  stages: StageSeconds | None = None) -> str:
@@ -98,10 +159,15 @@ class Runtime:
             step = stages.describe()
         computed = "" if computed_steps is None else f", {computed_steps[0]} of {computed_steps[1]} steps computed"
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
-        if self.replicas > 1:
-            ranks += f" in {self.replicas} groups of {self.group_size}"
+        if self.regroups:
+            ranks += " as one group, or smaller groups while requests wait"
+            plan = "; ".join(layout.describe() for layout in self.layouts)
+        else:
+            plan = self.plan
+            if self.replicas > 1:
+                ranks += f" in {self.replicas} groups of {self.group_size}"
         return (f"model {models} · {ranks} · "
-                f"plan {self.plan} · backend {self.backend} · last request {step}{computed}")
+                f"plan {plan} · backend {self.backend} · last request {step}{computed}")
 
 
 def usable_cores() -> int:
@@ -116,13 +182,35 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, usable_cores() // max(1, local_world_size))
 
 
+AUTO = "auto"
+"""`--replicas auto`: the ranks as one group while requests come one at a time, as smaller groups while they wait."""
+
+
+def layout_sizes(world_size: int, replicas: int | str | None, options: RunOptions, device_type: str,
+                 hosts: int = 1) -> list[int]:
+    """The numbers of groups the run's layouts have: [replicas]; with "auto" every number of equal groups whose size
+    the plan allows (a multiple of --tp, of twice it with --cfg-parallel), one group first. None: auto on the GPUs of
+    one host, one group per host on several, else one group. A fixed number the ranks cannot form is the caller's to
+    refuse."""
+    if replicas is None:
+        replicas = hosts if hosts > 1 else AUTO if device_type == "cuda" and world_size > 1 else 1
+    if replicas != AUTO:
+        return [int(replicas)]
+    unit = options.tp * (2 if options.cfg_parallel else 1)
+    return [count for count in range(1, world_size + 1)
+            if world_size % count == 0 and (world_size // count) % unit == 0] or [1]
+
+
 @contextmanager
 def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, stop: threading.Event,
-                  replicas: int = 1) -> Iterator[Runtime]:
+                  replicas: int | str | None = 1) -> Iterator[Runtime]:
     """Join the run (torchrun or single process) and serve `models`; leave it cleanly on exit.
 
     `replicas`: the ranks form that many equal groups, each with its own plan and lockstep service
-    (app.groups); rank 0 leads the first.
+    (app.groups); rank 0 leads the first. "auto" (and None on GPUs): a layout for each group size the plan
+    allows (layout_sizes), between which rank 0 moves the ranks as its queue grows and drains (Runtime.regroup):
+    every layout holds its own plan's transformer, over the same weights (engines.parallelize.shared_weights_copy),
+    and its own engines.
 
     Enter it inside app.stopping.stop_on_signals, so that a Ctrl-C during the (long) imports and
     loads is honoured at the first agreement point instead of ending one rank alone.
@@ -143,39 +231,44 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
-    from app.groups import RemoteGroup, make_links
+    from app.groups import Layout, RemoteGroup, make_links
     from app.lockstep import LockstepService
     from engines.distributed import init_parallel, shutdown, split_replicas
     from pipelines.factory import default_dtype, load_pipeline
     from pipelines.prompt_cache import PromptCache
 
     world = init_parallel(options.device)
-    ctx = world
     lost = False
-    pipelines = {}
+    pipelines: dict[str, Any] = {}
+    runtime: Runtime | None = None
     try:
-        if world.world_size % replicas:
-            raise StartupError(f"--replicas {replicas}: {world.world_size} ranks cannot form {replicas} equal groups")
-        ctx = split_replicas(world, replicas)
-        links = make_links(replicas, ctx.world_size, world.rank)
-        per_group = f" per group ({replicas} groups of {ctx.world_size})" if replicas > 1 else ""
-        if ctx.world_size % options.tp:
-            # Every rank sees the same world size: all of them stop here, before any collective.
-            raise StartupError(f"--tp {options.tp} splits the weights over groups of {options.tp} ranks: the number "
-                               f"of ranks{per_group} must be a multiple of it, this run has {ctx.world_size}")
-        rest = ctx.world_size // options.tp
-        if options.cfg_parallel and (rest < 2 or rest % 2):
-            needs = "an even number of ranks" if options.tp == 1 else f"an even number of --tp {options.tp} groups"
-            raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it needs "
-                               f"{needs}{per_group}, this run has {rest}")
-        if ctx.device.type == "cpu" and world.is_distributed:
+        hosts = world.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        counts = layout_sizes(world.world_size, replicas, options, world.device.type, max(hosts, 1))
+        if world.world_size % counts[0]:
+            raise StartupError(f"--replicas {counts[0]}: {world.world_size} ranks cannot form {counts[0]} equal groups")
+        contexts = [split_replicas(world, count) for count in counts]
+        links = [make_links(count, world.world_size // count, world.rank) for count in counts]
+        for ctx in contexts:
+            per_group = f" per group ({ctx.replicas} groups of {ctx.world_size})" if ctx.replicas > 1 else ""
+            if ctx.world_size % options.tp:
+                # Every rank sees the same world size: all of them stop here, before any collective.
+                raise StartupError(f"--tp {options.tp} splits the weights over groups of {options.tp} ranks: the "
+                                   f"number of ranks{per_group} must be a multiple of it, this run has {ctx.world_size}")
+            rest = ctx.world_size // options.tp
+            if options.cfg_parallel and (rest < 2 or rest % 2):
+                needs = "an even number of ranks" if options.tp == 1 else f"an even number of --tp {options.tp} groups"
+                raise StartupError(f"--cfg-parallel runs the two guidance branches on two halves of the ranks: it "
+                                   f"needs {needs}{per_group}, this run has {rest}")
+        if world.device.type == "cpu" and world.is_distributed:
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
             torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))))
-        dtype = default_dtype(ctx.device)
+        dtype = default_dtype(world.device)
+        leads = any(ctx.is_main for ctx in contexts)
+        """Whether this rank leads a group in some layout: it then encodes prompts and decodes results."""
         # A checkpoint served under its image and its video name is loaded once, and split as a video model.
         keys = {spec.media: (spec.family, Path(folder).resolve()) for spec, folder in models}
         split_keys = {keys[spec.media] for spec, _ in models
-                      if ctx.is_distributed and options.splits_vae(spec.media)}
+                      if any(ctx.is_distributed for ctx in contexts) and options.splits_vae(spec.media)}
         failure = None
         try:
             loaded = {}
@@ -183,9 +276,9 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                 key = keys[spec.media]
                 if key not in loaded:
                     # tp is the mesh's innermost axis (engines.plan): this rank's share is its rank modulo tp
-                    loaded[key] = load_pipeline(spec, folder, device=ctx.device, dtype=dtype,
-                                                with_encoders=ctx.is_main, with_vae=ctx.is_main or key in split_keys,
-                                                tp=options.tp, tp_rank=ctx.rank % options.tp)
+                    loaded[key] = load_pipeline(spec, folder, device=world.device, dtype=dtype,
+                                                with_encoders=leads, with_vae=leads or key in split_keys,
+                                                tp=options.tp, tp_rank=world.rank % options.tp)
                 pipelines[spec.media] = loaded[key]
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
             failure = f"rank {world.rank} could not load {spec.name} from {folder}: {describe(error)}"
@@ -193,60 +286,84 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
         split_media = sorted(media for media in pipelines if keys[media] in split_keys)
-        split = [pipelines[media] for media in split_media]
         for pipeline in distinct:
-            if pipeline in split:
-                pipeline.use_split_vae(ctx.group)
-            if ctx.is_main:
+            if leads:
                 pipeline.use_prompt_cache(PromptCache())
         if options.fp8:
-            quantize_transformers(distinct, ctx.group)
-        plan_label = "none (1 rank)"
-        if ctx.is_distributed:
-            plan_label = parallelize_pipelines(distinct, ctx, options)
-        else:
-            wrap_one_rank(distinct, ctx)
-        engine_label = build_engines(distinct, ctx, options)
+            quantize_transformers(distinct, world.group)
+        # Each layout gets its own pipelines (sharing their components and weights), made before any plan changes
+        # the transformers.
+        per_layout = [pipelines] + [copy_pipelines(pipelines) for _ in contexts[1:]]
+        layouts = []
+        for ctx, count, layout_links, served_pipelines in zip(contexts, counts, links, per_layout, strict=True):
+            pipes = list({id(p): p for p in served_pipelines.values()}.values())
+            for pipeline in pipes:
+                if keys[pipeline.spec.media] in split_keys and ctx.is_distributed:
+                    pipeline.use_split_vae(ctx.group)
+            plan_label = "none (1 rank)"
+            if ctx.is_distributed:
+                plan_label = parallelize_pipelines(pipes, ctx, options)
+            else:
+                wrap_one_rank(pipes, ctx)
+            engine_label = build_engines(pipes, ctx, options)
+            if options.cache is not None:
+                install_step_caches(pipes, ctx, options)
+            service = LockstepService(ctx, served_pipelines, stop=stop, rank_timeout=options.rank_timeout,
+                                      rank_processes=rank_processes)
+            layouts.append(Layout(replicas=count, world_size=world.world_size, service=service, plan=plan_label,
+                                  links=layout_links, named=len(counts) > 1))
         if options.cache is not None:
-            install_step_caches(distinct, ctx, options)
             engine_label += f", cache {options.step_cache.label}"
-        backend = f"{'nccl' if ctx.device.type == 'cuda' else 'gloo'}, " if world.is_distributed else ""
+        backend = f"{'nccl' if world.device.type == 'cuda' else 'gloo'}, " if world.is_distributed else ""
         precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
-        backend += f"{ctx.device.type}, {precision}, {engine_label}" + (
+        backend += f"{world.device.type}, {precision}, {engine_label}" + (
             f", split VAE ({', '.join(split_media)})" if split_media else "")
 
-        service = LockstepService(ctx, pipelines, stop=stop, rank_timeout=options.rank_timeout,
-                                  rank_processes=rank_processes)
         if isinstance(stop, StopRequest):  # a SIGTERM that finds this rank stuck ends it naming the lost rank
-            stop.abandon = service.lost_message
+            stop.abandon = layouts[0].service.lost_message
         served = {spec.media: ServedModel(spec=spec, folder=folder,
                                           limits=read_limits(spec, folder, cfg_parallel=options.cfg_parallel))
                   for spec, folder in models}
-        runtime = Runtime(service=service, models=served, world_size=world.world_size, is_main=world.is_main,
-                          plan=plan_label, backend=backend,
-                          step_cache=options.step_cache.label if options.cache is not None else None,
-                          replicas=replicas, links={} if world.is_main else links)
         if world.is_main:
-            runtime.remote.extend(RemoteGroup(link, leader=replica * ctx.world_size,
-                                              label=runtime.group_label(replica))
-                                  for replica, link in sorted(links.items()))
+            for index, layout in enumerate(layouts):
+                layout.remote.extend(RemoteGroup(link, leader=replica * layout.group_size,
+                                                 label=layout.label(replica), listen=index == 0)
+                                     for replica, link in sorted(layout.links.items()))
+        runtime = Runtime(layouts=layouts, models=served, world_size=world.world_size, is_main=world.is_main,
+                          backend=backend, step_cache=options.step_cache.label if options.cache is not None else None)
         try:
             yield runtime
         except RankLost:
             lost = True
             raise
         finally:
-            if ctx.is_main and not lost:
-                service.stop()
-                for group in runtime.remote:
-                    group.release()
+            if world.is_main and not lost:
+                runtime.release()
     except RankLost:
         lost = True
         raise
     finally:
         if not lost:
-            release_engines({id(p): p for p in pipelines.values()}.values())
+            all_pipelines = [pipelines] + ([] if runtime is None else
+                                           [layout.service.pipelines for layout in runtime.layouts[1:]])
+            release_engines({id(p): p for served in all_pipelines for p in served.values()}.values())
             shutdown(world)
+
+
+def copy_pipelines(pipelines: dict[str, Any]) -> dict[str, Any]:
+    """The same pipelines for another layout: their components shared, each transformer a module tree of its own over
+    the same weights (engines.parallelize.shared_weights_copy), for that layout's plan to change."""
+    import copy
+
+    from engines.parallelize import shared_weights_copy
+
+    copies: dict[int, Any] = {}
+    for pipeline in pipelines.values():
+        if id(pipeline) not in copies:
+            twin = copy.copy(pipeline)
+            twin.use_transformer(shared_weights_copy(pipeline.transformer))
+            copies[id(pipeline)] = twin
+    return {media: copies[id(pipeline)] for media, pipeline in pipelines.items()}
 
 
 def quantize_transformers(pipelines: Iterable, group=None) -> None:

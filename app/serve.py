@@ -169,28 +169,34 @@ def check_port(host: str, port: int) -> None:
 
 
 def _calibrate(runtime, budget) -> None:
-    """Seed the time limit's cost models with two short requests per model (app.budget), before any client comes.
-    A calibration that fails leaves the model to learn from the requests it serves."""
+    """Seed the time limit's cost models with two short requests per model (app.budget), before any client comes; where
+    the run regroups, in every layout (on rank 0's group of it). A calibration that fails leaves the model to learn
+    from the requests it serves."""
     from app.budget import CALIBRATION_SECONDS, calibration_requests
     from app.failures import JobFailed
     from app.jobs import calibrate
     from pipelines.requests import make_request
 
-    for key, model in runtime.models.items():
-        if runtime.service.stop_event.is_set():  # Ctrl-C while calibrating
-            return
-        default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0)
-        limits = model.limits
-        first, candidates = calibration_requests(default, min_frames=max(limits.min_frames, 1 + limits.frame_multiple),
-                                                 max_height=limits.max_height, max_width=limits.max_width,
-                                                 multiple=limits.size_multiple)
-        try:
-            lines = calibrate(runtime.service, budget, key, first, candidates, CALIBRATION_SECONDS)
-        except JobFailed as error:
-            print(f"warning: {model.spec.name}'s time estimates start unmeasured: its calibration failed ({error})",
-                  file=sys.stderr, flush=True)
-            continue
-        print(f"calibrated {model.spec.name}'s time estimates: {'; '.join(lines)}", file=sys.stderr, flush=True)
+    for index, layout in enumerate(runtime.layouts):
+        runtime.regroup(index)
+        where = f" on {layout.label(0)}" if runtime.regroups else ""
+        for key, model in runtime.models.items():
+            if runtime.service.stop_event.is_set():  # Ctrl-C while calibrating
+                return
+            default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0)
+            limits = model.limits
+            first, candidates = calibration_requests(default, min_frames=max(limits.min_frames, 1 + limits.frame_multiple),
+                                                     max_height=limits.max_height, max_width=limits.max_width,
+                                                     multiple=limits.size_multiple)
+            try:
+                lines = calibrate(layout.service, budget, key, first, candidates, CALIBRATION_SECONDS, index)
+            except JobFailed as error:
+                print(f"warning: {model.spec.name}'s time estimates{where} start unmeasured: its calibration failed "
+                      f"({error})", file=sys.stderr, flush=True)
+                continue
+            print(f"calibrated {model.spec.name}'s time estimates{where}: {'; '.join(lines)}", file=sys.stderr,
+                  flush=True)
+    runtime.regroup(0)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -211,7 +217,7 @@ def run_serve(args: argparse.Namespace) -> int:
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
         os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
         from app.budget import RequestBudget, counted_work
-        from app.jobs import JobQueue, remote_workers, serve_jobs
+        from app.jobs import JobQueue, serve_jobs
         from app.outputs import ResultsFolder
         from app.ui import Server, build_ui
         from app.uploads import Uploads
@@ -223,7 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         budget = RequestBudget(args.max_request_seconds or None,
                                {key: counted_work(WorkCounter(model.spec, model.folder, model.limits), model.spec.name)
-                                for key, model in runtime.models.items()})
+                                for key, model in runtime.models.items()}, layouts=len(runtime.layouts))
         if budget.max_seconds is not None:
             _calibrate(runtime, budget)
         server = Server(jobs=JobQueue(args.max_queue), budget=budget,
@@ -277,9 +283,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"serving on {local_url}" + (f" and {share_url}" if share_url else "")
                   + f" (OpenAI-compatible API: {local_url.rstrip('/')}{PREFIX})"
                   + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
-            serve_jobs(runtime.service, jobs, stop, budget,
-                       remote_workers(runtime),
-                       local_label=runtime.group_label(0), plan=runtime.plan)
+            serve_jobs(runtime, jobs, stop, budget)
         except RankLost:
             # Let the handler threads hand the failure to their pages before the server closes.
             time.sleep(CLIENT_GRACE_SECONDS)

@@ -6,8 +6,10 @@ record names its parallelize function); engines/ knows no families.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from engines.distributed import ParallelContext
@@ -40,3 +42,16 @@ def parallelize_transformer(
     # Validate before build_mesh: a bad plan must fail on every rank before any collective.
     plan.check(world_size=ctx.world_size, num_heads=num_heads)
     return adapter(transformer, build_mesh(ctx, plan, all_to_all))
+
+
+def shared_weights_copy(module: nn.Module) -> nn.Module:
+    """A second module tree like `module` whose parameters and buffers are `module`'s own tensors: no weight is
+    copied. One rank can then hold the same transformer under several plans (an adapter changes the tree it is
+    given: processors, blocks, modulation), e.g. as one group of every rank and as smaller groups side by side.
+    Made before either tree is parallelized or compiled; what each plan adds (engines, CUDA graphs) is its own."""
+    memo: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for tensor in (*sub._parameters.values(), *sub._buffers.values(), *vars(sub).values()):
+            if isinstance(tensor, torch.Tensor):
+                memo[id(tensor)] = tensor
+    return copy.deepcopy(module, memo)

@@ -35,7 +35,8 @@ class GroupStandIn(StandInPipeline):
         x = encoded.clone()
         for step in range(1, req.steps + 1):
             time.sleep(STEP_SECONDS)
-            dist.all_reduce(x, group=self.group)
+            if self.group is not None:  # None: a group of one rank
+                dist.all_reduce(x, group=self.group)
             if req.prompt == f"fail the second rank at step {step}" and self.group_rank == 1:
                 raise RuntimeError("broken step")
             on_step(step, req.steps)
@@ -44,8 +45,8 @@ class GroupStandIn(StandInPipeline):
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.groups import RemoteGroup, lead, make_links
-    from app.jobs import JobQueue, remote_workers, serve_jobs
+    from app.groups import Layout, RemoteGroup, lead, make_links
+    from app.jobs import JobQueue, serve_jobs
     from app.lockstep import LockstepService
     from app.runtime import Runtime
     from engines.distributed import ParallelContext, split_replicas
@@ -67,9 +68,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    runtime = Runtime(service=service, models={}, world_size=world_size, is_main=True, plan="ulysses-2",
-                      backend="gloo", replicas=2)
-    runtime.remote.append(RemoteGroup(links[1], leader=2, label=runtime.group_label(1)))
+    layout = Layout(replicas=2, world_size=world_size, service=service, plan="ulysses-2", links=links)
+    runtime = Runtime(layouts=[layout], models={}, world_size=world_size, is_main=True, backend="gloo")
+    layout.remote.append(RemoteGroup(links[1], leader=2, label=layout.label(1)))
     jobs = JobQueue(max_waiting=8)
     spans: dict[str, list[float]] = {}
     outcomes: dict[str, str] = {}
@@ -89,11 +90,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         cancelled.cancel("cancelled by the client")
 
     threading.Thread(target=cancel_later, daemon=True).start()
-    remote = remote_workers(runtime)
-    serve_jobs(service, jobs, stop, None, remote, local_label=runtime.group_label(0), plan="ulysses-2",
-               until_drained=True, on_end=ended)
-    service.stop()
-    runtime.remote[0].release()
+    serve_jobs(runtime, jobs, stop, None, until_drained=True, on_end=ended)
+    runtime.release()
     Path(out_dir, "rank0.json").write_text(json.dumps({"spans": spans, "outcomes": outcomes,
                                                        "cancelled_after": cancelled.steps_done}))
     dist.barrier()
@@ -117,3 +115,76 @@ def test_groups_run_requests_side_by_side_and_keep_failures_to_themselves(tmp_pa
     assert fine_on != failed_on and fine_start < fail_end and fail_start < fine_end
     assert outcomes["a long one"].startswith("cancelled by the client (asked after step")
     assert result["cancelled_after"] <= 4  # stopped within 2 steps of the cancel
+
+
+def _regrouping_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """`--replicas auto` on the stand-in: layouts of 1, 2 and 4 groups, moved between by rank 0's queue."""
+    join_ranks(rank, world_size, port)
+    from app.groups import Layout, RemoteGroup, make_links
+    from app.jobs import JobQueue, serve_jobs
+    from app.lockstep import LockstepService
+    from app.runtime import Runtime
+    from engines.distributed import ParallelContext, split_replicas
+
+    dist.init_process_group("gloo")
+    world = ParallelContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                            group=dist.group.WORLD, control_group=dist.new_group(backend="gloo"))
+    stop = threading.Event()
+    layouts = []
+    for count in (1, 2, 4):
+        ctx = split_replicas(world, count)
+        links = make_links(count, ctx.world_size, rank)
+        pipeline = GroupStandIn(ctx.global_rank, ctx.rank, ctx.group, stop)
+        service = LockstepService(ctx, {"m": pipeline}, stop=stop, rank_timeout=5.0)
+        layouts.append(Layout(replicas=count, world_size=world_size, service=service, plan=f"ulysses-{4 // count}",
+                              links=links, named=True))
+    runtime = Runtime(layouts=layouts, models={}, world_size=world_size, is_main=rank == 0, backend="gloo")
+    if rank != 0:
+        runtime.follow()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    for index, layout in enumerate(layouts):
+        layout.remote.extend(RemoteGroup(link, leader=replica * layout.group_size, label=layout.label(replica),
+                                         listen=index == 0) for replica, link in sorted(layout.links.items()))
+    runs: list[dict] = []
+
+    def ended(job, outcome) -> None:
+        runs.append({"prompt": job.request.prompt, "group": job.group, "plan": job.plan, "ranks": job.ranks,
+                     "start": job.started_at, "end": time.monotonic(),
+                     "result": None if isinstance(outcome, str) else float(outcome.result)})
+
+    def wave(prompts: list[str]) -> None:
+        jobs = JobQueue(max_waiting=8)
+        for prompt in prompts:
+            jobs.submit("m", request(prompt, steps=3))
+        serve_jobs(runtime, jobs, stop, None, until_drained=True, on_end=ended)
+
+    wave(["alone"])
+    wave(["one", "two", "three", "four"])
+    wave(["pair a", "pair b"])
+    wave(["alone again"])
+    runtime.release()
+    Path(out_dir, "rank0.json").write_text(json.dumps(runs))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_ranks_regroup_as_the_queue_grows_and_drains(tmp_path):
+    spawn_ranks(_regrouping_worker, 4, str(tmp_path))
+    runs = {run["prompt"]: run for run in json.loads((tmp_path / "rank0.json").read_text())}
+    assert len(runs) == 8
+    # a lone request: every rank as one group (each step sums over the group's 4 ranks)
+    for prompt in ("alone", "alone again"):
+        assert runs[prompt]["group"] == "all 4 ranks" and runs[prompt]["plan"] == "ulysses-4", runs[prompt]
+        assert runs[prompt]["ranks"] == 4 and runs[prompt]["result"] == len(prompt) * 4.0 ** 3
+    # four at once: four groups of one rank, side by side
+    four = [runs[p] for p in ("one", "two", "three", "four")]
+    assert sorted(run["group"] for run in four) == [f"group {i} of 4 (rank {i - 1})" for i in range(1, 5)]
+    assert all(run["ranks"] == 1 and run["plan"] == "ulysses-1" for run in four)
+    assert max(run["start"] for run in four) < min(run["end"] for run in four)  # all started before any ended
+    assert all(run["result"] == float(len(run["prompt"])) for run in four)
+    # two at once: two groups of two
+    pair = [runs["pair a"], runs["pair b"]]
+    assert sorted(run["group"] for run in pair) == ["group 1 of 2 (ranks 0-1)", "group 2 of 2 (ranks 2-3)"]
+    assert all(run["result"] == len(run["prompt"]) * 2.0 ** 3 for run in pair)

@@ -151,7 +151,7 @@ def test_failures_are_dropped_together_and_the_service_goes_on(tmp_path):
     assert rank0["after_idle"] == "ok 88.0"
     assert rank0["stop"].startswith("JobCancelled")
     assert rank0["stop_seen_on_rank0"] is True
-    assert rank1["follow"] == "ok None"  # released by service.stop(), not by an error
+    assert rank1["follow"] == "ok Stop()"  # released by service.stop(), not by an error
 
 
 def test_ranks_that_cannot_meet_end_the_run_within_the_rank_timeout(tmp_path):

@@ -105,6 +105,49 @@ def test_a_killed_rank_of_the_second_group_ends_every_process(server):
         assert job.done()
 
 
+def test_auto_runs_a_lone_request_on_every_rank_and_a_queue_on_smaller_groups(tmp_path):
+    """`--replicas auto` on 4 ranks: layouts of one group of 4, two of 2 and four of 1 (ulysses inside each)."""
+    from pipelines.factory import load_pipeline
+    from pipelines.registry import resolve_model
+    from pipelines.requests import make_request, read_limits
+
+    port = free_port()
+    app = AppProcess("launch", "--nproc", "4", "serve", "--model", "tiny-flux", "--replicas", "auto", "--port",
+                     str(port), "--out", str(tmp_path), "--max-request-seconds", "0")
+    try:
+        app.wait_for("serving on", START_SECONDS)
+        url = f"http://127.0.0.1:{port}/"
+        lone = _image(url, "a blue square", 1, 8)
+        assert lone[2]["group"] == "all 4 ranks" and lone[2]["plan"].startswith("ulysses-4"), lone[2]
+        # A long request holds the 4 ranks while four more arrive; then the four run on four groups of one rank.
+        client = Client(url, verbose=False)
+        blocker = Client(url, verbose=False).submit("a green triangle", 2, False, 120, 3.5, 64, 64,
+                                                    api_name="/generate_image")
+        deadline = time.monotonic() + 60
+        while "on all 4 ranks" not in client.predict(api_name="/status"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with ThreadPoolExecutor(4) as pool:
+            four = list(pool.map(lambda seed: _image(url, "a red circle", seed, 12), (3, 4, 5, 6)))
+        assert blocker.result(timeout=120)[2]["group"] == "all 4 ranks"
+        assert sorted(result[2]["group"] for result in four) == [f"group {i} of 4 (rank {i - 1})" for i in range(1, 5)]
+        assert all(result[2]["plan"] == "none (1 rank)" for result in four)
+        spans = [result[2]["ran_from"] for result in four]
+        assert max(start for start, _ in spans) < min(end for _, end in spans)  # all four side by side
+        again = _image(url, "a blue square", 1, 8)  # the queue drained: one group again
+        assert again[2]["group"] == "all 4 ranks"
+        spec, folder = resolve_model("tiny-flux", None)
+        pipeline = load_pipeline(spec, folder)
+        for result, seed, steps in [(lone, 1, 8), *((r, s, 12) for r, s in zip(four, (3, 4, 5, 6)))]:
+            request = make_request(spec, read_limits(spec, folder), prompt=result[2]["prompt"], seed=seed,
+                                   steps=steps, width=64, height=64)
+            expected = np.asarray(pipeline.generate(request)).astype(np.int16)
+            served = np.asarray(Image.open(result[1]).convert("RGB")).astype(np.int16)
+            assert np.abs(served - expected).max() <= 1
+    finally:
+        app.stop()
+
+
 def _batch(*args: str, out: Path, prompts: Path, launch: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "app", "launch", *launch, "batch", str(prompts), "--out", str(out),
                              "--size", "64x64", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
