@@ -127,8 +127,8 @@ def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> 
 
         def one(seed: int) -> tuple[float, dict]:
             begun = time.monotonic()
-            _, _, settings, _ = Client(url, verbose=False).predict(
-                PROMPTS[seed % len(PROMPTS)], seed, False, args.steps, 3.5, size, size, api_name="/generate_image")
+            settings = Client(url, verbose=False).predict(
+                PROMPTS[seed % len(PROMPTS)], seed, False, args.steps, 3.5, size, size, api_name="/generate_image")[2]
             return time.monotonic() - begun, settings
 
         def together(count: int, first_seed: int) -> list[tuple[float, dict]]:
