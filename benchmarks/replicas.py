@@ -1,6 +1,6 @@
 """Replica groups against one group, through the app itself: `launch ... batch` and `launch ... serve`.
 
-    python -m benchmarks.replicas --model flux1-dev --folder /tmp/flux1-dev-random --gpus 4 --out OUT \
+    python -m benchmarks.replicas --model flux-dev --folder /tmp/flux-dev-random --gpus 4 --out OUT \
         [--sizes 512,1024] [--lines 64] [--steps 8] [--users 8] [--parts batch,serve]
 
 The checkpoint folder is written first if it is missing: the model's published architecture with random weights
@@ -156,7 +156,7 @@ def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="flux1-dev")
+    parser.add_argument("--model", default="flux-dev")
     parser.add_argument("--folder", type=Path, required=True, help="checkpoint folder (written if missing)")
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
