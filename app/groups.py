@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from app.failures import JobCancelled, JobFailed, RankLost, describe
 from app.lockstep import Generation, HandOver, LockstepService, Run, StepCallback, Stop, StopCheck
+from engines.distributed import cpu_group
 from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
@@ -132,7 +133,7 @@ def make_links(replicas: int, group_size: int, rank: int) -> dict[int, Link]:
     links: dict[int, Link] = {}
     for replica in range(1, replicas):
         leader = replica * group_size
-        down, up = dist.new_group([0, leader], backend="gloo"), dist.new_group([0, leader], backend="gloo")
+        down, up = cpu_group([0, leader]), cpu_group([0, leader])
         if rank == 0:
             links[replica] = Link(down=Channel(down, 1), up=Channel(up, 1))
         elif rank == leader:

@@ -39,11 +39,12 @@ def write_random_checkpoint(name: str, folder: Path) -> None:
     with the embedded model's tokenizers, scheduler and model index."""
     import torch
 
-    from benchmarks.generation import build_pipeline, real_components
+    from benchmarks.generation import build_pipeline, real_components, write_config_folder
 
     arch = real_components(name)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    write_config_folder(arch, partial)
     pipeline = build_pipeline(arch, partial, device=torch.device("cuda"), with_encoders=True)
     for component in ("transformer", "vae", "text_encoder", "text_encoder_2"):
         module = getattr(pipeline, component, None)
@@ -88,12 +89,20 @@ def run_batch(args: argparse.Namespace, size: int, replicas: str, out: Path) -> 
             break
         time.sleep(0.05)
     entries = [json.loads(line) for line in manifest.read_text().splitlines()] if manifest.exists() else []
+    if manifest.exists():
+        shutil.copy(manifest, out / f"batch-{size}-{replicas}-manifest.jsonl")
+    shutil.rmtree(work / "images", ignore_errors=True)
+    stages = {}
+    for stage in ("encode_s", "step_s", "decode_s", "write_s"):
+        values = [entry["stages"][stage] for entry in entries[args.gpus:] if entry.get("stages")]
+        values = [sum(v) if isinstance(v, list) else v for v in values if v is not None]
+        stages[stage] = round(statistics.mean(values), 4) if values else None
     skip = args.gpus
     steady = seen[skip:]
     rate = 60 * (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 and steady[-1] > steady[0] else None
     return {"size": size, "replicas": replicas, "exit": process.returncode, "images": len(entries),
             "wall_seconds": round(time.monotonic() - started, 2), "line_seconds": [round(t, 3) for t in seen],
-            "images_per_minute_after_first": rate, "skipped_first": skip,
+            "images_per_minute_after_first": rate, "skipped_first": skip, "mean_stage_seconds": stages,
             "groups": sorted({entry.get("group", "") for entry in entries}),
             "plans": sorted({entry.get("plan", "") for entry in entries})}
 

@@ -71,6 +71,17 @@ class ParallelContext:
         return f"group {self.replica + 1} of {self.replicas} ({ranks})"
 
 
+def cpu_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    """A gloo group of `ranks` (collective: every rank calls it, in the same order; None on the others).
+
+    Only its members take part (use_local_synchronization): with NCCL's default group bound to a device, torch
+    (2.11 to 2.13) has every non-member of ANY new group, gloo ones included, take part in an ncclCommSplit of the
+    default group that the members of a gloo group never join; measured on 4x H200, the two non-members of two
+    such groups waited in it forever.
+    """
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
 def split_replicas(ctx: ParallelContext, replicas: int) -> ParallelContext:
     """This rank's group when the run's ranks form `replicas` equal groups of consecutive ranks (collective:
     every rank calls it with the same number; groups of consecutive ranks keep a group's context parallelism
@@ -88,7 +99,7 @@ def split_replicas(ctx: ParallelContext, replicas: int) -> ParallelContext:
     groups = {}
     for replica in range(replicas):
         ranks = list(range(replica * size, (replica + 1) * size))
-        groups[replica] = (dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend="gloo"))
+        groups[replica] = (dist.new_group(ranks, backend=backend), cpu_group(ranks))
     tensor_group, control_group = groups[mine]
     return ParallelContext(rank=ctx.rank % size, world_size=size, local_rank=ctx.local_rank, device=ctx.device,
                            group=tensor_group if size > 1 else None, control_group=control_group if size > 1 else None,
