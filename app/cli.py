@@ -1,5 +1,8 @@
 """Command line: `ulysses-studio generate|serve|batch|build|bench|launch` (also `python -m app`).
 
+`bench` runs `python -m benchmarks` (benchmarks.cli) with the same arguments: the benchmark harness
+imports the app, never the other way round.
+
 Environment: HF_HUB_OFFLINE=1, and for the commands that run models the variables of
 engines.options.run_environment (cuBLAS without a workspace, inductor's kernels beside the engine
 cache), each set here, before the first model is loaded, unless the user set it.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import subprocess
 import sys
 
 from app.arguments import (OptionsError, add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size,
@@ -23,8 +27,6 @@ from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
-from benchmarks import cli as bench_module
-from benchmarks.cli import BenchError, add_bench_arguments, run_bench
 from app.outputs import OutputError
 from engines.options import engine_cache_dir, run_environment, set_environment
 from app import serve as serve_module
@@ -33,7 +35,7 @@ from app.stopping import end_process
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 
-USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError, BenchError,
+USER_ERRORS = (ModelNotFoundError, RequestError, OutputError, BatchError, ServeError, LaunchError, BuildError,
                OptionsError)
 
 __all__ = ["USER_ERRORS", "build_parser", "exit_with", "main", "parse_size"]
@@ -64,11 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_build_arguments(build)
     build.set_defaults(func=run_build, check=None)
 
+    # Every argument, --help included, is the benchmark's own (benchmarks.cli parses them): with no "-"
+    # among its prefix characters this parser takes none of them as its options.
     bench = commands.add_parser("bench", help="benchmark transformer engines (1 GPU, ours, diffusers-native, peers) or "
-                                              "whole generations (--end-to-end) under torchrun",
-                                description=bench_module.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_arguments(bench)
+                                              "whole generations (--end-to-end) under torchrun "
+                                              "(`python -m benchmarks`; `bench --help` says more)",
+                                add_help=False, prefix_chars="+")
+    bench.add_argument("benchmark_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=run_bench, check=None)
 
     launch = commands.add_parser(
@@ -79,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(launch)
     launch.set_defaults(func=lambda args: run_launch(args, build_parser()), check=None)
     return parser
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`python -m benchmarks` with the command's arguments, in a process of its own; its exit status."""
+    return subprocess.call([sys.executable, "-m", "benchmarks", *args.benchmark_args])
 
 
 def main(argv: list[str] | None = None) -> int:

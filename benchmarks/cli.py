@@ -1,4 +1,5 @@
-"""`ulysses-studio bench`: one of the benchmarks (benchmarks.step, benchmarks.generation) under torchrun, plus a PNG chart.
+"""`python -m benchmarks` (or `ulysses-studio bench`): one of the benchmarks (benchmarks.step, benchmarks.generation)
+under torchrun, plus a PNG chart.
 
     ulysses-studio bench --ranks 2 --out bench/ -- --model flux-dev --backends eager,inductor-blocks+cudagraph
     ulysses-studio bench --ranks 2 --out bench/ -- --strategies "" --no-diffusers --peers xdit,cache-dit
@@ -44,6 +45,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("benchmark_args", nargs=argparse.REMAINDER, metavar="...",
                         help="passed to benchmarks.step (--model, --sizes, --video, --backends, --strategies, "
                              "--peers xdit,cache-dit, ...) or, with --end-to-end, to benchmarks.generation")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ulysses-studio bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark the arguments name; a bad command line is one line on stderr and exit status 2."""
+    try:
+        return run_bench(build_parser().parse_args(argv))
+    except BenchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 def run_bench(args: argparse.Namespace) -> int:
