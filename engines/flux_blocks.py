@@ -12,6 +12,7 @@ from torch import nn
 from engines.attention import split_attention
 from engines.flux_attention import query_key_value
 from engines.fp8 import is_fp8
+from engines.lora import has_lora
 from engines.mesh import ParallelMesh
 
 
@@ -74,7 +75,7 @@ class OverlappedSingleBlock(nn.Module):
         def mlp_share(activation: torch.Tensor) -> torch.Tensor:  # the MLP's share of proj_out
             return F.linear(activation, weight[:, width:], block.proj_out.bias)
 
-        if is_fp8(weight):
+        if is_fp8(weight) or has_lora(block.proj_out):  # a LoRA term (engines.lora) takes proj_out whole too
             # FP8 (--fp8): proj_out runs whole, as in diffusers' block. Its activation is quantized with one
             # scale per token over [attention, MLP]; the two shares quantized apart would round differently
             # from one process (2 gloo ranks: 23 levels off after 3 steps of tiny-flux).

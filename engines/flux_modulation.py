@@ -66,7 +66,7 @@ class SharedModulation:
     def __call__(self, temb: torch.Tensor) -> list[torch.Tensor]:
         """Each consumer's modulation (B, width), in call order, from the model's temb."""
         condition = F.silu(temb)
-        mine = [F.linear(condition, linear.weight, linear.bias)
+        mine = [linear(condition)  # the module: a LoRA term on it (engines.lora) applies
                 for index, linears in enumerate(self.linears) if self.owner[index] == self.rank
                 for linear in linears]
         missing = self.width - sum(m.shape[1] for m in mine)  # a rank may own less, or (tiny models) nothing

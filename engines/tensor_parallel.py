@@ -138,13 +138,19 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         """The tp degree this layer was split for."""
         self.group_name = group_name
+        self.lora: nn.Module | None = None
+        """The rank's LoRA term over its input columns (engines.lora.attach_loras), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.group_name:
             raise RuntimeError("this row-parallel layer has no tp group: parallelize the model first")
+        inputs = x
         if is_fp8(self.weight):  # --fp8: the input's scales over its whole rows, as one process (engines/fp8.py)
             x = quantize_whole_rows(x, self.weight, self.group_name)
-        out = all_reduce(F.linear(x, self.weight), self.group_name)
+        out = F.linear(x, self.weight)
+        if self.lora is not None:  # a partial product too: summed by the same all-reduce, once
+            out = out + self.lora(inputs)
+        out = all_reduce(out, self.group_name)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
