@@ -17,10 +17,12 @@ from engines.options import (
     TRANSPORTS,
     CacheOptions,
     EngineOptions,
+    LoraError,
+    LoraFile,
     RunOptions,
 )
 from pipelines.registry import MODELS, MODELS_ENV
-from pipelines.requests import RequestError
+from pipelines.requests import MediaLimits, RequestError
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -114,6 +116,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "and so the encode of a Cosmos-Predict2 input; off: rank 0 alone holds the VAE and runs "
                              "it; auto (default): on for video models, off for image models, whose decode measured "
                              "no faster split")
+    parser.add_argument("--lora", action="append", default=[], type=lora_label, metavar="NAME=PATH[:SCALE]",
+                        help="load a LoRA adapter (repeatable): a .safetensors file in any format diffusers reads for the "
+                             "model (diffusers/PEFT, kohya, BFL, XLabs), checked against the model before any rank "
+                             "starts. Every LoRA stays loaded; each request chooses which ones and their scales "
+                             "(a batch line's `lora` field, e.g. \"style:0.8\"), and one that chooses none uses every "
+                             "--lora at its SCALE (default 1)")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -151,9 +159,38 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                           all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
                           rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache, tp=args.tp or 1,
-                          split_vae=args.split_vae)
+                          split_vae=args.split_vae, loras=lora_files(args))
     except ValueError as error:
         raise OptionsError(str(error)) from None
+
+
+def lora_files(args: argparse.Namespace) -> tuple[LoraFile, ...]:
+    """The --lora files of a command line built with add_parallel_arguments (names unique)."""
+    files = tuple(LoraFile.parse(text) for text in getattr(args, "lora", None) or ())
+    names = [file.name for file in files]
+    if len(set(names)) != len(names):
+        raise OptionsError(f"--lora names must differ: {', '.join(names)}")
+    return files
+
+
+def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimits) -> MediaLimits:
+    """`limits` with the run's --lora names and scales, once every file is read and checked against `spec`'s
+    transformer (its config alone, on the meta device: no weights are loaded). The commands' check step calls it,
+    before any rank starts: a file that does not fit is refused naming its first bad key (OptionsError)."""
+    from dataclasses import replace
+
+    files = lora_files(args)
+    if not files:
+        return limits
+    from engines.lora import check_lora_files
+    from pipelines.family import load
+    from pipelines.registry import family_of, read_component_config
+
+    try:
+        check_lora_files(files, load(family_of(spec).transformer), read_component_config(folder, "transformer"))
+    except LoraError as error:
+        raise OptionsError(f"{error} (model {spec.name})") from None
+    return replace(limits, loras=tuple((file.name, file.scale) for file in files))
 
 
 def _label_of(parse: Callable[[str], object]) -> Callable[[str], str]:
@@ -173,3 +210,5 @@ backend_label = _label_of(EngineOptions.parse)
 """argparse type of --backend: a valid engine label."""
 cache_label = _label_of(CacheOptions.parse)
 """argparse type of --cache: a valid step cache label."""
+lora_label = _label_of(LoraFile.parse)
+"""argparse type of --lora: NAME=PATH[:SCALE] (the file is checked with the model, lora_limits)."""

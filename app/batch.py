@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, add_request_arguments,
-                           request_fields, run_options)
+                           lora_limits, request_fields, run_options)
 from app.outputs import EXTENSIONS, check_writer, settings_of
 from app.prompt_files import FIELDS, SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
@@ -74,7 +74,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def check_batch(args: argparse.Namespace) -> BatchPlan:
     """Check the model, the prompt file, the output folder and the default settings; load nothing."""
     spec, folder = resolve_model(args.model, args.model_path)
-    limits = read_limits(spec, folder, cfg_parallel=args.cfg_parallel)
+    limits = lora_limits(args, spec, folder, read_limits(spec, folder, cfg_parallel=args.cfg_parallel))
     prompts = Path(args.prompts).expanduser()
     if not prompts.is_file():
         raise BatchError(f"prompt file {prompts} does not exist")

@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 
-from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, request_fields,
-                           run_options)
+from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, lora_limits,
+                           request_fields, run_options)
 
 DEFAULT_BACKEND = "inductor-blocks"
 """What `build --device cpu` compiles when no --backend is given (on GPUs: what serve runs there)."""
@@ -58,7 +58,8 @@ def check_build(args: argparse.Namespace):
         raise BuildError(f"--backend {backend!r}: {error}") from None
     spec, folder = resolve_model(args.model, args.model_path)
     fields = {k: v for k, v in request_fields(_request_namespace(args)).items() if k in ("height", "width", "frames")}
-    request = make_request(spec, read_limits(spec, folder, cfg_parallel=args.cfg_parallel), prompt="engine build", steps=args.steps, **fields)
+    limits = lora_limits(args, spec, folder, read_limits(spec, folder, cfg_parallel=args.cfg_parallel))
+    request = make_request(spec, limits, prompt="engine build", steps=args.steps, **fields)
     return spec, folder, request, options
 
 

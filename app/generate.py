@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.arguments import request_fields, run_options
+from app.arguments import lora_limits, request_fields, run_options
 from app.outputs import check_output_path
 from app.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
@@ -28,7 +28,8 @@ class GenerateJob:
 def check_generate(args: argparse.Namespace) -> GenerateJob:
     """Validate the command line without loading anything (pure, so every rank gets the same answer)."""
     spec, folder = resolve_model(args.model, args.model_path)
-    request = make_request(spec, read_limits(spec, folder, cfg_parallel=args.cfg_parallel), prompt=args.prompt, condition=args.condition,
+    limits = lora_limits(args, spec, folder, read_limits(spec, folder, cfg_parallel=args.cfg_parallel))
+    request = make_request(spec, limits, prompt=args.prompt, condition=args.condition,
                            **request_fields(args))
     return GenerateJob(spec=spec, folder=folder, request=request, out=check_output_path(args.out, spec))
 

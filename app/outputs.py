@@ -60,6 +60,10 @@ def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int
         settings.pop("step_cache")
     else:
         settings["computed_steps"] = computed_steps
+    if request.lora:  # the LoRAs that made it and their scales; none: no key, as before LoRAs existed
+        settings["lora"] = dict(request.lora)
+    else:
+        settings.pop("lora")
     if request.condition is not None:  # the input by its name: where it was kept is no business of the file's
         settings["condition"] = Path(request.condition).name
     if spec.media == "image":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -291,6 +291,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                 pipeline.use_prompt_cache(PromptCache())
         if options.fp8:
             quantize_transformers(distinct, world.group)
+        for pipeline in distinct if options.loras else ():  # --lora: after tp and FP8, before plans copy them
+            pipeline.use_loras(options.loras, tp=options.tp, tp_rank=world.rank % options.tp)
         # Each layout gets its own pipelines (sharing their components and weights), made before any plan changes
         # the transformers.
         per_layout = [pipelines] + [copy_pipelines(pipelines) for _ in contexts[1:]]
@@ -322,7 +324,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         if isinstance(stop, StopRequest):  # a SIGTERM that finds this rank stuck ends it naming the lost rank
             stop.abandon = layouts[0].service.lost_message
         served = {spec.media: ServedModel(spec=spec, folder=folder,
-                                          limits=read_limits(spec, folder, cfg_parallel=options.cfg_parallel))
+                                          limits=replace(read_limits(spec, folder, cfg_parallel=options.cfg_parallel),
+                                                         loras=options.lora_defaults))
                   for spec, folder in models}
         if world.is_main:
             for index, layout in enumerate(layouts):

@@ -29,12 +29,13 @@ from pathlib import Path
 
 from app.access import (AUTH_ENV, AuthError, LoginFailures, LoginThrottle, parse_trusted_proxies, read_api_keys,
                         read_logins, trust_forwarded_headers)
-from app.arguments import add_parallel_arguments, add_replicas_argument, run_options
+from app.arguments import add_parallel_arguments, add_replicas_argument, lora_limits, run_options
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
 from app.outputs import OutputError, ResultsCap, check_writer
 from app.stopping import stop_on_signals, temporary_folder
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
+from pipelines.requests import read_limits
 
 
 CLIENT_GRACE_SECONDS = 1.0
@@ -130,6 +131,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             check_writer(spec)
         except OutputError as error:
             raise ServeError(f"{error}; or serve an image model alone (--model NAME)") from None
+    for spec, folder in models:  # --lora: every served model takes every file (checked from its config)
+        lora_limits(args, spec, folder, read_limits(spec, folder))
     if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
         raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
     keep_results = None

@@ -38,7 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.options import LoraError, LoraFile
 from engines.tensor_parallel import RowParallelLinear, WeightSplit, take
+
+__all__ = ["LoraDelta", "LoraError", "LoraFile", "LoraLinear", "LoraSet", "LoraWeights", "attach_loras",
+           "check_lora_files", "export_kohya", "has_lora", "read_lora"]
 
 LOADERS = {
     "FluxTransformer2DModel": "FluxLoraLoaderMixin",
@@ -47,50 +51,9 @@ LOADERS = {
 }
 """diffusers transformer class -> the diffusers LoRA loader whose lora_state_dict converts its files."""
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-MAX_SCALE = 10.0
-"""Largest |scale| a LoRA may be used with (beyond it images are noise, and typos like 80 for 0.8 are caught)."""
-
 FUSED = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
          "add_q_proj": ("to_added_qkv", 0), "add_k_proj": ("to_added_qkv", 1), "add_v_proj": ("to_added_qkv", 2)}
 """A projection diffusers' fuse_projections folds into a fused one (engines.fp8): fused name, its third."""
-
-
-class LoraError(ValueError):
-    """A LoRA file or choice this run cannot use, with a message for the person who gave it."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoraFile:
-    """One `--lora NAME=PATH[:SCALE]`: the name requests use, the file, its scale when a request names no LoRA."""
-
-    name: str
-    path: Path
-    scale: float = 1.0
-
-    @classmethod
-    def parse(cls, text: str) -> LoraFile:
-        """'style=/loras/style.safetensors:0.8' -> LoraFile('style', that path, 0.8); no ':SCALE' is 1."""
-        name, equals, rest = text.partition("=")
-        if not equals or not rest:
-            raise LoraError(f"--lora takes NAME=PATH[:SCALE], e.g. style=loras/style.safetensors:0.8; got {text!r}")
-        if not NAME.fullmatch(name):
-            raise LoraError(f"LoRA name {name!r}: letters, digits, '_', '.' and '-' only (up to 64, not first)")
-        path, scale = rest, 1.0
-        head, colon, tail = rest.rpartition(":")
-        if colon and head:
-            try:
-                path, scale = head, float(tail)
-            except ValueError:
-                pass  # a ':' of the path itself
-        check_scale(name, scale)
-        return cls(name=name, path=Path(path).expanduser(), scale=scale)
-
-
-def check_scale(name: str, scale: float) -> None:
-    """LoraError unless `scale` is a finite number within +-MAX_SCALE."""
-    if not (abs(scale) <= MAX_SCALE):  # NaN fails too
-        raise LoraError(f"LoRA {name}'s scale must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}, got {scale}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from here, so the two can never disagree and `ulysses-studio --help` imports no 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +206,49 @@ def splits_vae(choice: str, media: str) -> bool:
     return choice == "on" or (choice == "auto" and media == "video")
 
 
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+LORA_MAX_SCALE = 10.0
+"""Largest |scale| a LoRA may be used with (beyond it images are noise, and typos like 80 for 0.8 are caught)."""
+
+
+class LoraError(ValueError):
+    """A LoRA file or choice this run cannot use, with a message for the person who gave it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraFile:
+    """One `--lora NAME=PATH[:SCALE]`: the name requests use, the file, its scale when a request names no LoRA."""
+
+    name: str
+    path: Path
+    scale: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> LoraFile:
+        """'style=/loras/style.safetensors:0.8' -> LoraFile('style', that path, 0.8); no ':SCALE' is 1."""
+        name, equals, rest = text.partition("=")
+        if not equals or not rest:
+            raise LoraError(f"--lora takes NAME=PATH[:SCALE], e.g. style=loras/style.safetensors:0.8; got {text!r}")
+        if not LORA_NAME.fullmatch(name):
+            raise LoraError(f"LoRA name {name!r}: letters, digits, '_', '.' and '-' only (up to 64, not first)")
+        path, scale = rest, 1.0
+        head, colon, tail = rest.rpartition(":")
+        if colon and head:
+            try:
+                path, scale = head, float(tail)
+            except ValueError:
+                pass  # a ':' of the path itself
+        check_lora_scale(name, scale)
+        return cls(name=name, path=Path(path).expanduser(), scale=scale)
+
+
+def check_lora_scale(name: str, scale: float) -> None:
+    """LoraError unless `scale` is a finite number within +-LORA_MAX_SCALE."""
+    if not (abs(scale) <= LORA_MAX_SCALE):  # NaN fails too
+        raise LoraError(f"LoRA {name}'s scale must be a number from -{LORA_MAX_SCALE:g} to {LORA_MAX_SCALE:g}, "
+                        f"got {scale}")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RunOptions:
     """How a run spreads its models over the ranks and turns their transformers into engines: the
@@ -239,6 +283,8 @@ class RunOptions:
     gathers them (pipelines/split_vae.py: equal to one rank's decode within one 8-bit level in float32),
     and a Cosmos-Predict2 input is encoded so; every rank then holds the VAE. "off": rank 0 alone holds
     the VAE and runs it. "auto": "on" for video models, "off" for image models (splits_vae)."""
+    loras: tuple[LoraFile, ...] = ()
+    """LoRA files every transformer carries (engines/lora.py), chosen and weighted per request."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
@@ -259,6 +305,11 @@ class RunOptions:
             if engine is not None and not engine.keeps_block_loop:
                 raise ValueError(f"--cache decides between steps outside the compiled graphs, so it needs the block "
                                  f"loop outside them: use --backend eager or inductor-blocks, not {engine.label}")
+
+    @property
+    def lora_defaults(self) -> tuple[tuple[str, float], ...]:
+        """(name, scale) of each LoRA: what a request that chooses none uses (MediaLimits.loras)."""
+        return tuple((lora.name, lora.scale) for lora in self.loras)
 
     def splits_vae(self, media: str) -> bool:
         """Whether a model making `media` ("image" or "video") splits its VAE over the ranks (with several)."""

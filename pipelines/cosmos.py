@@ -229,6 +229,7 @@ class CosmosPipeline(StagedPipeline):
         self, request: GenerationRequest, cond: CosmosConditioning, on_step: StepCallback | None = None
     ) -> torch.Tensor:
         """EDM-preconditioned Euler loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
+        self.apply_loras(request)
         device, dtype = self.device, self.dtype
         use_cfg = request.guidance > 1.0
         num_latent_frames = (request.frames - 1) // self.temporal_factor + 1

@@ -158,6 +158,7 @@ class Cosmos3Pipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: Cosmos3Conditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """UniPC loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
+        self.apply_loras(request)
         device, dtype = self.device, self.dtype
         mask = cond.condition_mask.to(device)
         generator = torch.Generator("cpu").manual_seed(request.seed)

@@ -127,6 +127,7 @@ class FluxImagePipeline(StagedPipeline):
     @torch.no_grad()
     def denoise(self, request: GenerationRequest, text: FluxText, on_step: StepCallback | None = None) -> torch.Tensor:
         """Run the flow-matching loop from the seed's noise; returns packed latents [B, tokens, C*4]."""
+        self.apply_loras(request)
         text = FluxText(**{k: v.to(self.device) for k, v in vars(text).items()})
         batch = text.prompt_embeds.shape[0]
         channels = self.transformer_config.in_channels // 4

@@ -138,6 +138,7 @@ class Flux2ImagePipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: Flux2Conditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """The flow-matching loop from the seed's noise; returns packed latents [1, tokens, C]."""
+        self.apply_loras(request)
         device = self.device
         embeds = cond.prompt_embeds.to(device)
         branches = embeds.shape[0]

@@ -59,6 +59,8 @@ class MediaLimits:
     under its image name, so its video name starts above one)."""
     reference_image: bool = False
     """An image request may bring a reference image (FLUX.2's image-conditioned generation)."""
+    loras: tuple[tuple[str, float], ...] = ()
+    """The LoRAs this run loaded (--lora) and their scales, which a request that chooses none uses."""
     guidance_split: bool = False
     """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
     request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
@@ -83,6 +85,8 @@ class GenerationRequest:
     step_cache: bool = True
     """In a run with a step cache (--cache): let it skip steps (faster, approximate); False computes every
     step. No effect without one."""
+    lora: tuple[tuple[str, float], ...] = ()
+    """The run's loaded LoRAs this request uses and their scales (engines/lora.py); () none."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -336,6 +340,41 @@ def _check_reference(condition: Any) -> str:
     return path
 
 
+def _check_lora(limits: MediaLimits, value: Any) -> tuple[tuple[str, float], ...]:
+    """A request's LoRA choice as (name, scale) pairs of the run's loaded LoRAs: "a:0.8,b" (CSV, text), {"a": 0.8},
+    or a list of names and [name, scale] pairs (JSON); a name without a scale takes its --lora scale."""
+    from engines.options import LORA_MAX_SCALE, LoraError, check_lora_scale
+
+    defaults = dict(limits.loras)
+    if isinstance(value, str):
+        value = [part.strip().rsplit(":", 1) if ":" in part else part.strip() for part in value.split(",") if part.strip()]
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple)):
+        raise RequestError(f"lora must be names with scales such as \"style:0.8,detail\", got {value!r}")
+    chosen: dict[str, float] = {}
+    for item in items:
+        if isinstance(item, str):
+            name, scale = item, None
+        elif isinstance(item, (list, tuple)) and len(item) in (1, 2) and isinstance(item[0], str):
+            name, scale = item[0], item[1] if len(item) == 2 else None
+        else:
+            raise RequestError(f"lora must be names with scales such as \"style:0.8,detail\", got {item!r}")
+        name = name.strip()
+        if name not in defaults:
+            loaded = ", ".join(defaults) or "none (start the run with --lora NAME=PATH)"
+            raise RequestError(f"LoRA {name!r} is not loaded in this run; loaded: {loaded}")
+        if name in chosen:
+            raise RequestError(f"LoRA {name!r} is named twice")
+        scale = defaults[name] if scale is None else _as_float(f"LoRA {name}'s scale", scale,
+                                                                     f"-{LORA_MAX_SCALE:g} to {LORA_MAX_SCALE:g}")
+        try:
+            check_lora_scale(name, scale)
+        except LoraError as error:
+            raise RequestError(str(error)) from None
+        chosen[name] = float(scale)
+    return tuple(chosen.items())
+
+
 def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> GenerationRequest:
     """Fill `spec`'s defaults for missing (or None) fields and validate the result.
 
@@ -398,9 +437,11 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
         if condition is not None:
             condition = problems.check(_check_condition, condition)
 
+    lora = problems.check(_check_lora, limits, given.get("lora", limits.loras))
+
     if problems.messages:
         raise RequestError.of(problems.messages)
     return GenerationRequest(
         prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, steps=steps,
-        guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition, step_cache=step_cache,
+        guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition, step_cache=step_cache, lora=lora,
     )

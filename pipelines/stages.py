@@ -39,6 +39,8 @@ class StagedPipeline:
     """The process group over whose ranks the VAE decode is split (use_split_vae), or None: rank 0 decodes."""
     prompt_cache: PromptCache | None = None
     """Rank 0's recent text encodings (use_prompt_cache), or None: every request encodes its prompt."""
+    loras: Any = None
+    """The LoRAs the transformer carries (engines.lora.LoraSet, use_loras), or None."""
 
     def limits(self) -> MediaLimits:
         """What sizes and frame counts this pipeline's checkpoint accepts (from its configs)."""
@@ -47,6 +49,26 @@ class StagedPipeline:
     def use_transformer(self, module: Any) -> None:
         """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
         self.transformer = module
+
+    def use_loras(self, files: Any, *, tp: int = 1, tp_rank: int = 0) -> None:
+        """Give the transformer (a diffusers model, split for `tp` and/or FP8 already) every LoRA of `files`
+        (engines.options.LoraFile), all at scale 0 until a request chooses (apply_loras)."""
+        from engines.fp8 import is_fp8
+        from engines.lora import attach_loras, check_lora_files
+        from pipelines.family import load
+
+        model = self.transformer
+        split = load(family_of(self.spec).tensor_parallel)(model, tp) if tp > 1 else None
+        dtype = next(p.dtype for p in model.parameters() if not is_fp8(p))  # the run's (FP8 layers' are bf16)
+        self.loras = attach_loras(model, check_lora_files(files, type(model), dict(model.config)), dtype=dtype,
+                                  split=split, tp=tp, rank=tp_rank)
+
+    def apply_loras(self, request: GenerationRequest) -> None:
+        """Before a denoising loop, on every rank: the request's LoRAs and scales, written in place (no recompile)."""
+        if self.loras is not None:
+            self.loras.select(request.lora)
+        elif request.lora:
+            raise ValueError(f"this pipeline carries no LoRA, the request asks for {dict(request.lora)}")
 
     def use_step_cache(self, options: Any, group: Any = None) -> None:
         """A step cache (engines.step_cache; `options`: its CacheOptions) on the transformer as it is now

@@ -249,3 +249,48 @@ def test_two_gloo_ranks_ulysses_and_tp_match_one_process(loras, tmp_path: Path) 
         assert len(errors) == 2
         for plan, error in errors.items():
             assert error <= TOLERANCE, (rank, plan, error)
+
+
+def _cli(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))
+
+
+def test_generate_and_batch_use_the_requests_loras_and_record_them(loras, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from pipelines.media import read_png_settings
+
+    common = ("--model", "tiny-flux", "--steps", "2", "--size", "64x64", "--device", "cpu",
+              "--lora", f"a={loras['a']}:0.8", "--lora", f"b={loras['b']}")
+    result = _cli("generate", "--prompt", "a red circle", "--out", str(tmp_path / "one.png"), *common)
+    assert result.returncode == 0, result.stderr
+    assert read_png_settings(tmp_path / "one.png")["lora"] == {"a": 0.8, "b": 1.0}  # none chosen: every --lora
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in (
+        {"prompt": "a red circle", "name": "plain", "lora": ""}, {"prompt": "a red circle", "name": "a", "lora": "a:0.8"},
+        {"prompt": "a red circle", "name": "bad", "lora": "c"})) + "\n")
+    result = _cli("batch", str(prompts), "--out", str(tmp_path / "batch"), *common)
+    assert "LoRA 'c' is not loaded in this run; loaded: a, b" in result.stdout + result.stderr
+    manifest = [json.loads(line) for line in (tmp_path / "batch" / "manifest.jsonl").read_text().splitlines()]
+    settings = {entry["file"]: entry["settings"] for entry in manifest}
+    assert "lora" not in settings["plain.png"] and settings["a.png"]["lora"] == {"a": 0.8}
+    with Image.open(tmp_path / "batch" / "plain.png") as plain, Image.open(tmp_path / "batch" / "a.png") as adapted:
+        assert plain.tobytes() != adapted.tobytes()
+
+
+def test_the_check_step_refuses_a_file_naming_its_first_bad_key(loras, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(loras["a"]))
+    key = "transformer.single_transformer_blocks.2.proj_out.lora_A.weight"
+    state[key] = torch.zeros(4, 5)
+    save_file(state, str(tmp_path / "bad.safetensors"))
+    result = _cli("generate", "--model", "tiny-flux", "--prompt", "x", "--device", "cpu", "--out",
+                  str(tmp_path / "x.png"), "--lora", f"bad={tmp_path / 'bad.safetensors'}")
+    assert result.returncode == 2 and f"key {key}: shape (4, 5)" in result.stderr, result.stderr
+    assert "denoising" not in result.stderr
