@@ -62,7 +62,8 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prompt file: {', '.join(SUFFIXES)}. A .txt holds one prompt a line; each .jsonl "
                              f"object or .csv column may set {', '.join(FIELDS)} (prompt is required; size is "
                              "WxH; input is a conditioning image or video (a reference image for FLUX.2), relative to the prompt file; name is "
-                             "the output file's name). The command line's settings apply where a line sets none")
+                             "the output file's name; lora is the --lora names it uses with their scales, e.g. style:0.8,detail). "
+                             "The command line's settings apply where a line sets none")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
     add_model_arguments(parser)
     add_request_arguments(parser, prompt_required=False)
