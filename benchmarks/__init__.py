@@ -5,8 +5,10 @@
 - generation.py: whole generations through our pipelines and lockstep service, stage by stage
   (`torchrun -m benchmarks.generation`, or `ulysses-studio bench --end-to-end`).
 - peers.py: xDiT and cache-dit on the same FLUX weights, set up and compiled as their runners do.
-- inputs.py: sizes, random weights and call arguments of a registered architecture.
-- cli.py: `ulysses-studio bench` (torchrun around step or generation, and a PNG chart).
+- inputs.py: sizes and random weights of a registered architecture (call arguments: the builder its family's
+  record names, pipelines.transformer_inputs).
+- cli.py: `python -m benchmarks`, also run by `ulysses-studio bench` (torchrun around step or generation, and a
+  PNG chart). The app never imports this package (tests/test_structure.py).
 - tiny_speed.py: seconds of one generation by an embedded tiny model on this machine's CPU, stage by stage
   (`python -m benchmarks.tiny_speed`).
 - trace_overlap.py: compute against NCCL time, and kernel time by kind, in a profile that step wrote.

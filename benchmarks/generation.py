@@ -101,22 +101,17 @@ class Components:
 
 
 def _embedded_folder(spec: ModelSpec) -> Path:
-    """The folder of the embedded model of `spec`'s family; Cosmos 3 and FLUX.2 ship none, so their tiny
-    random checkpoint (training.tiny_models; for FLUX.2 the one of `spec`'s pipeline class, whose text
-    encoder and tokenizer differ) is written to a temporary folder for its tokenizer and scheduler."""
-    embedded = next((s for s in family_of(spec).models if s.embedded), None)
+    """The folder of the embedded model of `spec`'s family; a family that ships none (Cosmos 3, FLUX.2) has
+    its tiny random checkpoint of `spec`'s pipeline class (its record's bench.tiny_checkpoint) written to a
+    temporary folder for its tokenizer and scheduler."""
+    family = family_of(spec)
+    embedded = next((s for s in family.models if s.embedded), None)
     if embedded is not None:
         return default_folder(embedded)
-    from training import tiny_models
-
-    folder = Path(tempfile.mkdtemp(prefix="ulysses-bench-")) / f"tiny-{spec.family}"
-    if spec.family == "cosmos3":
-        tiny_models.save_cosmos3(folder, tiny_models.cosmos3_components(seed=0))
-    elif spec.family == "flux2":
-        variant = "dev" if spec.checkpoint_class == "Flux2Pipeline" else "klein"
-        tiny_models.save_flux2(folder, tiny_models.flux2_components(seed=0, variant=variant))
-    else:
+    if not family.bench.tiny_checkpoint:
         raise ValueError(f"family '{spec.family}' has no embedded or tiny model to take a tokenizer from")
+    folder = Path(tempfile.mkdtemp(prefix="ulysses-bench-")) / f"tiny-{spec.family}"
+    load(family.bench.tiny_checkpoint)(spec, folder)
     return folder
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.inputs import BenchModel, Shape, bench_model, benchmarkable, build_random, parse_shapes
+from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, parse_shapes
 from benchmarks.peers import (
     PEERS,
     Peer,
@@ -67,6 +67,7 @@ from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, En
 from engines.parallelize import parallelize_transformer
 from engines.plan import ParallelPlan
 from pipelines.family import load
+from pipelines.transformer_inputs import Shape
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
 PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd

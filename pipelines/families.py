@@ -59,7 +59,7 @@ FLUX = ModelFamily(
     cache_stream="hidden_states",
     limits="pipelines.requests:flux_limits",
     guidance_batch=False,  # guidance-distilled: one branch
-    bench=BenchShapes(inputs="benchmarks.inputs:flux_inputs", sizes=("1024x1024", "2048x2048"),
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:flux_inputs", sizes=("1024x1024", "2048x2048"),
                       tiny_sizes=("64x64", "80x48"), peers=("xdit", "cache-dit"), diffusers_parallel=True),
     models=(
         ModelSpec(name="flux-dev", family="flux", media="image", checkpoint_class="FluxPipeline",
@@ -123,8 +123,9 @@ COSMOS = ModelFamily(
     cache_stream="hidden_states",
     limits="pipelines.requests:cosmos_limits",
     guidance_batch=True,
-    bench=BenchShapes(inputs="benchmarks.inputs:cosmos_inputs", sizes=("93x704x1280",), tiny_sizes=("9x32x48",),
-                      video=True, batch=2),
+    transformer_setup="pipelines.torchvision_shim:install",  # its forward calls torchvision's resize
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:cosmos_inputs", sizes=("93x704x1280",),
+                      tiny_sizes=("9x32x48",), video=True, batch=2),
     models=(
         ModelSpec(name="cosmos-predict2-2b-text2image", family="cosmos", media="image",
                   checkpoint_class="Cosmos2TextToImagePipeline", folder="Cosmos-Predict2-2B-Text2Image",
@@ -190,8 +191,9 @@ COSMOS3 = ModelFamily(
     limits="pipelines.requests:cosmos3_limits",
     guidance_batch=True,  # two guidance calls, on two rank groups with --cfg-parallel (forward_guided)
     adapter_at_one_rank=True,
-    bench=BenchShapes(inputs="benchmarks.inputs:cosmos3_inputs", sizes=("189x720x1280",), tiny_sizes=("9x64x96",),
-                      video=True, tiny_config="training.tiny_models:COSMOS3_TINY_TRANSFORMER"),
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:cosmos3_inputs", sizes=("189x720x1280",),
+                      tiny_sizes=("9x64x96",), video=True, tiny_config="training.tiny_models:COSMOS3_TINY_TRANSFORMER",
+                      tiny_checkpoint="training.tiny_models:write_tiny_cosmos3"),
     models=(
         ModelSpec(name="cosmos3-nano", media="video", folder="Cosmos3-Nano", source="nvidia/Cosmos3-Nano", frames=189,
                   architecture=_cosmos3(), **_COSMOS3),
@@ -257,8 +259,9 @@ FLUX2 = ModelFamily(
     cache_stream="hidden_states",
     limits="pipelines.requests:flux2_limits",
     guidance_batch=False,  # dev and distilled Klein: one branch; Klein base models say otherwise (ModelSpec)
-    bench=BenchShapes(inputs="benchmarks.inputs:flux2_inputs", sizes=("1024x1024", "2048x2048"),
-                      tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:FLUX2_TINY_TRANSFORMER"),
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:flux2_inputs", sizes=("1024x1024", "2048x2048"),
+                      tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:FLUX2_TINY_TRANSFORMER",
+                      tiny_checkpoint="training.tiny_models:write_tiny_flux2"),
     models=(
         ModelSpec(name="flux2-dev", family="flux2", media="image", checkpoint_class="Flux2Pipeline",
                   folder="FLUX.2-dev", source="black-forest-labs/FLUX.2-dev", height=1024, width=1024, steps=50,

@@ -2,9 +2,10 @@
 
 A family (FLUX-style, Cosmos-style, ...) is everything that makes one diffusers transformer class
 run here: our pipeline for it, its parallelize function, its repeated blocks, how its requests are
-limited, how the benchmark calls it, and its named checkpoints with their defaults. Every place
-that needs to know about a model reads its family's record, so adding a family is one record plus
-its own modules (its pipeline, its engines adapter).
+limited, how its transformer is called at a given size (the work estimate and the benchmarks), its
+tiny test configs, and its named checkpoints with their defaults. Every place that needs to know
+about a model reads its family's record, so adding a family is one record plus its own modules (its
+pipeline, its engines adapter); no code elsewhere asks which family it has (tests/test_structure.py).
 
 Code is named as "module:attribute" and imported when first used (`load`): reading the records
 (`--help`, the checks made before anything is loaded) imports no torch, and a family whose
@@ -82,7 +83,8 @@ class BenchShapes:
 
     inputs: str
     """Reference of the function that builds the transformer's keyword arguments for one size
-    (benchmarks.inputs)."""
+    (pipelines.transformer_inputs says what it takes and returns): the benchmarks call the transformer
+    with them, and the work estimate (pipelines.work) counts a request's FLOPs on them."""
     sizes: tuple[str, ...]
     """Default sizes: "HxW" for images, "FxHxW" for videos (pixels)."""
     tiny_sizes: tuple[str, ...]
@@ -95,6 +97,10 @@ class BenchShapes:
     """Peer implementations (benchmarks.peers) that run this family's transformer."""
     tiny_config: str = ""
     """Families with no embedded model: reference of a tiny transformer config (a dict) for --tiny runs."""
+    tiny_checkpoint: str = ""
+    """Families with no embedded model: reference of a function (spec, folder) -> None that writes a tiny
+    random checkpoint of spec's pipeline class into folder (training.tiny_models); the end-to-end
+    benchmark takes its tokenizers and scheduler."""
     diffusers_parallel: bool = False
     """diffusers' own context parallelism (enable_parallelism) runs this family's transformer."""
 
@@ -132,6 +138,9 @@ class ModelFamily:
     adapter_at_one_rank: bool = False
     """Its parallelize function also wraps the transformer of a one-rank run (Cosmos 3: its adapter marks
     the prompt-length dimension dynamic for compiled blocks)."""
+    transformer_setup: str = ""
+    """Reference of a function () -> None to call before its transformer runs outside its own pipeline (the
+    work estimate's meta forward), e.g. Cosmos-style's pipelines.torchvision_shim:install; "" for none."""
     bench: BenchShapes
     models: tuple[ModelSpec, ...] = field(default=())
     """Its named checkpoints."""

@@ -58,10 +58,8 @@ class WorkCounter:
         if self._models is None:
             import diffusers
 
-            if self._family.name == "cosmos":  # its forward needs torchvision's resize (pipelines.torchvision_shim)
-                from pipelines import torchvision_shim
-
-                torchvision_shim.install()
+            if self._family.transformer_setup:
+                load(self._family.transformer_setup)()
             with META:
                 transformer = load(self._family.transformer).from_config(self._transformer_config)
                 vae = getattr(diffusers, self._vae_config["_class_name"]).from_config(self._vae_config)
@@ -71,7 +69,7 @@ class WorkCounter:
     def _count_shape(self, height: int, width: int, frames: int, branches: int) -> Work:
         from torch.utils.flop_counter import FlopCounterMode
 
-        from benchmarks.inputs import Shape  # the family's input builder's shape type
+        from pipelines.transformer_inputs import Shape  # the family's input builder's shape type
 
         transformer, vae = self._meta_models()
         shape = Shape(height=height, width=width, frames=frames, text_tokens=self.spec.max_sequence_length)

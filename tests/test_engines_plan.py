@@ -83,7 +83,7 @@ def test_single_process_wrapper_is_the_model() -> None:
     without torchvision through the adapter)."""
     from diffusers import CosmosTransformer3DModel
 
-    from benchmarks.inputs import Shape, cosmos_inputs
+    from pipelines.transformer_inputs import Shape, cosmos_inputs
 
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
                           control_group=None)

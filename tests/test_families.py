@@ -36,7 +36,7 @@ TOY = ModelFamily(
     cache_stream="hidden_states",
     limits="pipelines.requests:flux_limits",
     guidance_batch=False,
-    bench=BenchShapes(inputs="benchmarks.inputs:flux_inputs", sizes=("64x64",), tiny_sizes=("64x64",)),
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:flux_inputs", sizes=("64x64",), tiny_sizes=("64x64",)),
     models=(ModelSpec(name="toy-tiny", family="toy", media="image", checkpoint_class="FluxPipeline", folder="toy-tiny",
                       source="made by tests/test_families.py", height=48, width=80, steps=2, guidance=3.5,
                       max_sequence_length=16),),
@@ -129,5 +129,8 @@ def test_every_place_reads_the_built_in_records() -> None:
         for reference in (family.transformer, family.pipeline, family.parallelize, family.tensor_parallel, family.limits,
                           family.bench.inputs):
             assert callable(load(reference)), reference
+        for reference in (family.transformer_setup, family.bench.tiny_checkpoint):  # optional functions
+            assert not reference or callable(load(reference)), reference
+        assert not family.bench.tiny_config or isinstance(load(family.bench.tiny_config), dict)
     for spec in MODELS.values():
         assert spec in family_of(spec).models

@@ -46,6 +46,8 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from pipelines.family import ModelSpec
+
 REPO = Path(__file__).resolve().parent.parent
 """The repository root; its assets/ folder is the default output."""
 
@@ -347,6 +349,13 @@ def save_flux2(folder: Path, parts: dict) -> None:
         index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
+def write_tiny_flux2(spec: ModelSpec, folder: Path) -> None:
+    """A tiny random checkpoint of `spec`'s pipeline class in `folder` (the FLUX.2 record's tiny_checkpoint):
+    Flux2Pipeline's with dev's Mistral encoder, else Flux2KleinPipeline's with Qwen3."""
+    variant = "dev" if spec.checkpoint_class == "Flux2Pipeline" else "klein"
+    save_flux2(folder, flux2_components(seed=0, variant=variant))
+
+
 def cosmos3_components(seed: int) -> dict:
     """Cosmos 3's component set, shrunk and random: the Qwen-style tokenizer (the transformer embeds the
     token ids itself), a Wan 2.2-style VAE (2x2 patchify, 8x convolutions: 16x space, 4x time), the packed
@@ -381,6 +390,12 @@ def save_cosmos3(folder: Path, parts: dict) -> None:
             "vae": ("diffusers", "AutoencoderKLWan"),
         },
     )
+
+
+def write_tiny_cosmos3(spec: ModelSpec, folder: Path) -> None:
+    """A tiny random Cosmos 3 checkpoint in `folder` (the Cosmos 3 record's tiny_checkpoint; one for every
+    checkpoint of the family)."""
+    save_cosmos3(folder, cosmos3_components(seed=0))
 
 
 def _save_parts(folder: Path, parts: dict) -> None:

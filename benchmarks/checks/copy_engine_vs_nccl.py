@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.inputs import Shape, bench_model, build_random
+from benchmarks.inputs import bench_model, build_random
 from benchmarks.step import gather_objects
 from engines.collectives import (
     all_to_all,
@@ -41,6 +41,7 @@ from engines.options import CUBLAS_WITHOUT_WORKSPACE, set_environment
 from engines.parallelize import parallelize_transformer
 from engines.plan import ParallelPlan
 from pipelines.family import load
+from pipelines.transformer_inputs import Shape
 
 
 def graphed(fn, *, warmup: int = 3) -> torch.cuda.CUDAGraph:
