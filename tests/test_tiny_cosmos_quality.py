@@ -49,6 +49,19 @@ def test_tiny_cosmos_draws_the_asked_colour_shape_and_motion(one_process_videos)
     _check_scores(one_process_videos)
 
 
+def test_tiny_cosmos_keeps_its_bars_with_fp8_and_the_step_cache():
+    """--fp8 and --cache fbcache together (engines/fp8.py, engines/step_cache.py), at Cosmos-Predict2's 35 steps (at
+    the registry's 8 the cache skips none): the same bars as every step in float32, and steps skipped."""
+    steps = get_spec("cosmos-predict2-2b-video2world").steps
+    computed: list[int] = []
+    videos = generate("tiny-cosmos", default_folder(get_spec("tiny-cosmos")), PROMPTS, fp8=True, cache="fbcache",
+                      computed=computed, steps=steps)
+    skipped = 1 - sum(computed) / (steps * len(PROMPTS))
+    print(f"fp8 and step cache: {skipped:.0%} of the steps skipped")
+    assert skipped >= 0.2, f"the step cache skipped only {skipped:.0%} of the steps"
+    _check_scores(videos)
+
+
 FIRST_FRAME_OFF_PALETTE = 0.008
 """Bar on the first frames' mean off-palette share (training.judge.off_palette): the VAE decoder refitted on
 noisy latents measured 0.30% on the first 16 held-out prompts (frames 2-16: 0.03%); before, 1.06%."""

@@ -53,17 +53,27 @@ def test_tiny_flux_keeps_its_scores_with_fp8(one_process_images):
         f"fp8: colour {fp8_colour:.0%} shape {fp8_shape:.0%}; float32: colour {colour:.0%} shape {shape:.0%}\n{table}")
 
 
-def test_tiny_flux_keeps_its_scores_with_the_step_cache():
-    """--cache fbcache at its default threshold (engines/step_cache.py), at FLUX.1-dev's 28 steps (at the
-    registry's 8 steps it skips none): the held-out scores within one prompt of no cache, and it skips steps
-    (measured: 38% of them; colour 100% and shape 92% against 100% and 88% without)."""
+@pytest.fixture(scope="module")
+def every_step_28() -> tuple[float, float]:
+    """The held-out colour and shape scores at FLUX.1-dev's 28 steps, every step computed (float32)."""
+    colour, shape, _ = _scores(generate("tiny-flux", default_folder(get_spec("tiny-flux")), PROMPTS, steps=28))
+    return colour, shape
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-and-cache"])
+def test_tiny_flux_keeps_its_scores_with_the_step_cache(every_step_28, fp8):
+    """--cache fbcache at its default threshold (engines/step_cache.py), alone and with --fp8, at FLUX.1-dev's 28
+    steps (at the registry's 8 steps it skips none): the held-out scores within one prompt of every step computed
+    in float32, and it skips steps (measured: 38% of them alone, colour 100% and shape 92% against 100% and 88%
+    without)."""
     folder = default_folder(get_spec("tiny-flux"))
-    colour, shape, _ = _scores(generate("tiny-flux", folder, PROMPTS, steps=28))
+    colour, shape = every_step_28
     computed: list[int] = []
     cached_colour, cached_shape, table = _scores(generate("tiny-flux", folder, PROMPTS, steps=28, cache="fbcache",
-                                                          computed=computed))
+                                                          computed=computed, fp8=fp8))
     skipped = 1 - sum(computed) / (28 * len(PROMPTS))
-    print(f"step cache: {skipped:.0%} of the steps skipped")
+    print(f"step cache{' with fp8' if fp8 else ''}: {skipped:.0%} of the steps skipped; colour {cached_colour:.0%} "
+          f"shape {cached_shape:.0%} (every step: {colour:.0%}, {shape:.0%})")
     one = 1 / len(PROMPTS) + 1e-9
     assert skipped >= 0.2, f"the step cache skipped only {skipped:.0%} of the steps"
     assert abs(cached_colour - colour) <= one and abs(cached_shape - shape) <= one, (
