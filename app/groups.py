@@ -5,14 +5,20 @@ each with its own plan, its own lockstep service (app.lockstep) and its leader, 
 talks to the user (UI, API, batch file) and keeps the one queue; it leads group 1 itself and hands whole
 requests to the other leaders, which run them in their group and send back each step and the result:
 
-    rank 0 -> leader:  Run(job, model, request) | Cancel(job, reason) | Stop()
-    leader -> rank 0:  Stepped(job, done, total) ... then Done(job, generation or failure) | Lost(message)
+    rank 0 -> leader:  Run(job, model, request) | Cancel(job, reason) | HandOver() | Stop()
+    leader -> rank 0:  Stepped(job, done, total) ... then Done(job, generation or failure) | Lost(message);
+                       HandOver() and Stop() answered in kind
 
 Each direction has its own two-rank gloo group, so that one thread of each side only sends and another
 only receives; a group's lockstep never waits on another group. Cancelling (a client that left, the time
 limit) is rank 0's decision as before: it sends Cancel, and the leader's group drops the request at its
 next agreement point. A request that fails in one group is that group's alone; a lost rank ends the run,
 as it does with one group.
+
+With `--replicas auto` the run has several layouts (Layout: one per group size), each with its own groups, services
+and channels. The ranks are in one layout at a time; rank 0 moves them (app.runtime.Runtime.regroup) when every group
+is idle: each leader is handed over (HandOver: it releases its group, whose ranks leave their service), and every
+rank meets on the one-group layout's service, where Regroup(layout) sends them to the next layout.
 """
 
 from __future__ import annotations
