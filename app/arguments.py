@@ -119,9 +119,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
     parser.add_argument("--lora", action="append", default=[], type=lora_label, metavar="NAME=PATH[:SCALE]",
                         help="load a LoRA adapter (repeatable): a .safetensors file in any format diffusers reads for the "
                              "model (diffusers/PEFT, kohya, BFL, XLabs), checked against the model before any rank "
-                             "starts. Every LoRA stays loaded; each request chooses which ones and their scales "
-                             "(a batch line's `lora` field, e.g. \"style:0.8\"), and one that chooses none uses every "
-                             "--lora at its SCALE (default 1)")
+                             "starts (serve: each served model gets the files that fit it; a file that fits none is "
+                             "refused). Every LoRA stays loaded; each request chooses which ones and their scales. "
+                             "generate and batch: a request that names none (no batch `lora` field) uses every --lora "
+                             "at its SCALE (default 1), a batch line's `lora` field (e.g. \"style:0.8\", \"\" none) "
+                             "chooses; serve: the default is none, the UI's LoRA choice or the API's `lora` field "
+                             "chooses, a name without a scale taking its SCALE")
     parser.add_argument("--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS",
                         help="how long a rank waits for the others at an agreement point (after each denoising "
                              f"step) before it ends the job (default {DEFAULT_RANK_TIMEOUT:g})")
@@ -191,6 +194,36 @@ def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimit
     except LoraError as error:
         raise OptionsError(f"{error} (model {spec.name})") from None
     return replace(limits, loras=tuple((file.name, file.scale) for file in files))
+
+
+def served_lora_limits(args: argparse.Namespace, models: list, limits: list[MediaLimits]) -> list[MediaLimits]:
+    """serve's lora_limits over several models: each model's `limits` with the --lora files that fit it (read and
+    checked from its config, as lora_limits does); a file is refused (OptionsError, each model's reason) only when
+    it fits none of them."""
+    from dataclasses import replace
+
+    files = lora_files(args)
+    if not files:
+        return list(limits)
+    from engines.lora import fitting_lora_files
+    from pipelines.family import load
+    from pipelines.registry import family_of, read_component_config
+
+    fitting, reasons = [], {}
+    for (spec, folder), _ in zip(models, limits, strict=True):
+        try:
+            fits, refused = fitting_lora_files(files, load(family_of(spec).transformer),
+                                               read_component_config(folder, "transformer"))
+        except LoraError as error:
+            raise OptionsError(f"{error} (model {spec.name})") from None
+        fitting.append({weights.name for weights in fits})
+        for name, why in refused.items():
+            reasons.setdefault(name, []).append(f"{spec.name}: {why}")
+    for file in files:
+        if not any(file.name in names for names in fitting):
+            raise OptionsError(f"--lora {file.name} fits none of the served models ({'; '.join(reasons[file.name])})")
+    return [replace(model_limits, loras=tuple((file.name, file.scale) for file in files if file.name in names))
+            for model_limits, names in zip(limits, fitting, strict=True)]
 
 
 def _label_of(parse: Callable[[str], object]) -> Callable[[str], str]:

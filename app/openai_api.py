@@ -63,15 +63,17 @@ POLL_AFTER_MS = 500
 FIELD_BYTES = 1_000_000
 """Room for a request's fields besides its upload (a prompt is at most 4000 characters)."""
 
-OUR_FIELDS = {"seed", "steps", "guidance", "negative_prompt", "step_cache"}
-"""This server's own request fields (the SDK's extra_body)."""
+OUR_FIELDS = {"seed", "steps", "guidance", "negative_prompt", "step_cache", "lora"}
+"""This server's own request fields (the SDK's extra_body); lora: the model's --lora names used, with scales
+({"style": 0.8} or "style:0.8,detail"), default none."""
 IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_format", "background", "stream"}
 IMAGE_IGNORED = {"quality", "style", "moderation", "output_compression", "user", "safety_identifier",
                  "partial_images", "input_fidelity"}
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames", "fps"}
 FIELD_PARAMS = {"height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
                 "fps": "fps", "steps": "steps", "guidance": "guidance", "seed": "seed", "prompt": "prompt",
-                "step_cache": "step_cache", "input file": "image", "reference image": "image", "model": "image"}
+                "step_cache": "step_cache", "input file": "image", "reference image": "image", "model": "image",
+                "lora": "lora", "LoRA": "lora"}
 """The first words of make_request's problems -> the API field each names (the input: 'image' or
 'input_reference', set per endpoint)."""
 
@@ -427,7 +429,7 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         data = [{"id": model.spec.name, "object": "model", "created": created, "owned_by": "ulysses-studio",
                  "media": model.spec.media, "default_size": f"{model.spec.width}x{model.spec.height}",
                  "size_multiple": model.limits.size_multiple, "takes_input": model.limits.reference_image
-                 or model.spec.media == "video"} for model in runtime.models.values()]
+                 or model.spec.media == "video", "loras": dict(model.limits.loras)} for model in runtime.models.values()]
         return JSONResponse({"object": "list", "data": data})
 
     async def images(request: Request, fields: dict[str, Any], condition: Path | None) -> Response:

@@ -292,7 +292,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         if options.fp8:
             quantize_transformers(distinct, world.group)
         for pipeline in distinct if options.loras else ():  # --lora: after tp and FP8, before plans copy them
-            pipeline.use_loras(options.loras, tp=options.tp, tp_rank=world.rank % options.tp)
+            # each model the files that fit it (the check step refused any that fits none of the served models)
+            pipeline.use_loras(options.loras, tp=options.tp, tp_rank=world.rank % options.tp, fitting=True)
         # Each layout gets its own pipelines (sharing their components and weights), made before any plan changes
         # the transformers.
         per_layout = [pipelines] + [copy_pipelines(pipelines) for _ in contexts[1:]]
@@ -325,7 +326,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             stop.abandon = layouts[0].service.lost_message
         served = {spec.media: ServedModel(spec=spec, folder=folder,
                                           limits=replace(read_limits(spec, folder, cfg_parallel=options.cfg_parallel),
-                                                         loras=options.lora_defaults))
+                                                         loras=_lora_defaults(pipelines[spec.media], options)))
                   for spec, folder in models}
         if world.is_main:
             for index, layout in enumerate(layouts):
@@ -476,3 +477,9 @@ def _agree_on_startup(ctx, failure: str | None) -> dict[int, tuple[str, int]]:
     if failures:
         raise StartupError("; ".join(failures))
     return {rank: process for rank, (_, process) in enumerate(reports)}
+
+
+def _lora_defaults(pipeline: Any, options: RunOptions) -> tuple[tuple[str, float], ...]:
+    """(name, scale) of the --lora files `pipeline`'s transformer carries (MediaLimits.loras)."""
+    names = pipeline.loras.names if getattr(pipeline, "loras", None) is not None else ()
+    return tuple((name, scale) for name, scale in options.lora_defaults if name in names)

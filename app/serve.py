@@ -29,7 +29,7 @@ from pathlib import Path
 
 from app.access import (AUTH_ENV, AuthError, LoginFailures, LoginThrottle, parse_trusted_proxies, read_api_keys,
                         read_logins, trust_forwarded_headers)
-from app.arguments import add_parallel_arguments, add_replicas_argument, lora_limits, run_options
+from app.arguments import add_parallel_arguments, add_replicas_argument, run_options, served_lora_limits
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
 from app.outputs import OutputError, ResultsCap, check_writer
@@ -131,8 +131,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             check_writer(spec)
         except OutputError as error:
             raise ServeError(f"{error}; or serve an image model alone (--model NAME)") from None
-    for spec, folder in models:  # --lora: every served model takes every file (checked from its config)
-        lora_limits(args, spec, folder, read_limits(spec, folder))
+    # --lora: each served model takes the files that fit it (checked from its config); one that fits none is refused
+    served_lora_limits(args, models, [read_limits(spec, folder) for spec, folder in models])
     if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
         raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
     keep_results = None

@@ -59,7 +59,8 @@ def random_seed() -> int:
 
 
 async def submit(model: ServedModel, server: Server, **fields: Any) -> Submitted:
-    """Check `fields` (make_request's) and the time limit, off the event loop, then queue the job.
+    """Check `fields` (make_request's) and the time limit, off the event loop, then queue the job. The default
+    of `lora` is none: a client that names no LoRA gets none (the command line's defaults are generate's and batch's).
 
     Raises RequestError (a bad request, or over the time limit), ServiceBusy (queue full) or ServiceClosed.
     An upload in `fields["condition"]` is deleted once the job ends, or at once if it is refused.
@@ -71,6 +72,8 @@ async def submit(model: ServedModel, server: Server, **fields: Any) -> Submitted
         server.uploads.use(upload)
         release = partial(server.uploads.release, upload)
     job = None
+    if fields.get("lora") is None:  # a served request that names no LoRA gets none (generate and batch: every --lora)
+        fields["lora"] = ()
     try:
         request = await asyncio.to_thread(make_request, model.spec, model.limits, **fields)
         estimate = await asyncio.to_thread(server.budget.check, model.key, request)  # counts FLOPs: off the loop

@@ -12,7 +12,8 @@ alone: with logins, the user's (from any browser); without, the browser session'
 The status line, refreshed every STATUS_SECONDS, says what runs (model, size, step k/n, time) and what waits.
 
 API (gradio_client): /generate_image, /generate_video, /status; see `Client(url).view_api()`. The
-generate endpoints return (media path, file path, settings, status line, seed used).
+generate endpoints return (media path, file path, settings, status line, seed used). A tab whose model carries
+LoRAs (--lora) takes two more inputs, last: the LoRAs used (a list of names, default none) and one scale for them.
 """
 
 from __future__ import annotations
@@ -137,6 +138,31 @@ def _step_cache_input(step_cache: str | None, prefix: str) -> gr.Checkbox | None
                        value=True, elem_id=f"{prefix}-step-cache")
 
 
+def _lora_inputs(model: ServedModel, prefix: str) -> tuple[gr.Dropdown | None, gr.Slider | None]:
+    """With --lora files that fit this tab's model: which of them a request uses (default none) and one scale for
+    them all (default their --lora scale where they share one, else 1); none loaded: no inputs."""
+    loaded = dict(model.limits.loras)
+    if not loaded:
+        return None, None
+    scales = set(loaded.values())
+    default = scales.pop() if len(scales) == 1 else 1.0
+    with gr.Row():
+        choice = gr.Dropdown(label="LoRAs (default none)", choices=list(loaded), value=[], multiselect=True,
+                             elem_id=f"{prefix}-lora", scale=3)
+        scale = gr.Slider(label="LoRA scale", minimum=0.0, maximum=max(2.0, *loaded.values()), step=0.05,
+                          value=default, elem_id=f"{prefix}-lora-scale", scale=2)
+    return choice, scale
+
+
+def _lora_field(names: list[str] | str | None, scale: float | None) -> Any:
+    """The request's lora field from the tab's inputs: the names chosen at `scale` (None: each at its --lora scale);
+    no name: none."""
+    if not names:
+        return ()
+    names = [names] if isinstance(names, str) else list(names)
+    return names if scale is None else [[name, scale] for name in names]
+
+
 def _generate_buttons(prefix: str) -> tuple[gr.Button, gr.Button]:
     with gr.Row():
         button = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-generate", scale=3)
@@ -179,6 +205,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
             cached = _step_cache_input(step_cache, "image")
+            lora, lora_scale = _lora_inputs(model, "image")
             button, stop = _generate_buttons("image")
         with gr.Column():
             result = gr.Image(label="Image", type="filepath", format="png", elem_id="image-result",
@@ -188,29 +215,43 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 settings = gr.JSON(label="Settings", elem_id="image-settings")
     gallery, shown = _recent_gallery("image")
 
-    # The reference image and the step cache's choice come last and have defaults, so clients of text-only
-    # models and of servers without a step cache call alike.
+    # The reference image, the step cache's choice and the LoRAs come last and have defaults, so clients of
+    # text-only models, of servers without a step cache and without LoRAs call alike.
     async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
                              width: float, height: float, condition: str | None = None, step_cache: bool = True,
+                             lora: list[str] | None = None, lora_scale: float | None = None,
                              session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
         path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt, seed=seed,
                                      steps=steps, guidance=guidance, width=width, height=height,
-                                     condition=condition or None, step_cache=step_cache)
+                                     condition=condition or None, step_cache=step_cache,
+                                     lora=_lora_field(lora, lora_scale))
         return str(path), str(path), used, status(), used["seed"]
+
+    loras = [lora, lora_scale] if lora is not None else []
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
         used = shown[event.index]
         return (used["prompt"], used["seed"], False, used["steps"], used["guidance"], used["width"], used["height"],
-                used)
+                *_restored_loras(used, lora_scale), used)
 
     restored = [prompt, seed, random_seed, steps, guidance, width, height]
-    inputs = restored + ([reference] if reference is not None else [gr.State(None)]) + ([cached] if cached else [])
+    inputs = (restored + ([reference] if reference is not None else [gr.State(None)])
+              + ([cached] if cached else [gr.State(True)]) + loras)
     event = _wire(demo, model, server.recent, button, stop, generate_image, inputs,
                   [result, download, settings, status_line, seed], "generate_image", gallery, shown)
     if reference is not None:  # the request deleted its upload from the server: do not offer it again
         event.then(lambda: None, outputs=reference, api_visibility="private", show_progress="hidden", queue=False)
-    gallery.select(restore, inputs=shown, outputs=[*restored, settings], api_visibility="private",
+    gallery.select(restore, inputs=shown, outputs=[*restored, *loras, settings], api_visibility="private",
                    show_progress="hidden")
+
+
+def _restored_loras(used: dict[str, Any], scale: gr.Slider | None) -> tuple:
+    """A recent result's LoRAs back into the tab's inputs (none: no inputs): the names, and their scale (the
+    first one's; the slider's own where it used none)."""
+    if scale is None:
+        return ()
+    chosen = used.get("lora") or {}
+    return list(chosen), next(iter(chosen.values()), scale.value)
 
 
 def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
@@ -230,6 +271,7 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
             seed, random_seed = _seed_inputs("video")
             width, height, steps, guidance = _size_inputs(model, "video")
             cached = _step_cache_input(step_cache, "video")
+            lora, lora_scale = _lora_inputs(model, "video")
             button, stop = _generate_buttons("video")
         with gr.Column():
             result = gr.Video(label="Video", elem_id="video-result", elem_classes="native-media", autoplay=True,
@@ -244,26 +286,30 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                              frames: float | None = None, fps: float | None = None, seed: float | None = None,
                              random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
                              width: float | None = None, height: float | None = None, step_cache: bool = True,
+                             lora: list[str] | None = None, lora_scale: float | None = None,
                              session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
         path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt,
                                      negative_prompt=negative_prompt, condition=condition or None, frames=frames,
                                      fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height,
-                                     step_cache=step_cache)
+                                     step_cache=step_cache, lora=_lora_field(lora, lora_scale))
         return str(path), str(path), used, status(), used["seed"]
+
+    loras = [lora, lora_scale] if lora is not None else []
 
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
         used = shown[event.index]
         return (used["prompt"], used["negative_prompt"], used["frames"], used["fps"], used["seed"], False,
-                used["steps"], used["guidance"], used["width"], used["height"], used)
+                used["steps"], used["guidance"], used["width"], used["height"], *_restored_loras(used, lora_scale),
+                used)
 
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
-              *([cached] if cached else [])]
+              *([cached] if cached else [gr.State(True)]), *loras]
     event = _wire(demo, model, server.recent, button, stop, generate_video, inputs,
                   [result, download, settings, status_line, seed], "generate_video", gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
     event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
     restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, width, height]
-    gallery.select(restore, inputs=shown, outputs=[*restored, settings], api_visibility="private",
+    gallery.select(restore, inputs=shown, outputs=[*restored, *loras, settings], api_visibility="private",
                    show_progress="hidden")
 
 

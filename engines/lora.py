@@ -171,6 +171,28 @@ def check_lora_files(files: Iterable[LoraFile], transformer_class: type[nn.Modul
     return [read_lora(file, transformer) for file in files]
 
 
+def fitting_lora_files(files: Iterable[LoraFile], transformer_class: type[nn.Module], config: dict[str, Any]
+                       ) -> tuple[list[LoraWeights], dict[str, str]]:
+    """The files of `files` that fit a transformer of `config`, read (check_lora_files), and why each other does
+    not (name -> message): a server of several models gives each model the LoRAs it takes."""
+    files = list(files)
+    names = [file.name for file in files]
+    if len(set(names)) != len(names):
+        raise LoraError(f"LoRA names must differ: {', '.join(names)}")
+    if not files:
+        return [], {}
+    fits, refused = [], {}
+    transformer = None
+    for file in files:
+        try:
+            if transformer is None:
+                transformer = meta_transformer(transformer_class, config)
+            fits.append(read_lora(file, transformer))
+        except LoraError as error:
+            refused[file.name] = str(error)
+    return fits, refused
+
+
 class LoraDelta(nn.Module):
     """One layer's LoRA term B (s * (A x)) over all the run's LoRAs (see the module docstring)."""
 

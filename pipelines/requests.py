@@ -60,7 +60,8 @@ class MediaLimits:
     reference_image: bool = False
     """An image request may bring a reference image (FLUX.2's image-conditioned generation)."""
     loras: tuple[tuple[str, float], ...] = ()
-    """The LoRAs this run loaded (--lora) and their scales, which a request that chooses none uses."""
+    """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
+    names no LoRA uses (serve's requests name none by default: app.submit)."""
     guidance_split: bool = False
     """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
     request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
@@ -340,7 +341,7 @@ def _check_reference(condition: Any) -> str:
     return path
 
 
-def _check_lora(limits: MediaLimits, value: Any) -> tuple[tuple[str, float], ...]:
+def _check_lora(limits: MediaLimits, value: Any, model: str = "") -> tuple[tuple[str, float], ...]:
     """A request's LoRA choice as (name, scale) pairs of the run's loaded LoRAs: "a:0.8,b" (CSV, text), {"a": 0.8},
     or a list of names and [name, scale] pairs (JSON); a name without a scale takes its --lora scale."""
     from engines.options import LORA_MAX_SCALE, LoraError, check_lora_scale
@@ -362,7 +363,8 @@ def _check_lora(limits: MediaLimits, value: Any) -> tuple[tuple[str, float], ...
         name = name.strip()
         if name not in defaults:
             loaded = ", ".join(defaults) or "none (start the run with --lora NAME=PATH)"
-            raise RequestError(f"LoRA {name!r} is not loaded in this run; loaded: {loaded}")
+            raise RequestError(f"LoRA {name!r} is not loaded in this run{f' for {model}' if model else ''}; "
+                               f"{f'{model} has' if model else 'loaded'}: {loaded}")
         if name in chosen:
             raise RequestError(f"LoRA {name!r} is named twice")
         scale = defaults[name] if scale is None else _as_float(f"LoRA {name}'s scale", scale,
@@ -437,7 +439,7 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
         if condition is not None:
             condition = problems.check(_check_condition, condition)
 
-    lora = problems.check(_check_lora, limits, given.get("lora", limits.loras))
+    lora = problems.check(_check_lora, limits, given.get("lora", limits.loras), spec.name)
 
     if problems.messages:
         raise RequestError.of(problems.messages)

@@ -50,18 +50,24 @@ class StagedPipeline:
         """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
         self.transformer = module
 
-    def use_loras(self, files: Any, *, tp: int = 1, tp_rank: int = 0) -> None:
+    def use_loras(self, files: Any, *, tp: int = 1, tp_rank: int = 0, fitting: bool = False) -> None:
         """Give the transformer (a diffusers model, split for `tp` and/or FP8 already) every LoRA of `files`
-        (engines.options.LoraFile), all at scale 0 until a request chooses (apply_loras)."""
+        (engines.options.LoraFile), all at scale 0 until a request chooses (apply_loras). fitting: only those that
+        fit it, the others left to the server's other models (none fits: no LoRA, self.loras stays None)."""
         from engines.fp8 import is_fp8
-        from engines.lora import attach_loras, check_lora_files
+        from engines.lora import attach_loras, check_lora_files, fitting_lora_files
         from pipelines.family import load
 
         model = self.transformer
+        if fitting:
+            weights, _ = fitting_lora_files(files, type(model), dict(model.config))
+            if not weights:
+                return
+        else:
+            weights = check_lora_files(files, type(model), dict(model.config))
         split = load(family_of(self.spec).tensor_parallel)(model, tp) if tp > 1 else None
         dtype = next(p.dtype for p in model.parameters() if not is_fp8(p))  # the run's (FP8 layers' are bf16)
-        self.loras = attach_loras(model, check_lora_files(files, type(model), dict(model.config)), dtype=dtype,
-                                  split=split, tp=tp, rank=tp_rank)
+        self.loras = attach_loras(model, weights, dtype=dtype, split=split, tp=tp, rank=tp_rank)
 
     def apply_loras(self, request: GenerationRequest) -> None:
         """Before a denoising loop, on every rank: the request's LoRAs and scales, written in place (no recompile)."""

@@ -107,11 +107,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+LORA_SCALE = 0.8
+"""The fixture's --lora style=...:0.8 (a random LoRA for tiny-flux, tests/test_lora.py's; tiny-cosmos takes none)."""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from tests.test_lora import make_lora
+
     out = tmp_path_factory.mktemp("results")
+    lora = make_lora(tmp_path_factory.mktemp("lora") / "style.safetensors", seed=0, rank=4)
     port = free_port()
-    app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--out", str(out))
+    app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--out", str(out),
+                     "--lora", f"style={lora}:{LORA_SCALE}")
     try:
         app.wait_for("serving on", START_SECONDS)
         app.url = f"http://127.0.0.1:{port}/"
@@ -146,6 +154,58 @@ def test_image_equals_the_single_process_image(server):
     shown = np.asarray(Image.open(image_path).convert("RGB")).astype(np.int16)
     assert np.abs(served - expected).max() <= 1
     assert np.abs(shown - expected).max() <= 1
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_a_request_uses_a_lora_only_when_it_names_one_in_the_ui_and_the_api(server):
+    """The server carries `style` on tiny-flux alone; the UI and the API use none unless a request names it."""
+    import openai
+
+    client = Client(server.url, verbose=False)
+    endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    assert [p["parameter_name"] for p in endpoints["/generate_image"]["parameters"]][-2:] == ["lora", "lora_scale"]
+    assert "lora" not in [p["parameter_name"] for p in endpoints["/generate_video"]["parameters"]]
+    args = image_args("a red circle", 5)
+    _, plain_file, plain, *_ = client.predict(*args, api_name="/generate_image")
+    _, none_file, _, *_ = client.predict(*args, lora=[], api_name="/generate_image")
+    _, styled_file, styled, *_ = client.predict(*args, lora=["style"], api_name="/generate_image")
+    _, half_file, half, *_ = client.predict(*args, lora=["style"], lora_scale=0.4, api_name="/generate_image")
+    assert "lora" not in plain and "lora" not in read_png_settings(plain_file)
+    assert styled["lora"] == {"style": LORA_SCALE} and read_png_settings(styled_file)["lora"] == {"style": LORA_SCALE}
+    assert half["lora"] == {"style": 0.4}
+    pixels = {name: np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
+              for name, path in (("plain", plain_file), ("none", none_file), ("styled", styled_file),
+                                 ("half", half_file))}
+    assert np.array_equal(pixels["none"], pixels["plain"])
+    assert np.abs(pixels["styled"] - pixels["plain"]).max() > 8
+    assert not np.array_equal(pixels["half"], pixels["styled"])
+
+    api = openai.OpenAI(base_url=f"{server.url}v1", api_key="none", max_retries=0, timeout=120)
+    assert {model.id: model.loras for model in api.models.list().data} == {"tiny-flux": {"style": LORA_SCALE},
+                                                                          "tiny-cosmos": {}}
+    body = {"seed": 5, "steps": 3, "guidance": 3.5}
+
+    def by_api(**extra) -> tuple[np.ndarray, dict]:
+        import base64
+        import io
+
+        item = api.images.generate(prompt="a red circle", size="64x64", extra_body={**body, **extra}).data[0]
+        image = Image.open(io.BytesIO(base64.b64decode(item.b64_json))).convert("RGB")
+        return np.asarray(image).astype(np.int16), item.settings
+
+    got, settings = by_api()
+    assert np.array_equal(got, pixels["plain"]) and "lora" not in settings
+    got, settings = by_api(lora={"style": LORA_SCALE})
+    assert np.array_equal(got, pixels["styled"]) and settings["lora"] == {"style": LORA_SCALE}
+    got, settings = by_api(lora="style:0.4")
+    assert np.array_equal(got, pixels["half"]) and settings["lora"] == {"style": 0.4}
+    with pytest.raises(openai.BadRequestError, match="LoRA 'nope' is not loaded in this run for tiny-flux; "
+                                                     "tiny-flux has: style") as error:
+        by_api(lora={"nope": 1.0})
+    assert error.value.status_code == 400 and error.value.param == "lora"
+    with pytest.raises(openai.BadRequestError, match="for tiny-cosmos; tiny-cosmos has: none") as error:
+        api.videos.create(prompt="a red square", size="64x64", extra_body={"frames": 5, "lora": "style"})
+    assert error.value.param == "lora"
 
 
 def test_video_comes_back_as_a_decodable_mp4(server, tmp_path):

@@ -275,7 +275,7 @@ def test_generate_and_batch_use_the_requests_loras_and_record_them(loras, tmp_pa
         {"prompt": "a red circle", "name": "plain", "lora": ""}, {"prompt": "a red circle", "name": "a", "lora": "a:0.8"},
         {"prompt": "a red circle", "name": "bad", "lora": "c"})) + "\n")
     result = _cli("batch", str(prompts), "--out", str(tmp_path / "batch"), *common)
-    assert "LoRA 'c' is not loaded in this run; loaded: a, b" in result.stdout + result.stderr
+    assert "LoRA 'c' is not loaded in this run for tiny-flux; tiny-flux has: a, b" in result.stdout + result.stderr
     manifest = [json.loads(line) for line in (tmp_path / "batch" / "manifest.jsonl").read_text().splitlines()]
     settings = {entry["file"]: entry["settings"] for entry in manifest}
     assert "lora" not in settings["plain.png"] and settings["a.png"]["lora"] == {"a": 0.8}
@@ -294,3 +294,15 @@ def test_the_check_step_refuses_a_file_naming_its_first_bad_key(loras, tmp_path:
                   str(tmp_path / "x.png"), "--lora", f"bad={tmp_path / 'bad.safetensors'}")
     assert result.returncode == 2 and f"key {key}: shape (4, 5)" in result.stderr, result.stderr
     assert "denoising" not in result.stderr
+
+
+def test_serve_refuses_a_file_that_fits_none_of_its_models(loras) -> None:
+    """serve attaches a file to the served models it fits (tests/test_app_serve.py's server: tiny-flux of the
+    default pair); one that fits none stops the start, each model saying why."""
+    from tests.helpers import free_port
+
+    result = _cli("serve", "--model", "tiny-cosmos", "--device", "cpu", "--port", str(free_port()),
+                  "--lora", f"a={loras['a']}")
+    assert result.returncode == 2, result.stderr
+    assert "--lora a fits none of the served models (tiny-cosmos: " in result.stderr
+    assert "the transformer has no linear layer" in result.stderr and "denoising" not in result.stderr
