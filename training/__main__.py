@@ -35,7 +35,14 @@ from training.tiny_models import TEXT_WIDTH, cosmos_components, flux_components,
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
-    """Run the command; returns each trained model's phase results."""
+    """Run the command; returns each trained model's phase results. `python -m training lora ...` trains a LoRA
+    for tiny-flux instead (training/lora.py)."""
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["lora"]:
+        from training.lora import main as lora_main
+
+        lora_main(arguments[1:])
+        return {}
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder that receives tiny-flux/ and tiny-cosmos/")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

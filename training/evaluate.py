@@ -7,7 +7,7 @@ the numbers the tests check.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,8 @@ class Scores:
 
 def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device: str = "cpu",
              fp8: bool = False, cache: str | None = None, steps: int | None = None,
-             computed: list[int] | None = None) -> list[np.ndarray]:
+             computed: list[int] | None = None, loras: tuple = (),
+             lora: tuple[tuple[str, float], ...] | None = None) -> list[np.ndarray]:
     """What model `name` (a registry name) in `folder` makes for each of `prompts` (the prompt text first
     in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3].
 
@@ -40,6 +41,9 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
         cache: a step cache, as `--cache` runs it (engines/step_cache.py); `computed` then receives each
             prompt's number of computed steps.
         steps: denoising steps instead of the registry's.
+        loras: LoRA files (engines.options.LoraFile) loaded as `--lora NAME=PATH[:SCALE]` loads them
+            (StagedPipeline.use_loras, engines/lora.py); `lora`: the (name, scale) pairs every request chooses
+            (GenerationRequest.lora; None: every loaded one at its file's scale, as a request that names none).
     """
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
@@ -52,9 +56,16 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
 
         pipe.use_step_cache(CacheOptions.parse(cache))
     limits = read_limits(spec, folder)
+    extra = {}
+    if loras:
+        pipe.use_loras(list(loras))
+        limits = replace(limits, loras=tuple((file.name, file.scale) for file in loras))
+        if lora is not None:
+            extra["lora"] = {name: scale for name, scale in lora}
     media = []
     for i, prompt in enumerate(prompts):
-        media.append(np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i, steps=steps))))
+        media.append(np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i, steps=steps,
+                                                           **extra))))
         if computed is not None and pipe.step_cache is not None:
             computed.append(pipe.computed_steps())
     return media
@@ -164,3 +175,54 @@ def save_examples(folder: Path, out: Path, *, device: str = "cpu") -> None:
     videos = generate("tiny-cosmos", folder / "tiny-cosmos", shapes.held_out_video_prompts()[:6], device=device)
     rows = [np.concatenate(list(frames[::4]), 1) for frames in videos]
     Image.fromarray(np.concatenate(rows, 0)).save(out / "examples-tiny-cosmos.png")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraScores:
+    """A LoRA's held-out scores (score_lora): per run, the share of prompts whose change the judge sees, colour and
+    shape; and the largest pixel differences of scale 0 against no LoRA and of the kohya copy against the
+    diffusers file."""
+
+    rows: dict[str, dict[str, float]]
+    zero_vs_none: int
+    kohya_vs_diffusers: int
+
+    def summary(self) -> str:
+        runs = "; ".join(f"{label}: change {row['change']:.0%} colour {row['colour']:.0%} shape {row['shape']:.0%}"
+                         for label, row in self.rows.items())
+        return (f"{runs}; scale 0 vs none {self.zero_vs_none} levels, kohya vs diffusers "
+                f"{self.kohya_vs_diffusers} levels")
+
+
+def lora_files(folder: Path) -> tuple:
+    """The diffusers file of a LoRA folder written by `python -m training lora` as LoRA "lora", its kohya copy
+    as "kohya" (engines.options.LoraFile, scale 1 each)."""
+    from engines.options import LoraFile
+    from training.lora import DIFFUSERS_FILE, KOHYA_FILE
+
+    return (LoraFile(name="lora", path=folder / DIFFUSERS_FILE), LoraFile(name="kohya", path=folder / KOHYA_FILE))
+
+
+def judge_lora(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) -> dict[str, float]:
+    """Share of `images` whose background the gray judge accepts ("change"), and their colour and shape scores."""
+    scores = judge_images(images, prompts)
+    change = sum(judge.judge_gray_background(image) for image in images) / max(len(images), 1)
+    return {"change": change, "colour": scores.colour, "shape": scores.shape}
+
+
+def max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> int:
+    return max(int(np.abs(x.astype(np.int16) - y.astype(np.int16)).max()) for x, y in zip(a, b, strict=True))
+
+
+def score_lora(base: Path, folder: Path, *, count: int = 24, device: str = "cpu") -> LoraScores:
+    """The LoRA in `folder` (training/lora.py) on `count` held-out image prompts of tiny-flux in `base`: without
+    it, at scale 0 and 1, and its kohya copy at scale 1."""
+    prompts = shapes.held_out_image_prompts()[:count]
+    files = lora_files(folder)
+    none = generate("tiny-flux", base, prompts, device=device)
+    zero = generate("tiny-flux", base, prompts, device=device, loras=files, lora=(("lora", 0.0),))
+    one = generate("tiny-flux", base, prompts, device=device, loras=files, lora=(("lora", 1.0),))
+    kohya = generate("tiny-flux", base, prompts, device=device, loras=files, lora=(("kohya", 1.0),))
+    rows = {"no LoRA": judge_lora(none, prompts), "scale 0": judge_lora(zero, prompts),
+            "scale 1": judge_lora(one, prompts), "kohya copy, scale 1": judge_lora(kohya, prompts)}
+    return LoraScores(rows=rows, zero_vs_none=max_difference(zero, none), kohya_vs_diffusers=max_difference(kohya, one))

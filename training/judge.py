@@ -141,6 +141,17 @@ def judge_image(image: np.ndarray) -> Verdict:
     )
 
 
+GRAY_TOLERANCE = 24.0
+"""RGB distance (0..255 scale) from shapes.NEUTRALS['gray'] within which a background counts as gray."""
+
+
+def judge_gray_background(image: np.ndarray) -> bool:
+    """Whether an [H, W, 3] uint8 image's background (median of its border) is plain gray: what
+    assets/tiny-flux-lora-gray teaches (training/lora.py), whatever background the prompt asks."""
+    gray = np.array(shapes.NEUTRALS["gray"], dtype=np.float32)
+    return bool(np.linalg.norm(background_colour(image).astype(np.float32) - gray) <= GRAY_TOLERANCE)
+
+
 def judge_motion(frames: np.ndarray, min_travel: float = 0.12, min_growth: float = 1.6) -> str:
     """'left', 'right', 'up', 'down', 'growing', 'shrinking' or 'still' for uint8 frames [T, H, W, 3].
 
