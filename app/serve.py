@@ -186,7 +186,7 @@ def _calibrate(runtime, budget) -> None:
         for key, model in runtime.models.items():
             if runtime.service.stop_event.is_set():  # Ctrl-C while calibrating
                 return
-            default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0)
+            default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0, lora=())  # as served
             limits = model.limits
             first, candidates = calibration_requests(default, min_frames=max(limits.min_frames, 1 + limits.frame_multiple),
                                                      max_height=limits.max_height, max_width=limits.max_width,

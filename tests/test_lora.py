@@ -306,3 +306,16 @@ def test_serve_refuses_a_file_that_fits_none_of_its_models(loras) -> None:
     assert result.returncode == 2, result.stderr
     assert "--lora a fits none of the served models (tiny-cosmos: " in result.stderr
     assert "the transformer has no linear layer" in result.stderr and "denoising" not in result.stderr
+
+
+def test_the_ui_turns_its_lora_inputs_into_the_request_field_and_back() -> None:
+    """A tab's LoRA choice (names, one scale) as make_request's lora field; a recent result's LoRAs back into them."""
+    import gradio as gr
+
+    from app.ui import _lora_field, _restored_loras
+
+    assert _lora_field(None, 0.8) == () and _lora_field([], 0.8) == ()
+    assert _lora_field(["a", "b"], 0.5) == [["a", 0.5], ["b", 0.5]] and _lora_field("a", None) == ["a"]
+    slider = gr.Slider(minimum=0, maximum=2, value=0.8)
+    assert _restored_loras({"lora": {"a": 0.3}}, slider) == (["a"], 0.3)
+    assert _restored_loras({}, slider) == ([], 0.8) and _restored_loras({"lora": {"a": 0.3}}, None) == ()
