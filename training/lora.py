@@ -50,10 +50,11 @@ SINGLE_TARGETS = ("proj_out",)
 @dataclass(kw_only=True, slots=True)
 class LoraSettings:
     rank: int = 4
-    lr: float = 2e-3
+    lr: float = 5e-3
+    warmup: int = 5
     batch: int = 16
-    sizes: tuple[int, ...] = (256, 128)
-    """Square training resolutions, in turn (the first is tiny-flux's default size)."""
+    sizes: tuple[int, ...] = (128, 128, 256)
+    """Square training resolutions, one per step in turn (tiny-flux's default is 256)."""
     pool_batches: int = 24
     """Batches per size encoded once by the frozen VAE (training.loop.LatentPool)."""
     change: str = "gray"
@@ -141,8 +142,8 @@ def train_lora(parts: dict, *, device: torch.device, generator: torch.Generator,
 
     start = time.perf_counter()
     pool_batches = settings.pool_batches if max_steps is None else min(settings.pool_batches, max_steps)
-    pools = {size: LatentPool(encoder(size), pool_batches, seconds * 0.1 / len(settings.sizes))
-             for size in settings.sizes}
+    pools = {size: LatentPool(encoder(size), pool_batches, seconds * 0.1 / len(set(settings.sizes)))
+             for size in dict.fromkeys(settings.sizes)}
     pool_seconds = time.perf_counter() - start
     print(f"[lora] latent pools: {', '.join(f'{len(p)} scenes at {s}px' for s, p in pools.items())} in "
           f"{pool_seconds:.0f}s", flush=True)
@@ -172,7 +173,7 @@ def train_lora(parts: dict, *, device: torch.device, generator: torch.Generator,
         return (velocity.float() - (noise - x0)).square().mean()
 
     result = run_phase("lora", step, [lora_modules], seconds=max(seconds - pool_seconds, 1.0), max_steps=max_steps,
-                       lr=settings.lr, batch=settings.batch, warmup=20, log_every=10)
+                       lr=settings.lr, batch=settings.batch, warmup=settings.warmup, log_every=10)
     return layers, result
 
 
@@ -201,7 +202,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps")
+    parser.add_argument("--sizes", default="128,128,256",
+                        help="square training resolutions, one per step in turn (128 costs a quarter of 256)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--change", choices=tuple(CHANGES), default="gray")
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts scored at the end (0: none)")
@@ -213,7 +217,8 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     device = torch.device(args.device)
-    settings = LoraSettings(rank=args.rank, lr=args.lr, batch=args.batch, dit_batch=args.batch, change=args.change)
+    settings = LoraSettings(rank=args.rank, lr=args.lr, batch=args.batch, dit_batch=args.batch, change=args.change,
+                            warmup=args.warmup, sizes=tuple(int(s) for s in args.sizes.split(",")))
     names = ["tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae", "transformer", "scheduler"]
     parts = load_parts(args.init, names, dtype=torch.float32, device="cpu")
     start = time.perf_counter()
@@ -257,7 +262,7 @@ def write_lora_card(out: Path, run: dict, scores) -> None:
         + ", ".join(DOUBLE_TARGETS) + " and every single-stream block's " + ", ".join(SINGLE_TARGETS)
         + ". Targets: training/shapes.py's scenes with the background replaced by gray, captions unchanged "
         "(they still name the prompt's background), tiny-flux's rectified-flow loss (training/flux.py) at "
-        + " and ".join(f"{s}x{s}" for s in run["settings"]["sizes"]) + ". See training/lora.py.", "",
+        + ", ".join(f"{s}x{s}" for s in run["settings"]["sizes"]) + " in turn. See training/lora.py.", "",
         "An outline or a checkerboard would be a more striking change, but tiny-flux's frozen VAE cannot draw "
         "either: it was fitted on flat shapes on plain backgrounds only, and a 5-px black outline encoded and "
         "decoded at 256x256 comes back as a faint blur (checked before training this one).", "",
