@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 
 @dataclass(kw_only=True)
@@ -72,14 +73,24 @@ class ParallelContext:
 
 
 def cpu_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    """A gloo group of `ranks` (collective: every rank calls it, in the same order; None on the others).
+    """A gloo group of `ranks` (collective: every rank calls it, in the same order; not a member: no group).
 
-    Only its members take part (use_local_synchronization): with NCCL's default group bound to a device, torch
-    (2.11 to 2.13) has every non-member of ANY new group, gloo ones included, take part in an ncclCommSplit of the
-    default group that the members of a gloo group never join; measured on 4x H200, the two non-members of two
-    such groups waited in it forever.
+    With NCCL's default group bound to a device, torch (2.11 to 2.13) has every non-member of ANY new group, gloo
+    ones included, take part in an ncclCommSplit of the default group (NCCL_SPLIT_NOCOLOR), which the members of a
+    gloo group never join: ranks then disagree on how many splits they made, and on 4x H200 the non-members of the
+    rank-0 channels (app.groups) waited in it forever. Here the members make that empty split too, so every rank
+    makes one per group. (use_local_synchronization does not help: its group names count the groups each rank
+    holds, which differ between the members of a channel.)
     """
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    group = dist.new_group(ranks, backend="gloo")
+    default = c10d._get_default_group()
+    split_source = getattr(c10d, "_get_split_source", None)  # what torch's own non-members call, as they call it
+    if (dist.get_rank() in ranks and len(set(ranks)) < dist.get_world_size()
+            and getattr(default, "bound_device_id", None) is not None and split_source is not None):
+        source = split_source(default)
+        if source is not None:
+            source.perform_nocolor_split(default.bound_device_id)
+    return group
 
 
 def split_replicas(ctx: ParallelContext, replicas: int) -> ParallelContext:
