@@ -118,7 +118,7 @@ def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> 
     """A server with `replicas`; a warm-up, a lone request three times, then `--users` users at once."""
     from gradio_client import Client
 
-    from tests.helpers import free_port
+    from app.launch import free_port
 
     port = free_port()
     log = out / f"serve-{size}-{replicas}.log"
