@@ -8,7 +8,8 @@ estimate of the whole request (its steps and its decode), from a cost model per 
 The FLOPs come from pipelines.work, which counts them on the model's own classes at the request's
 shapes: attention's quadratic term and the VAE's are in them, so a size never served is estimated as
 well as one served before. The overheads and rates are measured: at start-up by a short calibration
-(two requests of two steps: the model's default size, then twice its side, each at the fewest frames), and
+(requests of three steps: the model's default size, then twice its side, each at the fewest frames, and for a video
+its default length), and
 after that by every request served, fitted by least squares on relative error. On tiny-flux, 2 CPU ranks, fitted
 from 256x256 and 512x512 alone, steps from 768x768 to 4096x4096 came out within 0.8x-1.7x of their
 measured time, decodes within 0.55x-1.3x.
@@ -205,16 +206,17 @@ CALIBRATION_SECONDS = 10.0
 
 def calibration_requests(default: GenerationRequest, *, min_frames: int, max_height: int, max_width: int,
                          multiple: int) -> tuple[GenerationRequest, list[GenerationRequest]]:
-    """The requests that seed a model's cost model, two steps each (the second is the steady one): first the
-    model's default size at its fewest frames (a video's default length can cost minutes), then the first of
-    the candidates whose estimate, from the first's measurement, is under CALIBRATION_SECONDS: twice the side
-    (within the model's limits), then, for a video, its default length."""
+    """The requests that seed a model's cost model, three steps each (the last two are the steady ones, each
+    measured twice, for one step alone is a noisy measure on a loaded machine): first the model's default size at
+    its fewest frames (a video's default length can cost minutes), then those of the candidates whose estimate, from
+    the measurements before, is under CALIBRATION_SECONDS: twice the side (within the model's limits), then, for a
+    video, its default length (so that frames, not only sides, are measured)."""
     from dataclasses import replace
 
     def larger(side: int, maximum: int) -> int:
         return max(multiple, min(2 * side, maximum) // multiple * multiple)
 
-    first = replace(default, steps=2, frames=min_frames if default.frames > 1 else 1)
+    first = replace(default, steps=3, frames=min_frames if default.frames > 1 else 1)
     candidates = [replace(first, height=larger(first.height, max_height), width=larger(first.width, max_width)),
                   replace(first, frames=default.frames)]
     return first, [request for request in candidates if request != first]

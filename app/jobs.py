@@ -414,7 +414,7 @@ def _record(budget: RequestBudget, model: str, request: GenerationRequest, clock
 def calibrate(service: LockstepService, budget: RequestBudget, model: str, first: GenerationRequest,
               candidates: Iterable[GenerationRequest], most_seconds: float, layout: int = 0) -> list[str]:
     """Seed a model's cost model (in `layout`, whose rank 0's group `service` is) at start-up: run `first` on rank
-    0's group, then the first of `candidates` whose estimate is under `most_seconds`
+    0's group, then each of `candidates` whose estimate is under `most_seconds`
     (app.budget.calibration_requests); returns one line per request run (what it took, what the model now
     estimates)."""
     lines = []
@@ -433,6 +433,4 @@ def calibrate(service: LockstepService, budget: RequestBudget, model: str, first
         _record(budget, model, request, clock, generation, layout)
         lines.append(f"{request.width}x{request.height}x{request.frames}: {duration(time.monotonic() - started)}"
                      f" (estimated now {duration(budget.estimate(model, request, layout) or 0.0)})")
-        if request is not first:
-            break
     return lines

@@ -76,7 +76,7 @@ def test_budget_estimates_unseen_sizes_from_their_flops_and_refuses_over_the_lim
     assert budget.estimate("image", big) is None  # nothing measured yet: nothing refused up front
     budget.check("image", big)
     first, candidates = calibration_requests(small, min_frames=1, max_height=4096, max_width=4096, multiple=16)
-    assert (first.width, first.steps, candidates[0].width) == (256, 2, 512)
+    assert (first.width, first.steps, candidates[0].width) == (256, 3, 512)
     for request, (step, decode) in zip((first, candidates[0]), ((0.05, 0.3), (0.17, 1.0))):
         budget.record("image", request, step, decode)
     estimate = budget.estimate("image", big)
