@@ -3,8 +3,8 @@
 The architectures are the published diffusers configs: FLUX.1-dev's components, the
 Cosmos-Predict2 Video2World transformers as written by diffusers' convert_cosmos_to_diffusers.py
 ("Cosmos-2.0-Diffusion-2B/14B-Video2World") with their T5-11B encoder and Wan 2.1 VAE, and Cosmos 3
-Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein as their transformer/config.json files
-have them. A Cosmos 3 checkpoint makes videos and images: its video name serves videos (5 frames and
+Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein and Wan 2.1 text-to-video as their
+transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images: its video name serves videos (5 frames and
 more) and its "-image" name, the same folder, one-frame images.
 """
 
@@ -280,4 +280,60 @@ FLUX2 = ModelFamily(
     ),
 )
 
-BUILT_IN = (FLUX, COSMOS, COSMOS3, FLUX2)
+# Wan 2.1 text-to-video: the Wan 2.1 VAE (8x space, 4x time), a UMT5-XXL text encoder, a DiT whose
+# blocks cross-attend to the text; classifier-free guidance with two branches. The transformer configs
+# are Wan-AI/Wan2.1-T2V-1.3B-Diffusers' and -14B-Diffusers' transformer/config.json; the negative prompt is
+# the one diffusers' WanPipeline documentation uses (Wan's own, translated).
+UMT5_XXL = dict(  # text_encoder of Wan 2.1: google/umt5-xxl's encoder (5.7B)
+    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6, dropout_rate=0.0, is_encoder_decoder=False, use_cache=False,
+)
+_WAN21_TRANSFORMER = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    eps=1e-6, rope_max_seq_len=1024,
+)
+WAN_NEGATIVE_PROMPT = (
+    "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, static, "
+    "overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly "
+    "drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy "
+    "background, three legs, many people in the background, walking backwards"
+)
+
+
+def _wan21(**transformer: object) -> Architecture:
+    # AutoencoderKLWan's defaults are the Wan 2.1 VAE (base_dim 96, z_dim 16).
+    return Architecture(transformer={**_WAN21_TRANSFORMER, **transformer}, vae_class="diffusers:AutoencoderKLWan",
+                        vae={}, text_encoders={"text_encoder": ("transformers:UMT5EncoderModel", UMT5_XXL)})
+
+
+_WAN21 = dict(family="wan", media="video", checkpoint_class="WanPipeline", steps=50, guidance=5.0, frames=81, fps=16,
+              negative_prompt=WAN_NEGATIVE_PROMPT)
+
+WAN = ModelFamily(
+    name="wan",
+    title="Wan 2.1",
+    transformer="diffusers:WanTransformer3DModel",
+    pipeline="pipelines.wan:WanVideoPipeline",
+    parallelize="engines.generic:parallelize_generic",  # driven by the class's diffusers _cp_plan
+    tensor_parallel="engines.generic:generic_weights",
+    repeated_blocks=("blocks",),
+    block_outputs=(("hidden_states",),),
+    cache_stream="hidden_states",
+    limits="pipelines.requests:wan_limits",
+    guidance_batch=True,  # the two branches as one batch-2 call
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:wan_inputs", sizes=("81x720x1280",),
+                      tiny_sizes=("9x48x64",), video=True, batch=2,
+                      tiny_config="training.tiny_models:WAN_TINY_TRANSFORMER",
+                      tiny_checkpoint="training.tiny_models:write_tiny_wan"),
+    models=(
+        ModelSpec(name="wan2.1-t2v-1.3b", folder="Wan2.1-T2V-1.3B-Diffusers", source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                  height=480, width=832, architecture=_wan21(), **_WAN21),
+        ModelSpec(name="wan2.1-t2v-14b", folder="Wan2.1-T2V-14B-Diffusers", source="Wan-AI/Wan2.1-T2V-14B-Diffusers",
+                  height=720, width=1280, architecture=_wan21(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+                  **_WAN21),
+    ),
+)
+
+BUILT_IN = (FLUX, COSMOS, COSMOS3, FLUX2, WAN)

@@ -157,6 +157,27 @@ def cosmos3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
                        max_frames=189 if video else 1, min_frames=1 + temporal if video else 1)
 
 
+def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """Wan 2.1: sizes a multiple of the VAE's spatial factor x the transformer's patch (16), up to the long side
+    of the checkpoint's published resolution in either orientation (its default size: 832 for 480p, 1280 for
+    720p) and within its rotary table (rope_max_seq_len patches a side); frames 1 + k x the VAE's temporal
+    factor (4), up to the checkpoint's published length (its default, 81)."""
+    vae = read_component_config(folder, "vae")
+    transformer = read_component_config(folder, "transformer")
+    spatial = int(vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"])))
+    temporal = int(vae.get("scale_factor_temporal", 2 ** sum(vae["temperal_downsample"])))
+    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
+    table = int(transformer.get("rope_max_seq_len", 1024))
+    side = max(spec.height, spec.width)
+    return MediaLimits(
+        size_multiple=spatial * max(patch_h, patch_w),
+        max_height=min(side, table * patch_h * spatial),
+        max_width=min(side, table * patch_w * spatial),
+        frame_multiple=temporal,
+        max_frames=min(spec.frames, (table * patch_t - 1) * temporal + 1),
+    )
+
+
 def _as_int(name: str, value: Any, allowed: str) -> int:
     """`value` as a whole number: an int, a float or a string (CSV and API clients) that is one (2.0 is 2).
     Anything else, 2.5 included, is refused rather than rounded: the person meant something else.

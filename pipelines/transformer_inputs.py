@@ -144,3 +144,20 @@ def cosmos3_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: 
                    value.to(device, torch.float32 if value.is_floating_point() else value.dtype)
                    if isinstance(value, torch.Tensor) else value) for key, value in inputs.items()}
     return {**moved, "return_dict": False}, len(inputs["vision_sequence_indexes"])
+
+
+def wan_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[dict[str, Any], int]:
+    """WanTransformer3DModel (Wan 2.1 text-to-video) keyword arguments for a video of `shape`: the Wan 2.1
+    VAE's latent (8x space, 4x time), shape.text_tokens text embeddings, one timestep per batch row."""
+    frames = (shape.frames - 1) // VAE_TIME + 1
+    height, width = shape.height // VAE_SPACE, shape.width // VAE_SPACE
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 16), frames, height, width, generator=g),
+        encoder_hidden_states=torch.randn(batch, shape.text_tokens, config.get("text_dim", 4096), generator=g),
+    )
+    inputs = {k: v.to(device, dtype) for k, v in inputs.items()}
+    p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
+    tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+    return {**inputs, "timestep": torch.full((batch,), 500.0, device=device), "return_dict": False}, tokens

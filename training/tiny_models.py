@@ -28,6 +28,7 @@ from diffusers import (
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
     UniPCMultistepScheduler,
+    WanTransformer3DModel,
 )
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
@@ -43,6 +44,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -396,6 +399,67 @@ def write_tiny_cosmos3(spec: ModelSpec, folder: Path) -> None:
     """A tiny random Cosmos 3 checkpoint in `folder` (the Cosmos 3 record's tiny_checkpoint; one for every
     checkpoint of the family)."""
     save_cosmos3(folder, cosmos3_components(seed=0))
+
+
+WAN_TINY_TRANSFORMER = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=12, in_channels=8, out_channels=8,
+    text_dim=TEXT_WIDTH, freq_dim=32, ffn_dim=192, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    eps=1e-6, rope_max_seq_len=1024,
+)
+"""Wan 2.1's transformer shrunk: 12 heads (split by 2, 3 and 4 ranks) of 12 dims (rotary sections 4, 4, 4),
+two blocks; 8 input channels are the tiny Wan VAE's latent, 64 text channels the tiny UMT5 encoder's width."""
+
+
+def wan_components(seed: int) -> dict:
+    """Wan 2.1 text-to-video's component set, shrunk and random: a UMT5 encoder under the tiny T5 tokenizer,
+    a Wan 2.1-style VAE (8x space, 4x time) with per-channel latent statistics, the transformer
+    (WAN_TINY_TRANSFORMER) and UniPC with flow sigmas as Wan2.1-T2V-1.3B-Diffusers ships it (flow_shift 3)."""
+    tokenizer = t5_tokenizer(max_length=512)
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=TEXT_WIDTH, d_kv=TEXT_WIDTH // 4, d_ff=2 * TEXT_WIDTH, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False)).eval()
+    z_dim = WAN_TINY_TRANSFORMER["in_channels"]
+    torch.manual_seed(seed + 1)
+    statistics = torch.Generator().manual_seed(seed)  # as a trained VAE has them: decode's de-normalisation is exercised
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=(torch.randn(z_dim, generator=statistics) * 0.5).tolist(),
+        latents_std=(torch.rand(z_dim, generator=statistics) + 0.5).tolist(),
+    ).eval()
+    torch.manual_seed(seed + 2)
+    transformer = WanTransformer3DModel(**WAN_TINY_TRANSFORMER).eval()
+    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
+        for parameter in transformer.parameters():
+            parameter.normal_(0.0, 0.1)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        solver_order=2, final_sigmas_type="zero")
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "transformer": transformer,
+            "scheduler": scheduler}
+
+
+def save_wan(folder: Path, parts: dict) -> None:
+    """Write wan_components' parts as a diffusers WanPipeline folder (replacing `folder`)."""
+    _save_parts(folder, parts)
+    write_model_index(
+        folder,
+        "WanPipeline",
+        {
+            "scheduler": ("diffusers", "UniPCMultistepScheduler"),
+            "text_encoder": ("transformers", "UMT5EncoderModel"),
+            "tokenizer": ("transformers", "T5TokenizerFast"),
+            "transformer": ("diffusers", "WanTransformer3DModel"),
+            "vae": ("diffusers", "AutoencoderKLWan"),
+        },
+    )
+
+
+def write_tiny_wan(spec: ModelSpec, folder: Path) -> None:
+    """A tiny random Wan 2.1 text-to-video checkpoint in `folder` (the Wan record's tiny_checkpoint; one for every
+    checkpoint of the family)."""
+    save_wan(folder, wan_components(seed=0))
 
 
 def _save_parts(folder: Path, parts: dict) -> None:

@@ -1,0 +1,164 @@
+"""Wan 2.1 text-to-video on diffusers' WanPipeline components, in three stages.
+
+    encode (rank 0: UMT5)  ->  denoise (every rank)  ->  decode (rank 0, or the split group: Wan VAE)
+
+The prompt encoding (cleaned, padded to max_sequence_length with zeros), the noise's shape, the UniPC
+flow-matching loop and the latent de-normalisation are diffusers' WanPipeline's own (rank 0 builds one
+over the loaded parts and calls its encode_prompt; every rank draws the noise with its prepare_latents),
+so our video equals its video (tests/test_pipelines_wan.py). What differs is where things run:
+- only rank 0 loads the text encoder, and the VAE (unless the decode is split over the ranks);
+- classifier-free guidance runs its two branches as one batch-2 transformer call (prompt and negative
+  prompt are both padded to max_sequence_length), which a CFG-parallel run splits over two rank
+  groups; diffusers calls the branches one after the other (equal up to float rounding);
+- the seed's noise is drawn from a CPU generator on every rank (the same numbers everywhere).
+Wan 2.2's two-expert checkpoints (transformer_2, boundary_ratio) and image-to-video are not offered.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from diffusers import WanPipeline
+from diffusers.video_processor import VideoProcessor
+
+from pipelines.loading import TransformerShare, load_parts
+from pipelines.registry import ModelSpec, read_component_config
+from pipelines.requests import GenerationRequest
+from pipelines.stages import StagedPipeline
+
+StepCallback = Callable[[int, int], None]
+
+
+@dataclass(kw_only=True)
+class WanConditioning:
+    """What rank 0 encodes once and every rank's transformer needs."""
+
+    prompt_embeds: torch.Tensor
+    """[B, L, D] UMT5 embeddings, padding zeroed: the prompt's, then the negative prompt's with guidance (B = 2)."""
+
+
+class WanVideoPipeline(StagedPipeline):
+    """Prompt -> video with a WanTransformer3DModel."""
+
+    COMPONENT_DTYPES = {"vae": torch.float32}
+    """Components kept in their own dtype whatever the run's: the Wan VAE runs in float32, as diffusers'
+    WanPipeline examples load it (bf16 costs visible banding)."""
+
+    def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
+                 text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.folder = folder
+        self.device = torch.device(device)
+        self.transformer_config = transformer.config
+        self.transformer: Any = transformer
+        self.dtype = transformer.dtype
+        self.scheduler = scheduler
+        self.vae = vae
+        vae_config = read_component_config(folder, "vae")
+        # AutoencoderKLWan's own config attributes (WanPipeline reads them from the loaded VAE, which ranks > 0 lack)
+        self.spatial_factor = int(vae_config.get("scale_factor_spatial", 2 ** len(vae_config["temperal_downsample"])))
+        self.temporal_factor = int(vae_config.get("scale_factor_temporal", 2 ** sum(vae_config["temperal_downsample"])))
+        self.vae_spatial_factor = self.spatial_factor
+        self.video_processor = VideoProcessor(vae_scale_factor=self.spatial_factor)
+        # diffusers' pipeline over the same parts: its prompt encoding.
+        self._diffusers = None
+        if text_encoder is not None:
+            self._diffusers = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                                          transformer=transformer)
+
+    @classmethod
+    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    with_vae: bool | None = None,
+                    share: TransformerShare | None = None) -> WanVideoPipeline:
+        """Load from a diffusers WanPipeline folder; `with_encoders=False` skips the text encoder and tokenizer
+        (ranks > 0), and the VAE too unless `with_vae` (a split decode runs it on every rank)."""
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
+        return cls(spec=spec, folder=folder, device=device, **parts)
+
+    # --- rank 0 ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, request: GenerationRequest) -> WanConditioning:
+        """UMT5 embeddings of the prompt, and of the negative prompt when guidance is on (above 1)."""
+        pipe = self._diffusers
+        if pipe is None:
+            raise RuntimeError("this pipeline was loaded without text encoder (with_encoders=False)")
+        guided = request.guidance > 1.0
+        negative = request.negative_prompt if guided else None
+        length = self.spec.max_sequence_length
+
+        def encode() -> torch.Tensor:
+            embeds, negative_embeds = pipe.encode_prompt(
+                prompt=request.prompt, negative_prompt=negative, do_classifier_free_guidance=guided,
+                max_sequence_length=length, device=self.device, dtype=self.dtype)
+            return embeds if negative_embeds is None else torch.cat([embeds, negative_embeds])
+
+        embeds = self.cached_text(("wan", request.prompt, negative, length), encode)
+        return WanConditioning(prompt_embeds=embeds)
+
+    # --- every rank -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def denoise(self, request: GenerationRequest, cond: WanConditioning,
+                on_step: StepCallback | None = None) -> torch.Tensor:
+        """The UniPC flow-matching loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
+        self.apply_loras(request)
+        device, dtype = self.device, self.dtype
+        text = cond.prompt_embeds.to(device, dtype)
+        branches = text.shape[0]
+        # WanPipeline.prepare_latents reads only the VAE's factors from its pipeline: given here from the config
+        factors = SimpleNamespace(vae_scale_factor_temporal=self.temporal_factor,
+                                  vae_scale_factor_spatial=self.spatial_factor)
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        latents = WanPipeline.prepare_latents(factors, 1, self.transformer_config.in_channels, request.height,
+                                              request.width, request.frames, torch.float32, device, generator)
+        scheduler = copy.deepcopy(self.scheduler)  # UniPC keeps per-loop state on the instance
+        scheduler.set_timesteps(request.steps, device=device)
+        scheduler.set_begin_index(0)
+        timesteps = scheduler.timesteps
+        for i, t in enumerate(timesteps):
+            model_input = latents.to(dtype)
+            with self.cache_step(request, i, len(timesteps)):
+                prediction = self.transformer(
+                    hidden_states=model_input.expand(branches, *model_input.shape[1:]),
+                    timestep=t.expand(branches),
+                    encoder_hidden_states=text,
+                    return_dict=False,
+                )[0]
+            if branches == 2:
+                prediction = prediction[1:] + request.guidance * (prediction[:1] - prediction[1:])
+            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                on_step(i + 1, len(timesteps))
+        return latents
+
+    # --- rank 0 (and the split group) -----------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | None:
+        """De-normalise with the VAE's latent statistics and VAE-decode: uint8 frames [T, H, W, 3] (None on a
+        rank > 0 of a split decode)."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        config = self.vae.config
+        latents = latents.to(self.device, self.vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        video = self.decode_latents(request, latents / inverse_std + mean)  # WanPipeline's arithmetic, to the bit
+        if video is None:
+            return None
+        frames = self.video_processor.postprocess_video(video, output_type="np")[0]
+        return (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> np.ndarray:
+        """All three stages in one process."""
+        return self.decode(request, self.denoise(request, self.encode(request), on_step))
