@@ -1,0 +1,119 @@
+"""The generic context-parallel path (engines/generic.py) on spawned gloo ranks (CPU, float32) against one process.
+
+Wan's transformer is split by its own diffusers plan (`_cp_plan`): rotary tables and tokens padded to the sequence
+degree (45 video tokens: 2 and 4 ranks pad), every strategy, CFG groups on a guidance batch, and the per-token
+timestep of Wan 2.2 TI2V (a 2-D timestep the root entry of the plan splits).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import join_ranks, randomize, spawn_ranks
+
+TOLERANCE = 1e-5
+HEADS = 12
+WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=8, in_channels=4, out_channels=4,
+                text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64)
+LATENTS = (3, 6, 10)  # frames x height x width of the latent: 3 x 3 x 5 = 45 tokens after 2x2 patches
+
+
+def plans(world_size: int) -> list:
+    from engines.plan import ParallelPlan
+
+    out = [ParallelPlan.auto(world_size, HEADS, strategy=s) for s in ("ulysses", "ring", "allgather")]
+    if world_size == 2:
+        out.append(ParallelPlan(cfg=2))
+    if world_size == 4:
+        out += [ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2), ParallelPlan(strategy="ulysses", ulysses=2, cfg=2),
+                ParallelPlan(strategy="ring", ring=2, cfg=2)]
+    return out
+
+
+def wan_inputs(per_token_timestep: bool) -> dict:
+    frames, height, width = LATENTS
+    tokens = frames * (height // 2) * (width // 2)
+    timestep = torch.tensor([700.0, 700.0])
+    if per_token_timestep:  # Wan 2.2 TI2V: the first frame's tokens clean
+        timestep = torch.full((2, tokens), 700.0)
+        timestep[:, : tokens // frames] = 0.0
+    return dict(hidden_states=torch.randn(2, 4, *LATENTS), timestep=timestep,
+                encoder_hidden_states=torch.randn(2, 7, 16), return_dict=False)
+
+
+def _count_split_attention(parallel) -> list:
+    """Record each call of the split attention (the processors' shared SequenceSplit), to show the split ran."""
+    calls: list = []
+    splits = {id(p._parallel_config): p._parallel_config for p in (m.processor for m, _ in parallel._replaced)}
+    for split in splits.values():
+        attention = split.attention
+
+        def counted(*args, attention=attention, **kwargs):
+            calls.append(kwargs["layout"])
+            return attention(*args, **kwargs)
+
+        split.attention = counted
+    return calls
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    join_ranks(rank, world_size, port)
+    from diffusers import WanTransformer3DModel
+
+    from engines.distributed import init_parallel, shutdown
+    from engines.generic import parallelize_generic
+    from engines.parallelize import parallelize_transformer
+
+    ctx = init_parallel("cpu")
+    torch.manual_seed(0)
+    model = randomize(WanTransformer3DModel(**WAN_TINY))
+    results = []
+    for plan in plans(ctx.world_size):
+        for per_token in (False, True):
+            torch.manual_seed(1)
+            kwargs = wan_inputs(per_token)
+            with torch.no_grad():
+                expected = model(**kwargs)[0]
+                parallel = parallelize_transformer(model, ctx, plan, parallelize_generic)
+                split_calls = _count_split_attention(parallel)
+                got = parallel(**kwargs)[0]
+                parallel.restore()
+                again = model(**kwargs)[0]  # restore() leaves the model as it was
+            results.append(dict(plan=plan.label, per_token=per_token, same_shape=got.shape == expected.shape,
+                                err=(got - expected).abs().max().item(), scale=expected.abs().max().item(),
+                                restored=(again - expected).abs().max().item(), split_calls=len(split_calls),
+                                seq_degree=plan.seq_degree, real_tokens=parallel.real_tokens))
+    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(results))
+    shutdown(ctx)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_wan_by_its_diffusers_plan_matches_one_process(world_size: int, tmp_path: Path) -> None:
+    spawn_ranks(_worker, world_size, str(tmp_path))
+    count = 0
+    for rank in range(world_size):
+        for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+            case = f"{r['plan']} (per-token timestep: {r['per_token']}) on rank {rank}"
+            assert r["same_shape"], case
+            assert r["scale"] > 0.01, f"{case}: output too small to compare ({r['scale']:.3g})"
+            assert r["err"] <= TOLERANCE, f"{case}: max error {r['err']:.3g}"
+            assert r["restored"] == 0.0, case
+            if r["seq_degree"] > 1:  # the tokens were split: both blocks' self-attention ran split, on a shard
+                assert r["split_calls"] == WAN_TINY["num_layers"], case
+                assert r["real_tokens"][1] <= -(-45 // r["seq_degree"]), case
+            count += 1
+    assert count == world_size * len(plans(world_size)) * 2
+
+
+def test_a_model_whose_attention_normalizes_across_heads_is_refused_tensor_parallelism() -> None:
+    from diffusers import WanTransformer3DModel
+
+    from engines.generic import generic_weights
+
+    with pytest.raises(ValueError, match=r"normalizes q and k across all heads \(blocks\.0\.attn1\.norm_q\)"):
+        generic_weights(WanTransformer3DModel(**WAN_TINY), 2)
