@@ -1,0 +1,80 @@
+"""Wan 2.1 text-to-video through the app, as users run it: generate an MP4 from an unchanged diffusers WanPipeline
+folder, a batch of two lines, and the same video from 2 ranks with the guidance branches on two rank groups
+(--cfg-parallel, the generic context-parallel engine).
+
+The checkpoint is training.tiny_models' tiny random Wan folder, run under the wan2.1-t2v-1.3b name.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.media import read_mp4_settings, read_video
+from tests.helpers import REPO
+
+COMMON = ["--model", "wan2.1-t2v-1.3b", "--frames", "5", "--size", "64x48", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from training.tiny_models import save_wan, wan_components
+
+    path = tmp_path_factory.mktemp("wan") / "Wan2.1-T2V-1.3B-Diffusers"
+    save_wan(path, wan_components(seed=2))
+    return path
+
+
+def app(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def frames_of(path: Path) -> np.ndarray:
+    frames, fps = read_video(path)
+    assert fps == pytest.approx(16)  # the checkpoint's default frame rate
+    return np.asarray(frames, np.int16)
+
+
+@pytest.fixture(scope="module")
+def one_rank_video(folder: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one") / "v.mp4"
+    result = app("generate", *COMMON, "--model-path", str(folder), "--prompt", "a red circle", "--seed", "3",
+                 "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_generate_writes_a_video(one_rank_video: Path) -> None:
+    frames = frames_of(one_rank_video)
+    assert frames.shape == (5, 48, 64, 3) and frames.std() > 1
+    settings = read_mp4_settings(one_rank_video)
+    assert settings["model"] == "wan2.1-t2v-1.3b" and settings["guidance"] == 5.0
+    assert settings["negative_prompt"].startswith("Bright tones, overexposed")  # the checkpoint's default
+
+
+def test_batch_of_two_lines(folder: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a red circle", "seed": 1}) + "\n"
+                       + json.dumps({"prompt": "a blue square", "guidance": 1.0}) + "\n")
+    out = tmp_path / "out"
+    result = app("batch", str(prompts), *COMMON, "--model-path", str(folder), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    entries = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert len(entries) == 2 and all(entry["file"].endswith(".mp4") for entry in entries)
+    assert [entry["settings"]["guidance"] for entry in entries] == [5.0, 1.0]
+    for entry in entries:
+        assert frames_of(out / entry["file"]).shape == (5, 48, 64, 3)
+
+
+def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Path, tmp_path: Path) -> None:
+    out = tmp_path / "v2.mp4"
+    result = app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--prompt",
+                 "a red circle", "--seed", "3", "--cfg-parallel", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    difference = np.abs(frames_of(out) - frames_of(one_rank_video))
+    assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
