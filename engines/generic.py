@@ -140,10 +140,11 @@ class ParallelGeneric(ParallelTransformer):
     """A `_cp_plan` transformer across ranks; same call as the model, full output on every rank."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, replaced: list, plan: dict[str, Any], *,
-                 state: _CallState, stream: str) -> None:
+                 state: _CallState, stream: str, per_sample: tuple[str, ...]) -> None:
         super().__init__(model, mesh, replaced)
         self.plan = plan
         self.stream = stream
+        self.per_sample = per_sample
         self._state = state
         self._signature = inspect.signature(model.forward)
         self._hooks: dict[tuple[str, int], tuple[nn.Module, list[Any]]] = {}
@@ -158,7 +159,8 @@ class ParallelGeneric(ParallelTransformer):
         hidden = next(value for value in arguments.values() if isinstance(value, torch.Tensor))
         batch = hidden.shape[0]
         check_batch(batch, mesh)
-        arguments = {name: _split_batch(value, mesh, batch) for name, value in arguments.items()}
+        arguments = {name: _split_batch(value, mesh, batch, name in self.per_sample)
+                     for name, value in arguments.items()}
         self._state.lengths.clear()
         self.real_tokens = None
         if mesh.plan.seq_degree > 1:
@@ -251,7 +253,14 @@ class ParallelGeneric(ParallelTransformer):
         return super().restore()
 
 
-def _split_batch(value: Any, mesh: ParallelMesh, batch: int) -> Any:
+def _split_batch(value: Any, mesh: ParallelMesh, batch: int, per_sample: bool) -> Any:
+    """This CFG group's share of an argument: of a tensor (or a tuple of them) with the batch leading; of a
+    per-sample list (`per_sample`), its entries."""
+    if per_sample and mesh.plan.cfg > 1:
+        if len(value) != batch:
+            raise ValueError(f"expected one entry per sample ({batch}), got {len(value)}")
+        size = batch // mesh.plan.cfg
+        return value[mesh.cfg_rank * size:(mesh.cfg_rank + 1) * size]
     if isinstance(value, torch.Tensor):
         return split_batch(value, mesh, batch=batch)
     if isinstance(value, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in value):
@@ -269,11 +278,13 @@ def context_parallel_plan(model: nn.Module) -> dict[str, Any]:
 
 
 def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Sequence[str] = ("hidden_states",),
-                    stream: str = "hidden_states") -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
+                    stream: str = "hidden_states",
+                    per_sample: Sequence[str] = ()) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
     """A family's parallelize function on the generic path: `plan` in diffusers' `_cp_plan` form (default the
     class's own); `segments`, the split streams in the order the processors concatenate them for attention;
     `stream`, the blocks' main stream (the one the output gather cuts back to its length, the step cache
-    measures)."""
+    measures); `per_sample`, arguments that are lists of one entry per sample (split with the batch over CFG
+    groups, as tensors are)."""
 
     def parallelize(model: nn.Module, mesh: ParallelMesh) -> ParallelGeneric:
         cp_plan = plan if plan is not None else context_parallel_plan(model)
@@ -296,7 +307,8 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Sequence[st
             if not replaced:
                 raise ValueError(f"{type(model).__name__}'s attention processors take no parallel_config: the "
                                  "generic context-parallel path cannot reach them")
-        return ParallelGeneric(model, mesh, replaced, cp_plan, state=state, stream=stream)
+        return ParallelGeneric(model, mesh, replaced, cp_plan, state=state, stream=stream,
+                               per_sample=tuple(per_sample))
 
     return parallelize
 
@@ -304,12 +316,17 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Sequence[st
 parallelize_generic = generic_adapter()
 """The generic path with the class's own plan and one split stream, "hidden_states" (Wan)."""
 
+parallelize_joint = generic_adapter(segments=("encoder_hidden_states", "hidden_states"), per_sample=("img_shapes",))
+"""The generic path for a double-stream transformer whose attention joins the text then the image tokens, both
+split (Qwen-Image)."""
+
 
 def generic_weights(model: nn.Module, tp: int) -> WeightSplit:
     """The tensor-parallel split of a transformer built of diffusers' standard parts (engines.tensor_parallel):
     in every repeated block (a module inside a ModuleList), each attention's to_q/to_k/to_v and added
     add_q/k/v_proj column-parallel and to_out.0 / to_add_out row-parallel; each FeedForward's net.0.proj
-    column-parallel and net.2 row-parallel; the attention modules' `heads` set to the rank's count. An
+    column-parallel and net.2 row-parallel; the attention modules' `heads` (and inner widths) set to the rank's
+    count. An
     attention that normalizes q or k across all heads at once (Wan's "rms_norm_across_heads") would need an
     all-reduce inside its norm: refused."""
     from diffusers.models.attention import FeedForward
@@ -337,7 +354,13 @@ def generic_weights(model: nn.Module, tp: int) -> WeightSplit:
             linears[f"{name}.to_out.0"] = ROW
             if isinstance(getattr(module, "to_add_out", None), nn.Linear):
                 linears[f"{name}.to_add_out"] = ROW
-            head_counts[name] = {"heads": local_heads(heads, tp)}
+            # The rank's heads, and the widths derived from them: processors reshape by `heads` (Wan) or by
+            # inner_dim // heads (Qwen-Image), and both must give the whole head dimension.
+            counts = {"heads": local_heads(heads, tp)}
+            for width in ("inner_dim", "inner_kv_dim"):
+                if isinstance(getattr(module, width, None), int):
+                    counts[width] = getattr(module, width) // tp
+            head_counts[name] = counts
         elif isinstance(module, FeedForward):
             linears[f"{name}.net.0.proj"] = COLUMN
             linears[f"{name}.net.2"] = ROW
