@@ -3,7 +3,9 @@
 The key is a SHA-256 of a JSON document (kept beside the artifacts as key.json, for humans):
 model class and config, parameter dtype, device kind and name, the input signature (shapes,
 dtypes, strides and non-tensor values of the call), the parallel plan, world size and rank, the
-engine options, and the versions of Python, torch, CUDA, triton, diffusers and torch-tensorrt.
+engine options, the layers that --lora files adapt with their rank slots (engines.lora.lora_layout;
+not the LoRAs' weights or scales, which change in place without a recompile), and the versions of
+Python, torch, CUDA, triton, diffusers and torch-tensorrt.
 Change any of them and the key changes, so a stale artifact is never loaded: it is simply not
 found, and the engine compiles and writes a new one.
 
@@ -31,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from engines.fp8 import fp8_layers
+from engines.lora import lora_layout
 
 
 def _describe(x: Any) -> Any:
@@ -90,6 +93,7 @@ def key_document(module: nn.Module, signature: str, options: Any, rank: int) -> 
         "rank": rank,
         "options": _plain(dataclasses.asdict(options)),
         "fp8_layers": fp8_layers(model),
+        "lora_layers": lora_layout(model),
         "versions": library_versions(),
     }
 

@@ -11,7 +11,8 @@ Application (`attach_loras`, after tensor-parallel splitting and FP8 quantizatio
   scales s: (R,)      one tensor shared by every adapted layer: LoRA i's request scale on its r_max slots
 with R = (number of LoRAs) x r_max (3 r_max where FP8 fused q/k/v: each piece its own slots), and computes base(x) + B (s * (A x)) = base(x) + sum_i s_i B_i A_i x.
 Every layer's shapes depend on the LoRAs loaded, never on a request: choosing LoRAs and scales writes `s` in place
-(LoraSet.select), so compiled engines see the same graph inputs and CUDA graphs replay unchanged. A layer that
+(LoraSet.select), so compiled engines see the same graph inputs and CUDA graphs replay unchanged; the engine cache
+keys their artifacts by the adapted layers and slots (lora_layout), not by the LoRAs' weights. A layer that
 only some LoRAs target keeps zeros in the others' slots (no effect); a request that names none zeroes `s`, which
 leaves every output exactly the base layer's.
 
@@ -42,7 +43,7 @@ from engines.options import LoraError, LoraFile
 from engines.tensor_parallel import RowParallelLinear, WeightSplit, take
 
 __all__ = ["LoraDelta", "LoraError", "LoraFile", "LoraLinear", "LoraSet", "LoraWeights", "attach_loras",
-           "check_lora_files", "export_kohya", "has_lora", "read_lora"]
+           "check_lora_files", "export_kohya", "has_lora", "lora_layout", "read_lora"]
 
 LOADERS = {
     "FluxTransformer2DModel": "FluxLoraLoaderMixin",
@@ -230,6 +231,12 @@ class LoraLinear(nn.Linear):
 def has_lora(layer: nn.Module) -> bool:
     """Whether `layer` carries a LoRA term (then code that uses its weight directly must call it instead)."""
     return getattr(layer, "lora", None) is not None
+
+
+def lora_layout(model: nn.Module) -> dict[str, int]:
+    """Each layer of `model` that carries a LoRA term and its rank slots (LoRAs loaded x r_max): what a compiled graph
+    of the model depends on (engines.cache's key), never the LoRAs' weights or scales, which change in place."""
+    return {name: int(module.lora.down.shape[0]) for name, module in model.named_modules() if has_lora(module)}
 
 
 @dataclass(eq=False)

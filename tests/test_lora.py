@@ -1,7 +1,8 @@
 """LoRA adapters (engines/lora.py) on tiny-flux's transformer: formats, scales, diffusers' own loader as the reference,
-gloo ranks (ulysses 2, tp 2), the check before any rank starts and no recompilation when the choice changes.
+gloo ranks (ulysses 2, tp 2), the check before any rank starts, no recompilation when the choice changes (compiled
+blocks, and a compiled one-process server switching three LoRAs), and the engine cache key (LoRA layout, not weights).
 
-The LoRAs are made here: random A/B (fixed seeds, rank 4 and 2) on every linear of the double-stream blocks (their
+The LoRAs are made here: random A/B (fixed seeds, rank 4, 2 and 3) on every linear of the double-stream blocks (their
 modulation included) and the single-stream blocks' proj_out, saved in diffusers/PEFT keys, and a kohya copy written
 by engines.lora.export_kohya. The single-stream blocks' q/k/v and proj_mlp are left out: kohya fuses them into one
 layer (linear1) that diffusers' converter splits by FLUX.1-dev's widths, which tiny-flux does not have.
@@ -67,7 +68,8 @@ def loras(tmp_path_factory) -> dict[str, Path]:
     from safetensors.torch import load_file
 
     folder = tmp_path_factory.mktemp("loras")
-    files = {"a": make_lora(folder / "a.safetensors", seed=0, rank=4), "b": make_lora(folder / "b.safetensors", 1, 2)}
+    files = {"a": make_lora(folder / "a.safetensors", seed=0, rank=4), "b": make_lora(folder / "b.safetensors", 1, 2),
+             "c": make_lora(folder / "c.safetensors", 2, 3)}
     files["a_kohya"] = export_kohya(load_file(str(files["a"])), folder / "a_kohya.safetensors")
     return files
 
@@ -201,6 +203,69 @@ def test_switching_loras_and_scales_compiles_nothing_more(loras) -> None:
             outs.append(model(**kwargs)[0])
     assert built > 0 and len(counted) == built
     assert torch.equal(outs[-1], first) and not torch.equal(outs[0], first)
+
+
+def test_the_engine_cache_key_follows_the_loras_layout_not_their_weights_or_scales(loras, tmp_path: Path) -> None:
+    """A compiled graph depends on which layers carry a LoRA term and its rank slots (LoRAs x r_max): the engine
+    cache's key changes with those and stays for other weights (same rank and layers) or other scales."""
+    from safetensors.torch import load_file, save_file
+
+    from engines.cache import EngineCache, input_signature
+    from engines.options import EngineOptions
+
+    store, options = EngineCache(tmp_path), EngineOptions(backend="inductor", scope="blocks")
+    signature = input_signature(inputs())
+
+    def key(files: dict[str, Path], choice=()) -> str:
+        model, chosen = adapted(files) if files else (transformer(), None)
+        if chosen is not None:
+            chosen.select(choice)
+        return store.key(model, signature, options, 0)
+
+    state = load_file(str(loras["a"]))
+    save_file({k: v for k, v in state.items() if ".single_transformer_blocks." not in k}, str(tmp_path / "fewer.st"))
+    a = key({"a": loras["a"]})
+    assert len({key({}), a, key({"b": loras["b"]}), key({"a": loras["a"], "b": loras["b"]}),
+                key({"a": tmp_path / "fewer.st"})}) == 5  # none, rank 4, rank 2, two LoRAs, fewer layers
+    other = make_lora(tmp_path / "other.safetensors", seed=7, rank=4)
+    assert key({"a": other}) == a == key({"a": loras["a"]}, [("a", 0.3)]) == key({"x": loras["a"]}, [("x", -1.0)])
+
+
+def test_a_compiled_server_switches_three_loras_over_six_requests_without_recompiling(loras, tmp_path: Path) -> None:
+    """The serving path (app.runtime.start_runtime's one-process runtime, `--backend inductor-blocks`, `--lora a=..
+    b=.. c=..`): six requests of one shape that switch LoRAs and scales (none included) compile at the first request
+    only, and the LoRA chosen shows in the image."""
+    import threading
+
+    import numpy as np
+    import torch._dynamo
+
+    from app.runtime import start_runtime
+    from engines.options import LoraFile, RunOptions
+    from pipelines.registry import resolve_model
+    from pipelines.requests import make_request
+
+    spec, folder = resolve_model("tiny-flux", None)
+    options = RunOptions(device="cpu", rank_timeout=120, backend="inductor-blocks", engine_cache=tmp_path,
+                         loras=tuple(LoraFile(name=name, path=loras[name]) for name in ("a", "b", "c")))
+    choices = ("a:1", "b:0.5", "", "c:1", "a:0.3,c:-1", "a:1")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    images, graphs = [], []
+    with start_runtime([(spec, folder)], options, stop=threading.Event()) as runtime:
+        limits = runtime.models["image"].limits
+        assert [name for name, _ in limits.loras] == ["a", "b", "c"]
+        for choice in choices:
+            request = make_request(spec, limits, prompt="a red circle", seed=3, steps=2, height=64, width=64,
+                                   lora=choice)
+            images.append(np.asarray(runtime.service.run("image", request).result).astype(np.int16))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == graphs[:1] * len(choices), graphs
+    first, *others = images
+    for other in others[:-1]:  # b, none, c, a and c mixed: each its own image
+        assert np.abs(other - first).max() > 8
+    assert len({other.tobytes() for other in others[:-1]}) == len(others) - 1
+    assert np.abs(others[-1] - first).max() <= 1  # a at 1 again: the first image
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str, str]) -> None:
