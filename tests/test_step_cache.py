@@ -27,6 +27,7 @@ CASES = {
     "cosmos3 cfg-2": ("cosmos3-nano", 2, dict(cfg_parallel=True)),  # one call per branch, one per group
     "cosmos3 ulysses-2": ("cosmos3-nano", 2, dict(strategy="ulysses")),  # both branches' calls on every rank
     "flux2 ulysses-2": ("flux2-klein-4b", 2, dict(strategy="ulysses")),
+    "wan ulysses-2": ("wan2.1-t2v-1.3b", 2, dict(strategy="ulysses")),  # the generic path: 2 x 3 x 5 tokens, padded
 }
 FIELDS = {
     "tiny-flux": dict(prompt="a big red star in the center on a white background", seed=3, steps=8, height=80,
@@ -37,19 +38,23 @@ FIELDS = {
                          height=64, width=96, fps=8, cache="fbcache:0.005"),
     # random weights: its first block's residual changes by more than itself from step to step
     "flux2-klein-4b": dict(prompt="a red circle", seed=2, steps=6, height=80, width=112, cache="fbcache:1.1"),
+    "wan2.1-t2v-1.3b": dict(prompt="a red circle moving right", seed=2, steps=8, frames=5, height=48, width=80,
+                            cache="fbcache:0.6"),
 }
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str | None]:
-    """Model name -> checkpoint folder (None: the embedded one): tiny random Cosmos 3 and FLUX.2 checkpoints."""
-    from training.tiny_models import cosmos3_components, flux2_components, save_cosmos3, save_flux2
+    """Model name -> checkpoint folder (None: the embedded one): tiny random Cosmos 3, FLUX.2 and Wan checkpoints."""
+    from training.tiny_models import (cosmos3_components, flux2_components, save_cosmos3, save_flux2, save_wan,
+                                      wan_components)
 
     root = tmp_path_factory.mktemp("cached")
     save_cosmos3(root / "cosmos3", cosmos3_components(seed=3))
     save_flux2(root / "flux2", flux2_components(seed=1, variant="klein"))
+    save_wan(root / "wan", wan_components(seed=4))
     return {"tiny-flux": None, "tiny-cosmos": None, "cosmos3-nano": str(root / "cosmos3"),
-            "flux2-klein-4b": str(root / "flux2")}
+            "flux2-klein-4b": str(root / "flux2"), "wan2.1-t2v-1.3b": str(root / "wan")}
 
 
 def _generate(model: str, folder: str | None, options: dict) -> tuple[np.ndarray | None, list[int]]:
