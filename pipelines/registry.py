@@ -96,6 +96,8 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
     candidates = [spec for spec in MODELS.values() if spec.checkpoint_class == class_name and not spec.embedded]
     if index.get("is_distilled") is False:  # a FLUX.2 Klein base checkpoint: the names that use guidance
         candidates = [spec for spec in candidates if spec.guidance_batch] or candidates
+    if len(candidates) > 1:  # sizes of one class (Wan 2.1 1.3B and 14B): the name whose published transformer it is
+        candidates = [spec for spec in candidates if _has_architecture(folder, spec)] or candidates
     if candidates:
         return candidates[0]
     supported = dict.fromkeys(spec.checkpoint_class for spec in MODELS.values())
@@ -103,6 +105,16 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
         f"{folder}: model_index.json names '{class_name}', which ulysses-studio cannot run "
         f"(supported: {', '.join(supported)})"
     )
+
+
+def _has_architecture(folder: Path, spec: ModelSpec) -> bool:
+    """Whether `folder`'s transformer config has `spec`'s published transformer (every key both give, equal)."""
+    path = folder / "transformer" / "config.json"
+    if spec.architecture is None or not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    published = json.loads(json.dumps(spec.architecture.transformer))  # tuples as the config's lists
+    return all(config[key] == value for key, value in published.items() if key in config)
 
 
 def read_model_index(folder: Path) -> dict:

@@ -97,3 +97,20 @@ def test_limits_from_the_configs_and_bad_requests_refused(folder: Path) -> None:
         make_request(spec, limits, prompt=PROMPT, frames=8)
     with pytest.raises(RequestError, match="guidance must be above 1 here"):
         make_request(spec, read_limits(spec, path, cfg_parallel=True), prompt=PROMPT, guidance=1.0)
+
+
+def test_a_folder_alone_resolves_to_the_name_of_its_size(folder: Path, tmp_path: Path) -> None:
+    """--model-path without --model: a WanPipeline folder whose transformer is the 14B's runs under the 14B's
+    name (its 720p defaults and limits), any other under the first name of the class."""
+    import json
+    import shutil
+
+    from pipelines.registry import get_spec
+
+    big = tmp_path / "Wan2.1-T2V-14B-Diffusers"
+    shutil.copytree(folder, big, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((big / "transformer" / "config.json").read_text())
+    published = get_spec("wan2.1-t2v-14b").architecture.transformer
+    (big / "transformer" / "config.json").write_text(json.dumps({**config, **published}))
+    assert resolve_model(None, big)[0].name == "wan2.1-t2v-14b"
+    assert resolve_model(None, folder)[0].name == "wan2.1-t2v-1.3b"
