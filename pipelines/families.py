@@ -336,4 +336,50 @@ WAN = ModelFamily(
     ),
 )
 
-BUILT_IN = (FLUX, COSMOS, COSMOS3, FLUX2, WAN)
+# Qwen-Image: a double-stream DiT (text and image tokens in one attention, text first) with Qwen2.5-VL-7B's
+# last hidden layer as its text, its own one-frame Wan-2.1-style VAE, classifier-free guidance as two calls
+# (true_cfg_scale) with a negative prompt. The configs are Qwen/Qwen-Image's transformer/config.json (the
+# class's defaults) and Qwen2.5-VL-7B-Instruct's; " " is the negative prompt Qwen-Image's examples use.
+_QWEN_IMAGE_TRANSFORMER = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+)
+_QWEN25_VL_7B = dict(  # Qwen-Image's text_encoder: Qwen2_5_VLForConditionalGeneration (text 7B, vision tower 0.7B)
+    text_config=dict(model_type="qwen2_5_vl_text", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                     rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu",
+                     rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+    tie_word_embeddings=False,
+)
+QWEN_IMAGE_ARCHITECTURE = Architecture(
+    transformer=_QWEN_IMAGE_TRANSFORMER,
+    vae_class="diffusers:AutoencoderKLQwenImage", vae={},  # its defaults are Qwen-Image's VAE (z 16, 8x)
+    text_encoders={"text_encoder": ("transformers:Qwen2_5_VLForConditionalGeneration", _QWEN25_VL_7B)},
+)
+
+QWEN_IMAGE = ModelFamily(
+    name="qwen-image",
+    title="Qwen-Image",
+    transformer="diffusers:QwenImageTransformer2DModel",
+    pipeline="pipelines.qwen_image:QwenImageImagePipeline",
+    parallelize="engines.generic:parallelize_joint",  # text and image tokens split, joined text-first
+    tensor_parallel="engines.generic:generic_weights",
+    repeated_blocks=("transformer_blocks",),
+    block_outputs=(("encoder_hidden_states", "hidden_states"),),
+    cache_stream="hidden_states",
+    limits="pipelines.requests:qwen_image_limits",
+    guidance_batch=False,  # two calls of their own text lengths (no mask: they cannot share a batch)
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:qwen_image_inputs", sizes=("1328x1328",),
+                      tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:QWEN_IMAGE_TINY_TRANSFORMER",
+                      tiny_checkpoint="training.tiny_models:write_tiny_qwen_image"),
+    models=(
+        ModelSpec(name="qwen-image", family="qwen-image", media="image", checkpoint_class="QwenImagePipeline",
+                  folder="Qwen-Image", source="Qwen/Qwen-Image", height=1328, width=1328, steps=50, guidance=4.0,
+                  negative_prompt=" ", architecture=QWEN_IMAGE_ARCHITECTURE),
+    ),
+)
+
+BUILT_IN = (FLUX, COSMOS, COSMOS3, FLUX2, WAN, QWEN_IMAGE)

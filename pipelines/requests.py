@@ -178,6 +178,17 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     )
 
 
+def qwen_image_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
+    """Qwen-Image: sizes a multiple of the VAE's spatial factor x the transformer's 2x2 packing (16); its rotary
+    table (4096 positions from the image's centre, the text after the image's) bounds no size below 4096 px,
+    the largest served, as for FLUX."""
+    vae = read_component_config(folder, "vae")
+    transformer = read_component_config(folder, "transformer")
+    spatial = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
+    multiple = spatial * int(transformer.get("patch_size", 2))
+    return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
+
+
 def _as_int(name: str, value: Any, allowed: str) -> int:
     """`value` as a whole number: an int, a float or a string (CSV and API clients) that is one (2.0 is 2).
     Anything else, 2.5 included, is refused rather than rounded: the person meant something else.

@@ -161,3 +161,19 @@ def wan_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: torc
     p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
     tokens = (frames // p_t) * (height // p_h) * (width // p_w)
     return {**inputs, "timestep": torch.full((batch,), 500.0, device=device), "return_dict": False}, tokens
+
+
+def qwen_image_inputs(config: dict[str, Any], shape: Shape, *, batch: int, device: torch.device,
+                      dtype: torch.dtype) -> tuple[dict[str, Any], int]:
+    """QwenImageTransformer2DModel keyword arguments for a packed latent of `shape` (2x2 latent patches):
+    shape.text_tokens prompt embeddings (all real: no mask), the image's grid in img_shapes per sample."""
+    rows, cols = shape.height // (VAE_SPACE * 2), shape.width // (VAE_SPACE * 2)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(batch, rows * cols, config.get("in_channels", 64), generator=g),
+        encoder_hidden_states=torch.randn(batch, shape.text_tokens, config.get("joint_attention_dim", 3584),
+                                          generator=g),
+        timestep=torch.full((batch,), 0.5),
+    )
+    inputs = {k: v.to(device, dtype) for k, v in inputs.items()}
+    return {**inputs, "img_shapes": [[(1, rows, cols)]] * batch, "return_dict": False}, rows * cols

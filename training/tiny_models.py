@@ -21,24 +21,29 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     Cosmos3OmniTransformer,
     CosmosTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
     UniPCMultistepScheduler,
     WanTransformer3DModel,
 )
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import (
+    AddedToken,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTokenizer,
     Mistral3Config,
     Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen3Config,
     Qwen3ForCausalLM,
     T5Config,
@@ -460,6 +465,81 @@ def write_tiny_wan(spec: ModelSpec, folder: Path) -> None:
     """A tiny random Wan 2.1 text-to-video checkpoint in `folder` (the Wan record's tiny_checkpoint; one for every
     checkpoint of the family)."""
     save_wan(folder, wan_components(seed=0))
+
+
+QWEN_IMAGE_TINY_TRANSFORMER = dict(
+    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=12,
+    joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
+)
+"""Qwen-Image's transformer shrunk: 12 heads (split by 2, 3 and 4 ranks) of 8 dims (rotary sections 2, 2, 4),
+two blocks; 16 input channels are the tiny VAE's 4-channel latent in 2x2 patches, 16 text channels the tiny
+Qwen2.5-VL encoder's width."""
+
+
+def qwen_image_tokenizer() -> PreTrainedTokenizerFast:
+    """qwen_chat_tokenizer with its newline a token: QwenImagePipeline drops the first 34 tokens of its prompt
+    template (the system message and the user turn's start, as Qwen's tokenizer splits them, newlines
+    included), and with newlines as tokens this tokenizer splits that prefix into 34 too."""
+    tokenizer = qwen_chat_tokenizer()
+    tokenizer.add_tokens([AddedToken("\n", normalized=False)])
+    return tokenizer
+
+
+def qwen_image_components(seed: int) -> dict:
+    """Qwen-Image's component set, shrunk and random: a Qwen2.5-VL text encoder (a one-layer vision tower it
+    never uses for text) under qwen_image_tokenizer, Qwen-Image's VAE (8x, one frame) with per-channel
+    latent statistics, the transformer (QWEN_IMAGE_TINY_TRANSFORMER) and the scheduler as Qwen/Qwen-Image
+    ships it (dynamic exponential shift, terminal shift 0.02)."""
+    width = QWEN_IMAGE_TINY_TRANSFORMER["joint_attention_dim"]
+    tokenizer = qwen_image_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                         bos_token_id=0, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
+                           fullatt_block_indexes=[0]),
+        bos_token_id=0, eos_token_id=2, pad_token_id=0)).eval()
+    z_dim = QWEN_IMAGE_TINY_TRANSFORMER["out_channels"]
+    torch.manual_seed(seed + 1)
+    statistics = torch.Generator().manual_seed(seed)  # as a trained VAE has them: decode's de-normalisation is exercised
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=(torch.randn(z_dim, generator=statistics) * 0.5).tolist(),
+        latents_std=(torch.rand(z_dim, generator=statistics) + 0.5).tolist(),
+    ).eval()
+    torch.manual_seed(seed + 2)
+    transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TINY_TRANSFORMER).eval()
+    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
+        for parameter in transformer.parameters():
+            parameter.normal_(0.0, 0.1)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "transformer": transformer,
+            "scheduler": scheduler}
+
+
+def save_qwen_image(folder: Path, parts: dict) -> None:
+    """Write qwen_image_components' parts as a diffusers QwenImagePipeline folder (replacing `folder`)."""
+    _save_parts(folder, parts)
+    write_model_index(
+        folder,
+        "QwenImagePipeline",
+        {
+            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+            "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+            "tokenizer": ("transformers", type(parts["tokenizer"]).__name__),
+            "transformer": ("diffusers", "QwenImageTransformer2DModel"),
+            "vae": ("diffusers", "AutoencoderKLQwenImage"),
+        },
+    )
+
+
+def write_tiny_qwen_image(spec: ModelSpec, folder: Path) -> None:
+    """A tiny random Qwen-Image checkpoint in `folder` (the Qwen-Image record's tiny_checkpoint)."""
+    save_qwen_image(folder, qwen_image_components(seed=0))
 
 
 def _save_parts(folder: Path, parts: dict) -> None:

@@ -1,0 +1,200 @@
+"""Qwen-Image text-to-image on diffusers' QwenImagePipeline components, in three stages.
+
+    encode (rank 0: Qwen2.5-VL)  ->  denoise (every rank)  ->  decode (rank 0: Qwen-Image VAE)
+
+The prompt encoding (Qwen-Image's system template, its first 34 tokens dropped, the last hidden layer),
+the noise's shape and packing, the timesteps (dynamic shift from the image's token count), the
+classifier-free guidance with its norm rescaling, the unpacking and the latent de-normalisation are
+diffusers' QwenImagePipeline's own (rank 0 builds one over the loaded parts and calls its encode_prompt;
+every rank uses its static packing helpers and calculate_shift), so our image equals its image
+(tests/test_pipelines_qwen_image.py). What differs is where things run, and how the text is masked:
+- only rank 0 loads the text encoder and the VAE;
+- the transformer is called without an attention mask (encoder_hidden_states_mask=None), which the split
+  attention of engines.generic requires: each prompt is encoded on its own and kept to its real tokens, so
+  every text token is real and the mask would be all True (diffusers then passes None too);
+- classifier-free guidance (`guidance` above 1 is Qwen-Image's true_cfg_scale) makes two transformer calls
+  a step, the prompt's and the negative prompt's, as diffusers does: the two have their own lengths, and
+  without a mask they cannot share one batch, so --cfg-parallel does not apply (the record says
+  guidance_batch=False);
+- the VAE decode runs whole on rank 0: pipelines.split_vae does not know AutoencoderKLQwenImage's decoder
+  (decode_is_split says so).
+Qwen-Image-Edit (a reference image through the vision tower and the VAE) is not offered.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from pipelines.loading import TransformerShare, load_parts
+from pipelines.registry import ModelSpec, read_component_config
+from pipelines.requests import GenerationRequest
+from pipelines.stages import StagedPipeline
+
+StepCallback = Callable[[int, int], None]
+
+PACK = 2
+"""Latent rows and columns per token: QwenImagePipeline's packing helpers take 2x2 patches."""
+
+
+@dataclass(kw_only=True)
+class QwenImageConditioning:
+    """What rank 0 encodes once and every rank's transformer needs."""
+
+    prompt_embeds: torch.Tensor
+    """[1, L, D]: the prompt's last hidden states, its real tokens only."""
+    negative_embeds: torch.Tensor | None = None
+    """[1, L', D]: the negative prompt's, when guidance is on (above 1); None otherwise."""
+
+
+class QwenImageImagePipeline(StagedPipeline):
+    """Prompt -> image with a QwenImageTransformer2DModel."""
+
+    COMPONENT_DTYPES: dict[str, torch.dtype] = {}
+    """Components kept in their own dtype whatever the run's: none."""
+
+    def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
+                 text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.folder = folder
+        self.device = torch.device(device)
+        self.transformer_config = transformer.config
+        self.transformer: Any = transformer
+        self.dtype = transformer.dtype
+        self.scheduler = scheduler
+        self.vae = vae
+        vae_config = read_component_config(folder, "vae")
+        # QwenImagePipeline reads it from the loaded VAE, which ranks > 0 lack: the same from its config
+        self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))
+        self.vae_spatial_factor = self.vae_scale_factor
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * PACK)
+        # diffusers' pipeline over the same parts: its prompt encoding.
+        self._diffusers = None
+        if text_encoder is not None:
+            self._diffusers = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                                                tokenizer=tokenizer, transformer=transformer)
+
+    @classmethod
+    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    with_vae: bool | None = None,
+                    share: TransformerShare | None = None) -> QwenImageImagePipeline:
+        """Load from a diffusers QwenImagePipeline folder; `with_encoders=False` skips the text encoder and
+        tokenizer (ranks > 0), and the VAE too unless `with_vae`."""
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
+        return cls(spec=spec, folder=folder, device=device, **parts)
+
+    def _grid(self, request: GenerationRequest) -> tuple[int, int]:
+        """Rows and columns of packed latent tokens (VAE factor x 2x2 patches per token)."""
+        step = self.vae_scale_factor * PACK
+        return request.height // step, request.width // step
+
+    # --- rank 0 ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, request: GenerationRequest) -> QwenImageConditioning:
+        """The prompt's embeddings, and the negative prompt's when guidance is on (above 1)."""
+        pipe = self._diffusers
+        if pipe is None:
+            raise RuntimeError("this pipeline was loaded without text encoder (with_encoders=False)")
+        guided = request.guidance > 1.0
+        prompts = (request.prompt, request.negative_prompt) if guided else (request.prompt,)
+        length = self.spec.max_sequence_length
+
+        def encode() -> list[torch.Tensor]:
+            return [self._encode_one(pipe, prompt, length) for prompt in prompts]
+
+        embeds = self.cached_text(("qwen-image", prompts, length), encode)
+        return QwenImageConditioning(prompt_embeds=embeds[0], negative_embeds=embeds[1] if guided else None)
+
+    def _encode_one(self, pipe: QwenImagePipeline, prompt: str, length: int) -> torch.Tensor:
+        """One prompt alone through diffusers' encode_prompt (a batch of one has no padding), kept to the tokens
+        its mask marks real: every token the transformer then sees is real, so it needs no mask."""
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=self.device, max_sequence_length=length)
+        if mask is not None:
+            embeds = embeds[:, mask[0].bool()]
+        return embeds
+
+    # --- every rank -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def denoise(self, request: GenerationRequest, cond: QwenImageConditioning,
+                on_step: StepCallback | None = None) -> torch.Tensor:
+        """The flow-matching loop from the seed's noise; returns packed latents [1, tokens, C]."""
+        self.apply_loras(request)
+        device = self.device
+        text = cond.prompt_embeds.to(device)
+        negative = cond.negative_embeds.to(device) if cond.negative_embeds is not None else None
+        rows, cols = self._grid(request)
+        channels = self.transformer_config.in_channels // (PACK * PACK)
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        # QwenImagePipeline.prepare_latents: one frame of noise in the prompt's dtype, packed into 2x2 patches
+        noise = randn_tensor((1, 1, channels, rows * PACK, cols * PACK), generator=generator,
+                             device=device, dtype=text.dtype)
+        latents = QwenImagePipeline._pack_latents(noise, 1, channels, rows * PACK, cols * PACK)
+        img_shapes = [[(1, rows, cols)]]
+
+        config = self.scheduler.config
+        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        scheduler = copy.deepcopy(self.scheduler)  # the step index lives on the instance
+        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
+        timesteps, _ = retrieve_timesteps(scheduler, request.steps, device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+
+        def predict(embeds: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+            return self.transformer(hidden_states=latents.to(self.dtype), timestep=timestep / 1000,
+                                    encoder_hidden_states=embeds.to(self.dtype), encoder_hidden_states_mask=None,
+                                    img_shapes=img_shapes, attention_kwargs={}, return_dict=False)[0]
+
+        for i, t in enumerate(timesteps):
+            timestep = t.expand(1).to(latents.dtype)
+            with self.cache_step(request, i, len(timesteps)):
+                prediction = predict(text, timestep)
+                if negative is not None:
+                    unconditional = predict(negative, timestep)
+            if negative is not None:
+                combined = unconditional + request.guidance * (prediction - unconditional)
+                # Qwen-Image's rescaling: the guided prediction keeps the conditional one's norm per token
+                prediction = combined * (torch.norm(prediction, dim=-1, keepdim=True)
+                                         / torch.norm(combined, dim=-1, keepdim=True))
+            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                on_step(i + 1, len(timesteps))
+        return latents
+
+    # --- rank 0 ---------------------------------------------------------------------------------
+
+    def decode_is_split(self, request: GenerationRequest) -> bool:
+        """Never: pipelines.split_vae does not know AutoencoderKLQwenImage's decoder, so rank 0 decodes whole."""
+        return False
+
+    @torch.no_grad()
+    def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image:
+        """Unpack, de-normalise with the VAE's latent statistics and VAE-decode the one frame."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        config = self.vae.config
+        latents = QwenImagePipeline._unpack_latents(latents.to(self.device), request.height, request.width,
+                                                    self.vae_scale_factor).to(self.vae.dtype)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        image = self.decode_latents(request, latents / inverse_std + mean)[:, :, 0]  # QwenImagePipeline's arithmetic
+        return self.image_processor.postprocess(image, output_type="pil")[0]
+
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:
+        """All three stages in one process."""
+        return self.decode(request, self.denoise(request, self.encode(request), on_step))
