@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from tests.helpers import cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos, tiny_flux
+from tests.test_engines_generic import QWEN_TINY, WAN_TINY, qwen_inputs, wan_inputs
 
 
 # (model, strategy, backend)
@@ -32,7 +33,27 @@ CASES = [
     ("cosmos", "ulysses", "aot_eager"),
     ("cosmos", "ring", "aot_eager"),
     ("cosmos", "cfg", "aot_eager"),
+    ("wan", "ulysses", "aot_eager"),  # the generic path (engines/generic.py): hooks and the wrapped dispatch
+    ("wan", "ring", "aot_eager"),
+    ("qwen", "allgather", "aot_eager"),
 ]
+
+
+def _wan() -> torch.nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(**WAN_TINY)
+
+
+def _qwen() -> torch.nn.Module:
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(**QWEN_TINY)
+
+
+MODELS = {"flux": tiny_flux, "cosmos": tiny_cosmos, "wan": _wan, "qwen": _qwen}
+INPUTS = {"flux": lambda: flux_inputs((3, 3), 5), "cosmos": lambda: cosmos_inputs((3, 3, 3)),
+          "wan": lambda: wan_inputs(False), "qwen": lambda: qwen_inputs(False)}
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -50,14 +71,20 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     results = []
     for name, strategy, backend in CASES:
         torch.manual_seed(0)
-        model = randomize(tiny_flux() if name == "flux" else tiny_cosmos())
+        model = randomize(MODELS[name]())
         torch.manual_seed(1)
         # token counts that 2 does not divide: the padded path is the one compiled
-        kwargs = flux_inputs((3, 3), 5) if name == "flux" else cosmos_inputs((3, 3, 3))
+        kwargs = INPUTS[name]()
         plan = ParallelPlan(cfg=2) if strategy == "cfg" else ParallelPlan.auto(world_size, 6, strategy=strategy)
         torch._dynamo.reset()
         with torch.no_grad():
-            parallel = parallelize(model, ctx, plan)
+            if name == "qwen":  # its family's record names this adapter
+                from engines.generic import parallelize_joint
+                from engines.parallelize import parallelize_transformer
+
+                parallel = parallelize_transformer(model, ctx, plan, parallelize_joint)
+            else:
+                parallel = parallelize(model, ctx, plan)
             eager = parallel(**kwargs)[0]
             compiled = torch.compile(parallel, fullgraph=True, backend=backend)(**kwargs)[0]
             parallel.restore()
