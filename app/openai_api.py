@@ -428,8 +428,10 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
     async def models(request: Request) -> Response:
         data = [{"id": model.spec.name, "object": "model", "created": created, "owned_by": "ulysses-studio",
                  "media": model.spec.media, "default_size": f"{model.spec.width}x{model.spec.height}",
-                 "size_multiple": model.limits.size_multiple, "takes_input": model.limits.reference_image
-                 or model.spec.media == "video", "loras": dict(model.limits.loras)} for model in runtime.models.values()]
+                 "size_multiple": model.limits.size_multiple,
+                 "takes_input": (model.limits.video_input if model.spec.media == "video"
+                                 else model.limits.reference_image),
+                 "loras": dict(model.limits.loras)} for model in runtime.models.values()]
         return JSONResponse({"object": "list", "data": data})
 
     async def images(request: Request, fields: dict[str, Any], condition: Path | None) -> Response:

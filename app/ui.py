@@ -256,14 +256,16 @@ def _restored_loras(used: dict[str, Any], scale: gr.Slider | None) -> tuple:
 
 def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
                status_line: gr.Markdown, step_cache: str | None) -> None:
-    gr.Markdown(f"Text or image/video to video with **{model.spec.name}**.")
+    takes_input = model.limits.video_input
+    gr.Markdown(f"Text{' or image/video' if takes_input else ''} to video with **{model.spec.name}**.")
     with gr.Row():
         with gr.Column():
             prompt = gr.Textbox(label="Prompt", lines=2, elem_id="video-prompt")
             _examples(model, prompt)
             negative_prompt = gr.Textbox(label="Negative prompt", value=model.spec.negative_prompt, lines=1)
             condition = gr.File(label="Input image or video (optional, video-to-world; deleted after use)",
-                                type="filepath", value=None, height=120, elem_id="video-condition")
+                                type="filepath", value=None, height=120, elem_id="video-condition",
+                                visible=takes_input)  # hidden, not left out: the API keeps its arguments
             with gr.Row():
                 frames = gr.Number(label=f"Frames (1 + a multiple of {model.limits.frame_multiple})",
                                    value=model.spec.frames)

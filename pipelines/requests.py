@@ -59,6 +59,9 @@ class MediaLimits:
     under its image name, so its video name starts above one)."""
     reference_image: bool = False
     """An image request may bring a reference image (FLUX.2's image-conditioned generation)."""
+    video_input: bool = True
+    """A video request may bring an input image or video whose frames it continues (video-to-world); False:
+    videos from text alone (Wan 2.1 text-to-video)."""
     loras: tuple[tuple[str, float], ...] = ()
     """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
     names no LoRA uses (serve's requests name none by default: app.submit)."""
@@ -161,7 +164,7 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     """Wan 2.1: sizes a multiple of the VAE's spatial factor x the transformer's patch (16), up to the long side
     of the checkpoint's published resolution in either orientation (its default size: 832 for 480p, 1280 for
     720p) and within its rotary table (rope_max_seq_len patches a side); frames 1 + k x the VAE's temporal
-    factor (4), up to the checkpoint's published length (its default, 81)."""
+    factor (4), up to the checkpoint's published length (its default, 81); text alone, no input frames."""
     vae = read_component_config(folder, "vae")
     transformer = read_component_config(folder, "transformer")
     spatial = int(vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"])))
@@ -175,6 +178,7 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
         max_width=min(side, table * patch_w * spatial),
         frame_multiple=temporal,
         max_frames=min(spec.frames, (table * patch_t - 1) * temporal + 1),
+        video_input=False,
     )
 
 
@@ -468,7 +472,10 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
             problems.check(_check_video_frames, limits, frames)
         if fps is not None:
             problems.check(_check_fps, fps)
-        if condition is not None:
+        if condition is not None and not limits.video_input:
+            problems.messages.append(
+                f"model '{spec.name}' makes videos from text alone; it takes no input image or video")
+        elif condition is not None:
             condition = problems.check(_check_condition, condition)
 
     lora = problems.check(_check_lora, limits, given.get("lora", limits.loras), spec.name)

@@ -95,6 +95,8 @@ def test_limits_from_the_configs_and_bad_requests_refused(folder: Path) -> None:
         make_request(spec, limits, prompt=PROMPT, width=40)
     with pytest.raises(RequestError, match="frames 8 is not 1 \\+ a multiple of 4"):
         make_request(spec, limits, prompt=PROMPT, frames=8)
+    with pytest.raises(RequestError, match="makes videos from text alone; it takes no input image or video"):
+        make_request(spec, limits, prompt=PROMPT, condition=str(path / "start.png"))
     with pytest.raises(RequestError, match="guidance must be above 1 here"):
         make_request(spec, read_limits(spec, path, cfg_parallel=True), prompt=PROMPT, guidance=1.0)
 

@@ -427,7 +427,7 @@ def wan_components(seed: int) -> dict:
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False)).eval()
     z_dim = WAN_TINY_TRANSFORMER["in_channels"]
     torch.manual_seed(seed + 1)
-    statistics = torch.Generator().manual_seed(seed)  # as a trained VAE has them: decode's de-normalisation is exercised
+    statistics = torch.Generator().manual_seed(seed)  # as a trained VAE has them: decode's de-normalisation runs
     vae = AutoencoderKLWan(
         base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
         temperal_downsample=[False, True, True],
