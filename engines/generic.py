@@ -85,10 +85,10 @@ class SequenceSplit:
                              "attention needs one (give its family a plan that leaves masked tokens out)")
         if scale is not None and abs(scale - query.shape[-1] ** -0.5) > 1e-12:
             raise ValueError(f"the split attention uses the softmax scale 1/sqrt(head dim); this model asks {scale}")
-        missing = [name for name in self.segments if name not in self.state.lengths]
-        if missing:
-            raise RuntimeError(f"the attention's segments {missing} were not split before it: check the plan")
-        layout = ShardLayout(lengths=tuple(self.state.lengths[name] for name in self.segments), degree=self.degree)
+        lengths = tuple(self.state.lengths[name] for name in self.segments if name in self.state.lengths)
+        if not lengths:  # an optional stream (a reference image's tokens) may be absent, not all of them
+            raise RuntimeError(f"none of the attention's segments {self.segments} was split before it: check the plan")
+        layout = ShardLayout(lengths=lengths, degree=self.degree)
         return self.attention(query, key, value, layout=layout)
 
 
@@ -140,11 +140,12 @@ class ParallelGeneric(ParallelTransformer):
     """A `_cp_plan` transformer across ranks; same call as the model, full output on every rank."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, replaced: list, plan: dict[str, Any], *,
-                 state: _CallState, stream: str, per_sample: tuple[str, ...]) -> None:
+                 state: _CallState, stream: str, per_sample: tuple[str, ...], shared: tuple[str, ...]) -> None:
         super().__init__(model, mesh, replaced)
         self.plan = plan
         self.stream = stream
         self.per_sample = per_sample
+        self.shared = shared
         self._state = state
         self._signature = inspect.signature(model.forward)
         self._hooks: dict[tuple[str, int], tuple[nn.Module, list[Any]]] = {}
@@ -159,7 +160,7 @@ class ParallelGeneric(ParallelTransformer):
         hidden = next(value for value in arguments.values() if isinstance(value, torch.Tensor))
         batch = hidden.shape[0]
         check_batch(batch, mesh)
-        arguments = {name: _split_batch(value, mesh, batch, name in self.per_sample)
+        arguments = {name: value if name in self.shared else _split_batch(value, mesh, batch, name in self.per_sample)
                      for name, value in arguments.items()}
         self._state.lengths.clear()
         self.real_tokens = None
@@ -277,14 +278,30 @@ def context_parallel_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Sequence[str] = ("hidden_states",),
-                    stream: str = "hidden_states",
-                    per_sample: Sequence[str] = ()) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
+Segments = Sequence[str] | dict[str, Sequence[str]]
+"""The split streams an attention attends, in the order its processor concatenates them (names the plan splits
+under); streams absent from a call (an optional reference image) are left out. One tuple for every attention, or
+per attention module path prefix (the longest that matches; "" for the rest): FLUX.3's per-mode blocks attend one
+stream each, its joint blocks all of them."""
+
+
+def _segments_of(segments: Segments, name: str) -> tuple[str, ...]:
+    if not isinstance(segments, dict):
+        return tuple(segments)
+    matches = [prefix for prefix in segments if prefix == "" or name == prefix or name.startswith(prefix + ".")]
+    if not matches:
+        raise ValueError(f"no attention segments declared for {name}")
+    return tuple(segments[max(matches, key=len)])
+
+
+def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = ("hidden_states",),
+                    stream: str = "hidden_states", per_sample: Sequence[str] = (),
+                    shared: Sequence[str] = ()) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
     """A family's parallelize function on the generic path: `plan` in diffusers' `_cp_plan` form (default the
-    class's own); `segments`, the split streams in the order the processors concatenate them for attention;
-    `stream`, the blocks' main stream (the one the output gather cuts back to its length, the step cache
-    measures); `per_sample`, arguments that are lists of one entry per sample (split with the batch over CFG
-    groups, as tensors are)."""
+    class's own); `segments`, what each attention attends (Segments); `stream`, the blocks' main stream (the
+    one the output gather cuts back to its length, the step cache measures); `per_sample`, arguments that are
+    lists of one entry per sample (split with the batch over CFG groups, as tensors are); `shared`, tensors
+    that are the same for every sample and have no batch dimension (position ids), left whole."""
 
     def parallelize(model: nn.Module, mesh: ParallelMesh) -> ParallelGeneric:
         cp_plan = plan if plan is not None else context_parallel_plan(model)
@@ -294,21 +311,24 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Sequence[st
         state = _CallState()
         replaced = []
         if mesh.plan.seq_degree > 1:
-            split = SequenceSplit(mesh, state, tuple(segments))
-            for module in model.modules():
+            splits: dict[tuple[str, ...], SequenceSplit] = {}
+            for name, module in model.named_modules():
                 processor = getattr(module, "processor", None)
                 if processor is None or not hasattr(processor, "_parallel_config"):
                     continue
                 _install_dispatch(type(processor).__module__)
+                attends = _segments_of(segments, name)
+                if attends not in splits:
+                    splits[attends] = SequenceSplit(mesh, state, attends)
                 mine = copy.copy(processor)
-                mine._parallel_config = split
+                mine._parallel_config = splits[attends]
                 replaced.append((module, processor))
                 module.set_processor(mine)
             if not replaced:
                 raise ValueError(f"{type(model).__name__}'s attention processors take no parallel_config: the "
                                  "generic context-parallel path cannot reach them")
         return ParallelGeneric(model, mesh, replaced, cp_plan, state=state, stream=stream,
-                               per_sample=tuple(per_sample))
+                               per_sample=tuple(per_sample), shared=tuple(shared))
 
     return parallelize
 

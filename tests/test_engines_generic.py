@@ -6,7 +6,9 @@ Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy
 - Qwen-Image: text and image tokens split each with its own padding (7 and 15 tokens) and joined text-first in
   the attention; with a reference image's tokens after the image's (Qwen-Image-Edit, 30 tokens), and
   Qwen-Image-Edit-2509's zero_cond_t variant (a per-token modulation index, split in every block, and the
-  per-sample image shapes split with the batch over CFG groups).
+  per-sample image shapes split with the batch over CFG groups);
+- FLUX.3, by our plan (engines/flux3.py): text, image and reference-image tokens each split on entry, per-mode
+  blocks attending one stream each and joint blocks all three (7 + 15 + 6 tokens).
 """
 
 from __future__ import annotations
@@ -53,6 +55,24 @@ def qwen_inputs(edit: bool) -> dict:
                 timestep=torch.tensor([0.7, 0.7]), img_shapes=[shapes] * 2, return_dict=False)
 
 
+FLUX3_TINY = dict(in_channels=8, cond_in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=8,
+                  num_attention_heads=HEADS, joint_attention_dim=16, timestep_channels=32, axes_dims_rope=(2, 2, 2, 2))
+
+
+def flux3_inputs(reference: bool) -> dict:
+    h, w = QWEN_GRID
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(h).float(), torch.arange(w).float(), torch.zeros(1),
+                          indexing="ij")
+    img_ids = torch.stack(grid, -1).reshape(-1, 4)
+    txt_ids = torch.zeros(7, 4)
+    txt_ids[:, 3] = torch.arange(7)
+    kwargs = dict(hidden_states=torch.randn(2, h * w, 8), encoder_hidden_states=torch.randn(2, 7, 16),
+                  timestep=torch.tensor([0.7, 0.7]), img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+    if reference:  # a reference image of 6 tokens at time coordinate 1
+        kwargs.update(image_cond_hidden_states=torch.randn(2, 6, 8), image_cond_ids=img_ids[:6] + torch.tensor([1.0, 0, 0, 0]))
+    return kwargs
+
+
 def wan_inputs(per_token_timestep: bool) -> dict:
     frames, height, width = LATENTS
     tokens = frames * (height // 2) * (width // 2)
@@ -84,7 +104,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from diffusers import WanTransformer3DModel
 
     from engines.distributed import init_parallel, shutdown
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import Flux3Transformer2DModel, QwenImageTransformer2DModel
+
+    from engines.flux3 import parallelize_flux3
 
     from engines.generic import parallelize_generic, parallelize_joint
     from engines.parallelize import parallelize_transformer
@@ -94,7 +116,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     models = {"wan": (randomize(WanTransformer3DModel(**WAN_TINY)), wan_inputs, parallelize_generic),
               "qwen": (randomize(QwenImageTransformer2DModel(**QWEN_TINY)), qwen_inputs, parallelize_joint),
               "qwen-edit": (randomize(QwenImageTransformer2DModel(**QWEN_TINY, zero_cond_t=True)), qwen_inputs,
-                            parallelize_joint)}
+                            parallelize_joint),
+              "flux3": (randomize(Flux3Transformer2DModel(**FLUX3_TINY)), flux3_inputs, parallelize_flux3)}
     results = []
     for plan in plans(ctx.world_size):
         for (name, (model, inputs, adapter)), variant in itertools.product(models.items(), (False, True)):
@@ -115,7 +138,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                                 err=(got - expected).abs().max().item(), scale=expected.abs().max().item(),
                                 restored=(again - expected).abs().max().item(), split_calls=len(split_calls),
                                 seq_degree=plan.seq_degree, real_tokens=parallel.real_tokens,
-                                tokens=45 if name == "wan" else kwargs["hidden_states"].shape[1]))
+                                tokens=45 if name == "wan" else kwargs["hidden_states"].shape[1],
+                                attentions=(4 + variant) if name == "flux3" else 2))  # FLUX.3: per mode, joint
     Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(results))
     shutdown(ctx)
 
@@ -132,12 +156,12 @@ def test_wan_and_qwen_image_by_their_diffusers_plans_match_one_process(world_siz
             assert r["err"] <= TOLERANCE, f"{case}: max error {r['err']:.3g}"
             assert r["restored"] == 0.0 or "tp" in r["plan"], case
             if r["seq_degree"] > 1:  # the tokens were split: both blocks' self-attention ran split, on a shard
-                assert r["split_calls"] == WAN_TINY["num_layers"], case
+                assert r["split_calls"] == r["attentions"], case
                 tokens = r["tokens"]
                 assert r["real_tokens"][1] <= -(-tokens // r["seq_degree"]), case
             count += 1
     tp_plans = sum(plan.tp > 1 for plan in plans(world_size))
-    assert count == world_size * (len(plans(world_size)) * 5 - tp_plans * 2)
+    assert count == world_size * (len(plans(world_size)) * 7 - tp_plans * 2)
 
 
 def test_a_model_whose_attention_normalizes_across_heads_is_refused_tensor_parallelism() -> None:
