@@ -1,6 +1,6 @@
 """Wan 2.1 text-to-video through the app, as users run it: generate an MP4 from an unchanged diffusers WanPipeline
-folder, a batch of two lines, and the same video from 2 ranks with the guidance branches on two rank groups
-(--cfg-parallel, the generic context-parallel engine).
+folder, a batch of two lines, requests it cannot run refused before any rank starts, and the same video from
+2 ranks with the guidance branches on two rank groups (--cfg-parallel, the generic context-parallel engine).
 
 The checkpoint is training.tiny_models' tiny random Wan folder, run under the wan2.1-t2v-1.3b name.
 """
@@ -69,6 +69,20 @@ def test_batch_of_two_lines(folder: Path, tmp_path: Path) -> None:
     assert [entry["settings"]["guidance"] for entry in entries] == [5.0, 1.0]
     for entry in entries:
         assert frames_of(out / entry["file"]).shape == (5, 48, 64, 3)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--input", "start.png"], "makes videos from text alone; it takes no input image or video"),
+    (["--size", "1280x720"], "width 1280 is too large: at most 832"),
+])
+def test_bad_request_refused_before_the_ranks_start(folder: Path, tmp_path: Path, args: list[str],
+                                                    message: str) -> None:
+    result = app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--prompt", "a circle",
+                 "--out", str(tmp_path / "x.mp4"), *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "rank" not in result.stderr.lower()  # refused by the launcher's checks: no rank was started
+    assert not (tmp_path / "x.mp4").exists()
 
 
 def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Path, tmp_path: Path) -> None:
