@@ -3,8 +3,8 @@
 The architectures are the published diffusers configs: FLUX.1-dev's components, the
 Cosmos-Predict2 Video2World transformers as written by diffusers' convert_cosmos_to_diffusers.py
 ("Cosmos-2.0-Diffusion-2B/14B-Video2World") with their T5-11B encoder and Wan 2.1 VAE, and Cosmos 3
-Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein and Wan 2.1 text-to-video as their
-transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images: its video name
+Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein, Wan 2.1 text-to-video and Qwen-Image (with
+Qwen2.5-VL-7B's config) as their transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images: its video name
 serves videos (5 frames and more) and its "-image" name, the same folder, one-frame images.
 """
 
