@@ -27,8 +27,9 @@ from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
 """How often the main loop looks at the other groups' threads as they end."""
-TAKE_SECONDS = 0.02
-"""How often an idle group looks for a job (and at its heartbeat clock, the stop flag, the layout)."""
+IDLE_SECONDS = 0.1
+"""The longest an idle group waits before it looks again at its heartbeat clock, the stop flag and the other groups
+(a job that arrives wakes it at once: JobQueue.wait_for_job)."""
 
 
 class ServiceClosed(RuntimeError):
@@ -158,6 +159,8 @@ class JobQueue:
         self.max_waiting = max_waiting
         self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        """Notified as a job is queued or the queue closes: wakes the idle groups (wait_for_job)."""
         self._closed_because: str | None = None
         self._taken: list[Job] = []
         """Jobs taken by a group (the ended ones are dropped as more are taken): what runs, and what a
@@ -175,7 +178,14 @@ class JobQueue:
                 raise ServiceBusy(f"the server is busy: its queue is full ({self._queue.qsize()} waiting, "
                                   f"--max-queue {self.max_waiting}); try again in a while")
             self._queue.put(job)
+            self._arrived.notify_all()
         return job
+
+    def wait_for_job(self, timeout: float) -> None:
+        """Return once a job waits or the queue is closed, or after `timeout` seconds (an idle group's wait)."""
+        with self._arrived:
+            if self._queue.empty() and self._closed_because is None:
+                self._arrived.wait(timeout)
 
     def snapshot(self) -> tuple[list[Job], list[Job]]:
         """The running jobs and the jobs still wanted that wait, in order (for the status line)."""
@@ -188,6 +198,7 @@ class JobQueue:
         """The next job that is still wanted (now a running one), or None if none arrives within `timeout`
         seconds. Cancelled ones are failed with their reason on the way. `on_take` runs as a job is taken,
         under the queue's lock (so that a job is never seen neither waiting nor taken)."""
+        deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 try:
@@ -200,13 +211,12 @@ class JobQueue:
                     if on_take is not None:
                         on_take()
                     return job
-            if job is None:
-                if timeout <= 0:
-                    return None
-                wait = min(timeout, 0.02)
-                time.sleep(wait)
-                timeout -= wait
-                continue
+                if job is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._closed_because is not None:
+                        return None
+                    self._arrived.wait(remaining)
+                    continue
             job.fail(job.cancelled)
 
     def waiting(self) -> int:
@@ -223,6 +233,7 @@ class JobQueue:
         """Refuse new jobs and fail the waiting ones with `reason`."""
         with self._lock:
             self._closed_because = reason
+            self._arrived.notify_all()
         while True:
             try:
                 self._queue.get_nowait().fail(reason)
@@ -341,7 +352,7 @@ def _serve_layout(workers: list[Worker], jobs: JobQueue, stop: threading.Event, 
             try:
                 if job is None:
                     worker.keep_alive()
-                    time.sleep(TAKE_SECONDS)
+                    jobs.wait_for_job(IDLE_SECONDS)
                     continue
                 _run_job(worker, job, budget, on_end)
             except RankLost as error:
