@@ -18,7 +18,9 @@ every rank uses its static packing helpers and calculate_shift), so our image eq
   guidance_batch=False);
 - the VAE decode runs whole on rank 0: pipelines.split_vae does not know AutoencoderKLQwenImage's decoder
   (decode_is_split says so).
-Qwen-Image-Edit (a reference image through the vision tower and the VAE) is not offered.
+As in diffusers, the text is as long as the prompt is, not padded: a compiled engine (static shapes) builds
+once per distinct prompt length it meets. Qwen-Image-Edit (a reference image through the vision tower and
+the VAE) is not offered: its Qwen2VLProcessor needs torchvision, which the CPU test machine cannot have.
 """
 
 from __future__ import annotations
