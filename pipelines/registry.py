@@ -117,12 +117,28 @@ def _has_architecture(folder: Path, spec: ModelSpec) -> bool:
     return all(config[key] == value for key, value in published.items() if key in config)
 
 
+INDEX_FILES = ("model_index.json", "modular_model_index.json")
+"""What names a diffusers folder's pipeline class and components: a pipeline's model_index.json, or the
+modular_model_index.json of a folder that diffusers' modular pipelines save (FLUX.3)."""
+
+
+def has_model_index(folder: Path) -> bool:
+    """Whether `folder` is a diffusers model folder (it holds one of INDEX_FILES)."""
+    return any((folder / name).is_file() for name in INDEX_FILES)
+
+
 def read_model_index(folder: Path) -> dict:
-    """model_index.json of a diffusers-format folder, with a one-line error when it is missing."""
+    """model_index.json of a diffusers-format folder, with a one-line error when it is missing. A modular
+    folder's modular_model_index.json serves in its place, each component as model_index.json writes it,
+    (library, class): its third item, where to load the component from, is the folder's subfolder here."""
     index_path = folder / "model_index.json"
-    if not index_path.is_file():
+    if index_path.is_file():
+        return json.loads(index_path.read_text())
+    modular_path = folder / "modular_model_index.json"
+    if not modular_path.is_file():
         raise ModelNotFoundError(f"{folder} is not a diffusers model folder (no model_index.json in it)")
-    return json.loads(index_path.read_text())
+    index = json.loads(modular_path.read_text())
+    return {key: value[:2] if isinstance(value, list) and len(value) == 3 else value for key, value in index.items()}
 
 
 def resolve_model(name: str | None, model_path: str | Path | None) -> tuple[ModelSpec, Path]:
@@ -137,7 +153,7 @@ def resolve_model(name: str | None, model_path: str | Path | None) -> tuple[Mode
         return spec_for_folder(folder, name), folder
     spec = get_spec(name or DEFAULT_IMAGE_MODEL)
     folder = default_folder(spec)
-    if not (folder / "model_index.json").is_file():
+    if not has_model_index(folder):
         if spec.embedded:
             raise ModelNotFoundError(
                 f"embedded model '{spec.name}' is missing from {folder}; rebuild it with: python -m training.tiny_models"
