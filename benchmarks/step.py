@@ -88,6 +88,13 @@ def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
         return None
 
 
+def family_adapter(spec: BenchModel, which: str) -> str:
+    """The reference of the adapter `--adapter` names: the family record's own, or its generic-path one."""
+    if which == "generic" and spec.family.generic_parallelize:
+        return spec.family.generic_parallelize
+    return spec.family.parallelize
+
+
 def single_process_forward(spec: BenchModel, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The 1-GPU forward: the family's adapter on a mesh of one rank (the model's own submodules in
     its own order, no exchange; diffusers' Cosmos forward would need torchvision)."""
@@ -225,7 +232,8 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
     batch = args.batch or spec.family.bench.batch
     model = build_random(spec, device=device, dtype=dtype)
-    adapter = load(spec.family.parallelize)
+    adapter_name = family_adapter(spec, getattr(args, "adapter", "record"))
+    adapter = load(adapter_name)
     built = {s.label: spec.inputs(s, batch=batch, device=device, dtype=dtype) for s in shapes}
     inputs = {label: kwargs for label, (kwargs, _) in built.items()}
     tokens = {label: count for label, (_, count) in built.items()}
@@ -280,6 +288,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             ms=max(r[0] for r in ran), ms_per_rank=[r[0] for r in ran], pipelined_ms=max(r[4] for r in ran),
             peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
+            adapter=adapter_name.partition(":")[2] if plan is not None else None,
         ))
         if ctx.is_main:
             print(f"[benchmark] {spec.name} {mode} [{label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
@@ -593,6 +602,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each --strategies) and time that; the split is not undone, so it runs last (not with --fp8 "
                         "or --peers; the diffusers-native rows are left out)")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
+    p.add_argument("--adapter", choices=("record", "generic"), default="record",
+                   help="the family record's context-parallel adapter (default), or the generic path "
+                        "(engines/generic.py) for a family whose record has a hand-written one (FLUX.1, FLUX.2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")

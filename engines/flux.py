@@ -33,6 +33,7 @@ from diffusers.models.transformers.transformer_flux import FluxTransformer2DMode
 from torch import nn
 
 from engines.flux_attention import FluxContextParallelProcessor
+from engines.generic import generic_adapter
 from engines.flux_blocks import OverlappedSingleBlock
 from engines.flux_modulation import SharedModulation
 from engines.mesh import ParallelMesh
@@ -213,3 +214,10 @@ def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> Paral
         modulation = SharedModulation(model, *axes[0])
         modulation.install()
     return ParallelFlux(model, mesh, replaced, modulation)
+
+
+parallelize_flux_generic = generic_adapter(segments=("encoder_hidden_states", "hidden_states"),
+                                           shared=("img_ids", "txt_ids"), weights=flux_weights)
+"""FLUX.1 on the generic path (engines/generic.py), by diffusers' own plan: no overlapped single blocks, no shared
+modulation. The family's record keeps parallelize_flux until a GPU run of the step benchmark (--adapter generic)
+shows which is faster."""

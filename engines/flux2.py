@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
@@ -38,6 +39,7 @@ from torch import nn
 from engines.attention import split_attention
 from engines.flux import IMAGE, shard_joint_tokens
 from engines.flux_attention import FluxContextParallelProcessor
+from engines.generic import generic_adapter
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
@@ -193,3 +195,16 @@ def parallelize_flux2(model: Flux2Transformer2DModel, mesh: ParallelMesh) -> Par
         replaced = replace_processors([b.attn for b in model.transformer_blocks], FluxContextParallelProcessor(mesh))
         replaced += replace_processors([b.attn for b in model.single_transformer_blocks], Flux2SingleProcessor(mesh))
     return ParallelFlux2(model, mesh, replaced)
+
+
+_IDS = ContextParallelInput(split_dim=0, expected_dims=2)
+_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3)
+
+parallelize_flux2_generic = generic_adapter(
+    plan={"": {"hidden_states": _TOKENS, "encoder_hidden_states": _TOKENS, "img_ids": _IDS, "txt_ids": _IDS},
+          "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)},
+    segments=("encoder_hidden_states", "hidden_states"), shared=("img_ids", "txt_ids"), weights=flux2_weights)
+"""FLUX.2 on the generic path (engines/generic.py). diffusers' plan splits ids with a batch dimension ([B, S, 4]);
+our pipeline passes them without one ([S, 4], shared by the batch), so this plan splits them along their first.
+The family's record keeps parallelize_flux2 until a GPU run of the step benchmark (--adapter generic) shows which
+is faster."""

@@ -3,7 +3,8 @@
 The architectures are the published diffusers configs: FLUX.1-dev's components, the
 Cosmos-Predict2 Video2World transformers as written by diffusers' convert_cosmos_to_diffusers.py
 ("Cosmos-2.0-Diffusion-2B/14B-Video2World") with their T5-11B encoder and Wan 2.1 VAE, and Cosmos 3
-Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein, Wan 2.1 text-to-video and Qwen-Image (with
+Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein, Wan 2.1 text- and image-to-video (its CLIP
+ViT-H/14 image encoder as the I2V folder's image_encoder config has it), Wan 2.2 TI2V-5B and Qwen-Image (with
 Qwen2.5-VL-7B's config) as their transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images: its video name
 serves videos (5 frames and more) and its "-image" name, the same folder, one-frame images.
 """
@@ -312,6 +313,17 @@ def _wan21(**transformer: object) -> Architecture:
 
 _WAN21 = dict(family="wan", media="video", checkpoint_class="WanPipeline", steps=50, guidance=5.0, frames=81, fps=16,
               negative_prompt=WAN_NEGATIVE_PROMPT)
+CLIP_VIT_H = dict(  # image_encoder of Wan 2.1 image-to-video: open-clip ViT-H/14's vision tower
+    hidden_size=1280, intermediate_size=5120, projection_dim=1024, num_hidden_layers=32, num_attention_heads=16,
+    image_size=224, patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5,
+)
+_WAN21_I2V = Architecture(  # 16 latent + 4 mask + 16 image-latent input channels, CLIP image context
+    transformer={**_WAN21_TRANSFORMER, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120,
+                 "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
+    vae_class="diffusers:AutoencoderKLWan", vae={},
+    text_encoders={"text_encoder": ("transformers:UMT5EncoderModel", UMT5_XXL),
+                   "image_encoder": ("transformers:CLIPVisionModel", CLIP_VIT_H)},
+)
 
 WAN = ModelFamily(
     name="wan",
@@ -335,6 +347,41 @@ WAN = ModelFamily(
         ModelSpec(name="wan2.1-t2v-14b", folder="Wan2.1-T2V-14B-Diffusers", source="Wan-AI/Wan2.1-T2V-14B-Diffusers",
                   height=720, width=1280, architecture=_wan21(num_attention_heads=40, ffn_dim=13824, num_layers=40),
                   **_WAN21),
+        ModelSpec(name="wan2.1-i2v-14b", folder="Wan2.1-I2V-14B-720P-Diffusers",
+                  source="Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", height=720, width=1280, architecture=_WAN21_I2V,
+                  **{**_WAN21, "checkpoint_class": "WanImageToVideoPipeline"}),
+    ),
+)
+
+# Wan 2.2 TI2V-5B: the Wan 2.1 transformer class at 24 heads over the Wan 2.2 VAE's 48-channel latent (16x
+# space), a timestep per token (expand_timesteps); its own family because its latent, and so a request's token
+# count (the work estimate, the benchmarks), differs from Wan 2.1's. Its transformer config as
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers publishes it.
+WAN22 = ModelFamily(
+    name="wan22",
+    title="Wan 2.2 TI2V",
+    transformer="diffusers:WanTransformer3DModel",
+    pipeline="pipelines.wan:WanVideoPipeline",
+    parallelize="engines.generic:parallelize_generic",  # the per-token timestep split with the tokens (_cp_plan)
+    tensor_parallel="engines.generic:generic_weights",
+    repeated_blocks=("blocks",),
+    block_outputs=(("hidden_states",),),
+    cache_stream="hidden_states",
+    limits="pipelines.requests:wan_limits",
+    guidance_batch=True,
+    bench=BenchShapes(inputs="pipelines.transformer_inputs:wan22_inputs", sizes=("121x704x1280",),
+                      tiny_sizes=("9x64x96",), video=True, batch=2,
+                      tiny_config="training.tiny_models:WAN_TINY_TRANSFORMER",
+                      tiny_checkpoint="training.tiny_models:write_tiny_wan22"),
+    models=(
+        ModelSpec(name="wan2.2-ti2v-5b", family="wan22", media="video", checkpoint_class="WanPipeline",
+                  folder="Wan2.2-TI2V-5B-Diffusers", source="Wan-AI/Wan2.2-TI2V-5B-Diffusers", height=704,
+                  width=1280, steps=50, guidance=5.0, frames=121, fps=24, negative_prompt=WAN_NEGATIVE_PROMPT,
+                  architecture=Architecture(
+                      transformer={**_WAN21_TRANSFORMER, "num_attention_heads": 24, "in_channels": 48,
+                                   "out_channels": 48, "ffn_dim": 14336},
+                      vae_class="diffusers:AutoencoderKLWan", vae=_WAN22_VAE,
+                      text_encoders={"text_encoder": ("transformers:UMT5EncoderModel", UMT5_XXL)})),
     ),
 )
 
@@ -447,4 +494,4 @@ FLUX3 = ModelFamily(
     ),
 )
 
-BUILT_IN = (FLUX, COSMOS, COSMOS3, FLUX2, WAN, QWEN_IMAGE, FLUX3)
+BUILT_IN = (FLUX, COSMOS, COSMOS3, FLUX2, WAN, QWEN_IMAGE, FLUX3, WAN22)

@@ -135,6 +135,10 @@ class ModelFamily:
     guidance_batch: bool
     """Classifier-free guidance's two branches can run on two halves of the ranks (--cfg-parallel applies):
     batched in one transformer call (Cosmos-Predict2) or as two calls (Cosmos 3's forward_guided)."""
+    generic_parallelize: str = ""
+    """Where `parallelize` is a hand-written adapter: the reference of the same family on the generic path
+    (engines.generic), which the step benchmark runs with --adapter generic; the record keeps the hand-written
+    one only while it measures faster. "" where `parallelize` is the generic path already."""
     adapter_at_one_rank: bool = False
     """Its parallelize function also wraps the transformer of a one-rank run (Cosmos 3: its adapter marks
     the prompt-length dimension dynamic for compiled blocks)."""

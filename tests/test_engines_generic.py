@@ -1,5 +1,7 @@
 """The generic context-parallel path (engines/generic.py) on spawned gloo ranks (CPU, float32) against one process.
 
+FLUX.1 and FLUX.2 run on it too (their records' generic_parallelize, next to the hand-written adapters).
+
 Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy, CFG groups on a guidance batch:
 - Wan: rotary tables and video tokens padded to the sequence degree (45 tokens: 2 and 4 ranks pad), and the
   per-token timestep of Wan 2.2 TI2V (a 2-D timestep that the root entry of the plan splits);
@@ -171,3 +173,62 @@ def test_a_model_whose_attention_normalizes_across_heads_is_refused_tensor_paral
 
     with pytest.raises(ValueError, match=r"normalizes q and k across all heads \(blocks\.0\.attn1\.norm_q\)"):
         generic_weights(WanTransformer3DModel(**WAN_TINY), 2)
+
+
+def flux_plans(world_size: int) -> list:
+    from engines.plan import ParallelPlan
+
+    out = [ParallelPlan.auto(world_size, 6, strategy=s) for s in ("ulysses", "ring", "allgather")]
+    return out + ([ParallelPlan(cfg=2), ParallelPlan(tp=2)] if world_size == 2 else [])
+
+
+def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """FLUX.1 and FLUX.2 on the generic path (their records' generic_parallelize) against one process."""
+    join_ranks(rank, world_size, port)
+    from types import SimpleNamespace
+
+    from diffusers import Flux2Transformer2DModel
+
+    from engines.distributed import init_parallel, shutdown
+    from engines.flux import parallelize_flux_generic
+    from engines.flux2 import parallelize_flux2_generic
+    from engines.parallelize import parallelize_transformer
+    from pipelines.transformer_inputs import flux2_inputs
+    from tests.helpers import flux_inputs, tiny_flux
+    from training.tiny_models import FLUX2_TINY_TRANSFORMER
+
+    ctx = init_parallel("cpu")
+    torch.manual_seed(0)
+    shape = SimpleNamespace(height=80, width=48, text_tokens=7, frames=1)  # 5 x 3 image tokens after 2x2 packing
+    models = {"flux": (randomize(tiny_flux()), lambda: flux_inputs((3, 5), 7), parallelize_flux_generic),
+              "flux2": (randomize(Flux2Transformer2DModel(**FLUX2_TINY_TRANSFORMER)),
+                        lambda: flux2_inputs(FLUX2_TINY_TRANSFORMER, shape, batch=2, device=torch.device("cpu"),
+                                             dtype=torch.float32)[0], parallelize_flux2_generic)}
+    results = []
+    for plan in flux_plans(ctx.world_size):
+        for name, (model, inputs, adapter) in models.items():
+            torch.manual_seed(1)
+            kwargs = inputs()
+            model = copy.deepcopy(model) if plan.tp > 1 else model
+            with torch.no_grad():
+                expected = model(**kwargs)[0]
+                parallel = parallelize_transformer(model, ctx, plan, adapter)
+                split_calls = _count_split_attention(parallel)
+                got = parallel(**kwargs)[0]
+                parallel.restore()
+            results.append(dict(model=name, plan=plan.label, err=(got - expected).abs().max().item(),
+                                scale=expected.abs().max().item(), split_calls=len(split_calls),
+                                seq_degree=plan.seq_degree))
+    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(results))
+    shutdown(ctx)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_flux_and_flux2_on_the_generic_path_match_one_process(world_size: int, tmp_path: Path) -> None:
+    spawn_ranks(_flux_worker, world_size, str(tmp_path))
+    results = [r for rank in range(world_size) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+    assert len(results) == world_size * len(flux_plans(world_size)) * 2
+    for r in results:
+        assert r["scale"] > 0.01 and r["err"] <= TOLERANCE, r
+        if r["seq_degree"] > 1:  # every block's attention ran split: FLUX.1 1 + 1 blocks, FLUX.2 2 + 2
+            assert r["split_calls"] == (2 if r["model"] == "flux" else 4), r
