@@ -295,19 +295,21 @@ def _segments_of(segments: Segments, name: str) -> tuple[str, ...]:
 
 
 def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = ("hidden_states",),
-                    stream: str = "hidden_states", per_sample: Sequence[str] = (),
-                    shared: Sequence[str] = ()) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
+                    stream: str = "hidden_states", per_sample: Sequence[str] = (), shared: Sequence[str] = (),
+                    weights: Callable[[nn.Module, int], WeightSplit] | None = None,
+                    ) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
     """A family's parallelize function on the generic path: `plan` in diffusers' `_cp_plan` form (default the
     class's own); `segments`, what each attention attends (Segments); `stream`, the blocks' main stream (the
     one the output gather cuts back to its length, the step cache measures); `per_sample`, arguments that are
     lists of one entry per sample (split with the batch over CFG groups, as tensors are); `shared`, tensors
-    that are the same for every sample and have no batch dimension (position ids), left whole."""
+    that are the same for every sample and have no batch dimension (position ids), left whole; `weights`, the
+    family's tensor-parallel split (default generic_weights, for transformers of diffusers' standard parts)."""
 
     def parallelize(model: nn.Module, mesh: ParallelMesh) -> ParallelGeneric:
         cp_plan = plan if plan is not None else context_parallel_plan(model)
         num_heads = model.config.num_attention_heads
         mesh.plan.check(num_heads=num_heads)
-        split_over_mesh(model, generic_weights, mesh)
+        split_over_mesh(model, weights or generic_weights, mesh)
         state = _CallState()
         replaced = []
         if mesh.plan.seq_degree > 1:
