@@ -421,6 +421,7 @@ QWEN_IMAGE = ModelFamily(
     cache_stream="hidden_states",
     limits="pipelines.requests:qwen_image_limits",
     guidance_batch=False,  # two calls of their own text lengths (no mask: they cannot share a batch)
+    guidance_calls=True,
     bench=BenchShapes(inputs="pipelines.transformer_inputs:qwen_image_inputs", sizes=("1328x1328",),
                       tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:QWEN_IMAGE_TINY_TRANSFORMER",
                       tiny_checkpoint="training.tiny_models:write_tiny_qwen_image"),
@@ -481,6 +482,7 @@ FLUX3 = ModelFamily(
     cache_stream="hidden_states",
     limits="pipelines.requests:flux3_limits",
     guidance_batch=False,  # two calls of their own text lengths (FLUX.3 attends to its padding: no shared batch)
+    guidance_calls=True,
     bench=BenchShapes(inputs="pipelines.transformer_inputs:flux3_inputs", sizes=("1024x1024", "2048x2048"),
                       tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:FLUX3_TINY_TRANSFORMER",
                       tiny_checkpoint="training.tiny_models:write_tiny_flux3"),

@@ -50,7 +50,8 @@ class WorkCounter:
         self._count = lru_cache(maxsize=256)(self._count_shape)
 
     def __call__(self, request: GenerationRequest) -> Work:
-        branches = 2 if uses_guidance_batch(self.spec) and request.guidance > 1.0 else 1
+        guided = uses_guidance_batch(self.spec) or self._family.guidance_calls  # two branches, batched or not
+        branches = 2 if guided and request.guidance > 1.0 else 1
         with self._lock:  # one meta forward at a time: FlopCounterMode is a process-wide dispatch mode
             return self._count(request.height, request.width, request.frames, branches)
 

@@ -78,3 +78,14 @@ def test_limits_from_the_configs(folder: Path) -> None:
     assert not read_limits(spec, path, cfg_parallel=True).guidance_split  # two calls: --cfg-parallel does not apply
     with pytest.raises(RequestError, match="width 40 is not a multiple of 16"):
         make_request(spec, limits, prompt=PROMPT, width=40)
+
+
+def test_a_guided_request_counts_both_guidance_calls(folder: Path) -> None:
+    """Its two branches are two calls (guidance_calls): the time limit's work estimate counts both."""
+    from pipelines.work import WorkCounter
+
+    spec, path = resolve_model("qwen-image", folder)
+    count = WorkCounter(spec, path, read_limits(spec, path))
+    guided, plain = count(request(folder, guidance=4.0)[2]), count(request(folder, guidance=1.0)[2])
+    assert guided.step_flops == pytest.approx(2 * plain.step_flops, rel=1e-6)
+    assert guided.decode_flops == plain.decode_flops
