@@ -62,6 +62,11 @@ class MediaLimits:
     video_input: bool = True
     """A video request may bring an input image or video whose frames it continues (video-to-world); False:
     videos from text alone (Wan 2.1 text-to-video)."""
+    first_frame_input: bool = False
+    """A video request's input (video_input) is one image, the video's first frame (image-to-video), not frames
+    it continues: a video file is refused."""
+    input_required: bool = False
+    """A video request must bring its input (an image-to-video checkpoint makes no video from text alone)."""
     loras: tuple[tuple[str, float], ...] = ()
     """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
     names no LoRA uses (serve's requests name none by default: app.submit)."""
@@ -161,10 +166,14 @@ def cosmos3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
 
 
 def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """Wan 2.1: sizes a multiple of the VAE's spatial factor x the transformer's patch (16), up to the long side
-    of the checkpoint's published resolution in either orientation (its default size: 832 for 480p, 1280 for
-    720p) and within its rotary table (rope_max_seq_len patches a side); frames 1 + k x the VAE's temporal
-    factor (4), up to the checkpoint's published length (its default, 81); text alone, no input frames."""
+    """Wan: sizes a multiple of the VAE's spatial factor x the transformer's patch (16; Wan 2.2's VAE: 32), up to
+    the long side of the checkpoint's published resolution in either orientation (its default size: 832 for 480p,
+    1280 for 720p) and within its rotary table (rope_max_seq_len patches a side); frames 1 + k x the VAE's
+    temporal factor (4), up to the checkpoint's published length (its default: 81, TI2V's 121). The input is
+    one image, the first frame: required by an image-to-video transformer (one with image_dim), optional for
+    Wan 2.2 TI2V (expand_timesteps in model_index.json), refused by text-to-video."""
+    from pipelines.registry import read_model_index
+
     vae = read_component_config(folder, "vae")
     transformer = read_component_config(folder, "transformer")
     spatial = int(vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"])))
@@ -172,13 +181,16 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
     table = int(transformer.get("rope_max_seq_len", 1024))
     side = max(spec.height, spec.width)
+    image_to_video = transformer.get("image_dim") is not None
     return MediaLimits(
         size_multiple=spatial * max(patch_h, patch_w),
         max_height=min(side, table * patch_h * spatial),
         max_width=min(side, table * patch_w * spatial),
         frame_multiple=temporal,
         max_frames=min(spec.frames, (table * patch_t - 1) * temporal + 1),
-        video_input=False,
+        video_input=image_to_video or bool(read_model_index(folder).get("expand_timesteps")),
+        first_frame_input=True,
+        input_required=image_to_video,
     )
 
 
@@ -364,6 +376,14 @@ def _check_condition(condition: Any) -> str:
     return str(path)
 
 
+def _check_first_frame(condition: Any) -> str:
+    """An image-to-video input's path, once its header shows a readable image (a video is refused)."""
+    if Path(str(condition)).suffix.lower() in VIDEO_SUFFIXES:
+        raise RequestError(f"input file {Path(str(condition)).name} is a video; this model starts a video from an "
+                           "image (its first frame)")
+    return _check_condition(condition)
+
+
 REFERENCE_MIN_SIDE, REFERENCE_MAX_ASPECT = 64, 8
 """The reference images FLUX.2's pipelines accept (Flux2ImageProcessor.check_image_input)."""
 
@@ -484,7 +504,11 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
             problems.messages.append(
                 f"model '{spec.name}' makes videos from text alone; it takes no input image or video")
         elif condition is not None:
-            condition = problems.check(_check_condition, condition)
+            condition = problems.check(_check_first_frame if limits.first_frame_input else _check_condition,
+                                       condition)
+        elif limits.input_required:
+            problems.messages.append(f"model '{spec.name}' makes videos from an image: give one as its input "
+                                     "(its first frame)")
 
     lora = problems.check(_check_lora, limits, given.get("lora", limits.loras), spec.name)
 

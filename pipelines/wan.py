@@ -1,6 +1,7 @@
-"""Wan 2.1 text-to-video on diffusers' WanPipeline components, in three stages.
+"""Wan 2.1 text-to-video and image-to-video, and Wan 2.2 TI2V, on diffusers' Wan components, in three stages.
 
-    encode (rank 0: UMT5)  ->  denoise (every rank)  ->  decode (rank 0, or the split group: Wan VAE)
+    encode (rank 0: UMT5; an input image: CLIP, the VAE)  ->  denoise (every rank)  ->  decode (rank 0, or the
+    split group: Wan VAE)
 
 The prompt encoding (cleaned, padded to max_sequence_length with zeros), the noise's shape, the UniPC
 flow-matching loop and the latent de-normalisation are diffusers' WanPipeline's own (rank 0 builds one
@@ -11,7 +12,17 @@ so our video equals its video (tests/test_pipelines_wan.py). What differs is whe
   prompt are both padded to max_sequence_length), which a CFG-parallel run splits over two rank
   groups; diffusers calls the branches one after the other (equal up to float rounding);
 - the seed's noise is drawn from a CPU generator on every rank (the same numbers everywhere).
-Wan 2.2's two-expert checkpoints (transformer_2, boundary_ratio) and image-to-video are not offered.
+
+Three kinds of folder, told apart by their configs:
+- Wan 2.1 text-to-video (WanPipeline): the above.
+- Wan 2.1 image-to-video (WanImageToVideoPipeline, a transformer with image_dim): rank 0 also encodes the input
+  image with the CLIP vision encoder (its penultimate hidden states, encoder_hidden_states_image) and VAE-encodes
+  the image followed by black frames; the transformer takes those latents and a first-frame mask (4 channels,
+  one per frame of the VAE's first temporal group) as extra input channels, as WanImageToVideoPipeline does.
+- Wan 2.2 TI2V (expand_timesteps in model_index.json): one timestep per token ([B, tokens]); with an input
+  image its VAE latent replaces the first latent frame and that frame's tokens get timestep 0, as
+  WanImageToVideoPipeline does for such a folder; without one, WanPipeline's text-to-video.
+Wan 2.2's two-expert checkpoints (transformer_2, boundary_ratio) are not offered.
 """
 
 from __future__ import annotations
@@ -25,10 +36,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from diffusers import WanPipeline
+from diffusers.utils import load_image
 from diffusers.video_processor import VideoProcessor
 
 from pipelines.loading import TransformerShare, load_parts
-from pipelines.registry import ModelSpec, read_component_config
+from pipelines.registry import ModelSpec, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline
 
@@ -41,17 +53,24 @@ class WanConditioning:
 
     prompt_embeds: torch.Tensor
     """[B, L, D] UMT5 embeddings, padding zeroed: the prompt's, then the negative prompt's with guidance (B = 2)."""
+    image_embeds: torch.Tensor | None = None
+    """[1, N, D] the input image's CLIP vision penultimate hidden states (Wan 2.1 image-to-video); else None."""
+    image_latents: torch.Tensor | None = None
+    """The input image's normalised VAE latents (float32), else None: Wan 2.1 image-to-video's extra input
+    channels [1, 4 + C, T, h, w] (first-frame mask, then the latents of the image followed by black frames);
+    Wan 2.2 TI2V's first latent frame [1, C, 1, h, w]."""
 
 
 class WanVideoPipeline(StagedPipeline):
     """Prompt -> video with a WanTransformer3DModel."""
 
-    COMPONENT_DTYPES = {"vae": torch.float32}
-    """Components kept in their own dtype whatever the run's: the Wan VAE runs in float32, as diffusers'
-    WanPipeline examples load it (bf16 costs visible banding)."""
+    COMPONENT_DTYPES = {"vae": torch.float32, "image_encoder": torch.float32}
+    """Components kept in their own dtype whatever the run's: the Wan VAE and the CLIP image encoder run in
+    float32, as diffusers' Wan examples load them (bf16 costs visible banding)."""
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
-                 text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
+                 text_encoder=None, tokenizer=None, vae=None, image_encoder=None, image_processor=None,
+                 device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.folder = folder
         self.device = torch.device(device)
@@ -60,6 +79,12 @@ class WanVideoPipeline(StagedPipeline):
         self.dtype = transformer.dtype
         self.scheduler = scheduler
         self.vae = vae
+        self.image_encoder = image_encoder
+        self.image_processor = image_processor
+        self.expand_timesteps = bool(read_model_index(folder).get("expand_timesteps"))
+        """Wan 2.2 TI2V: a timestep per token, the input image as the first latent frame."""
+        self.image_context = self.transformer_config.get("image_dim") is not None
+        """Wan 2.1 image-to-video: CLIP image context and the image's latents as extra input channels."""
         vae_config = read_component_config(folder, "vae")
         # AutoencoderKLWan's own config attributes (WanPipeline reads them from the loaded VAE, which ranks > 0 lack)
         self.spatial_factor = int(vae_config.get("scale_factor_spatial", 2 ** len(vae_config["temperal_downsample"])))
@@ -77,9 +102,12 @@ class WanVideoPipeline(StagedPipeline):
                     dtype: torch.dtype = torch.float32, with_encoders: bool = True,
                     with_vae: bool | None = None,
                     share: TransformerShare | None = None) -> WanVideoPipeline:
-        """Load from a diffusers WanPipeline folder; `with_encoders=False` skips the text encoder and tokenizer
-        (ranks > 0), and the VAE too unless `with_vae` (a split decode runs it on every rank)."""
+        """Load from a diffusers WanPipeline or WanImageToVideoPipeline folder; `with_encoders=False` skips the
+        text encoder and tokenizer and the image encoder and processor (ranks > 0), and the VAE too unless
+        `with_vae` (a split decode runs it on every rank)."""
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        if with_encoders and (read_model_index(folder).get("image_encoder") or [None])[0] is not None:
+            names += ["image_encoder", "image_processor"]
         names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
         return cls(spec=spec, folder=folder, device=device, **parts)
@@ -103,7 +131,47 @@ class WanVideoPipeline(StagedPipeline):
             return embeds if negative_embeds is None else torch.cat([embeds, negative_embeds])
 
         embeds = self.cached_text(("wan", request.prompt, negative, length), encode)
-        return WanConditioning(prompt_embeds=embeds)
+        cond = WanConditioning(prompt_embeds=embeds)
+        if request.condition is None:
+            if self.image_context:
+                raise ValueError("this image-to-video model needs an input image")
+            return cond
+        image = load_image(request.condition)
+        cond.image_latents = self._image_latents(request, image)
+        if self.image_context:
+            cond.image_embeds = self._clip(image)
+        return cond
+
+    def _clip(self, image) -> torch.Tensor:
+        """WanImageToVideoPipeline.encode_image: CLIP vision's penultimate hidden states of the raw image."""
+        if self.image_encoder is None:
+            raise RuntimeError("this pipeline was loaded without an image encoder")
+        pixels = self.image_processor(images=image, return_tensors="pt").to(self.device)
+        return self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2].to(self.dtype)
+
+    def _image_latents(self, request: GenerationRequest, image) -> torch.Tensor:
+        """The image resized to the request's size and VAE-encoded (the posterior's mode), normalised by the
+        VAE's latent statistics, as WanImageToVideoPipeline.prepare_latents does: the image alone (TI2V), or
+        followed by black frames to the request's length behind a first-frame mask (Wan 2.1)."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        height, width = request.height, request.width
+        pixels = self.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
+        video = pixels.unsqueeze(2)
+        if not self.expand_timesteps:
+            video = torch.cat([video, video.new_zeros(1, 3, request.frames - 1, height, width)], dim=2)
+        latents = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().float()
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        latents = (latents - mean) * inverse_std
+        if self.expand_timesteps:
+            return latents
+        # 1 on the first latent frame, 0 after: a channel per frame of the VAE's first temporal group (the
+        # first pixel frame repeated to fill it), the same as WanImageToVideoPipeline's reshaped pixel mask.
+        mask = latents.new_zeros(1, self.temporal_factor, *latents.shape[2:])
+        mask[:, :, 0] = 1.0
+        return torch.cat([mask, latents], dim=1)
 
     # --- every rank -----------------------------------------------------------------------------
 
@@ -119,26 +187,46 @@ class WanVideoPipeline(StagedPipeline):
         factors = SimpleNamespace(vae_scale_factor_temporal=self.temporal_factor,
                                   vae_scale_factor_spatial=self.spatial_factor)
         generator = torch.Generator("cpu").manual_seed(request.seed)
-        latents = WanPipeline.prepare_latents(factors, 1, self.transformer_config.in_channels, request.height,
+        # out_channels: the VAE's latent (an image-to-video transformer's in_channels add the image's channels)
+        latents = WanPipeline.prepare_latents(factors, 1, self.transformer_config.out_channels, request.height,
                                               request.width, request.frames, torch.float32, device, generator)
+        given = cond.image_latents.to(device) if cond.image_latents is not None else None
+        extra = {}
+        if cond.image_embeds is not None:
+            extra["encoder_hidden_states_image"] = cond.image_embeds.to(device, dtype).expand(branches, -1, -1)
+        noisy = None
+        if self.expand_timesteps:  # 1 on latents being denoised, 0 on the given first frame (TI2V)
+            noisy = torch.ones(1, 1, *latents.shape[2:], device=device)
+            if given is not None:
+                noisy[:, :, 0] = 0.0
+            _, patch_h, patch_w = self.transformer_config.patch_size
         scheduler = copy.deepcopy(self.scheduler)  # UniPC keeps per-loop state on the instance
         scheduler.set_timesteps(request.steps, device=device)
         scheduler.set_begin_index(0)
         timesteps = scheduler.timesteps
         for i, t in enumerate(timesteps):
-            model_input = latents.to(dtype)
+            if noisy is not None:
+                model_input = latents if given is None else (1 - noisy) * given + noisy * latents
+                timestep = (noisy[0, 0, :, ::patch_h, ::patch_w] * t).flatten().expand(branches, -1)  # [B, tokens]
+            else:
+                model_input = latents if given is None else torch.cat([latents, given], dim=1)
+                timestep = t.expand(branches)
+            model_input = model_input.to(dtype)
             with self.cache_step(request, i, len(timesteps)):
                 prediction = self.transformer(
                     hidden_states=model_input.expand(branches, *model_input.shape[1:]),
-                    timestep=t.expand(branches),
+                    timestep=timestep,
                     encoder_hidden_states=text,
                     return_dict=False,
+                    **extra,
                 )[0]
             if branches == 2:
                 prediction = prediction[1:] + request.guidance * (prediction[:1] - prediction[1:])
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
             if on_step is not None:
                 on_step(i + 1, len(timesteps))
+        if noisy is not None and given is not None:
+            latents = (1 - noisy) * given + noisy * latents
         return latents
 
     # --- rank 0 (and the split group) -----------------------------------------------------------
