@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
-# (part 3), FP8 (part 4). On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
+# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4). On GPUS=4 or 8: the scaling sweep
+# (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
 #   PART=2 PACK=$OUT/part2.tgz benchmarks/multi_gpu.sh /tmp/part2     # (3 and 4 alike)
@@ -29,14 +30,15 @@
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
 #                    200 (29 frames, 1 GPU and ulysses-2)
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
+#   part 5 (not yet timed on GPUs): wan14b-step 220 | qwen-image-step 150 | flux3-step 120 | flux1-generic-step 120
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, 5, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -50,11 +52,11 @@ printf 'piece\tstatus\tseconds\n' >> "$out/pieces.tsv"
 if [ -n "${TINY:-}" ]; then
     tiny=(--tiny) backend=eager fast=eager transport=nccl
     flux_sizes=64x64 cosmos_video=9x32x48 nano_video=9x64x96 steps=(--steps 4) few=(--warmup 1 --iters 1)
-    nano_frames=9 nano_steps=(--steps 4)
+    nano_frames=9 nano_steps=(--steps 4) wan_video=9x48x64 qwen_sizes=64x64
 else
     tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks transport=copy-engine
     flux_sizes=1024x1024,2048x2048 cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
-    few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=()
+    few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=() wan_video=81x720x1280 qwen_sizes=1328x1328
 fi
 step=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.step "${tiny[@]}")
 generation=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.generation "${tiny[@]}")
@@ -175,6 +177,24 @@ elif [ "$part" = 4 ]; then
     piece flux1-fp8-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-fp8-step.json"
+elif [ "$part" = 5 ]; then
+    # the generic context-parallel path (engines/generic.py), one step each, 1 GPU against every strategy on
+    # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Wan 2.1 14B at 81x720x1280
+    # (guidance batched: cfg-parallel too), Qwen-Image at 1328² (6889 tokens: diffusers' split needs a divisor),
+    # FLUX.3 Klein base at 1024²; then FLUX.1-dev 1024² on the generic path, against its hand-written adapter's
+    # rows of part 2 (the record keeps the faster)
+    piece wan14b-step 220 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
+        --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
+        --out "$out/wan14b-step.json"
+    piece qwen-image-step 150 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
+        --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
+        --out "$out/qwen-image-step.json"
+    piece flux3-step 120 "${step[@]}" --model flux3-klein-base --sizes "${flux_sizes%%,*}" --text-tokens 256 \
+        --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
+        --out "$out/flux3-step.json"
+    piece flux1-generic-step 120 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+        --all-to-all "$transport" --backends "$backend" --adapter generic --no-diffusers --warmup 1 --iters 5 \
+        --cache-dir "$cache" --out "$out/flux1-generic-step.json"
 elif [ "$part" = sweep ]; then
     # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
     # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first

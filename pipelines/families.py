@@ -338,7 +338,7 @@ WAN = ModelFamily(
     limits="pipelines.requests:wan_limits",
     guidance_batch=True,  # the two branches as one batch-2 call
     bench=BenchShapes(inputs="pipelines.transformer_inputs:wan_inputs", sizes=("81x720x1280",),
-                      tiny_sizes=("9x48x64",), video=True, batch=2,
+                      tiny_sizes=("9x48x64",), video=True, batch=2, diffusers_parallel=True,
                       tiny_config="training.tiny_models:WAN_TINY_TRANSFORMER",
                       tiny_checkpoint="training.tiny_models:write_tiny_wan"),
     models=(
@@ -423,7 +423,8 @@ QWEN_IMAGE = ModelFamily(
     guidance_batch=False,  # two calls of their own text lengths (no mask: they cannot share a batch)
     guidance_calls=True,
     bench=BenchShapes(inputs="pipelines.transformer_inputs:qwen_image_inputs", sizes=("1328x1328",),
-                      tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:QWEN_IMAGE_TINY_TRANSFORMER",
+                      tiny_sizes=("64x64", "80x48"), diffusers_parallel=True,
+                      tiny_config="training.tiny_models:QWEN_IMAGE_TINY_TRANSFORMER",
                       tiny_checkpoint="training.tiny_models:write_tiny_qwen_image"),
     models=(
         ModelSpec(name="qwen-image", family="qwen-image", media="image", checkpoint_class="QwenImagePipeline",
