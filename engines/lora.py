@@ -49,6 +49,9 @@ LOADERS = {
     "FluxTransformer2DModel": "FluxLoraLoaderMixin",
     "Flux2Transformer2DModel": "Flux2LoraLoaderMixin",
     "CosmosTransformer3DModel": "CosmosLoraLoaderMixin",
+    "WanTransformer3DModel": "WanLoraLoaderMixin",
+    "QwenImageTransformer2DModel": "QwenImageLoraLoaderMixin",
+    "Flux3Transformer2DModel": "Flux3LoraLoaderMixin",
 }
 """diffusers transformer class -> the diffusers LoRA loader whose lora_state_dict converts its files."""
 
