@@ -60,7 +60,7 @@ def diffusers_run(path: Path, req) -> tuple[torch.Tensor, Image.Image]:
     blocks = ModularPipeline.from_pretrained(str(path)).blocks
     blocks.sub_blocks.pop("prompt_upsampler")
     pipe = blocks.init_pipeline(str(path))
-    pipe.load_components(torch_dtype=torch.float32)
+    pipe.load_components(dtype=torch.float32)
     pipe.update_components(tokenizer=as_processor(pipe.tokenizer))
     inputs = dict(prompt=req.prompt, height=req.height, width=req.width, num_inference_steps=req.steps,
                   generator=torch.Generator().manual_seed(req.seed), max_sequence_length=512)

@@ -633,7 +633,7 @@ def save_flux3(folder: Path, parts: dict) -> None:
     distilled = parts["transformer"].config.flow_map
     pipe = (Flux3DistilledModularPipeline if distilled else Flux3ModularPipeline)()
     pipe.update_components(**parts)
-    pipe.save_pretrained(str(folder))
+    pipe.save_pretrained(str(folder), overwrite_modular_index=True)  # the index points at `folder`
 
 
 def write_tiny_flux3(spec: ModelSpec, folder: Path) -> None:
