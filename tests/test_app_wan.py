@@ -1,8 +1,11 @@
 """Wan 2.1 text-to-video through the app, as users run it: generate an MP4 from an unchanged diffusers WanPipeline
 folder, a batch of two lines, requests it cannot run refused before any rank starts, and the same video from
 2 ranks with the guidance branches on two rank groups (--cfg-parallel, the generic context-parallel engine).
+Wan 2.1 image-to-video from a WanImageToVideoPipeline folder with --input, and the same video from 2 ranks
+splitting the tokens (Ulysses; the cross-attention to the image context is not split).
 
-The checkpoint is training.tiny_models' tiny random Wan folder, run under the wan2.1-t2v-1.3b name.
+The checkpoints are training.tiny_models' tiny random Wan folders, run under the wan2.1-t2v-1.3b and
+wan2.1-i2v-14b names.
 """
 
 from __future__ import annotations
@@ -91,4 +94,52 @@ def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Pat
                  "a red circle", "--seed", "3", "--cfg-parallel", "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(out) - frames_of(one_rank_video))
+    assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
+
+
+I2V = ["--frames", "5", "--size", "64x48", "--steps", "2", "--prompt", "a red circle", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def i2v_folder(tmp_path_factory) -> Path:
+    from training.tiny_models import save_wan, wan_components
+
+    path = tmp_path_factory.mktemp("wan-i2v") / "Wan2.1-I2V-14B-720P-Diffusers"
+    save_wan(path, wan_components(seed=2, kind="i2v"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("input") / "start.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def i2v_video(i2v_folder: Path, image: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("i2v") / "v.mp4"
+    result = app("generate", *I2V, "--model-path", str(i2v_folder), "--input", str(image), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_image_to_video_from_a_folder_alone(i2v_folder: Path, i2v_video: Path, tmp_path: Path) -> None:
+    """--model-path without --model: the WanImageToVideoPipeline folder runs as wan2.1-i2v-14b, which needs --input."""
+    frames = frames_of(i2v_video)
+    assert frames.shape == (5, 48, 64, 3) and frames.std() > 1
+    assert read_mp4_settings(i2v_video)["model"] == "wan2.1-i2v-14b"
+    result = app("generate", *I2V, "--model-path", str(i2v_folder), "--out", str(tmp_path / "x.mp4"))
+    assert result.returncode == 2 and "makes videos from an image: give one as its input" in result.stderr
+
+
+def test_image_to_video_two_ranks_ulysses_equal_one_rank(i2v_folder: Path, image: Path, i2v_video: Path,
+                                                         tmp_path: Path) -> None:
+    out = tmp_path / "v2.mp4"
+    result = app("launch", "--nproc", "2", "generate", *I2V, "--model-path", str(i2v_folder), "--input", str(image),
+                 "--strategy", "ulysses", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    difference = np.abs(frames_of(out) - frames_of(i2v_video))
     assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
