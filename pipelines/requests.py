@@ -170,8 +170,8 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     the long side of the checkpoint's published resolution in either orientation (its default size: 832 for 480p,
     1280 for 720p) and within its rotary table (rope_max_seq_len patches a side); frames 1 + k x the VAE's
     temporal factor (4), up to the checkpoint's published length (its default: 81, TI2V's 121). The input is
-    one image, the first frame: required by an image-to-video transformer (one with image_dim), optional for
-    Wan 2.2 TI2V (expand_timesteps in model_index.json), refused by text-to-video."""
+    one image, the first frame: required by an image-to-video transformer (its input channels add the image's),
+    optional for Wan 2.2 TI2V (expand_timesteps in model_index.json), refused by text-to-video."""
     from pipelines.registry import read_model_index
 
     vae = read_component_config(folder, "vae")
@@ -181,7 +181,7 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
     table = int(transformer.get("rope_max_seq_len", 1024))
     side = max(spec.height, spec.width)
-    image_to_video = transformer.get("image_dim") is not None
+    image_to_video = transformer.get("in_channels", 16) != transformer.get("out_channels", 16)  # + image channels
     return MediaLimits(
         size_multiple=spatial * max(patch_h, patch_w),
         max_height=min(side, table * patch_h * spatial),

@@ -84,7 +84,9 @@ class WanVideoPipeline(StagedPipeline):
         self.expand_timesteps = bool(read_model_index(folder).get("expand_timesteps"))
         """Wan 2.2 TI2V: a timestep per token, the input image as the first latent frame."""
         self.image_context = self.transformer_config.get("image_dim") is not None
-        """Wan 2.1 image-to-video: CLIP image context and the image's latents as extra input channels."""
+        """Wan 2.1 image-to-video: CLIP image context."""
+        self.needs_image = self.transformer_config.in_channels != self.transformer_config.out_channels
+        """Image-to-video (Wan 2.1's; Wan 2.2 A14B's without CLIP): the image's latents as extra input channels."""
         vae_config = read_component_config(folder, "vae")
         # AutoencoderKLWan's own config attributes (WanPipeline reads them from the loaded VAE, which ranks > 0 lack)
         self.spatial_factor = int(vae_config.get("scale_factor_spatial", 2 ** len(vae_config["temperal_downsample"])))
@@ -133,7 +135,7 @@ class WanVideoPipeline(StagedPipeline):
         embeds = self.cached_text(("wan", request.prompt, negative, length), encode)
         cond = WanConditioning(prompt_embeds=embeds)
         if request.condition is None:
-            if self.image_context:
+            if self.needs_image:
                 raise ValueError("this image-to-video model needs an input image")
             return cond
         image = load_image(request.condition)
