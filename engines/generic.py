@@ -127,15 +127,6 @@ def _at(model: nn.Module, path: str) -> list[nn.Module]:
     return modules
 
 
-def _plain(module: nn.Module) -> nn.Module:
-    """The block inside the wrappers the engines and the step cache put around it."""
-    while True:
-        inner = getattr(module, "_orig_mod", None) or getattr(module, "block", None)
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
-
-
 class ParallelGeneric(ParallelTransformer):
     """A `_cp_plan` transformer across ranks; same call as the model, full output on every rank."""
 
@@ -150,8 +141,10 @@ class ParallelGeneric(ParallelTransformer):
         self._signature = inspect.signature(model.forward)
         self._hooks: dict[tuple[str, int], tuple[nn.Module, list[Any]]] = {}
         """(path, index) -> (the module the hooks sit on, their handles)."""
-        self._arguments: dict[str, tuple[str, ...]] = {}
-        """path -> the argument names of the module there (its plain block's), read once."""
+        self._arguments = {path: tuple(inspect.signature(_at(model, path)[0].forward).parameters)
+                           for path, entry in plan.items() if path != ROOT and isinstance(entry, dict)}
+        """path -> the argument names of the module there, read now, before the engines and the step cache wrap
+        the blocks in modules of their own (whose forward takes *args, **kwargs)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run one denoiser call; arguments and result as the model's forward."""
@@ -220,10 +213,6 @@ class ParallelGeneric(ParallelTransformer):
         outputs = {index: split for index, split in entry.items() if split.split_output}
         handles = []
         if inputs:
-            if path not in self._arguments:
-                parameters = inspect.signature(_plain(module).forward).parameters
-                self._arguments[path] = tuple(parameters)
-
             def split_inputs(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
                 args = list(args)
                 for position, name in enumerate(self._arguments[path]):
