@@ -5,8 +5,7 @@ as the app loads `--lora` files (training.evaluate.generate: StagedPipeline.use_
 - at scale 1 the background is gray (training.judge.judge_gray_background) in >= 80% of the images; without the
   LoRA and at scale 0 in <= 10% (one prompt asks for gray);
 - scale 0 draws what no LoRA draws, within one level;
-- colour stays what the prompt asks (>= 90%, tiny-flux's own bar); shape does not keep tiny-flux's 80% bar
-  (measured 75%), and is held at >= 70%;
+- colour and shape stay what the prompt asks (>= 90% and >= 80%, tiny-flux's own bars);
 - the kohya copy (engines.lora.export_kohya) draws what the diffusers file draws, within one level.
 
 The scale-0 and kohya comparisons run on the first SUBSET (training.evaluate.LORA_SUBSET) prompts, to keep the
@@ -55,14 +54,9 @@ def test_scale_0_is_no_lora(images) -> None:
     assert max_difference(images["zero"], images["none"][:SUBSET]) <= 1
 
 
-SHAPE_FLOOR = 0.7
-"""This LoRA does not keep tiny-flux's shape bar (80%): measured 75% with it (92% without), so this holds it at what it
-does, against a regression; a LoRA trained longer, or on more 256-px scenes, is to meet the bar."""
-
-
-def test_colour_holds_and_shape_stays_near_with_the_lora(images) -> None:
+def test_colour_and_shape_hold_with_the_lora(images) -> None:
     one = judge_lora(images["one"], PROMPTS)
-    assert one["colour"] >= 0.9 and one["shape"] >= SHAPE_FLOOR, one
+    assert one["colour"] >= 0.9 and one["shape"] >= 0.8, one
 
 
 def test_the_kohya_copy_draws_what_the_diffusers_file_draws(images) -> None:

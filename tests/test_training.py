@@ -368,3 +368,21 @@ def test_training_under_torchrun_saves_one_model_from_all_ranks(tmp_path):
     request = make_request(spec, read_limits(spec, folder), prompt="a red circle", seed=0, steps=2, height=64,
                            width=64, frames=5)
     assert np.asarray(pipe.generate(request)).shape == (5, 64, 64, 3)
+
+
+def test_lora_shape_tokens_are_the_packed_tokens_the_shape_covers():
+    """training.lora's foreground loss weight reads shape_tokens: in FluxPipeline._pack_latents' token order, a
+    token is the shape's when its 16x16 pixels hold any of it."""
+    from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+
+    from training.lora import TOKEN_PIXELS, shape_tokens
+
+    scenes = shapes.image_scenes(6, torch.Generator().manual_seed(0))
+    size = 128
+    tokens = shape_tokens(scenes, size)
+    assert tokens.shape == (6, (size // TOKEN_PIXELS) ** 2) and tokens.any(1).all() and not tokens.all(1).any()
+    # A 4-channel "latent" at the VAE's 8x downsampling that holds the shape's coverage, packed as training packs.
+    latent = torch.nn.functional.max_pool2d(shapes.coverage(scenes, size, size), TOKEN_PIXELS // 2)
+    latent = latent.expand(-1, 4, -1, -1)
+    packed = FluxPipeline._pack_latents(latent, 6, 4, size // 8, size // 8)
+    assert torch.equal(packed.amax(-1) > 0, tokens)

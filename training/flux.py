@@ -167,8 +167,13 @@ def _train_transformer(parts, pools, device, generator, settings, seconds, max_s
 
 def _noisy_batch(pool: LatentPool, device, generator, settings, config):
     """A batch from the pool: captions, packed latents x0, image ids, noise, times s, x_s and guidance values."""
-    batch = settings.dit_batch
-    captions, x0 = pool.sample(batch, generator)
+    captions, x0 = pool.sample(settings.dit_batch, generator)
+    return (captions, x0, *_noised(x0, device, generator, settings, config))
+
+
+def _noised(x0: torch.Tensor, device, generator, settings, config):
+    """Packed latents x0 [B, L, C] -> image ids, noise, times s, x_s and guidance values."""
+    batch = x0.shape[0]
     side = math.isqrt(x0.shape[1])  # square training sizes: side x side packed tokens
     image_ids = FluxPipeline._prepare_latent_image_ids(batch, side, side, device, x0.dtype)
     noise = torch.randn(x0.shape, generator=generator).to(device)
@@ -176,7 +181,7 @@ def _noisy_batch(pool: LatentPool, device, generator, settings, config):
     noisy = (1 - sigma.view(-1, 1, 1)) * x0 + sigma.view(-1, 1, 1) * noise
     low, high = settings.guidance_range
     guidance = (low + (high - low) * torch.rand(batch, generator=generator)).to(device)
-    return captions, x0, image_ids, noise, sigma, noisy, guidance
+    return image_ids, noise, sigma, noisy, guidance
 
 
 def _distill_guidance(parts, pools, device, generator, settings, seconds, max_steps) -> PhaseResult:

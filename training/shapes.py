@@ -114,6 +114,15 @@ def _shape_distance(kind: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tor
 
 def render(scenes: Scenes, height: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Scenes -> RGB frames in [-1, 1], [B, 3, T, H, W] (float32)."""
+    batch = scenes.cx.shape[0]
+    shape = coverage(scenes, height, width, device).unsqueeze(1)  # [B, 1, T, H, W]
+    colour = scenes.colour.to(device).float().view(batch, 3, 1, 1, 1) / 127.5 - 1
+    background = scenes.background.to(device).float().view(batch, 3, 1, 1, 1) / 127.5 - 1
+    return background + shape * (colour - background)
+
+
+def coverage(scenes: Scenes, height: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """How much of each pixel the scene's shape covers, 0..1 (one-pixel antialiasing), [B, T, H, W] (float32)."""
     batch, frames = scenes.cx.shape
     ys = (torch.arange(height, device=device, dtype=torch.float32) + 0.5) / width
     xs = (torch.arange(width, device=device, dtype=torch.float32) + 0.5) / width
@@ -124,10 +133,7 @@ def render(scenes: Scenes, height: int, width: int, device: torch.device | str =
     y = -(ys.view(1, 1, height, 1) - cy) / half
     kind = scenes.shape.to(device).view(batch, 1, 1, 1)
     distance = _shape_distance(kind, x, y) * half * width  # in pixels
-    coverage = (0.5 - distance).clamp(0.0, 1.0).unsqueeze(1)  # [B, 1, T, H, W], one-pixel antialiasing
-    colour = scenes.colour.to(device).float().view(batch, 3, 1, 1, 1) / 127.5 - 1
-    background = scenes.background.to(device).float().view(batch, 3, 1, 1, 1) / 127.5 - 1
-    return background + coverage * (colour - background)
+    return (0.5 - distance).clamp(0.0, 1.0)
 
 
 def to_uint8(frames: torch.Tensor) -> np.ndarray:
