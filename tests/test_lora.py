@@ -1,5 +1,5 @@
 """LoRA adapters (engines/lora.py) on tiny-flux's transformer: formats, scales, diffusers' own loader as the reference,
-gloo ranks (ulysses 2, tp 2), the check before any rank starts, no recompilation when the choice changes (compiled
+gloo ranks (every strategy on 2 and 4 ranks, tp 2, ulysses 2 x tp 2), the check before any rank starts, no recompilation when the choice changes (compiled
 blocks, and a compiled one-process server switching three LoRAs), and the engine cache key (LoRA layout, not weights).
 
 The LoRAs are made here: random A/B (fixed seeds, rank 4, 2 and 3) on every linear of the double-stream blocks (their
@@ -268,11 +268,18 @@ def test_a_compiled_server_switches_three_loras_over_six_requests_without_recomp
     assert np.abs(others[-1] - first).max() <= 1  # a at 1 again: the first image
 
 
+def lora_plans(world_size: int) -> list:
+    """Every strategy on `world_size` ranks, and tp (tiny-flux has 4 heads)."""
+    from engines.plan import ParallelPlan
+
+    plans = [ParallelPlan.auto(world_size, 4, strategy=s) for s in ("ulysses", "ring", "allgather")]
+    return plans + [ParallelPlan(tp=2) if world_size == 2 else ParallelPlan(ulysses=2, tp=2)]
+
+
 def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str, str]) -> None:
     join_ranks(rank, world_size, port)
     from engines.distributed import init_parallel, shutdown
     from engines.flux import flux_weights
-    from engines.plan import ParallelPlan
     from engines.tensor_parallel import split_weights
     from tests.helpers import parallelize
 
@@ -285,12 +292,14 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str
         reference, chosen = adapted(paths)
         chosen.select(choice)
         expected = reference(**kwargs)[0]
-        for plan in (ParallelPlan(ulysses=2), ParallelPlan(tp=2)):
+        for plan in lora_plans(world_size):
             model = transformer()
+            tp_rank = rank % plan.tp  # tp is the innermost axis (engines.mesh)
             if plan.tp > 1:  # loaded split as the app does: split first, then the LoRA on the shards
-                split_weights(model, flux_weights(model, 2), tp=2, rank=rank)
-            model, chosen = adapted_model(model, paths, split=flux_weights(transformer(), 2) if plan.tp > 1 else None,
-                                          tp=plan.tp, rank=rank)
+                split_weights(model, flux_weights(model, plan.tp), tp=plan.tp, rank=tp_rank)
+            model, chosen = adapted_model(model, paths,
+                                          split=flux_weights(transformer(), plan.tp) if plan.tp > 1 else None,
+                                          tp=plan.tp, rank=tp_rank)
             parallel = parallelize(model, ctx, plan)
             chosen.select(choice)
             got = parallel(**kwargs)[0]
@@ -307,11 +316,12 @@ def adapted_model(model, files, **split):
     return model, attach_loras(model, weights, dtype=torch.float32, **split)
 
 
-def test_two_gloo_ranks_ulysses_and_tp_match_one_process(loras, tmp_path: Path) -> None:
-    spawn_ranks(_worker, 2, str(tmp_path), {name: str(loras[name]) for name in ("a", "b")})
-    for rank in range(2):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gloo_ranks_every_strategy_and_tp_match_one_process(world_size: int, loras, tmp_path: Path) -> None:
+    spawn_ranks(_worker, world_size, str(tmp_path), {name: str(loras[name]) for name in ("a", "b")})
+    for rank in range(world_size):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(errors) == 2
+        assert len(errors) == len(lora_plans(world_size))
         for plan, error in errors.items():
             assert error <= TOLERANCE, (rank, plan, error)
 
