@@ -66,14 +66,7 @@ class Cosmos3Pipeline(StagedPipeline):
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Any = transformer
-        self.dtype = transformer.dtype
-        self.scheduler = scheduler
-        self.vae = vae
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         vae_config = read_component_config(folder, "vae")
         self.spatial_factor = int(vae_config.get("scale_factor_spatial", 16))
         self.temporal_factor = int(vae_config.get("scale_factor_temporal", 4))

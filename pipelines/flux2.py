@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import PIL.Image
@@ -64,14 +64,7 @@ class Flux2ImagePipeline(StagedPipeline):
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Any = transformer
-        self.dtype = transformer.dtype
-        self.scheduler = scheduler
-        self.vae = vae
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.guidance_branches = 2 if uses_guidance_batch(spec) else 1
         vae_config = read_component_config(folder, "vae")
         self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)

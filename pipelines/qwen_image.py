@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import PIL.Image
@@ -67,14 +67,7 @@ class QwenImageImagePipeline(StagedPipeline):
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Any = transformer
-        self.dtype = transformer.dtype
-        self.scheduler = scheduler
-        self.vae = vae
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         vae_config = read_component_config(folder, "vae")
         # QwenImagePipeline reads it from the loaded VAE, which ranks > 0 lack: the same from its config
         self.vae_scale_factor = 2 ** len(vae_config.get("temperal_downsample", [False, True, True]))

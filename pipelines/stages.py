@@ -42,6 +42,15 @@ class StagedPipeline:
     loras: Any = None
     """The LoRAs the transformer carries (engines.lora.LoraSet, use_loras), or None."""
 
+    def _hold(self, *, spec: ModelSpec, folder: Path, transformer: Any, scheduler: Any, vae: Any, device: Any) -> None:
+        """Keep what every pipeline keeps of its parts (a family's __init__ calls it first): the spec and folder,
+        the transformer with its config and dtype, the scheduler, the VAE (None on ranks that do not decode)."""
+        import torch
+
+        self.spec, self.folder, self.device = spec, folder, torch.device(device)
+        self.transformer_config, self.transformer, self.dtype = transformer.config, transformer, transformer.dtype
+        self.scheduler, self.vae = scheduler, vae
+
     def limits(self) -> MediaLimits:
         """What sizes and frame counts this pipeline's checkpoint accepts (from its configs)."""
         return read_limits(self.spec, self.folder)

@@ -31,7 +31,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -71,14 +71,7 @@ class WanVideoPipeline(StagedPipeline):
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, vae=None, image_encoder=None, image_processor=None,
                  device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Any = transformer
-        self.dtype = transformer.dtype
-        self.scheduler = scheduler
-        self.vae = vae
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.image_encoder = image_encoder
         self.image_processor = image_processor
         self.expand_timesteps = bool(read_model_index(folder).get("expand_timesteps"))
