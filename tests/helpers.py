@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from app.launch import free_port
 
-__all__ = ["COSMOS_TINY", "FLUX_TINY", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
+__all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
            "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,6 +81,13 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, *args: Any) -> Non
     mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
     mp.start_processes(_rank_main, args=(dict(os.environ), worker, world_size, free_port(), *args),
                        nprocs=world_size, join=True, start_method="forkserver")
+
+
+def run_app(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
+    """`python -m app ARGS...` from the repository root, its output captured."""
+    import subprocess
+
+    return subprocess.run([PYTHON, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(world_size: int, *args: str) -> list[str]:

@@ -7,8 +7,6 @@ The checkpoint is training.tiny_models' tiny random Cosmos 3 folder, run under t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from pipelines.media import read_png_settings, read_video
-from tests.helpers import REPO, free_port
+from tests.helpers import free_port, run_app
 from tests.test_app_serve import START_SECONDS, AppProcess
 
 
@@ -29,20 +27,16 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
 def test_generate_video_and_image(folder: Path, tmp_path: Path) -> None:
     video = tmp_path / "v.mp4"
-    result = app("generate", "--model", "cosmos3-nano", "--model-path", str(folder), "--prompt", "a red circle",
+    result = run_app("generate", "--model", "cosmos3-nano", "--model-path", str(folder), "--prompt", "a red circle",
                  "--steps", "2", "--frames", "9", "--fps", "8", "--size", "96x64", "--out", str(video))
     assert result.returncode == 0, result.stderr
     frames, fps = read_video(video)
     assert len(frames) == 9 and frames[0].shape == (64, 96, 3) and fps == pytest.approx(8)
 
     image = tmp_path / "i.png"
-    result = app("generate", "--model", "cosmos3-nano-image", "--model-path", str(folder), "--prompt", "a red circle",
+    result = run_app("generate", "--model", "cosmos3-nano-image", "--model-path", str(folder), "--prompt", "a red circle",
                  "--steps", "2", "--size", "96x64", "--out", str(image))
     assert result.returncode == 0, result.stderr
     with Image.open(image) as png:
@@ -58,7 +52,7 @@ def test_generate_video_and_image(folder: Path, tmp_path: Path) -> None:
 ])
 def test_bad_request_refused_before_the_ranks_start(folder: Path, tmp_path: Path, args: list[str],
                                                     message: str) -> None:
-    result = app("launch", "--nproc", "2", "generate", "--model", "cosmos3-nano", "--model-path", str(folder),
+    result = run_app("launch", "--nproc", "2", "generate", "--model", "cosmos3-nano", "--model-path", str(folder),
                  "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path / "x.mp4"), *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
@@ -95,7 +89,7 @@ def test_batch_on_two_ranks(folder: Path, tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"prompt": "a red circle", "seed": 1}) + "\n"
                        + json.dumps({"prompt": "a blue square", "frames": 6}) + "\n")
     out = tmp_path / "out"
-    result = app("launch", "--nproc", "2", "batch", str(prompts), "--model", "cosmos3-nano", "--model-path",
+    result = run_app("launch", "--nproc", "2", "batch", str(prompts), "--model", "cosmos3-nano", "--model-path",
                  str(folder), "--out", str(out), "--size", "96x64", "--frames", "5", "--steps", "2")
     assert result.returncode == 1, result.stderr  # 1: line 2 was bad, line 1 was written
     assert "prompts.jsonl:2" in result.stderr and "frames 6 is not 1 + a multiple of 4" in result.stderr
@@ -108,17 +102,17 @@ def test_build_fills_the_cache_that_generate_uses(folder: Path, tmp_path: Path) 
     cache = tmp_path / "engines"
     common = ["--model", "cosmos3-nano", "--model-path", str(folder), "--size", "96x64", "--frames", "5",
               "--backend", "inductor-blocks", "--engine-cache", str(cache)]
-    cold = app("build", *common, "--steps", "2")
+    cold = run_app("build", *common, "--steps", "2")
     assert cold.returncode == 0, cold.stderr
     assert "rank 0: built in" in cold.stderr
-    warm = app("build", *common, "--steps", "2")
+    warm = run_app("build", *common, "--steps", "2")
     assert warm.returncode == 0, warm.stderr
     assert "rank 0: cache hit in" in warm.stderr
 
     # a prompt of another length than build's runs on the compiled layers (their equality with eager:
     # tests/test_pipelines_cosmos3.py)
     video = tmp_path / "compiled.mp4"
-    result = app("generate", *common, "--prompt", "a big red circle moving left", "--steps", "2", "--quiet",
+    result = run_app("generate", *common, "--prompt", "a big red circle moving left", "--steps", "2", "--quiet",
                  "--out", str(video))
     assert result.returncode == 0, result.stderr
     assert len(read_video(video)[0]) == 5

@@ -9,8 +9,6 @@ embedding) and Klein-base-style (Qwen3 encoder, classifier-free guidance).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ from gradio_client import Client, handle_file
 from PIL import Image
 
 from pipelines.media import read_png_settings
-from tests.helpers import REPO, free_port
+from tests.helpers import free_port, run_app
 from tests.test_app_serve import START_SECONDS, AppProcess
 
 
@@ -38,13 +36,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
 def test_generate_with_a_reference_image(folders: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "edit.png"
-    result = app("generate", "--model", "flux2-dev", "--model-path", str(folders["dev"]), "--prompt", "a red circle",
+    result = run_app("generate", "--model", "flux2-dev", "--model-path", str(folders["dev"]), "--prompt", "a red circle",
                  "--input", str(folders["dev"].parent / "reference.png"), "--steps", "2", "--size", "48x64",
                  "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -55,7 +49,7 @@ def test_generate_with_a_reference_image(folders: dict[str, Path], tmp_path: Pat
 
 
 def test_bad_reference_refused_before_the_ranks_start(folders: dict[str, Path], tmp_path: Path) -> None:
-    result = app("launch", "--nproc", "2", "generate", "--model-path", str(folders["klein"]), "--prompt", "a circle",
+    result = run_app("launch", "--nproc", "2", "generate", "--model-path", str(folders["klein"]), "--prompt", "a circle",
                  "--input", str(folders["klein"].parent / "small.png"), "--steps", "2",
                  "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2, result.stderr
@@ -89,7 +83,7 @@ def test_batch_with_a_reference_line(folders: dict[str, Path], tmp_path: Path) -
     prompts.write_text(json.dumps({"prompt": "a red circle", "input": "reference.png"}) + "\n"
                        + json.dumps({"prompt": "a blue square", "input": "small.png"}) + "\n")
     out = tmp_path / "out"
-    result = app("batch", str(prompts), "--model", "flux2-dev", "--model-path", str(folders["dev"]), "--out", str(out),
+    result = run_app("batch", str(prompts), "--model", "flux2-dev", "--model-path", str(folders["dev"]), "--out", str(out),
                  "--size", "48x64", "--steps", "2")
     assert result.returncode == 1, result.stderr  # 1: line 2 was bad, line 1 was written
     assert "prompts.jsonl:2" in result.stderr and "small.png is 56x40" in result.stderr
@@ -101,9 +95,9 @@ def test_batch_with_a_reference_line(folders: dict[str, Path], tmp_path: Path) -
 def test_build_fills_the_engine_cache(folders: dict[str, Path], tmp_path: Path) -> None:
     common = ["--model", "flux2-dev", "--model-path", str(folders["dev"]), "--size", "48x64", "--steps", "2",
               "--backend", "inductor-blocks", "--engine-cache", str(tmp_path / "engines")]
-    cold = app("build", *common)
+    cold = run_app("build", *common)
     assert cold.returncode == 0, cold.stderr
     assert "rank 0: built in" in cold.stderr
-    warm = app("build", *common)
+    warm = run_app("build", *common)
     assert warm.returncode == 0, warm.stderr
     assert "rank 0: cache hit in" in warm.stderr

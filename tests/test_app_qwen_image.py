@@ -7,8 +7,6 @@ The checkpoint is training.tiny_models' tiny random Qwen-Image folder, run under
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 from PIL import Image
 
 from pipelines.media import read_png_settings
-from tests.helpers import REPO
+from tests.helpers import run_app
 
 COMMON = ["--model", "qwen-image", "--size", "64x48", "--steps", "2", "--prompt", "a big red circle", "--seed", "3"]
 
@@ -30,14 +28,10 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def one_rank_image(folder: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "i.png"
-    result = app("generate", *COMMON, "--model-path", str(folder), "--out", str(out))
+    result = run_app("generate", *COMMON, "--model-path", str(folder), "--out", str(out))
     assert result.returncode == 0, result.stderr
     return out
 
@@ -52,7 +46,7 @@ def test_generate_writes_an_image(one_rank_image: Path) -> None:
 
 def test_two_ranks_ulysses_equal_one_rank(folder: Path, one_rank_image: Path, tmp_path: Path) -> None:
     out = tmp_path / "i2.png"
-    result = app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--strategy", "ulysses",
+    result = run_app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--strategy", "ulysses",
                  "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(np.asarray(Image.open(out), np.int16) - np.asarray(Image.open(one_rank_image), np.int16))

@@ -11,15 +11,13 @@ wan2.1-i2v-14b names.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipelines.media import read_mp4_settings, read_video
-from tests.helpers import REPO
+from tests.helpers import run_app
 
 COMMON = ["--model", "wan2.1-t2v-1.3b", "--frames", "5", "--size", "64x48", "--steps", "2"]
 
@@ -33,10 +31,6 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
 def frames_of(path: Path) -> np.ndarray:
     frames, fps = read_video(path)
     assert fps == pytest.approx(16)  # the checkpoint's default frame rate
@@ -46,7 +40,7 @@ def frames_of(path: Path) -> np.ndarray:
 @pytest.fixture(scope="module")
 def one_rank_video(folder: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "v.mp4"
-    result = app("generate", *COMMON, "--model-path", str(folder), "--prompt", "a red circle", "--seed", "3",
+    result = run_app("generate", *COMMON, "--model-path", str(folder), "--prompt", "a red circle", "--seed", "3",
                  "--out", str(out))
     assert result.returncode == 0, result.stderr
     return out
@@ -65,7 +59,7 @@ def test_batch_of_two_lines(folder: Path, tmp_path: Path) -> None:
     prompts.write_text(json.dumps({"prompt": "a red circle", "seed": 1}) + "\n"
                        + json.dumps({"prompt": "a blue square", "guidance": 1.0}) + "\n")
     out = tmp_path / "out"
-    result = app("batch", str(prompts), *COMMON, "--model-path", str(folder), "--out", str(out))
+    result = run_app("batch", str(prompts), *COMMON, "--model-path", str(folder), "--out", str(out))
     assert result.returncode == 0, result.stderr
     entries = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert len(entries) == 2 and all(entry["file"].endswith(".mp4") for entry in entries)
@@ -80,7 +74,7 @@ def test_batch_of_two_lines(folder: Path, tmp_path: Path) -> None:
 ])
 def test_bad_request_refused_before_the_ranks_start(folder: Path, tmp_path: Path, args: list[str],
                                                     message: str) -> None:
-    result = app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--prompt", "a circle",
+    result = run_app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--prompt", "a circle",
                  "--out", str(tmp_path / "x.mp4"), *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
@@ -90,7 +84,7 @@ def test_bad_request_refused_before_the_ranks_start(folder: Path, tmp_path: Path
 
 def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Path, tmp_path: Path) -> None:
     out = tmp_path / "v2.mp4"
-    result = app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--prompt",
+    result = run_app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--prompt",
                  "a red circle", "--seed", "3", "--cfg-parallel", "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(out) - frames_of(one_rank_video))
@@ -121,7 +115,7 @@ def image(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def i2v_video(i2v_folder: Path, image: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("i2v") / "v.mp4"
-    result = app("generate", *I2V, "--model-path", str(i2v_folder), "--input", str(image), "--out", str(out))
+    result = run_app("generate", *I2V, "--model-path", str(i2v_folder), "--input", str(image), "--out", str(out))
     assert result.returncode == 0, result.stderr
     return out
 
@@ -131,14 +125,14 @@ def test_image_to_video_from_a_folder_alone(i2v_folder: Path, i2v_video: Path, t
     frames = frames_of(i2v_video)
     assert frames.shape == (5, 48, 64, 3) and frames.std() > 1
     assert read_mp4_settings(i2v_video)["model"] == "wan2.1-i2v-14b"
-    result = app("generate", *I2V, "--model-path", str(i2v_folder), "--out", str(tmp_path / "x.mp4"))
+    result = run_app("generate", *I2V, "--model-path", str(i2v_folder), "--out", str(tmp_path / "x.mp4"))
     assert result.returncode == 2 and "makes videos from an image: give one as its input" in result.stderr
 
 
 def test_image_to_video_two_ranks_ulysses_equal_one_rank(i2v_folder: Path, image: Path, i2v_video: Path,
                                                          tmp_path: Path) -> None:
     out = tmp_path / "v2.mp4"
-    result = app("launch", "--nproc", "2", "generate", *I2V, "--model-path", str(i2v_folder), "--input", str(image),
+    result = run_app("launch", "--nproc", "2", "generate", *I2V, "--model-path", str(i2v_folder), "--input", str(image),
                  "--strategy", "ulysses", "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(out) - frames_of(i2v_video))

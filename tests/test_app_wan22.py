@@ -7,8 +7,6 @@ The checkpoint is training.tiny_models' tiny random TI2V folder, run under the w
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import PIL.Image
 import pytest
 
 from pipelines.media import read_mp4_settings, read_video
-from tests.helpers import REPO
+from tests.helpers import run_app
 
 # 27 tokens (3 latent frames of 3 x 3): the 2-rank split pads them, and cuts the given first frame's timestep-0
 # tokens from the others' on rank 0.
@@ -40,10 +38,6 @@ def image(tmp_path_factory) -> Path:
     return path
 
 
-def app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
 def frames_of(path: Path) -> np.ndarray:
     frames, fps = read_video(path)
     assert fps == pytest.approx(24)  # the checkpoint's default frame rate
@@ -53,7 +47,7 @@ def frames_of(path: Path) -> np.ndarray:
 @pytest.fixture(scope="module")
 def one_rank_video(folder: Path, image: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("one") / "v.mp4"
-    result = app("generate", *COMMON, "--model-path", str(folder), "--input", str(image), "--out", str(out))
+    result = run_app("generate", *COMMON, "--model-path", str(folder), "--input", str(image), "--out", str(out))
     assert result.returncode == 0, result.stderr
     return out
 
@@ -64,7 +58,7 @@ def test_generate_from_text_and_from_an_image(folder: Path, one_rank_video: Path
     settings = read_mp4_settings(one_rank_video)
     assert settings["model"] == "wan2.2-ti2v-5b" and settings["guidance"] == 5.0
     out = tmp_path / "t.mp4"
-    result = app("generate", *COMMON, "--model-path", str(folder), "--out", str(out))
+    result = run_app("generate", *COMMON, "--model-path", str(folder), "--out", str(out))
     assert result.returncode == 0, result.stderr
     text_only = frames_of(out)
     assert text_only.shape == (9, 96, 96, 3) and np.abs(text_only - frames).max() > 10  # the image changed it
@@ -72,7 +66,7 @@ def test_generate_from_text_and_from_an_image(folder: Path, one_rank_video: Path
 
 def test_two_ranks_ulysses_equal_one_rank(folder: Path, image: Path, one_rank_video: Path, tmp_path: Path) -> None:
     out = tmp_path / "v2.mp4"
-    result = app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--input", str(image),
+    result = run_app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--input", str(image),
                  "--strategy", "ulysses", "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(out) - frames_of(one_rank_video))

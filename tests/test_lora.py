@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, join_ranks, spawn_ranks
+from tests.helpers import REPO, join_ranks, run_app, spawn_ranks
 
 TINY_FLUX = REPO / "assets" / "tiny-flux"
 TOLERANCE = 1e-5
@@ -326,15 +326,6 @@ def test_gloo_ranks_every_strategy_and_tp_match_one_process(world_size: int, lor
             assert error <= TOLERANCE, (rank, plan, error)
 
 
-def _cli(*args: str):
-    import os
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ))
-
-
 def test_generate_and_batch_use_the_requests_loras_and_record_them(loras, tmp_path: Path) -> None:
     from PIL import Image
 
@@ -342,14 +333,14 @@ def test_generate_and_batch_use_the_requests_loras_and_record_them(loras, tmp_pa
 
     common = ("--model", "tiny-flux", "--steps", "2", "--size", "64x64", "--device", "cpu",
               "--lora", f"a={loras['a']}:0.8", "--lora", f"b={loras['b']}")
-    result = _cli("generate", "--prompt", "a red circle", "--out", str(tmp_path / "one.png"), *common)
+    result = run_app("generate", "--prompt", "a red circle", "--out", str(tmp_path / "one.png"), *common)
     assert result.returncode == 0, result.stderr
     assert read_png_settings(tmp_path / "one.png")["lora"] == {"a": 0.8, "b": 1.0}  # none chosen: every --lora
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(line) for line in (
         {"prompt": "a red circle", "name": "plain", "lora": ""}, {"prompt": "a red circle", "name": "a", "lora": "a:0.8"},
         {"prompt": "a red circle", "name": "bad", "lora": "c"})) + "\n")
-    result = _cli("batch", str(prompts), "--out", str(tmp_path / "batch"), *common)
+    result = run_app("batch", str(prompts), "--out", str(tmp_path / "batch"), *common)
     assert "LoRA 'c' is not loaded in this run for tiny-flux; tiny-flux has: a, b" in result.stdout + result.stderr
     manifest = [json.loads(line) for line in (tmp_path / "batch" / "manifest.jsonl").read_text().splitlines()]
     settings = {entry["file"]: entry["settings"] for entry in manifest}
@@ -365,7 +356,7 @@ def test_the_check_step_refuses_a_file_naming_its_first_bad_key(loras, tmp_path:
     key = "transformer.single_transformer_blocks.2.proj_out.lora_A.weight"
     state[key] = torch.zeros(4, 5)
     save_file(state, str(tmp_path / "bad.safetensors"))
-    result = _cli("generate", "--model", "tiny-flux", "--prompt", "x", "--device", "cpu", "--out",
+    result = run_app("generate", "--model", "tiny-flux", "--prompt", "x", "--device", "cpu", "--out",
                   str(tmp_path / "x.png"), "--lora", f"bad={tmp_path / 'bad.safetensors'}")
     assert result.returncode == 2 and f"key {key}: shape (4, 5)" in result.stderr, result.stderr
     assert "denoising" not in result.stderr
@@ -376,7 +367,7 @@ def test_serve_refuses_a_file_that_fits_none_of_its_models(loras) -> None:
     default pair); one that fits none stops the start, each model saying why."""
     from tests.helpers import free_port
 
-    result = _cli("serve", "--model", "tiny-cosmos", "--device", "cpu", "--port", str(free_port()),
+    result = run_app("serve", "--model", "tiny-cosmos", "--device", "cpu", "--port", str(free_port()),
                   "--lora", f"a={loras['a']}")
     assert result.returncode == 2, result.stderr
     assert "--lora a fits none of the served models (tiny-cosmos: " in result.stderr
