@@ -124,6 +124,12 @@ class RequestClock:
         return (self.step_ends[-1] - self.step_ends[0]) / (len(self.step_ends) - 1)
 
 
+EARLY_STOP_MARGIN = 1.25
+"""A running request is stopped before the limit only when its projection is this far over it: the projection comes
+from its first steps, which a loaded machine can slow by a few tens of percent; one projected closer to the limit runs
+on and is stopped at the limit itself if it gets there."""
+
+
 class RequestBudget:
     """The server's limit on one request's time, and the cost model of each model it serves.
 
@@ -193,7 +199,7 @@ class RequestBudget:
         step = clock.steady_step_seconds()
         if step is not None and done < clock.steps:
             projected = elapsed + (clock.steps - done) * step + clock.decode_seconds
-            if projected > self.max_seconds:
+            if projected > self.max_seconds * EARLY_STOP_MARGIN:
                 return (f"stopped {where}: at {duration(step)} a step it would take about {duration(projected)}, "
                         f"and this server's limit is {duration(self.max_seconds)} a request ({LIMIT_OPTION}): "
                         "ask for fewer steps or a smaller size")
