@@ -189,6 +189,9 @@ def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimit
     from pipelines.family import load
     from pipelines.registry import family_of, read_component_config
 
+    if spec.experts > 1:
+        raise OptionsError(f"--lora: {spec.name} denoises with {spec.experts} expert transformers, and a LoRA file "
+                           "here adapts one; LoRAs are not supported on this model yet")
     try:
         check_lora_files(files, load(family_of(spec).transformer), read_component_config(folder, "transformer"))
     except LoraError as error:
@@ -214,6 +217,9 @@ def served_lora_limits(args: argparse.Namespace, models: list, limits: list[Medi
         try:
             fits, refused = fitting_lora_files(files, load(family_of(spec).transformer),
                                                read_component_config(folder, "transformer"))
+            if spec.experts > 1:
+                fits, refused = [], {file.name: f"LoRAs are not supported on its {spec.experts} expert transformers"
+                                     for file in files}
         except LoraError as error:
             raise OptionsError(f"{error} (model {spec.name})") from None
         fitting.append({weights.name for weights in fits})

@@ -53,7 +53,7 @@ def rank_bytes(models: list[tuple[ModelSpec, Path | None]], tp: int, *, fp8: boo
     total = 0
     for spec, folder in {(folder or spec.name): (spec, folder) for spec, folder in models}.values():
         config = spec_transformer_config(spec, folder)
-        total += transformer_bytes(family_of(spec), config, tp, fp8=fp8)
+        total += transformer_bytes(family_of(spec), config, tp, fp8=fp8) * spec.experts  # each expert resident
         total += rank0_gpu_parameters(spec, folder) * BF16_BYTES
     return total
 

@@ -365,7 +365,8 @@ def copy_pipelines(pipelines: dict[str, Any]) -> dict[str, Any]:
     for pipeline in pipelines.values():
         if id(pipeline) not in copies:
             twin = copy.copy(pipeline)
-            twin.use_transformer(shared_weights_copy(pipeline.transformer))
+            for name, module in pipeline.transformers():
+                twin.use_transformer(shared_weights_copy(module), name)
             copies[id(pipeline)] = twin
     return {media: copies[id(pipeline)] for media, pipeline in pipelines.items()}
 
@@ -377,11 +378,12 @@ def quantize_transformers(pipelines: Iterable, group=None) -> None:
     from engines.fp8 import quantize_fp8
 
     for pipeline in pipelines:
-        quantize_fp8(pipeline.transformer, family_of(pipeline.spec).repeated_blocks, group=group)
+        for _, module in pipeline.transformers():
+            quantize_fp8(module, family_of(pipeline.spec).repeated_blocks, group=group)
 
 
 def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
-    """Swap each pipeline's transformer for its family's context-parallel wrapper (collective);
+    """Swap each pipeline's transformers for its family's context-parallel wrapper (collective);
     returns the plans' description for the status line.
 
     With options.cfg_parallel, guidance-batched models (their family's record says which) run their
@@ -397,8 +399,9 @@ def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
         cfg = 2 if options.cfg_parallel and uses_guidance_batch(pipeline.spec) else 1
         heads = pipeline.transformer_config.num_attention_heads
         plan = ParallelPlan.auto(ctx.world_size, heads, strategy=options.strategy, cfg=cfg, tp=options.tp)
-        pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, plan, load(family.parallelize),
-                                                         all_to_all=options.all_to_all))
+        for name, module in pipeline.transformers():
+            pipeline.use_transformer(parallelize_transformer(module, ctx, plan, load(family.parallelize),
+                                                             all_to_all=options.all_to_all), name)
         # On CPU ranks every exchange is gloo's, whatever --all-to-all names for GPUs.
         labels.append(plan.describe(options.all_to_all if ctx.device.type == "cuda" else "gloo"))
     return " / ".join(dict.fromkeys(labels))
@@ -413,9 +416,9 @@ def wrap_one_rank(pipelines: Iterable, ctx) -> None:
 
     for pipeline in pipelines:
         family = family_of(pipeline.spec)
-        if family.adapter_at_one_rank:
-            pipeline.use_transformer(parallelize_transformer(pipeline.transformer, ctx, ParallelPlan(),
-                                                             load(family.parallelize)))
+        for name, module in pipeline.transformers() if family.adapter_at_one_rank else ():
+            pipeline.use_transformer(parallelize_transformer(module, ctx, ParallelPlan(), load(family.parallelize)),
+                                     name)
 
 
 def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
@@ -431,8 +434,9 @@ def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
         return engine.label
     for pipeline in pipelines:
         repeated_blocks = family_of(pipeline.spec).repeated_blocks
-        pipeline.use_transformer(prepare_engine(pipeline.transformer, engine, repeated_blocks=repeated_blocks,
-                                                cache_dir=options.cache_dir, rank=ctx.rank))
+        for name, module in pipeline.transformers():
+            pipeline.use_transformer(prepare_engine(module, engine, repeated_blocks=repeated_blocks,
+                                                    cache_dir=options.cache_dir, rank=ctx.rank), name)
     return engine.label
 
 
@@ -453,10 +457,10 @@ def release_engines(pipelines: Iterable) -> None:
     from engines.compile import Engine
 
     for pipeline in pipelines:
-        if pipeline.step_cache is not None:  # its wrappers hold the compiled blocks: out first
-            pipeline.step_cache.remove()
-        if isinstance(pipeline.transformer, Engine):
-            pipeline.transformer.release()
+        pipeline.remove_step_caches()  # its wrappers hold the compiled blocks: out first
+        for _, module in pipeline.transformers():
+            if isinstance(module, Engine):
+                module.release()
 
 
 def _agree_on_startup(ctx, failure: str | None) -> dict[int, tuple[str, int]]:

@@ -41,6 +41,7 @@ import datetime
 import inspect
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,7 +72,7 @@ from engines.wrapper import ParallelTransformer
 from pipelines.factory import default_dtype
 from pipelines.family import load
 from pipelines.loading import component_class, load_component
-from pipelines.registry import ModelSpec, default_folder, family_of, get_spec, read_model_index
+from pipelines.registry import INDEX_FILES, ModelSpec, default_folder, family_of, get_spec, read_model_index
 from pipelines.requests import GenerationRequest, make_request, read_limits
 
 PROMPT = "a lighthouse on a cliff at dusk, waves breaking below, warm light in the window"
@@ -151,7 +152,11 @@ def tiny_components(name: str) -> Components:
 
 
 def write_config_folder(arch: Components, folder: Path) -> Path:
-    """A checkpoint folder without weights: the configs the pipelines and request checks read."""
+    """A checkpoint folder without weights: the configs the pipelines and request checks read (the model index as
+    the tokenizers' folder has it: Wan's expand_timesteps, boundary_ratio and experts are read from it)."""
+    for name in INDEX_FILES:
+        if (arch.assets / name).is_file():
+            shutil.copy(arch.assets / name, folder / name)
     for name, config in (("vae", {"_class_name": arch.vae_class.__name__, **arch.vae_config}),
                          ("transformer", {"_class_name": arch.transformer.model_class.__name__,
                                           **arch.transformer.config})):
@@ -180,10 +185,11 @@ def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with
     pipeline_class = load(family_of(spec).pipeline)
     dtype = default_dtype(device)
     torch.manual_seed(0)
-    parts: dict[str, Any] = {
-        "transformer": build_random(arch.transformer, device=device, dtype=dtype),
-        "scheduler": load_component(arch.assets, "scheduler"),
-    }
+    parts: dict[str, Any] = {"transformer": build_random(arch.transformer, device=device, dtype=dtype)}
+    if "scheduler" in read_model_index(arch.assets):  # a FLUX.3 folder has none: its pipeline makes diffusers' own
+        parts["scheduler"] = load_component(arch.assets, "scheduler")
+    if spec.experts > 1:  # Wan 2.2 A14B: a second expert of the same architecture
+        parts["transformer_2"] = build_random(arch.transformer, device=device, dtype=dtype)
     if with_encoders:
         for name, (encoder_class, config) in arch.text_encoders.items():
             tokenizer = name.replace("text_encoder", "tokenizer")
@@ -286,22 +292,20 @@ def single_context(ctx: ParallelContext) -> ParallelContext:
                            control_group=None)
 
 
-def restore_transformer(pipeline: Any, model: nn.Module) -> None:
-    """Undo install_step_caches, build_engines and parallelize_pipelines: the pipeline calls the plain `model`
-    again."""
-    if pipeline.step_cache is not None:  # its wrappers hold the compiled blocks: out first
-        pipeline.step_cache.remove()
-        pipeline.step_cache = None
-    current = pipeline.transformer
-    if isinstance(current, Engine):  # compiled blocks back to plain ones
-        current = current.release()
-    if isinstance(current, ParallelTransformer):  # attention processors back
-        current.restore()
-    pipeline.use_transformer(model)
+def restore_transformers(pipeline: Any, models: dict[str, nn.Module]) -> None:
+    """Undo install_step_caches, build_engines and parallelize_pipelines: the pipeline calls the plain `models`
+    (each transformer's, by attribute name) again."""
+    pipeline.remove_step_caches()  # its wrappers hold the compiled blocks: out first
+    for name, current in pipeline.transformers():
+        if isinstance(current, Engine):  # compiled blocks back to plain ones
+            current = current.release()
+        if isinstance(current, ParallelTransformer):  # attention processors back
+            current.restore()
+        pipeline.use_transformer(models[name], name)
 
 
 def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend: str, *, ctx: ParallelContext,
-                 timer: StageTimer, model: nn.Module, request: GenerationRequest,
+                 timer: StageTimer, models: dict[str, nn.Module], request: GenerationRequest,
                  args: argparse.Namespace) -> dict[str, Any]:
     """One mode x backend: warm-up generation, timed generations; the row (complete on rank 0).
 
@@ -331,7 +335,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
                 runs, warmup_s, peak = _time_generations(mode_ctx, timer, request, args)
             except JobFailed as exc:
                 error = str(exc)
-        restore_transformer(pipeline, model)
+        restore_transformers(pipeline, models)
         torch._dynamo.reset()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -433,7 +437,7 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
                 parameters={k: sum(p.numel() for p in v.parameters()) for k, v in vars(pipeline).items()
                             if isinstance(v, nn.Module)},
             )
-        model = pipeline.transformer
+        models = dict(pipeline.transformers())
         timer = StageTimer(pipeline, ctx.device)
         modes: list[tuple[str, ParallelPlan | None]] = [] if args.no_single else [("1 GPU", None)]
         heads = pipeline.transformer_config.num_attention_heads
@@ -443,11 +447,12 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
             if precision == "fp8":  # the same weights, the blocks' linears made FP8 in place (engines/fp8.py)
                 from engines.fp8 import quantize_fp8
 
-                quantize_fp8(model, family_of(spec).repeated_blocks)
+                for model in models.values():
+                    quantize_fp8(model, family_of(spec).repeated_blocks)
             for mode, plan in modes:
                 for backend in args.backends:
                     label = mode if precision == "bf16" else f"{mode} fp8"
-                    rows.append(measure_mode(spec.name, label, plan, backend, ctx=ctx, timer=timer, model=model,
+                    rows.append(measure_mode(spec.name, label, plan, backend, ctx=ctx, timer=timer, models=models,
                                              request=request, args=args))
                     if ctx.is_main:
                         r = rows[-1]
@@ -455,7 +460,7 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
                               + (f"{r['total_s']:.2f} s" if r["total_s"] else "-")
                               + (f" ERROR {r['error']}" if r["error"] else ""), file=sys.stderr, flush=True)
                         save(rows)
-        del pipeline, model, timer
+        del pipeline, models, timer
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
 

@@ -31,14 +31,15 @@
 #                    200 (29 frames, 1 GPU and ulysses-2)
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
 #   part 5 (not yet timed on GPUs): wan14b-step 220 | qwen-image-step 150 | flux3-step 120 | flux1-generic-step 120
+#   part 6 (not yet timed on GPUs): qwen-image-generation 200 | wan14b-generation 330
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, 5, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, 5, 6, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -53,10 +54,12 @@ if [ -n "${TINY:-}" ]; then
     tiny=(--tiny) backend=eager fast=eager transport=nccl
     flux_sizes=64x64 cosmos_video=9x32x48 nano_video=9x64x96 steps=(--steps 4) few=(--warmup 1 --iters 1)
     nano_frames=9 nano_steps=(--steps 4) wan_video=9x48x64 qwen_sizes=64x64
+    wan_shape=(--frames 9 --height 48 --width 64) qwen_shape=(--height 64 --width 64) qwen_steps=(--steps 4)
 else
     tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks transport=copy-engine
     flux_sizes=1024x1024,2048x2048 cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
     few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=() wan_video=81x720x1280 qwen_sizes=1328x1328
+    wan_shape=(--frames 81 --height 720 --width 1280) qwen_shape=(--height 1328 --width 1328) qwen_steps=(--steps 20)
 fi
 step=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.step "${tiny[@]}")
 generation=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.generation "${tiny[@]}")
@@ -195,6 +198,16 @@ elif [ "$part" = 5 ]; then
     piece flux1-generic-step 120 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --adapter generic --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-generic-step.json"
+elif [ "$part" = 6 ]; then
+    # whole generations on the generic path, 1 GPU against ulysses-$gpus (split VAE on): Qwen-Image 1328² (20 of
+    # its 50 steps), then Wan 2.1 14B 81x720x1280 with 2 steps (a 1 GPU step is ~30 s: its 50 would not fit a
+    # command; the step rows of part 5 and these stages give the whole video's time)
+    piece qwen-image-generation 200 "${generation[@]}" --model qwen-image "${qwen_shape[@]}" "${qwen_steps[@]}" \
+        --strategies ulysses --backends "$fast" --split-vae on --runs 1 --warmup-steps 2 --engine-cache "$cache" \
+        --out "$out/qwen-image-generation.json"
+    piece wan14b-generation 330 "${generation[@]}" --model wan2.1-t2v-14b "${wan_shape[@]}" --steps 2 \
+        --strategies ulysses --backends "$fast" --split-vae on --runs 1 --warmup-steps 1 --engine-cache "$cache" \
+        --out "$out/wan14b-generation.json"
 elif [ "$part" = sweep ]; then
     # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
     # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first
@@ -223,7 +236,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"

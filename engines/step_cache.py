@@ -113,6 +113,11 @@ class StepCache:
                 self.skipped.append(index)
             self._step = -1
 
+    def reset(self) -> None:
+        """Forget the last request (a transformer that a request may not call: Wan 2.2 A14B's experts)."""
+        self._branches.clear()
+        self.skipped, self.steps = [], 0
+
     @property
     def computed(self) -> int:
         """Steps of the current (or last) request whose blocks all ran."""

@@ -4,7 +4,8 @@ The architectures are the published diffusers configs: FLUX.1-dev's components, 
 Cosmos-Predict2 Video2World transformers as written by diffusers' convert_cosmos_to_diffusers.py
 ("Cosmos-2.0-Diffusion-2B/14B-Video2World") with their T5-11B encoder and Wan 2.1 VAE, and Cosmos 3
 Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein, Wan 2.1 text- and image-to-video (its CLIP
-ViT-H/14 image encoder as the I2V folder's image_encoder config has it), Wan 2.2 TI2V-5B and Qwen-Image (with
+ViT-H/14 image encoder as the I2V folder's image_encoder config has it), Wan 2.2 TI2V-5B and A14B (each expert the
+Wan 2.1 14B's architecture) and Qwen-Image (with
 Qwen2.5-VL-7B's config) as their transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images: its video name
 serves videos (5 frames and more) and its "-image" name, the same folder, one-frame images.
 """
@@ -327,7 +328,7 @@ _WAN21_I2V = Architecture(  # 16 latent + 4 mask + 16 image-latent input channel
 
 WAN = ModelFamily(
     name="wan",
-    title="Wan 2.1",
+    title="Wan 2.1, Wan 2.2 A14B",
     transformer="diffusers:WanTransformer3DModel",
     pipeline="pipelines.wan:WanVideoPipeline",
     parallelize="engines.generic:parallelize_generic",  # driven by the class's diffusers _cp_plan
@@ -350,6 +351,16 @@ WAN = ModelFamily(
         ModelSpec(name="wan2.1-i2v-14b", folder="Wan2.1-I2V-14B-720P-Diffusers",
                   source="Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", height=720, width=1280, architecture=_WAN21_I2V,
                   **{**_WAN21, "checkpoint_class": "WanImageToVideoPipeline"}),
+        # Wan 2.2 A14B: two experts of the 14B's architecture over the Wan 2.1 VAE (high noise, then low noise);
+        # defaults as Wan-AI's model cards run them (40 steps; the text-to-video card's high-noise guidance)
+        ModelSpec(name="wan2.2-t2v-a14b", folder="Wan2.2-T2V-A14B-Diffusers", source="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                  height=720, width=1280, experts=2,
+                  architecture=_wan21(num_attention_heads=40, ffn_dim=13824, num_layers=40),
+                  **{**_WAN21, "steps": 40, "guidance": 4.0}),
+        ModelSpec(name="wan2.2-i2v-a14b", folder="Wan2.2-I2V-A14B-Diffusers", source="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+                  height=720, width=1280, experts=2,
+                  architecture=_wan21(in_channels=36, num_attention_heads=40, ffn_dim=13824, num_layers=40),
+                  **{**_WAN21, "checkpoint_class": "WanImageToVideoPipeline", "steps": 40, "guidance": 3.5}),
     ),
 )
 

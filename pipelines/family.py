@@ -72,6 +72,9 @@ class ModelSpec:
     """Prompts the UI offers as examples, in the wording the model knows (the tiny models' caption grammar)."""
     architecture: Architecture | None = None
     """Published configs of its components (for random-weight benchmarks), where known."""
+    experts: int = 1
+    """Transformers it denoises with, each whole and resident: Wan 2.2 A14B's two experts (model_index.json's
+    transformer and transformer_2; the second takes the steps below boundary_ratio's timestep)."""
     guidance_batch: bool | None = None
     """Its classifier-free guidance has two branches (--cfg-parallel applies); None: as its family's record
     says (FLUX.2's Klein base checkpoints use guidance where dev and the distilled Klein ones do not)."""

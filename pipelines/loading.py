@@ -72,8 +72,8 @@ def load_parts(
     index = read_model_index(folder)
     parts = {}
     for name in names:
-        if name == "transformer" and share is not None and share.tp > 1:
-            parts[name] = _load_share(folder, index, share, (dtypes or {}).get(name, dtype), device)
+        if name in ("transformer", "transformer_2") and share is not None and share.tp > 1:
+            parts[name] = _load_share(folder, index, name, share, (dtypes or {}).get(name, dtype), device)
         else:
             parts[name] = load_component(folder, name, (dtypes or {}).get(name, dtype), index)
     for name, part in parts.items():
@@ -105,10 +105,10 @@ def place(name: str, module: torch.nn.Module, device: torch.device | str, *,
     return False
 
 
-def _load_share(folder: Path, index: dict, share: TransformerShare, dtype: torch.dtype,
+def _load_share(folder: Path, index: dict, name: str, share: TransformerShare, dtype: torch.dtype,
                 device: torch.device | str) -> torch.nn.Module:
     from engines.sharded_loading import load_split
     from pipelines.family import load
 
-    return load_split(component_class(index, "transformer"), folder / "transformer", load(share.weights), tp=share.tp,
-                      rank=share.rank, dtype=dtype, device=device)
+    return load_split(component_class(index, name), folder / name, load(share.weights), tp=share.tp, rank=share.rank,
+                      dtype=dtype, device=device)

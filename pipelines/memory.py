@@ -55,6 +55,8 @@ def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int)
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
         model = load(family.transformer)(**config)
+    if tp == 1:  # nothing split (a family whose attention tp cannot split, Wan's, runs whole)
+        return sum(parameter.numel() for parameter in model.parameters())
     split = load(family.tensor_parallel)(model, tp)
     split.check(model, tp)
     return rank_parameters(model, split, tp)
@@ -71,7 +73,8 @@ def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, f
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
         model = load(family.transformer)(**config)
-    split_weights(model, load(family.tensor_parallel)(model, tp), tp=tp, rank=0)  # meta: local shapes, no data
+    if tp > 1:  # a family whose attention tp cannot split (Wan's) runs whole at tp 1
+        split_weights(model, load(family.tensor_parallel)(model, tp), tp=tp, rank=0)  # meta: local shapes, no data
     quantized = set(fp8_linear_names(model, family.repeated_blocks)) if fp8 else set()
     total = 0
     for name, parameter in model.named_parameters():

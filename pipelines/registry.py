@@ -86,14 +86,19 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
     """A spec for an arbitrary diffusers folder, by its model_index.json (and `name`'s defaults if given)."""
     index = read_model_index(folder)
     class_name = index.get("_class_name", "")
+    experts = folder_experts(index)
     if name is not None:
         spec = get_spec(name)
         if spec.checkpoint_class != class_name:
             raise ModelNotFoundError(
                 f"{folder} holds a {class_name or 'unknown'} checkpoint, but model '{name}' is a {spec.checkpoint_class}"
             )
+        if spec.experts != experts:
+            raise ModelNotFoundError(f"{folder} holds {experts} transformer{'s' if experts > 1 else ''} (model_index."
+                                     f"json's transformer_2), but model '{name}' denoises with {spec.experts}")
         return spec
-    candidates = [spec for spec in MODELS.values() if spec.checkpoint_class == class_name and not spec.embedded]
+    candidates = [spec for spec in MODELS.values()
+                  if spec.checkpoint_class == class_name and spec.experts == experts and not spec.embedded]
     if index.get("is_distilled") is False:  # a FLUX.2 Klein base checkpoint: the names that use guidance
         candidates = [spec for spec in candidates if spec.guidance_batch] or candidates
     if len(candidates) > 1:  # sizes of one class (Wan 2.1 1.3B and 14B): the name whose published transformer it is
@@ -105,6 +110,11 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
         f"{folder}: model_index.json names '{class_name}', which ulysses-studio cannot run "
         f"(supported: {', '.join(supported)})"
     )
+
+
+def folder_experts(index: dict) -> int:
+    """Transformers a folder's model_index.json holds: 2 where it names a transformer_2 (Wan 2.2 A14B), else 1."""
+    return 2 if (index.get("transformer_2") or [None])[0] is not None else 1
 
 
 def _has_architecture(folder: Path, spec: ModelSpec) -> bool:

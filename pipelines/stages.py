@@ -30,8 +30,13 @@ class StagedPipeline:
     spec: ModelSpec
     folder: Path
     transformer: Any
-    step_cache: Any = None
-    """The transformer's step cache (engines.step_cache.StepCache, `--cache`), or None: every step computed."""
+    transformer_names: tuple[str, ...] = ("transformer",)
+    """The attributes that hold the transformers its denoising loop calls: one, or Wan 2.2 A14B's two experts
+    ("transformer" for the high-noise steps, "transformer_2" after the boundary). Whatever engines/ does to a
+    transformer (FP8, LoRA, the parallel plan, the engine, the step cache) it does to each."""
+    step_caches: dict[str, Any] = {}
+    """Each transformer's step cache (engines.step_cache.StepCache, `--cache`) by attribute name; empty: every
+    step computed."""
     vae: Any = None
     vae_spatial_factor: int = 8
     """Image rows per latent row of what the VAE decodes (set by each family's pipeline)."""
@@ -55,9 +60,15 @@ class StagedPipeline:
         """What sizes and frame counts this pipeline's checkpoint accepts (from its configs)."""
         return read_limits(self.spec, self.folder)
 
-    def use_transformer(self, module: Any) -> None:
-        """Replace the module the denoising loop calls (engines/ parallel or compiled wrapper)."""
-        self.transformer = module
+    def transformers(self) -> list[tuple[str, Any]]:
+        """(attribute, module) of each transformer the denoising loop calls, in transformer_names' order."""
+        return [(name, getattr(self, name)) for name in self.transformer_names]
+
+    def use_transformer(self, module: Any, name: str = "transformer") -> None:
+        """Replace the module the denoising loop calls as `name` (engines/ parallel or compiled wrapper)."""
+        if name not in self.transformer_names:
+            raise ValueError(f"this pipeline has no transformer {name!r} (it has {', '.join(self.transformer_names)})")
+        setattr(self, name, module)
 
     def use_loras(self, files: Any, *, tp: int = 1, tp_rank: int = 0, fitting: bool = False) -> None:
         """Give the transformer (a diffusers model, split for `tp` and/or FP8 already) every LoRA of `files`
@@ -67,6 +78,11 @@ class StagedPipeline:
         from engines.lora import attach_loras, check_lora_files, fitting_lora_files
         from pipelines.family import load
 
+        if len(self.transformer_names) > 1:  # the check step refused them (app.arguments.lora_limits)
+            if fitting:
+                return
+            raise ValueError(f"{self.spec.name} denoises with {len(self.transformer_names)} transformers, and a LoRA "
+                             "file here adapts one: LoRAs are not supported on this model")
         model = self.transformer
         if fitting:
             weights, _ = fitting_lora_files(files, type(model), dict(model.config))
@@ -86,23 +102,42 @@ class StagedPipeline:
             raise ValueError(f"this pipeline carries no LoRA, the request asks for {dict(request.lora)}")
 
     def use_step_cache(self, options: Any, group: Any = None) -> None:
-        """A step cache (engines.step_cache; `options`: its CacheOptions) on the transformer as it is now
+        """A step cache (engines.step_cache; `options`: its CacheOptions) on each transformer as it is now
         (after use_transformer: compiled blocks are wrapped, not traced), deciding over `group`'s ranks."""
         from engines.step_cache import install_step_cache
 
         family = family_of(self.spec)
-        self.step_cache = install_step_cache(self.transformer, options, block_lists=family.repeated_blocks,
-                                             outputs=family.block_outputs, stream=family.cache_stream, group=group)
+        self.step_caches = {name: install_step_cache(module, options, block_lists=family.repeated_blocks,
+                                                     outputs=family.block_outputs, stream=family.cache_stream,
+                                                     group=group)
+                            for name, module in self.transformers()}
 
-    def cache_step(self, request: GenerationRequest, index: int, total: int) -> AbstractContextManager:
-        """Around denoising step `index`'s transformer call(s): the step cache's step, if there is one."""
-        if self.step_cache is None:
+    def remove_step_caches(self) -> None:
+        """Put every transformer's blocks back as they were before use_step_cache."""
+        for cache in self.step_caches.values():
+            cache.remove()
+        self.step_caches = {}
+
+    def reset_step_caches(self) -> None:
+        """Before a denoising loop that may not call every transformer (Wan 2.2 A14B's experts): each cache forgets
+        the last request, so that computed_steps counts this one's steps only."""
+        for cache in self.step_caches.values():
+            cache.reset()
+
+    def cache_step(self, request: GenerationRequest, index: int, total: int,
+                   name: str = "transformer") -> AbstractContextManager:
+        """Around denoising step `index` of `total` of transformer `name` (its own count: an expert's steps are its
+        share of the loop): the step cache's step, if there is one."""
+        cache = self.step_caches.get(name)
+        if cache is None:
             return nullcontext()
-        return self.step_cache.step(index, total, skip=request.step_cache)
+        return cache.step(index, total, skip=request.step_cache)
 
     def computed_steps(self) -> int | None:
         """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""
-        return self.step_cache.computed if self.step_cache is not None else None
+        if not self.step_caches:
+            return None
+        return sum(cache.computed for cache in self.step_caches.values())
 
     def use_prompt_cache(self, cache: PromptCache | None) -> None:
         """Keep text encodings in `cache` (rank 0): a request whose prompt settings were seen reuses them."""

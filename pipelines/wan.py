@@ -1,4 +1,4 @@
-"""Wan 2.1 text-to-video and image-to-video, and Wan 2.2 TI2V, on diffusers' Wan components, in three stages.
+"""Wan 2.1 text-to-video and image-to-video, Wan 2.2 TI2V and A14B, on diffusers' Wan components, in three stages.
 
     encode (rank 0: UMT5; an input image: CLIP, the VAE)  ->  denoise (every rank)  ->  decode (rank 0, or the
     split group: Wan VAE)
@@ -13,7 +13,7 @@ so our video equals its video (tests/test_pipelines_wan.py). What differs is whe
   groups; diffusers calls the branches one after the other (equal up to float rounding);
 - the seed's noise is drawn from a CPU generator on every rank (the same numbers everywhere).
 
-Three kinds of folder, told apart by their configs:
+The kinds of folder, told apart by their configs:
 - Wan 2.1 text-to-video (WanPipeline): the above.
 - Wan 2.1 image-to-video (WanImageToVideoPipeline, a transformer with image_dim): rank 0 also encodes the input
   image with the CLIP vision encoder (its penultimate hidden states, encoder_hidden_states_image) and VAE-encodes
@@ -22,7 +22,12 @@ Three kinds of folder, told apart by their configs:
 - Wan 2.2 TI2V (expand_timesteps in model_index.json): one timestep per token ([B, tokens]); with an input
   image its VAE latent replaces the first latent frame and that frame's tokens get timestep 0, as
   WanImageToVideoPipeline does for such a folder; without one, WanPipeline's text-to-video.
-Wan 2.2's two-expert checkpoints (transformer_2, boundary_ratio) are not offered.
+- Wan 2.2 A14B, text-to-video (WanPipeline) and image-to-video (WanImageToVideoPipeline without CLIP): two
+  expert transformers of one architecture (transformer_2 in model_index.json), as WanPipeline runs them: the
+  steps whose timestep is at or above boundary_ratio x the scheduler's training timesteps call `transformer`
+  (high noise), the rest `transformer_2`. Each expert is a whole transformer on every rank, parallelized,
+  compiled and step-cached on its own (a cache's first step after the switch is computed). One guidance scale
+  serves both (WanPipeline's guidance_scale_2 left at its default, the same).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from diffusers.utils import load_image
 from diffusers.video_processor import VideoProcessor
 
 from pipelines.loading import TransformerShare, load_parts
-from pipelines.registry import ModelSpec, read_component_config, read_model_index
+from pipelines.registry import ModelSpec, folder_experts, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline
 
@@ -70,11 +75,18 @@ class WanVideoPipeline(StagedPipeline):
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, vae=None, image_encoder=None, image_processor=None,
-                 device: torch.device | str = "cpu") -> None:
+                 transformer_2: torch.nn.Module | None = None, device: torch.device | str = "cpu") -> None:
         self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.image_encoder = image_encoder
         self.image_processor = image_processor
-        self.expand_timesteps = bool(read_model_index(folder).get("expand_timesteps"))
+        index = read_model_index(folder)
+        self.boundary_ratio: float | None = None
+        """Wan 2.2 A14B: the steps below this fraction of the training timesteps go to transformer_2."""
+        if transformer_2 is not None:
+            self.transformer_2 = transformer_2
+            self.transformer_names = ("transformer", "transformer_2")
+            self.boundary_ratio = float(index["boundary_ratio"])
+        self.expand_timesteps = bool(index.get("expand_timesteps"))
         """Wan 2.2 TI2V: a timestep per token, the input image as the first latent frame."""
         self.image_context = self.transformer_config.get("image_dim") is not None
         """Wan 2.1 image-to-video: CLIP image context."""
@@ -97,11 +109,14 @@ class WanVideoPipeline(StagedPipeline):
                     dtype: torch.dtype = torch.float32, with_encoders: bool = True,
                     with_vae: bool | None = None,
                     share: TransformerShare | None = None) -> WanVideoPipeline:
-        """Load from a diffusers WanPipeline or WanImageToVideoPipeline folder; `with_encoders=False` skips the
+        """Load from a diffusers WanPipeline or WanImageToVideoPipeline folder (both experts of a two-expert one);
+        `with_encoders=False` skips the
         text encoder and tokenizer and the image encoder and processor (ranks > 0), and the VAE too unless
         `with_vae` (a split decode runs it on every rank)."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
-        if with_encoders and (read_model_index(folder).get("image_encoder") or [None])[0] is not None:
+        index = read_model_index(folder)
+        names = ["transformer"] + (["transformer_2"] if folder_experts(index) > 1 else []) + ["scheduler"]
+        names += ["text_encoder", "tokenizer"] if with_encoders else []
+        if with_encoders and (index.get("image_encoder") or [None])[0] is not None:
             names += ["image_encoder", "image_processor"]
         names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
@@ -199,6 +214,11 @@ class WanVideoPipeline(StagedPipeline):
         scheduler.set_timesteps(request.steps, device=device)
         scheduler.set_begin_index(0)
         timesteps = scheduler.timesteps
+        switch = len(timesteps)  # the first step of transformer_2 (WanPipeline: t < boundary_ratio x training steps)
+        if self.boundary_ratio is not None:
+            boundary = self.boundary_ratio * scheduler.config.num_train_timesteps
+            switch = next((i for i, t in enumerate(timesteps) if t < boundary), len(timesteps))
+            self.reset_step_caches()
         for i, t in enumerate(timesteps):
             if noisy is not None:
                 model_input = latents if given is None else (1 - noisy) * given + noisy * latents
@@ -207,8 +227,11 @@ class WanVideoPipeline(StagedPipeline):
                 model_input = latents if given is None else torch.cat([latents, given], dim=1)
                 timestep = t.expand(branches)
             model_input = model_input.to(dtype)
-            with self.cache_step(request, i, len(timesteps)):
-                prediction = self.transformer(
+            # each expert's step cache counts its own steps
+            name, index, total = ("transformer", i, switch) if i < switch else \
+                ("transformer_2", i - switch, len(timesteps) - switch)
+            with self.cache_step(request, index, total, name):
+                prediction = getattr(self, name)(
                     hidden_states=model_input.expand(branches, *model_input.shape[1:]),
                     timestep=timestep,
                     encoder_hidden_states=text,

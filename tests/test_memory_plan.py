@@ -143,3 +143,21 @@ def test_a_large_text_encoder_goes_on_the_gpu_only_with_room_to_spare() -> None:
     encoder = 45 * GIB  # FLUX.2-dev's Mistral in bf16
     assert not fits_beside(encoder, free_bytes=19 * GIB, total_bytes=79 * GIB)  # beside the whole transformer
     assert fits_beside(encoder, free_bytes=62 * GIB, total_bytes=79 * GIB)  # beside its tp 4 share
+
+
+def test_two_experts_count_twice() -> None:
+    """Wan 2.2 A14B keeps both experts resident: its transformer weights are twice Wan 2.1 14B's (same
+    architecture), its text encoder and VAE the same."""
+    from app.memory_plan import rank_bytes
+    from pipelines.memory import transformer_bytes
+    from pipelines.registry import family_of, get_spec
+
+    one, two = get_spec("wan2.1-t2v-14b"), get_spec("wan2.2-t2v-a14b")
+    expert = transformer_bytes(family_of(two), dict(two.architecture.transformer), 1)
+    assert rank_bytes([(two, None)], 1) - rank_bytes([(one, None)], 1) == expert
+    assert round(expert / 1024**3, 1) == 26.6  # 14.3B parameters in bfloat16
+    # tp cannot split Wan's attention: the plan runs it whole (it refused every degree, tp 1 included, before)
+    from app.memory_plan import choose_tp
+    from pipelines.memory import GIB
+
+    assert choose_tp([(two, None)], nproc=2, gpu_bytes=141 * GIB).tp == 1

@@ -188,3 +188,112 @@ def test_image_to_video_needs_one_image(i2v_folder: Path, image: Path, tmp_path:
     with pytest.raises(RequestError, match="is a video; this model starts a video from an image"):
         make_request(spec, limits, prompt=PROMPT, condition=str(clip))
     assert make_request(spec, limits, prompt=PROMPT, condition=str(image)).condition == str(image)
+
+
+@pytest.fixture(scope="module")
+def a14b_folder(tmp_path_factory) -> Path:
+    """A tiny Wan 2.2 A14B text-to-video folder: two experts, boundary_ratio 0.875 (the published one)."""
+    from pipelines.registry import get_spec
+    from training.tiny_models import write_tiny_wan
+
+    path = tmp_path_factory.mktemp("wan-a14b") / "Wan2.2-T2V-A14B-Diffusers"
+    write_tiny_wan(get_spec("wan2.2-t2v-a14b"), path)
+    return path
+
+
+def expert_calls(pipeline) -> dict[str, int]:
+    """Counts of each expert's calls from now on (forward hooks on the pipeline's transformers)."""
+    calls = {name: 0 for name in pipeline.transformer_names}
+    for name, module in pipeline.transformers():
+        module.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    return calls
+
+
+def test_two_experts_equal_diffusers_pipeline(a14b_folder: Path) -> None:
+    """Wan 2.2 A14B text-to-video: the high-noise expert takes the steps at or above the boundary timestep, the
+    low-noise one the rest, as diffusers' WanPipeline switches them; a folder alone resolves to its name."""
+    spec, path = resolve_model(None, a14b_folder)
+    assert spec.name == "wan2.2-t2v-a14b" and spec.experts == 2
+    spec = replace(spec, max_sequence_length=SEQUENCE)
+    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=4, height=48, width=64, frames=9,
+                       negative_prompt="blurry, static", guidance=4.0)
+    pipeline = load_pipeline(spec, path)
+    assert pipeline.transformer_names == ("transformer", "transformer_2") and pipeline.boundary_ratio == 0.875
+    calls = expert_calls(pipeline)
+    ours = pipeline.denoise(req, pipeline.encode(req))
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0 and sum(calls.values()) == 4, calls
+    latents, frames = diffusers_run(path, req)
+    assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
+    expected = (np.clip(frames, 0.0, 1.0) * 255).round()
+    assert np.abs(pipeline.decode(req, ours).astype(np.float64) - expected).max() <= 1
+
+
+def test_two_experts_each_have_their_step_cache(a14b_folder: Path) -> None:
+    """--cache on a two-expert model: a cache per expert, each counting its own steps (its first and last
+    computed), and the request's computed steps the sum of both."""
+    from engines.options import CacheOptions
+
+    spec, path = resolve_model("wan2.2-t2v-a14b", a14b_folder)
+    spec = replace(spec, max_sequence_length=SEQUENCE)
+    pipeline = load_pipeline(spec, path)
+    pipeline.use_step_cache(CacheOptions.parse("fbcache:10"))  # a threshold that skips every step it may
+    assert set(pipeline.step_caches) == {"transformer", "transformer_2"}
+    for steps in (8, 2):
+        req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=steps, height=48, width=64,
+                           frames=9, guidance=1.0)
+        pipeline.denoise(req, pipeline.encode(req))
+        caches = pipeline.step_caches.values()
+        assert pipeline.computed_steps() == sum(cache.steps - len(cache.skipped) for cache in caches)
+        assert sum(cache.steps for cache in caches) == steps  # the other request's counts are gone
+        for cache in caches:  # its own first and last steps computed, every one between skipped
+            assert cache.skipped == list(range(1, cache.steps - 1)), (steps, cache.steps, cache.skipped)
+    pipeline.remove_step_caches()
+    assert pipeline.computed_steps() is None
+
+
+def test_two_experts_image_to_video_equals_diffusers_pipeline(image: Path, tmp_path: Path) -> None:
+    """Wan 2.2 I2V-A14B: WanImageToVideoPipeline's video from two experts, the image's latents and first-frame
+    mask as extra channels and no CLIP image context."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from pipelines.registry import get_spec
+    from training.tiny_models import write_tiny_wan
+
+    folder = tmp_path / "Wan2.2-I2V-A14B-Diffusers"
+    write_tiny_wan(get_spec("wan2.2-i2v-a14b"), folder)
+    spec, path = resolve_model(None, folder)
+    assert spec.name == "wan2.2-i2v-a14b"
+    spec = replace(spec, max_sequence_length=SEQUENCE)
+    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=4, height=48, width=64, frames=9,
+                       negative_prompt="blurry, static", condition=str(image))
+    pipeline = load_pipeline(spec, path)
+    cond = pipeline.encode(req)
+    assert cond.image_embeds is None and tuple(cond.image_latents.shape) == (1, 4 + 8, 3, 6, 8)
+    calls = expert_calls(pipeline)
+    ours = pipeline.denoise(req, cond)
+    assert calls["transformer"] > 0 and calls["transformer_2"] > 0, calls
+
+    pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    final = {}
+
+    def keep(_pipe, _step, _t, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+
+    pipe(image=Image.open(image).convert("RGB"), prompt_embeds=cond.prompt_embeds[:1],
+         negative_prompt_embeds=cond.prompt_embeds[1:], height=req.height, width=req.width, num_frames=req.frames,
+         num_inference_steps=req.steps, guidance_scale=req.guidance, generator=torch.Generator().manual_seed(req.seed),
+         output_type="latent", callback_on_step_end=keep)
+    latents = final["latents"]
+    assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
+
+
+def test_a_name_and_a_folder_with_other_expert_counts_are_refused(folder: Path, a14b_folder: Path) -> None:
+    from pipelines.registry import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="holds 2 transformers .* but model 'wan2.1-t2v-14b' denoises with 1"):
+        resolve_model("wan2.1-t2v-14b", a14b_folder)
+    with pytest.raises(ModelNotFoundError, match="holds 1 transformer .* but model 'wan2.2-t2v-a14b' denoises with 2"):
+        resolve_model("wan2.2-t2v-a14b", folder)

@@ -73,10 +73,10 @@ def _generate(model: str, folder: str | None, options: dict) -> tuple[np.ndarray
         pipeline = runtime.service.pipelines[spec.media]
         if not runtime.is_main:
             runtime.service.follow()
-            return None, pipeline.step_cache.skipped
+            return None, pipeline.step_caches['transformer'].skipped
         generation = runtime.service.run(spec.media, request)
-        assert generation.computed_steps == request.steps - len(pipeline.step_cache.skipped)
-        return np.asarray(generation.result), pipeline.step_cache.skipped
+        assert generation.computed_steps == request.steps - len(pipeline.step_caches['transformer'].skipped)
+        return np.asarray(generation.result), pipeline.step_caches['transformer'].skipped
 
 
 def _rank(rank: int, world_size: int, port: int, case: str, folder: str | None, out: str) -> None:

@@ -66,7 +66,7 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
     for i, prompt in enumerate(prompts):
         media.append(np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i, steps=steps,
                                                            **extra))))
-        if computed is not None and pipe.step_cache is not None:
+        if computed is not None and pipe.step_caches:
             computed.append(pipe.computed_steps())
     return media
 

@@ -423,12 +423,14 @@ WAN_I2V_TINY_TRANSFORMER = {**WAN_TINY_TRANSFORMER, "in_channels": 20, "image_di
 input channels, and the tiny CLIP vision encoder's 32-wide image context (K/V projected to the 144-wide attention)."""
 
 
-def wan_components(seed: int, kind: str = "t2v") -> dict:
+def wan_components(seed: int, kind: str = "t2v", experts: int = 1) -> dict:
     """A Wan component set, shrunk and random: a UMT5 encoder under the tiny T5 tokenizer, a VAE with per-channel
     latent statistics, the transformer and UniPC with flow sigmas as Wan2.1-T2V-1.3B-Diffusers ships it (flow_shift
     3). kind "t2v": Wan 2.1 text-to-video (a Wan 2.1-style VAE, 8x space, 4x time; WAN_TINY_TRANSFORMER); "i2v":
     Wan 2.1 image-to-video (that VAE, WAN_I2V_TINY_TRANSFORMER, a CLIP vision encoder and its image processor);
-    "ti2v": Wan 2.2 TI2V (a Wan 2.2-style VAE, 2x2 patchify then 8x: 16x space; WAN_TINY_TRANSFORMER)."""
+    "ti2v": Wan 2.2 TI2V (a Wan 2.2-style VAE, 2x2 patchify then 8x: 16x space; WAN_TINY_TRANSFORMER).
+    experts=2: Wan 2.2 A14B's, a second random transformer of the same config as transformer_2; its image-to-video
+    transformer has no CLIP image context (20 input channels) and no image encoder comes with it."""
     if kind not in ("t2v", "i2v", "ti2v"):
         raise ValueError(f"kind must be t2v, i2v or ti2v, got {kind!r}")
     tokenizer = t5_tokenizer(max_length=512)
@@ -448,16 +450,20 @@ def wan_components(seed: int, kind: str = "t2v") -> dict:
         latents_mean=(torch.randn(z_dim, generator=statistics) * 0.5).tolist(),
         latents_std=(torch.rand(z_dim, generator=statistics) + 0.5).tolist(), **wan22,
     ).eval()
-    torch.manual_seed(seed + 2)
-    transformer = WanTransformer3DModel(**(WAN_I2V_TINY_TRANSFORMER if kind == "i2v" else WAN_TINY_TRANSFORMER)).eval()
-    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
-        for parameter in transformer.parameters():
-            parameter.normal_(0.0, 0.1)
+    config = WAN_TINY_TRANSFORMER
+    if kind == "i2v":
+        config = WAN_I2V_TINY_TRANSFORMER if experts == 1 else {**WAN_TINY_TRANSFORMER, "in_channels": 20}
+    transformers = {}
+    for index, name in enumerate(["transformer", "transformer_2"][:experts]):
+        torch.manual_seed(seed + 2 + 2 * index)
+        transformers[name] = WanTransformer3DModel(**config).eval()
+        with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
+            for parameter in transformers[name].parameters():
+                parameter.normal_(0.0, 0.1)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                         solver_order=2, final_sigmas_type="zero")
-    parts = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "transformer": transformer,
-             "scheduler": scheduler}
-    if kind == "i2v":
+    parts = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, **transformers, "scheduler": scheduler}
+    if kind == "i2v" and experts == 1:
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
         torch.manual_seed(seed + 3)
@@ -469,9 +475,11 @@ def wan_components(seed: int, kind: str = "t2v") -> dict:
     return parts
 
 
-def save_wan(folder: Path, parts: dict, *, expand_timesteps: bool = False) -> None:
-    """Write wan_components' parts as a diffusers WanPipeline folder, or a WanImageToVideoPipeline one where they
-    hold an image encoder (replacing `folder`); expand_timesteps: Wan 2.2 TI2V's model_index.json setting."""
+def save_wan(folder: Path, parts: dict, *, expand_timesteps: bool = False, image_to_video: bool | None = None,
+             boundary_ratio: float | None = None) -> None:
+    """Write wan_components' parts as a diffusers WanPipeline folder, or a WanImageToVideoPipeline one
+    (image_to_video; None: where they hold an image encoder), replacing `folder`; expand_timesteps: Wan 2.2
+    TI2V's model_index.json setting; boundary_ratio: Wan 2.2 A14B's, where the parts hold a transformer_2."""
     _save_parts(folder, parts)
     components = {
         "scheduler": ("diffusers", "UniPCMultistepScheduler"),
@@ -480,21 +488,28 @@ def save_wan(folder: Path, parts: dict, *, expand_timesteps: bool = False) -> No
         "transformer": ("diffusers", "WanTransformer3DModel"),
         "vae": ("diffusers", "AutoencoderKLWan"),
     }
-    image = "image_encoder" in parts
-    if image:
+    if "image_encoder" in parts:
         components.update(image_encoder=("transformers", "CLIPVisionModel"),
                           image_processor=("transformers", "CLIPImageProcessor"))
+    if "transformer_2" in parts:
+        components.update(transformer_2=("diffusers", "WanTransformer3DModel"))
+    image = "image_encoder" in parts if image_to_video is None else image_to_video
     write_model_index(folder, "WanImageToVideoPipeline" if image else "WanPipeline", components)
     index = json.loads((folder / "model_index.json").read_text())
-    index.update(boundary_ratio=None, expand_timesteps=expand_timesteps)  # as the published folders write them
+    # as the published folders write them (a missing component as [null, null])
+    index.update(boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
+    for name in ("transformer_2", "image_encoder", "image_processor"):
+        index.setdefault(name, [None, None])
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def write_tiny_wan(spec: ModelSpec, folder: Path) -> None:
-    """A tiny random Wan 2.1 checkpoint of `spec`'s pipeline class in `folder` (the Wan record's tiny_checkpoint):
-    WanImageToVideoPipeline's, else WanPipeline's text-to-video."""
+    """A tiny random Wan 2.1 or Wan 2.2 A14B checkpoint of `spec`'s pipeline class and experts in `folder` (the Wan
+    record's tiny_checkpoint): WanImageToVideoPipeline's, else WanPipeline's text-to-video."""
     kind = "i2v" if spec.checkpoint_class == "WanImageToVideoPipeline" else "t2v"
-    save_wan(folder, wan_components(seed=0, kind=kind))
+    boundary = (0.9 if kind == "i2v" else 0.875) if spec.experts > 1 else None  # Wan 2.2 A14B's published ratios
+    save_wan(folder, wan_components(seed=0, kind=kind, experts=spec.experts), image_to_video=kind == "i2v",
+             boundary_ratio=boundary)
 
 
 def write_tiny_wan22(spec: ModelSpec, folder: Path) -> None:
