@@ -110,9 +110,8 @@ class WanVideoPipeline(StagedPipeline):
                     with_vae: bool | None = None,
                     share: TransformerShare | None = None) -> WanVideoPipeline:
         """Load from a diffusers WanPipeline or WanImageToVideoPipeline folder (both experts of a two-expert one);
-        `with_encoders=False` skips the
-        text encoder and tokenizer and the image encoder and processor (ranks > 0), and the VAE too unless
-        `with_vae` (a split decode runs it on every rank)."""
+        `with_encoders=False` skips the text encoder and tokenizer and the image encoder and processor (ranks > 0),
+        and the VAE too unless `with_vae` (a split decode runs it on every rank)."""
         index = read_model_index(folder)
         names = ["transformer"] + (["transformer_2"] if folder_experts(index) > 1 else []) + ["scheduler"]
         names += ["text_encoder", "tokenizer"] if with_encoders else []
