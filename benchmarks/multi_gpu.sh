@@ -32,14 +32,15 @@
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
 #   part 5 (not yet timed on GPUs): wan14b-step 220 | qwen-image-step 150 | flux3-step 120 | flux1-generic-step 120
 #   part 6 (not yet timed on GPUs): qwen-image-generation 200 | wan14b-generation 330
+#   part 7 (not yet timed on GPUs): flux1-blockgraph-step 240
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, 5, 6, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -208,6 +209,13 @@ elif [ "$part" = 6 ]; then
     piece wan14b-generation 330 "${generation[@]}" --model wan2.1-t2v-14b "${wan_shape[@]}" --steps 2 \
         --strategies ulysses --backends "$fast" --split-vae on --runs 1 --warmup-steps 1 --engine-cache "$cache" \
         --out "$out/wan14b-generation.json"
+elif [ "$part" = 7 ]; then
+    # the step cache inside CUDA graphs (+blockgraph: a graph per compiled block, the decision between them):
+    # FLUX.1-dev 1024² one step, 1 GPU and allgather-$gpus, against the whole-forward graph (part 2's backend),
+    # and a skipped step's cost (the goal: <= 10% of a full step)
+    piece flux1-blockgraph-step 240 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+        --all-to-all "$transport" --backends "$backend,inductor-blocks+overlap+blockgraph" --cached-step \
+        --no-diffusers --warmup 1 --iters 5 --cache-dir "$cache" --out "$out/flux1-blockgraph-step.json"
 elif [ "$part" = sweep ]; then
     # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
     # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first
@@ -236,7 +244,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, 5, 6, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, 7, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"

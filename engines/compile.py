@@ -18,6 +18,13 @@ Backends:
   written against torch-tensorrt's documented options and has NOT been run here (TensorRT's
   native libraries cannot be installed on these machines).
 
+CUDA graphs per block (block_graphs=True, inductor-blocks): each compiled block is compiled with inductor's
+CUDA graphs ("reduce-overhead": CUDA graph trees). The trees copy a call's inputs into static buffers unless
+they are an earlier graph's outputs (one block's to the next: no copy) or parameters, and overwrite a graph's
+outputs at its next replay; what the step cache keeps across steps it clones (engines.step_cache). The glue
+between the blocks (embedders, sharding, the final layer) runs eagerly. This keeps CUDA graphs with a step
+cache, whose decision sits between the first block and the rest.
+
 CUDA graphs (cuda_graph=True, any backend, CUDA only): after two warm-up calls, the whole rank
 forward (eager glue, compiled graphs and NCCL collectives) is captured into one CUDA graph per
 input signature and replayed; inputs are copied into static buffers, outputs cloned out. This
@@ -213,9 +220,12 @@ class Engine:
 
 
 def _inductor_compile(module: nn.Module, options: EngineOptions) -> Callable[..., Any]:
-    """torch.compile with inductor, fullgraph and static shapes (with overlap: OVERLAP_INDUCTOR_OPTIONS)."""
-    if options.overlap:
-        return torch.compile(module, fullgraph=True, dynamic=False, options=OVERLAP_INDUCTOR_OPTIONS)
+    """torch.compile with inductor, fullgraph and static shapes (with overlap: OVERLAP_INDUCTOR_OPTIONS; with
+    block_graphs: inductor's CUDA graphs, "reduce-overhead")."""
+    settings = {**(OVERLAP_INDUCTOR_OPTIONS if options.overlap else {}),
+                **({"triton.cudagraphs": True} if options.block_graphs else {})}
+    if settings:
+        return torch.compile(module, fullgraph=True, dynamic=False, options=settings)
     return torch.compile(module, fullgraph=True, dynamic=False)
 
 

@@ -108,6 +108,10 @@ class EngineOptions:
     """"whole" (one fullgraph compile of the rank forward) or "blocks" (each repeated block)."""
     cuda_graph: bool = False
     """Capture the whole rank forward into one CUDA graph per input signature (CUDA only)."""
+    block_graphs: bool = False
+    """inductor-blocks only: each compiled block replays its own CUDA graph (inductor's CUDA graph trees, which
+    hand one block's outputs to the next without copies), and the loop over the blocks stays in Python, so a
+    step cache still decides between them (keeps_block_loop). On CPUs inductor captures nothing."""
     overlap: bool = False
     """inductor only: keep the program's order of collectives and compute (inductor's locality and
     peak-memory reorderings off). Blocks that write their compute between a collective's start and
@@ -123,34 +127,41 @@ class EngineOptions:
             raise ValueError("the eager backend compiles nothing: it has no -blocks form")
         if self.overlap and self.backend != "inductor":
             raise ValueError("+overlap applies to the inductor backend only")
+        if self.block_graphs and (self.backend != "inductor" or self.scope != "blocks"):
+            raise ValueError("+blockgraph applies to inductor-blocks only (a CUDA graph per compiled block)")
+        if self.block_graphs and self.cuda_graph:
+            raise ValueError("+blockgraph and +cudagraph exclude each other: a CUDA graph per block, or one for the "
+                             "whole forward")
 
     @property
     def keeps_block_loop(self) -> bool:
         """Whether the loop over the transformer's blocks stays in Python, as a step cache needs (it decides
-        between the blocks): per-block compiled engines, or eager, either without a CUDA graph."""
+        between the blocks): per-block compiled engines (with a CUDA graph per block or none), or eager, without
+        a whole-forward CUDA graph."""
         return not self.cuda_graph and (self.scope == "blocks" or self.backend == "eager")
 
     @property
     def label(self) -> str:
         """Short name, e.g. "eager", "inductor", "inductor-blocks+overlap+cudagraph"."""
         name = self.backend + ("-blocks" if self.scope == "blocks" else "")
-        return name + ("+overlap" if self.overlap else "") + ("+cudagraph" if self.cuda_graph else "")
+        return (name + ("+overlap" if self.overlap else "") + ("+cudagraph" if self.cuda_graph else "")
+                + ("+blockgraph" if self.block_graphs else ""))
 
     @classmethod
     def parse(cls, text: str) -> EngineOptions:
         """Inverse of `label`: "inductor-blocks+overlap+cudagraph" -> EngineOptions(...); ValueError
         naming what is wrong."""
         name, *flags = text.split("+")
-        unknown = set(flags) - {"overlap", "cudagraph"}
+        unknown = set(flags) - {"overlap", "cudagraph", "blockgraph"}
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(sorted(unknown))} in {text!r}; "
-                             "options are +overlap and +cudagraph")
+                             "options are +overlap, +cudagraph and +blockgraph")
         backend, _, scope = name.partition("-")
         if scope not in ("", "blocks"):
             raise ValueError(f"{text!r} is not an engine; use eager, inductor, inductor-blocks or tensorrt(-blocks), "
-                             "optionally with +overlap (inductor) and +cudagraph")
+                             "optionally with +overlap (inductor) and +cudagraph or +blockgraph (inductor-blocks)")
         return cls(backend=backend, scope="blocks" if scope else "whole", cuda_graph="cudagraph" in flags,
-                   overlap="overlap" in flags)
+                   overlap="overlap" in flags, block_graphs="blockgraph" in flags)
 
 
 CACHES = {"fbcache": 0.08}
@@ -304,7 +315,8 @@ class RunOptions:
             engine = EngineOptions.parse(self.backend) if self.backend else None
             if engine is not None and not engine.keeps_block_loop:
                 raise ValueError(f"--cache decides between steps outside the compiled graphs, so it needs the block "
-                                 f"loop outside them: use --backend eager or inductor-blocks, not {engine.label}")
+                                 f"loop outside them: use --backend eager, inductor-blocks or "
+                                 f"inductor-blocks+blockgraph (a CUDA graph per block), not {engine.label}")
 
     @property
     def lora_defaults(self) -> tuple[tuple[str, float], ...]:

@@ -215,14 +215,15 @@ class _CachedBlock(nn.Module):
             out = self._tuple(self.block(*args, **kwargs))
             residual = out[self.outputs.index(self.stream)] - self._inputs(args, kwargs)[self.stream]
             if cache._decide(residual, state):
-                state.head, state.reference = out, residual
+                # copies: a CUDA graph per block (+blockgraph) overwrites its outputs at its next replay
+                state.head, state.reference = tuple(t.clone() for t in out), residual
                 return self._pack(out)
             return self._pack(tuple(now - then for now, then in zip(out, state.head)))  # the change, handed on
         state = cache._current
         if cache._compute:
             out = self._tuple(self.block(*args, **kwargs))
             if self.role == "tail":
-                state.tail = out
+                state.tail = tuple(t.clone() for t in out)  # as the head's outputs: a graph's are overwritten
             return self._pack(out)
         inputs = self._inputs(args, kwargs)
         passed = tuple(inputs[name] for name in self.outputs)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pipelines.registry import resolve_model
 from pipelines.requests import make_request, read_limits
@@ -149,3 +150,66 @@ def test_cache_options_are_checked() -> None:
         with pytest.raises(ValueError, match="outside the compiled graphs"):
             RunOptions(cache="fbcache", backend=backend)
     RunOptions(cache="fbcache", backend="inductor-blocks")
+    RunOptions(cache="fbcache", backend="inductor-blocks+overlap+blockgraph")  # a CUDA graph per block
+
+
+def test_engine_options_with_a_cuda_graph_per_block() -> None:
+    from engines.options import EngineOptions
+
+    options = EngineOptions.parse("inductor-blocks+overlap+blockgraph")
+    assert options.block_graphs and options.keeps_block_loop and not options.cuda_graph
+    assert options.label == "inductor-blocks+overlap+blockgraph"
+    for bad, said in (("inductor+blockgraph", "inductor-blocks only"), ("eager+blockgraph", "inductor-blocks only"),
+                      ("inductor-blocks+cudagraph+blockgraph", "exclude each other")):
+        with pytest.raises(ValueError, match=said):
+            EngineOptions.parse(bad)
+
+
+class _GraphLike(torch.nn.Module):
+    """A block whose outputs live in buffers that its next call overwrites, as a CUDA graph's do at its next
+    replay: what +blockgraph's blocks hand the step cache."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self._orig_mod, self.buffers_ = block, None  # as torch.compile's wrapper names it: the cache reads its signature
+
+    def forward(self, *args, **kwargs):
+        out = self._orig_mod(*args, **kwargs)
+        out = out if isinstance(out, tuple) else (out,)
+        if self.buffers_ is None:
+            self.buffers_ = tuple(torch.empty_like(t) for t in out)
+        for buffer, t in zip(self.buffers_, out):
+            buffer.copy_(t)
+        return self.buffers_ if len(out) > 1 else self.buffers_[0]
+
+
+def test_the_cache_keeps_copies_of_what_a_graph_overwrites() -> None:
+    """Blocks whose outputs are overwritten at their next call (a CUDA graph per block) give the outputs and
+    decisions of plain blocks: the cache keeps copies of the first and last blocks' outputs across steps."""
+    from engines.options import CacheOptions
+    from engines.step_cache import install_step_cache
+    from tests.helpers import flux_inputs, tiny_flux
+
+    torch.manual_seed(0)
+    plain, graphed = tiny_flux().eval(), tiny_flux().eval()
+    graphed.load_state_dict(plain.state_dict())
+    lists = ("transformer_blocks", "single_transformer_blocks")
+    for name in lists:
+        blocks = getattr(graphed, name)
+        for index in range(len(blocks)):
+            blocks[index] = _GraphLike(blocks[index])
+    inputs = flux_inputs((4, 6), text_tokens=8, batch=1)
+    results = []
+    for model in (plain, graphed):
+        cache = install_step_cache(model, CacheOptions(threshold=0.02), block_lists=lists,
+                                   outputs=(("encoder_hidden_states", "hidden_states"),) * 2, stream="hidden_states")
+        outputs = []
+        for step in range(6):
+            step_inputs = {**inputs, "hidden_states": inputs["hidden_states"] * (1 + 0.05 * step)}
+            with cache.step(step, 6), torch.no_grad():
+                outputs.append(model(**step_inputs)[0])
+        results.append((outputs, cache.skipped))
+    (plain_out, plain_skipped), (graphed_out, graphed_skipped) = results
+    assert plain_skipped == graphed_skipped == [1, 3], (plain_skipped, graphed_skipped)  # skips and computes between
+    for a, b in zip(plain_out, graphed_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
