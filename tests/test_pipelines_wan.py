@@ -138,23 +138,11 @@ def image(tmp_path_factory) -> Path:
     return path
 
 
-def test_image_to_video_equals_diffusers_pipeline(i2v_folder: Path, image: Path) -> None:
-    """WanImageToVideoPipeline's video from the same image: CLIP image context, the first frame's latents and mask
-    as extra channels (diffusers is given our prompt embeddings: its I2V prompt cleaning needs ftfy, which
-    WanPipeline's, ours, does without). Measured 1.6e-6 relative after 3 steps at guidance 5."""
+def diffusers_image_to_video(path: Path, image: Path, cond, req) -> tuple[torch.Tensor, np.ndarray]:
+    """diffusers' own WanImageToVideoPipeline on the same request, given our prompt embeddings (its I2V prompt
+    cleaning needs ftfy, which WanPipeline's, ours, does without): its final latents and its frames."""
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
-
-    spec, path = resolve_model(None, i2v_folder)
-    assert spec.name == "wan2.1-i2v-14b"  # the folder's class picks the name
-    spec = replace(spec, max_sequence_length=SEQUENCE)
-    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=3, height=48, width=64, frames=9,
-                       negative_prompt="blurry, static", condition=str(image))
-    pipeline = load_pipeline(spec, path)
-    cond = pipeline.encode(req)
-    assert tuple(cond.image_embeds.shape) == (1, 17, 32)  # CLIP's class token and 4 x 4 patches
-    assert tuple(cond.image_latents.shape) == (1, 4 + 8, 3, 6, 8)
-    ours = pipeline.denoise(req, cond)
 
     pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
@@ -168,11 +156,27 @@ def test_image_to_video_equals_diffusers_pipeline(i2v_folder: Path, image: Path)
                negative_prompt_embeds=cond.prompt_embeds[1:], height=req.height, width=req.width,
                num_frames=req.frames, num_inference_steps=req.steps, guidance_scale=req.guidance,
                generator=torch.Generator().manual_seed(req.seed), output_type="np", callback_on_step_end=keep)
-    latents = final["latents"]
+    return final["latents"], out.frames[0]
+
+
+def test_image_to_video_equals_diffusers_pipeline(i2v_folder: Path, image: Path) -> None:
+    """WanImageToVideoPipeline's video from the same image: CLIP image context, the first frame's latents and mask
+    as extra channels. Measured 1.6e-6 relative after 3 steps at guidance 5."""
+    spec, path = resolve_model(None, i2v_folder)
+    assert spec.name == "wan2.1-i2v-14b"  # the folder's class picks the name
+    spec = replace(spec, max_sequence_length=SEQUENCE)
+    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=3, height=48, width=64, frames=9,
+                       negative_prompt="blurry, static", condition=str(image))
+    pipeline = load_pipeline(spec, path)
+    cond = pipeline.encode(req)
+    assert tuple(cond.image_embeds.shape) == (1, 17, 32)  # CLIP's class token and 4 x 4 patches
+    assert tuple(cond.image_latents.shape) == (1, 4 + 8, 3, 6, 8)
+    ours = pipeline.denoise(req, cond)
+    latents, frames = diffusers_image_to_video(path, image, cond, req)
     assert ours.shape == latents.shape == (1, 8, 3, 6, 8)
     assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
     video = pipeline.decode(req, ours)
-    expected = (np.clip(out.frames[0], 0.0, 1.0) * 255).round()
+    expected = (np.clip(frames, 0.0, 1.0) * 255).round()
     assert video.shape == (9, 48, 64, 3) and np.abs(video.astype(np.float64) - expected).max() <= 1
 
 
@@ -254,9 +258,6 @@ def test_two_experts_each_have_their_step_cache(a14b_folder: Path) -> None:
 def test_two_experts_image_to_video_equals_diffusers_pipeline(image: Path, tmp_path: Path) -> None:
     """Wan 2.2 I2V-A14B: WanImageToVideoPipeline's video from two experts, the image's latents and first-frame
     mask as extra channels and no CLIP image context."""
-    from diffusers import WanImageToVideoPipeline
-    from PIL import Image
-
     from pipelines.registry import get_spec
     from training.tiny_models import write_tiny_wan
 
@@ -273,20 +274,7 @@ def test_two_experts_image_to_video_equals_diffusers_pipeline(image: Path, tmp_p
     calls = expert_calls(pipeline)
     ours = pipeline.denoise(req, cond)
     assert calls["transformer"] > 0 and calls["transformer_2"] > 0, calls
-
-    pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    final = {}
-
-    def keep(_pipe, _step, _t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-
-    pipe(image=Image.open(image).convert("RGB"), prompt_embeds=cond.prompt_embeds[:1],
-         negative_prompt_embeds=cond.prompt_embeds[1:], height=req.height, width=req.width, num_frames=req.frames,
-         num_inference_steps=req.steps, guidance_scale=req.guidance, generator=torch.Generator().manual_seed(req.seed),
-         output_type="latent", callback_on_step_end=keep)
-    latents = final["latents"]
+    latents, _ = diffusers_image_to_video(path, image, cond, req)
     assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
 
 
