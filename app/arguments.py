@@ -118,7 +118,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "no faster split")
     parser.add_argument("--lora", action="append", default=[], type=lora_label, metavar="NAME=PATH[:SCALE]",
                         help="load a LoRA adapter (repeatable): a .safetensors file in any format diffusers reads for the "
-                             "model (diffusers/PEFT, kohya, BFL, XLabs), checked against the model before any rank "
+                             "model (diffusers/PEFT, kohya, BFL, XLabs; Wan 2.2 A14B: HIGH,LOW, a file per expert), "
+                             "checked against the model before any rank "
                              "starts (serve: each served model gets the files that fit it; a file that fits none is "
                              "refused). Every LoRA stays loaded; each request chooses which ones and their scales. "
                              "generate and batch: a request that names none (no batch `lora` field) uses every --lora "
@@ -189,14 +190,46 @@ def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimit
     from pipelines.family import load
     from pipelines.registry import family_of, read_component_config
 
-    if spec.experts > 1:
-        raise OptionsError(f"--lora: {spec.name} denoises with {spec.experts} expert transformers, and a LoRA file "
-                           "here adapts one; LoRAs are not supported on this model yet")
+    _check_expert_files(files, spec)
     try:
-        check_lora_files(files, load(family_of(spec).transformer), read_component_config(folder, "transformer"))
+        for index, component in enumerate(expert_components(spec)):
+            check_lora_files([file.for_expert(index) for file in files], load(family_of(spec).transformer),
+                             read_component_config(folder, component))
     except LoraError as error:
         raise OptionsError(f"{error} (model {spec.name})") from None
     return replace(limits, loras=tuple((file.name, file.scale) for file in files))
+
+
+def expert_components(spec) -> list[str]:
+    """The folder components of `spec`'s transformers: "transformer", and "transformer_2" for a two-expert model."""
+    return ["transformer", "transformer_2"][:spec.experts]
+
+
+def _check_expert_files(files, spec) -> None:
+    """OptionsError for a LoRA of two files (one per expert) given to a model of one transformer."""
+    for file in files:
+        if file.path_2 is not None and spec.experts == 1:
+            raise OptionsError(f"--lora {file.name}: two files are a two-expert model's (Wan 2.2 A14B: high noise, "
+                               f"low noise); {spec.name} has one transformer")
+
+
+def _fitting_names(files, spec, folder: Path) -> tuple[set[str], dict[str, str]]:
+    """The names of `files` that fit every transformer of `spec` (by `folder`'s configs), and why each other does
+    not (LoraError for a file that cannot be read)."""
+    from engines.lora import fitting_lora_files
+    from pipelines.family import load
+    from pipelines.registry import family_of, read_component_config
+
+    refused = {file.name: "two files are a two-expert model's" for file in files
+               if file.path_2 is not None and spec.experts == 1}
+    names = {file.name for file in files} - set(refused)
+    for index, component in enumerate(expert_components(spec)):
+        fits, why = fitting_lora_files([file.for_expert(index) for file in files], load(family_of(spec).transformer),
+                                       read_component_config(folder, component))
+        names &= {weights.name for weights in fits}
+        for name, reason in why.items():
+            refused.setdefault(name, reason)
+    return names, refused
 
 
 def served_lora_limits(args: argparse.Namespace, models: list, limits: list[MediaLimits]) -> list[MediaLimits]:
@@ -208,21 +241,13 @@ def served_lora_limits(args: argparse.Namespace, models: list, limits: list[Medi
     files = lora_files(args)
     if not files:
         return list(limits)
-    from engines.lora import fitting_lora_files
-    from pipelines.family import load
-    from pipelines.registry import family_of, read_component_config
-
     fitting, reasons = [], {}
     for (spec, folder), _ in zip(models, limits, strict=True):
         try:
-            fits, refused = fitting_lora_files(files, load(family_of(spec).transformer),
-                                               read_component_config(folder, "transformer"))
-            if spec.experts > 1:
-                fits, refused = [], {file.name: f"LoRAs are not supported on its {spec.experts} expert transformers"
-                                     for file in files}
+            names, refused = _fitting_names(files, spec, folder)
         except LoraError as error:
             raise OptionsError(f"{error} (model {spec.name})") from None
-        fitting.append({weights.name for weights in fits})
+        fitting.append(names)
         for name, why in refused.items():
             reasons.setdefault(name, []).append(f"{spec.name}: {why}")
     for file in files:

@@ -485,5 +485,5 @@ def _agree_on_startup(ctx, failure: str | None) -> dict[int, tuple[str, int]]:
 
 def _lora_defaults(pipeline: Any, options: RunOptions) -> tuple[tuple[str, float], ...]:
     """(name, scale) of the --lora files `pipeline`'s transformer carries (MediaLimits.loras)."""
-    names = pipeline.loras.names if getattr(pipeline, "loras", None) is not None else ()
+    names = pipeline.loras[0].names if getattr(pipeline, "loras", None) else ()
     return tuple((name, scale) for name, scale in options.lora_defaults if name in names)

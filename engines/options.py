@@ -228,18 +228,30 @@ class LoraError(ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraFile:
-    """One `--lora NAME=PATH[:SCALE]`: the name requests use, the file, its scale when a request names no LoRA."""
+    """One `--lora NAME=PATH[,PATH_2][:SCALE]`: the name requests use, the file, its scale when a request names no
+    LoRA; for a two-expert model (Wan 2.2 A14B) a second file may adapt its second, low-noise expert."""
 
     name: str
     path: Path
     scale: float = 1.0
+    path_2: Path | None = None
+    """The second expert's file (Wan 2.2 LoRAs come as a high-noise and a low-noise file); None: `path` adapts
+    every transformer of the model."""
+
+    def for_expert(self, index: int) -> LoraFile:
+        """This LoRA as its file for transformer `index` of a model (0: the first, or only, one)."""
+        if index == 0 or self.path_2 is None:
+            return LoraFile(name=self.name, path=self.path, scale=self.scale)
+        return LoraFile(name=self.name, path=self.path_2, scale=self.scale)
 
     @classmethod
     def parse(cls, text: str) -> LoraFile:
-        """'style=/loras/style.safetensors:0.8' -> LoraFile('style', that path, 0.8); no ':SCALE' is 1."""
+        """'style=/loras/style.safetensors:0.8' -> LoraFile('style', that path, 0.8); no ':SCALE' is 1;
+        'fast=high.safetensors,low.safetensors' -> one file for each expert of a two-expert model."""
         name, equals, rest = text.partition("=")
         if not equals or not rest:
-            raise LoraError(f"--lora takes NAME=PATH[:SCALE], e.g. style=loras/style.safetensors:0.8; got {text!r}")
+            raise LoraError(f"--lora takes NAME=PATH[,PATH_2][:SCALE], e.g. style=loras/style.safetensors:0.8; "
+                            f"got {text!r}")
         if not LORA_NAME.fullmatch(name):
             raise LoraError(f"LoRA name {name!r}: letters, digits, '_', '.' and '-' only (up to 64, not first)")
         path, scale = rest, 1.0
@@ -250,7 +262,12 @@ class LoraFile:
             except ValueError:
                 pass  # a ':' of the path itself
         check_lora_scale(name, scale)
-        return cls(name=name, path=Path(path).expanduser(), scale=scale)
+        paths = path.split(",")
+        if len(paths) > 2 or not all(paths):
+            raise LoraError(f"--lora {name}: one file, or two separated by ',' (a two-expert model's high-noise and "
+                            f"low-noise files); got {path!r}")
+        return cls(name=name, path=Path(paths[0]).expanduser(), scale=scale,
+                   path_2=Path(paths[1]).expanduser() if len(paths) == 2 else None)
 
 
 def check_lora_scale(name: str, scale: float) -> None:

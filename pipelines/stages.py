@@ -44,8 +44,8 @@ class StagedPipeline:
     """The process group over whose ranks the VAE decode is split (use_split_vae), or None: rank 0 decodes."""
     prompt_cache: PromptCache | None = None
     """Rank 0's recent text encodings (use_prompt_cache), or None: every request encodes its prompt."""
-    loras: Any = None
-    """The LoRAs the transformer carries (engines.lora.LoraSet, use_loras), or None."""
+    loras: list[Any] = []
+    """The LoRAs each transformer carries (engines.lora.LoraSet, use_loras; in transformer_names' order), or none."""
 
     def _hold(self, *, spec: ModelSpec, folder: Path, transformer: Any, scheduler: Any, vae: Any, device: Any) -> None:
         """Keep what every pipeline keeps of its parts (a family's __init__ calls it first): the spec and folder,
@@ -71,35 +71,37 @@ class StagedPipeline:
         setattr(self, name, module)
 
     def use_loras(self, files: Any, *, tp: int = 1, tp_rank: int = 0, fitting: bool = False) -> None:
-        """Give the transformer (a diffusers model, split for `tp` and/or FP8 already) every LoRA of `files`
-        (engines.options.LoraFile), all at scale 0 until a request chooses (apply_loras). fitting: only those that
-        fit it, the others left to the server's other models (none fits: no LoRA, self.loras stays None)."""
+        """Give each transformer (a diffusers model, split for `tp` and/or FP8 already) every LoRA of `files`
+        (engines.options.LoraFile: each expert of a two-expert model its own file where the LoRA has two), all at
+        scale 0 until a request chooses (apply_loras). fitting: only those that fit every transformer, the others
+        left to the server's other models (none fits: no LoRA, self.loras stays empty)."""
         from engines.fp8 import is_fp8
         from engines.lora import attach_loras, check_lora_files, fitting_lora_files
         from pipelines.family import load
 
-        if len(self.transformer_names) > 1:  # the check step refused them (app.arguments.lora_limits)
+        per_transformer = []
+        for index, (_, model) in enumerate(self.transformers()):
+            mine = [file.for_expert(index) for file in files]
             if fitting:
-                return
-            raise ValueError(f"{self.spec.name} denoises with {len(self.transformer_names)} transformers, and a LoRA "
-                             "file here adapts one: LoRAs are not supported on this model")
-        model = self.transformer
-        if fitting:
-            weights, _ = fitting_lora_files(files, type(model), dict(model.config))
-            if not weights:
-                return
-        else:
-            weights = check_lora_files(files, type(model), dict(model.config))
-        split = load(family_of(self.spec).tensor_parallel)(model, tp) if tp > 1 else None
-        dtype = next(p.dtype for p in model.parameters() if not is_fp8(p))  # the run's (FP8 layers' are bf16)
-        self.loras = attach_loras(model, weights, dtype=dtype, split=split, tp=tp, rank=tp_rank)
+                per_transformer.append(fitting_lora_files(mine, type(model), dict(model.config))[0])
+            else:
+                per_transformer.append(check_lora_files(mine, type(model), dict(model.config)))
+        names = set.intersection(*({weights.name for weights in loras} for loras in per_transformer))
+        if not names:
+            return
+        self.loras = []
+        for (_, model), loras in zip(self.transformers(), per_transformer, strict=True):
+            split = load(family_of(self.spec).tensor_parallel)(model, tp) if tp > 1 else None
+            dtype = next(p.dtype for p in model.parameters() if not is_fp8(p))  # the run's (FP8 layers' are bf16)
+            self.loras.append(attach_loras(model, [weights for weights in loras if weights.name in names], dtype=dtype,
+                                           split=split, tp=tp, rank=tp_rank))
 
     def apply_loras(self, request: GenerationRequest) -> None:
         """Before a denoising loop, on every rank: the request's LoRAs and scales, written in place (no recompile)."""
-        if self.loras is not None:
-            self.loras.select(request.lora)
-        elif request.lora:
+        if not self.loras and request.lora:
             raise ValueError(f"this pipeline carries no LoRA, the request asks for {dict(request.lora)}")
+        for loras in self.loras:
+            loras.select(request.lora)
 
     def use_step_cache(self, options: Any, group: Any = None) -> None:
         """A step cache (engines.step_cache; `options`: its CacheOptions) on each transformer as it is now

@@ -1,8 +1,8 @@
 """Wan 2.1 text-to-video through the app, as users run it: generate an MP4 from an unchanged diffusers WanPipeline
 folder, a batch of two lines, requests it cannot run refused before any rank starts, and the same video from
 2 ranks with the guidance branches on two rank groups (--cfg-parallel, the generic context-parallel engine).
-Wan 2.2 A14B's two experts from its folder alone: the same video from 2 ranks splitting each expert's tokens,
-and a LoRA refused.
+Wan 2.2 A14B's two experts from its folder alone, with a LoRA file for each: the same video from 2 ranks
+splitting each expert's tokens.
 Wan 2.1 image-to-video from a WanImageToVideoPipeline folder with --input, and the same video from 2 ranks
 splitting the tokens (Ulysses; the cross-attention to the image context is not split).
 
@@ -107,21 +107,30 @@ def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Pat
     assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
 
 
-def test_two_experts_two_ranks_equal_one_rank(a14b_folder: Path, tmp_path: Path) -> None:
-    """Wan 2.2 A14B from its folder alone: each expert's tokens split over the ranks (Ulysses keeps the batch, so
-    the video is one process's; with --cfg-parallel the groups' batch-1 calls round apart from one batch-2 call,
-    which 4 steps at guidance 4 drew up to 5 levels apart on 0.3% of the pixels)."""
+def test_two_experts_with_a_lora_two_ranks_equal_one_rank(folder: Path, a14b_folder: Path, tmp_path: Path) -> None:
+    """Wan 2.2 A14B from its folder alone, with a LoRA of two files (one per expert): each expert's tokens split
+    over the ranks (Ulysses keeps the batch, so the video is one process's; with --cfg-parallel the groups' batch-1
+    calls round apart from one batch-2 call, which 4 steps at guidance 4 drew up to 5 levels apart on 0.3% of the
+    pixels). Two files for a model of one transformer are refused before any rank starts."""
+    from tests.test_pipelines_wan import expert_lora
+
+    high = expert_lora(a14b_folder, "transformer", tmp_path / "high.safetensors", 0)
+    low = expert_lora(a14b_folder, "transformer_2", tmp_path / "low.safetensors", 1)
+    lora = ["--lora", f"fast={high},{low}:0.7"]
     one, two = tmp_path / "v1.mp4", tmp_path / "v2.mp4"
-    result = run_app("generate", *A14B, "--model-path", str(a14b_folder), "--out", str(one))
+    result = run_app("generate", *A14B, *lora, "--model-path", str(a14b_folder), "--out", str(one))
     assert result.returncode == 0, result.stderr
-    assert read_mp4_settings(one)["model"] == "wan2.2-t2v-a14b"
-    result = run_app("launch", "--nproc", "2", "generate", *A14B, "--model-path", str(a14b_folder), "--out", str(two))
+    settings = read_mp4_settings(one)
+    assert settings["model"] == "wan2.2-t2v-a14b" and settings["lora"] == {"fast": 0.7}
+    result = run_app("launch", "--nproc", "2", "generate", *A14B, *lora, "--model-path", str(a14b_folder),
+                     "--out", str(two))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(two) - frames_of(one))
     assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
-    result = run_app("generate", *A14B, "--model-path", str(a14b_folder), "--out", str(tmp_path / "x.mp4"),
-                     "--lora", f"style={tmp_path / 'style.safetensors'}")
-    assert result.returncode == 2 and "LoRAs are not supported on this model yet" in result.stderr, result.stderr
+    result = run_app("launch", "--nproc", "2", "generate", *COMMON, *lora, "--model-path", str(folder), "--prompt",
+                     "a circle", "--out", str(tmp_path / "x.mp4"))
+    assert result.returncode == 2 and "two files are a two-expert model's" in result.stderr, result.stderr
+    assert "rank" not in result.stderr.lower()
 
 
 I2V = ["--frames", "5", "--size", "64x48", "--steps", "2", "--prompt", "a red circle", "--seed", "3"]

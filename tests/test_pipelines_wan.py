@@ -285,3 +285,66 @@ def test_a_name_and_a_folder_with_other_expert_counts_are_refused(folder: Path, 
         resolve_model("wan2.1-t2v-14b", a14b_folder)
     with pytest.raises(ModelNotFoundError, match="holds 1 transformer .* but model 'wan2.2-t2v-a14b' denoises with 2"):
         resolve_model("wan2.2-t2v-a14b", folder)
+
+
+def expert_lora(folder: Path, component: str, path: Path, seed: int) -> Path:
+    """A random rank-4 LoRA (diffusers/PEFT keys) on every attention and MLP linear of `folder`'s `component`."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    transformer = WanTransformer3DModel.from_pretrained(folder / component)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for index in range(len(transformer.blocks)):
+        for layer in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_v",
+                      "ffn.net.0.proj", "ffn.net.2"):
+            linear = transformer.get_submodule(f"blocks.{index}.{layer}")
+            state[f"transformer.blocks.{index}.{layer}.lora_A.weight"] = \
+                torch.randn(4, linear.in_features, generator=generator) * 0.3
+            state[f"transformer.blocks.{index}.{layer}.lora_B.weight"] = \
+                torch.randn(linear.out_features, 4, generator=generator) * 0.3
+    save_file(state, str(path))
+    return path
+
+
+def test_two_experts_take_a_lora_file_each(a14b_folder: Path, tmp_path: Path) -> None:
+    """A Wan 2.2 LoRA as published (a high-noise and a low-noise file: `--lora NAME=HIGH,LOW`): each expert adapted
+    by its file, equal to diffusers' WanPipeline with the high file loaded into transformer and the low one into
+    transformer_2 (load_into_transformer_2), at the same scale; one file adapts both experts."""
+    pytest.importorskip("peft")
+    from diffusers import DiffusionPipeline
+
+    from engines.options import LoraFile
+
+    high = expert_lora(a14b_folder, "transformer", tmp_path / "high.safetensors", 0)
+    low = expert_lora(a14b_folder, "transformer_2", tmp_path / "low.safetensors", 1)
+    lora = LoraFile.parse(f"fast={high},{low}:0.7")
+    assert (lora.path, lora.path_2, lora.scale) == (high, low, 0.7)
+    spec, path = resolve_model("wan2.2-t2v-a14b", a14b_folder)
+    spec = replace(spec, max_sequence_length=SEQUENCE)
+    limits = replace(read_limits(spec, path), loras=(("fast", 0.7),))
+    req = make_request(spec, limits, prompt=PROMPT, seed=7, steps=4, height=48, width=64, frames=9, guidance=1.0,
+                       lora={"fast": 0.7})
+    pipeline = load_pipeline(spec, path)
+    pipeline.use_loras([lora])
+    assert [loras.names for loras in pipeline.loras] == [("fast",), ("fast",)]
+    ours = pipeline.denoise(req, pipeline.encode(req))
+
+    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(high), adapter_name="fast")
+    pipe.load_lora_weights(str(low), adapter_name="fast", load_into_transformer_2=True)
+    pipe.set_adapters(["fast"], adapter_weights=[0.7])
+    final = {}
+
+    def keep(_pipe, _step, _t, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+
+    pipe(prompt=req.prompt, height=req.height, width=req.width, num_frames=req.frames, num_inference_steps=req.steps,
+         guidance_scale=req.guidance, generator=torch.Generator().manual_seed(req.seed), max_sequence_length=SEQUENCE,
+         output_type="latent", callback_on_step_end=keep)
+    latents = final["latents"]
+    assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
+    plain = load_pipeline(spec, path).denoise(replace(req, lora=()), pipeline.encode(req))
+    assert (ours - plain).abs().max().item() > 100 * RELATIVE_TOLERANCE * plain.abs().max().item()  # it acts
