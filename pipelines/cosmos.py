@@ -78,17 +78,11 @@ class CosmosPipeline(StagedPipeline):
         vae=None,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Callable[..., tuple[torch.Tensor]] = transformer
-        self.dtype = transformer.dtype
-        self.scheduler = scheduler
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.scheduler.register_to_config(
             sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA, final_sigmas_type="sigma_min"
         )
-        self.text_encoder, self.tokenizer, self.vae = text_encoder, tokenizer, vae
+        self.text_encoder, self.tokenizer = text_encoder, tokenizer
         vae_config = read_component_config(folder, "vae")
         self.vae_config = vae_config
         self.temporal_factor = 2 ** sum(vae_config["temperal_downsample"])

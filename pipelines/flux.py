@@ -62,20 +62,13 @@ class FluxImagePipeline(StagedPipeline):
         vae=None,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Callable[..., tuple[torch.Tensor]] = transformer
-        self.scheduler = scheduler
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.text_encoder, self.tokenizer = text_encoder, tokenizer
         self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
-        self.vae = vae
         vae_config = read_component_config(folder, "vae")
         self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
         self.vae_spatial_factor = self.vae_scale_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
-        self.dtype = transformer.dtype
 
     @classmethod
     def from_folder(

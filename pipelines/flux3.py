@@ -103,17 +103,11 @@ class Flux3ImagePipeline(StagedPipeline):
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler=None,
                  text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        self.folder = folder
-        self.device = torch.device(device)
-        self.transformer_config = transformer.config
-        self.transformer: Any = transformer
-        self.dtype = transformer.dtype
+        scheduler = scheduler if scheduler is not None else _created(Flux3SetTimestepsStep(), "scheduler")
+        self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.distilled = bool(transformer.config.flow_map)
-        self.scheduler = scheduler if scheduler is not None else _created(Flux3SetTimestepsStep(), "scheduler")
         self.text_encoder = text_encoder
         self.processor = as_processor(tokenizer) if tokenizer is not None else None
-        self.vae = vae
         self.image_processor = _created(Flux3DecodeStep(), "image_processor")
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
         self.vae_spatial_factor = self.vae_scale_factor
