@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import PIL.Image
@@ -54,6 +54,15 @@ class Flux2Conditioning:
     """The reference image's packed, normalised latents [1, N, C], or None."""
     reference_ids: torch.Tensor | None = None
     """Their rotary ids [N, 4] (time coordinate 10: they follow the generated image's tokens)."""
+
+
+def unpack_latents(vae: Any, latents: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Packed tokens [B, rows x cols, 4C] -> what the FLUX.2 VAE (FLUX.3's too) decodes, [B, C, 2 rows, 2 cols]:
+    de-normalised with the VAE's batch-norm statistics, then un-patched (2x2), as Flux2Pipeline does."""
+    latents = latents.reshape(latents.shape[0], rows, cols, -1).permute(0, 3, 1, 2)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents)
+    return Flux2Pipeline._unpatchify_latents(latents * std + mean)
 
 
 class Flux2ImagePipeline(StagedPipeline):
@@ -186,11 +195,7 @@ class Flux2ImagePipeline(StagedPipeline):
         if self.vae is None:
             raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
         rows, cols = request.height // (self.vae_scale_factor * 2), request.width // (self.vae_scale_factor * 2)
-        latents = latents.to(self.device).reshape(latents.shape[0], rows, cols, -1).permute(0, 3, 1, 2)
-        bn = self.vae.bn
-        mean = bn.running_mean.view(1, -1, 1, 1).to(latents)
-        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
-        latents = Flux2Pipeline._unpatchify_latents(latents * std + mean)
+        latents = unpack_latents(self.vae, latents.to(self.device), rows, cols)
         image = self.decode_latents(request, latents.to(self.vae.dtype))
         if image is None:
             return None

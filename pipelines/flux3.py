@@ -50,6 +50,7 @@ from diffusers.modular_pipelines.flux3.decoders import Flux3DecodeStep
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
 from diffusers.utils.torch_utils import randn_tensor
 
+from pipelines.flux2 import unpack_latents
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_model_index
 from pipelines.requests import GenerationRequest
@@ -236,12 +237,7 @@ class Flux3ImagePipeline(StagedPipeline):
         of a split decode)."""
         if self.vae is None:
             raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
-        rows, cols = self._latent_grid(request)
-        latents = latents.to(self.device).reshape(latents.shape[0], rows, cols, -1).permute(0, 3, 1, 2)
-        bn = self.vae.bn
-        mean = bn.running_mean.view(1, -1, 1, 1).to(latents)
-        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(latents)
-        latents = Flux3DecodeStep._unpatchify_latents(latents * std + mean)
+        latents = unpack_latents(self.vae, latents.to(self.device), *self._latent_grid(request))
         image = self.decode_latents(request, latents.to(self.vae.dtype))
         if image is None:
             return None
