@@ -190,7 +190,8 @@ def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimit
     from pipelines.family import load
     from pipelines.registry import family_of, read_component_config
 
-    _check_expert_files(files, spec)
+    for file in _pairs_for_one_transformer(files, spec):
+        raise OptionsError(f"--lora {file.name}: {TWO_FILES}; {spec.name} has one transformer")
     try:
         for index, component in enumerate(expert_components(spec)):
             check_lora_files([file.for_expert(index) for file in files], load(family_of(spec).transformer),
@@ -205,12 +206,12 @@ def expert_components(spec) -> list[str]:
     return ["transformer", "transformer_2"][:spec.experts]
 
 
-def _check_expert_files(files, spec) -> None:
-    """OptionsError for a LoRA of two files (one per expert) given to a model of one transformer."""
-    for file in files:
-        if file.path_2 is not None and spec.experts == 1:
-            raise OptionsError(f"--lora {file.name}: two files are a two-expert model's (Wan 2.2 A14B: high noise, "
-                               f"low noise); {spec.name} has one transformer")
+TWO_FILES = "two files are a two-expert model's (Wan 2.2 A14B: high noise, low noise)"
+
+
+def _pairs_for_one_transformer(files, spec) -> list:
+    """The LoRAs of `files` given as two files (one per expert) where `spec` has one transformer."""
+    return [file for file in files if file.path_2 is not None and spec.experts == 1]
 
 
 def _fitting_names(files, spec, folder: Path) -> tuple[set[str], dict[str, str]]:
@@ -220,8 +221,7 @@ def _fitting_names(files, spec, folder: Path) -> tuple[set[str], dict[str, str]]
     from pipelines.family import load
     from pipelines.registry import family_of, read_component_config
 
-    refused = {file.name: "two files are a two-expert model's" for file in files
-               if file.path_2 is not None and spec.experts == 1}
+    refused = {file.name: TWO_FILES for file in _pairs_for_one_transformer(files, spec)}
     names = {file.name for file in files} - set(refused)
     for index, component in enumerate(expert_components(spec)):
         fits, why = fitting_lora_files([file.for_expert(index) for file in files], load(family_of(spec).transformer),
