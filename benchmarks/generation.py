@@ -154,6 +154,7 @@ def tiny_components(name: str) -> Components:
 def write_config_folder(arch: Components, folder: Path) -> Path:
     """A checkpoint folder without weights: the configs the pipelines and request checks read (the model index as
     the tokenizers' folder has it: Wan's expand_timesteps, boundary_ratio and experts are read from it)."""
+    folder.mkdir(parents=True, exist_ok=True)
     for name in INDEX_FILES:
         if (arch.assets / name).is_file():
             shutil.copy(arch.assets / name, folder / name)

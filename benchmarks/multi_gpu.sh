@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
-# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4). On GPUS=4 or 8: the scaling sweep
+# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8). On GPUS=4 or 8: the scaling sweep
 # (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
@@ -30,17 +30,19 @@
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
 #                    200 (29 frames, 1 GPU and ulysses-2)
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
-#   part 5 (not yet timed on GPUs): wan14b-step 220 | qwen-image-step 150 | flux3-step 120 | flux1-generic-step 120
+#   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | flux1-generic-step 69 | wan14b-step over 220
+#          (its 1 GPU row alone: 113)
 #   part 6 (not yet timed on GPUs): qwen-image-generation 200 | wan14b-generation 330
-#   part 7 (not yet timed on GPUs): flux1-blockgraph-step 240
+#   part 7 (2x H200): flux1-blockgraph-step 106 cold, 49 with part 5's kernels
+#   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step over 300 cold (its FP8 compile)
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|8|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, 8, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -183,13 +185,10 @@ elif [ "$part" = 4 ]; then
         --cache-dir "$cache" --out "$out/flux1-fp8-step.json"
 elif [ "$part" = 5 ]; then
     # the generic context-parallel path (engines/generic.py), one step each, 1 GPU against every strategy on
-    # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Wan 2.1 14B at 81x720x1280
-    # (guidance batched: cfg-parallel too), Qwen-Image at 1328² (6889 tokens: diffusers' split needs a divisor),
-    # FLUX.3 Klein base at 1024²; then FLUX.1-dev 1024² on the generic path, against its hand-written adapter's
-    # rows of part 2 (the record keeps the faster)
-    piece wan14b-step 220 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
-        --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
-        --out "$out/wan14b-step.json"
+    # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
+    # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², FLUX.1-dev 1024² on the generic path
+    # (against its hand-written adapter's rows of part 2: the record keeps the faster), then Wan 2.1 14B at
+    # 81x720x1280 (guidance batched: cfg-parallel too)
     piece qwen-image-step 150 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
         --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
         --out "$out/qwen-image-step.json"
@@ -199,6 +198,10 @@ elif [ "$part" = 5 ]; then
     piece flux1-generic-step 120 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --adapter generic --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-generic-step.json"
+    # last, with what is left: a 1 GPU Wan 14B step is 22 s (2x H200), its compile 46 s
+    piece wan14b-step 330 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
+        --strategies ulysses,ring,allgather --backends "$fast" --warmup 1 --iters 1 --cache-dir "$cache" \
+        --out "$out/wan14b-step.json"
 elif [ "$part" = 6 ]; then
     # whole generations on the generic path, 1 GPU against ulysses-$gpus (split VAE on): Qwen-Image 1328² (20 of
     # its 50 steps), then Wan 2.1 14B 81x720x1280 with 2 steps (a 1 GPU step is ~30 s: its 50 would not fit a
@@ -216,6 +219,16 @@ elif [ "$part" = 7 ]; then
     piece flux1-blockgraph-step 240 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend,inductor-blocks+overlap+blockgraph" --cached-step \
         --no-diffusers --warmup 1 --iters 5 --cache-dir "$cache" --out "$out/flux1-blockgraph-step.json"
+elif [ "$part" = 8 ]; then
+    # FLUX.1-dev 1024² one step with a random rank-64 LoRA: 1 GPU and allgather-$gpus, no LoRA against the app's
+    # unfused LoRA (and the seconds a switch takes) and the LoRA merged into the weights (and one merge's seconds)
+    # (benchmarks/step.py measure_lora); then the same on FP8 weights, the plans only (bf16 1 GPU rows beside them)
+    piece flux1-lora-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+        --all-to-all "$transport" --backends "$backend" --no-diffusers --lora-rank 64 --warmup 1 --iters 5 \
+        --cache-dir "$cache" --out "$out/flux1-lora-step.json"
+    piece flux1-lora-fp8-step 420 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+        --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --lora-rank 64 --warmup 1 \
+        --iters 5 --cache-dir "$cache" --out "$out/flux1-lora-fp8-step.json"
 elif [ "$part" = sweep ]; then
     # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
     # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first
@@ -244,7 +257,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, 5, 6, 7, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"

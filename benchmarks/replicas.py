@@ -10,8 +10,10 @@ honestly, not quality). Then, for each size:
 - batch: a prompt file of `--lines` lines, once with `--replicas 1` (every request on every GPU) and once with
   `--replicas auto`; images a minute from the times the manifest's lines appear, after each run's first `--gpus`
   images (which include compiling its engines), and the whole command's wall time;
-- serve (the first size): a server with each setting; after a warm-up, a lone request (three times, the median)
-  and `--users` gradio_client users at once (their mean and worst latency).
+- serve (the first size): a server with each setting; after a warm-up, a lone request (LONE times, the median
+  of the client's latency and of the server's own seconds)
+  and `--users` gradio_client users at once (their mean and worst latency), and each GPU's memory in use after
+  the warm-up (what auto's extra layouts cost against one group's).
 
 Everything lands in OUT/replicas.json, the commands' logs beside it.
 """
@@ -30,6 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+LONE = 9
+"""Lone requests timed one after another (the median is kept: a client's latency varies by tens of ms)."""
 PROMPTS = ("a red circle on a white background", "a blue square in a green field", "a yellow star above the sea",
            "an orange triangle beside a purple cube")
 
@@ -114,6 +118,17 @@ def _lines(path: Path) -> int:
         return 0
 
 
+def gpu_memory_mib() -> list[int] | None:
+    """Each GPU's memory in use (nvidia-smi's memory.used, MiB: every process on it, caching allocators included),
+    or None where there is no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [int(line) for line in out.split()]
+
+
 def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> dict:
     """A server with `replicas`; a warm-up, a lone request three times, then `--users` users at once."""
     from gradio_client import Client
@@ -146,15 +161,18 @@ def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> 
 
         warm = [one(0)[0], *[t for t, _ in together(args.gpus, 1)]]  # every layout the runs below use, compiled
         warm += [t for t, _ in together(args.users, 100)]
-        lone = [one(10 + i) for i in range(3)]
+        memory = gpu_memory_mib()  # every layout the server will use, compiled and run
+        lone = [one(10 + i) for i in range(LONE)]
         users = together(args.users, 200)
         latencies = [t for t, _ in users]
         return {"size": size, "replicas": replicas, "up_seconds": round(up, 1), "warm_up_seconds": warm,
                 "lone_seconds": [round(t, 3) for t, _ in lone], "lone_median": statistics.median(t for t, _ in lone),
+                "lone_server_seconds": [s.get("seconds") for _, s in lone],
+                "lone_server_median": statistics.median(s.get("seconds") or float("nan") for _, s in lone),
                 "lone_groups": [s.get("group", "") for _, s in lone],
                 "users": args.users, "user_seconds": [round(t, 3) for t in latencies],
                 "user_mean": statistics.mean(latencies), "user_worst": max(latencies),
-                "user_groups": sorted({s.get("group", "") for _, s in users})}
+                "user_groups": sorted({s.get("group", "") for _, s in users}), "gpu_memory_mib": memory}
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -13,6 +13,7 @@ for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled
     torchrun --nproc-per-node 2 -m benchmarks.step --fp8 parallel --cached-step --backends inductor-blocks --out x.json
     python -m benchmarks.step --model flux-dev                    # 1 GPU only
     torchrun --nproc-per-node 1 -m benchmarks.step --strategies "" --peers xdit   # xDiT on 1 GPU
+    torchrun --nproc-per-node 2 -m benchmarks.step --no-diffusers --lora-rank 64 --fp8 parallel --out lora.json
     torchrun --nproc-per-node 2 -m benchmarks.step --tiny         # CPU, gloo, tiny configs
 
 Weights are random bf16 (no download); timings are of the forward only: CUDA events around
@@ -22,6 +23,12 @@ start each call together on the CPU and, on GPUs, on the devices (start_together
 run gets rows whose "error" says why; its compiled rows carry a "note" with its exact recipe. The
 1 GPU mode runs the model through its family's adapter on a mesh of one rank (no exchange). Rows
 name their plan (with its K/V exchange) and transport.
+
+--lora-rank R (measure_lora): after our rows (and after the FP8 ones), the same 1 GPU and plans with a random rank-R
+LoRA: "unfused" as the app runs one (engines/lora.py: a diffusers/PEFT file read, attached, selected at scale 1),
+with the seconds LoraSet.select takes to switch it on and off (switch_s, switch_off_s); then "fused", merged into
+the weights (merge_lora_terms), with the seconds one merge and one unmerge of the whole transformer take (merge_s,
+unmerge_s). Every row names its LoRA mode ("lora": none, unfused or fused) and rank.
 
 Entry point: main() sets cuBLAS's variables (and with --cache-dir inductor's cache folder) as the app
 does (engines.options.run_environment), before the first cuBLAS call and the first compile.
@@ -46,6 +53,7 @@ from typing import Any
 import diffusers
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, parse_shapes
@@ -62,6 +70,8 @@ from benchmarks.peers import (
 )
 from engines.compile import prepare_engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
+from engines.fp8 import is_fp8
+from engines.lora import LoraDelta, LoraFile, LoraSet, attach_loras, check_lora_files, detach_loras, meta_transformer
 from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, EngineOptions, run_environment, \
     set_environment
 from engines.parallelize import parallelize_transformer
@@ -71,6 +81,12 @@ from pipelines.transformer_inputs import Shape
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
 PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                "ff_context.net.2", "proj_mlp", "proj_out")
+"""A repeated block's linears (names within the block) that the benchmark's LoRA targets: those FLUX.1 LoRAs do."""
+SWITCHES = 5
+"""LoraSet.select calls timed each way (the median is kept)."""
 
 
 def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
@@ -244,9 +260,9 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
                options: EngineOptions, error: str | None = None, *, backend: str | None = None,
                note: str | None = None, warmup: int | None = None, plan: ParallelPlan | None = None,
-               transport: str | None = None, cached: bool = False) -> None:
+               transport: str | None = None, cached: bool = False, extra: dict[str, Any] | None = None) -> None:
         """Time one row (`backend` names it when `forward` is compiled by someone else than `options`;
-        `cached`: the step a step cache skips, CachedStep)."""
+        `cached`: the step a step cache skips, CachedStep; `extra`: more fields of the row, e.g. its LoRA)."""
         ms, peak, build_s, pipelined = float("nan"), 0.0, None, float("nan")
         label = backend or options.label
         if forward is not None and error is None:
@@ -289,6 +305,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
             adapter=adapter_name.partition(":")[2] if plan is not None else None,
+            **{"lora": "none", **(extra or {})},
         ))
         if ctx.is_main:
             print(f"[benchmark] {spec.name} {mode} [{label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
@@ -333,6 +350,10 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                     record(f"{mode} cached step", shape, ctx.world_size, parallel, ctx.control_group, options,
                            plan=plan, transport=transport, cached=True)
         parallel.restore()
+    # 2b. --lora-rank: the same 1 GPU and plans with a LoRA, unfused (the app's) and merged into the weights
+    if args.lora_rank:
+        measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
+                     adapter=adapter)
     # 3. diffusers-native Ulysses (families whose record says it runs them; CUDA only: it divides by the
     # accelerator count; not with --tp, whose split of the weights would follow hooks that cannot be undone)
     if (spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers
@@ -358,6 +379,9 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     if args.fp8:
         measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows, unfused=args.fp8_unfused,
                     single=args.fp8 == "all", modes=modes, adapter=adapter)
+        if args.lora_rank:  # the LoRA on the FP8 model, as the app attaches it (after quantizing)
+            measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
+                         adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
     # 6. --tp: each block's weights split over tp ranks, last of all (the split is made in place and not undone)
     if args.tp > 1:
         for plan in our_plans(ctx, heads, args.strategies or ["ulysses"], False, tp=args.tp):
@@ -452,6 +476,127 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def write_random_lora(spec: BenchModel, rank: int, path: Path, *, seed: int = 0) -> Path:
+    """A random rank-`rank` LoRA of `spec`'s transformer (LORA_TARGETS in every repeated block) written to `path` as a
+    diffusers/PEFT safetensors file in bfloat16, as LoRAs come: A ~ N(0, 1/in), B small and non-zero (alpha = rank)."""
+    from safetensors.torch import save_file
+
+    prefixes = tuple(f"{name}." for name in spec.family.repeated_blocks)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in meta_transformer(spec.model_class, spec.config).named_modules():
+        if not (isinstance(module, nn.Linear) and name.startswith(prefixes) and name.split(".", 2)[2] in LORA_TARGETS):
+            continue
+        down = torch.randn(rank, module.in_features, generator=generator) * module.in_features ** -0.5
+        up = torch.randn(module.out_features, rank, generator=generator) * 0.1 * rank ** -0.5
+        state[f"transformer.{name}.lora_A.weight"] = down.to(torch.bfloat16)
+        state[f"transformer.{name}.lora_B.weight"] = up.to(torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def attach_random_lora(spec: BenchModel, model: nn.Module, rank: int, folder: Path) -> LoraSet:
+    """The app's LoRA path (pipelines.stages use_loras) on `model`, FP8 already or not: a random rank-`rank` file
+    (write_random_lora) read and checked against the transformer's config, attached at scale 0."""
+    path = write_random_lora(spec, rank, folder / f"lora-{rank}.safetensors")
+    weights = check_lora_files([LoraFile(name=f"random-{rank}", path=path)], spec.model_class, spec.config)
+    dtype = next(p.dtype for p in model.parameters() if not is_fp8(p))  # the run's (FP8 layers' are bf16)
+    return attach_loras(model, weights, dtype=dtype)
+
+
+@torch.no_grad()
+def merge_lora_terms(model: nn.Module, terms: dict[str, LoraDelta], *, sign: float = 1.0) -> None:
+    """Add each LoRA term B (s * A) (detach_loras' terms, sign -1: subtract it) into its layer's weight in place, in
+    float32 then cast. An FP8 weight is dequantized with its per-row scales, summed, cast to its high-precision
+    dtype (what torchao quantizes) and quantized per row again with torchao's scale and rounding (engines.fp8's),
+    its float8 data and scales written in place: the same tensors, so compiled engines and CUDA graphs keep them."""
+    from engines.fp8 import _scale_of
+
+    for name, term in terms.items():
+        weight = model.get_submodule(name).weight
+        delta = (term.up.float() * term.scales.float()) @ term.down.float()
+        if is_fp8(weight):
+            from torchao.quantization.quant_primitives import _quantize_affine_float8
+
+            high = (weight.qdata.float() * weight.scale.float() + sign * delta).to(weight.dtype)
+            scale = _scale_of(high.abs().amax(dim=1, keepdim=True))
+            weight.qdata.copy_(_quantize_affine_float8(high, scale))
+            weight.scale.copy_(scale)
+        else:
+            weight.copy_((weight.float() + sign * delta).to(weight.dtype))
+
+
+def timed_seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds `fn()` takes, its device work included (synchronized before and after)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def measure_lora(spec: BenchModel, model: nn.Module, shapes: list[Shape], inputs: dict[str, dict[str, Any]],
+                 backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None], *, rank: int,
+                 modes: list[tuple[ParallelPlan, str]], adapter: Any, single: bool = True, suffix: str = "") -> None:
+    """LoRA rows on `model` as it is (FP8 or not), on rank 0's GPU alone (`single`) and on all ranks for each (plan,
+    transport) of `modes`, every backend; `model` is left without LoRA (its weights as before, up to rounding).
+
+    "unfused": a random rank-`rank` LoRA attached as the app does (attach_random_lora) and selected at scale 1;
+    switch_s / switch_off_s: the median seconds of LoraSet.select to it / to none. "fused": the same terms merged
+    into the weights (merge_lora_terms), no LoRA layers; merge_s / unmerge_s: one merge / unmerge of the whole
+    transformer; fused_rel_diff: ||fused - unfused|| / ||unfused|| of one eager 1 GPU output. Times are the
+    slowest rank's."""
+    import tempfile
+
+    def slowest(seconds: float) -> float:
+        return max(gather_objects(ctx, seconds))
+
+    def rows_of(kind: str, extra: dict[str, Any], reference: dict[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
+        mode = f"{suffix} lora-{rank} {kind}"
+        one_gpu = single_process_forward(spec, model, ctx.device) if ctx.is_main else None
+        outputs = {s.label: first_output(one_gpu, inputs[s.label]).float() for s in shapes} if one_gpu else {}
+        shape_extra = {s.label: dict(extra) for s in shapes}
+        for label, out in outputs.items() if reference else ():
+            shape_extra[label]["fused_rel_diff"] = float((out - reference[label]).norm() / reference[label].norm())
+        for options in backends if single else []:
+            for shape in shapes:
+                record(f"1 GPU{mode}", shape, 1, one_gpu, None, options, extra=shape_extra[shape.label])
+        if one_gpu is not None:
+            one_gpu.restore()
+        for plan, transport in modes:
+            parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
+            for options in backends:
+                for shape in shapes:
+                    record(f"{mode_label(plan, transport)}{mode}", shape, ctx.world_size, parallel, ctx.control_group,
+                           options, plan=plan, transport=transport, extra=shape_extra[shape.label])
+            parallel.restore()
+        return outputs
+
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as folder:
+        loras = attach_random_lora(spec, model, rank, Path(folder))
+    chosen = [(loras.names[0], 1.0)]
+    on, off = [], []
+    for _ in range(SWITCHES):
+        off.append(timed_seconds(lambda: loras.select([]), ctx.device))
+        on.append(timed_seconds(lambda: loras.select(chosen), ctx.device))
+    extra = dict(lora_rank=rank, lora_layers=loras.layers, switch_s=slowest(statistics.median(on)),
+                 switch_off_s=slowest(statistics.median(off)))
+    unfused = rows_of("unfused", dict(lora="unfused", **extra))
+    terms = detach_loras(model)
+    merge_s = slowest(timed_seconds(lambda: merge_lora_terms(model, terms), ctx.device))
+    unmerge_s = slowest(timed_seconds(lambda: merge_lora_terms(model, terms, sign=-1.0), ctx.device))
+    merge_lora_terms(model, terms)
+    rows_of("fused", dict(lora="fused", lora_rank=rank, lora_layers=loras.layers, merge_s=merge_s,
+                          unmerge_s=unmerge_s), reference=unfused)
+    merge_lora_terms(model, terms, sign=-1.0)
+    del terms
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def agreed_error(ctx: ParallelContext, error: str | None) -> str | None:
@@ -601,6 +746,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "parallelism, engines/tensor_parallel.py; the rest of the ranks split the sequence by "
                         "each --strategies) and time that; the split is not undone, so it runs last (not with --fp8 "
                         "or --peers; the diffusers-native rows are left out)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="after our rows (and after the FP8 ones), time 1 GPU and every plan again with a random LoRA "
+                        "of this rank, unfused as the app runs it and fused into the weights, with the seconds a "
+                        "switch and a merge take (measure_lora; default 0: none)")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--adapter", choices=("record", "generic"), default="record",
                    help="the family record's context-parallel adapter (default), or the generic path "
@@ -621,6 +770,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tp must be >= 1, got {args.tp}")
     if args.tp > 1 and args.fp8:
         p.error("--tp does not combine with --fp8 (the app refuses both together: engines.options.RunOptions)")
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if args.tp > 1 and args.lora_rank:
+        p.error("--lora-rank does not combine with --tp here (the tp split is made after the LoRA rows, in place)")
     if args.tp > 1 and args.peers:
         p.error("--tp does not combine with --peers (a peer's parallelism stays on the model; the split follows it)")
     return args

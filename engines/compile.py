@@ -21,7 +21,9 @@ Backends:
 CUDA graphs per block (block_graphs=True, inductor-blocks): each compiled block is compiled with inductor's
 CUDA graphs ("reduce-overhead": CUDA graph trees). The trees copy a call's inputs into static buffers unless
 they are an earlier graph's outputs (one block's to the next: no copy) or parameters, and overwrite a graph's
-outputs at its next replay; what the step cache keeps across steps it clones (engines.step_cache). The glue
+outputs at its next replay; each engine call is one step of the trees (torch.compiler.cudagraph_mark_step_begin),
+so the blocks of a call read each other's outputs in place; what the step cache keeps across steps it clones
+(engines.step_cache). The glue
 between the blocks (embedders, sharding, the final layer) runs eagerly. This keeps CUDA graphs with a step
 cache, whose decision sits between the first block and the rest.
 
@@ -178,7 +180,15 @@ class Engine:
         with torch.no_grad():
             if self.options.cuda_graph:
                 return self._graphs[signature](kwargs)
+            self._begin_block_graphs()
             return self._forward(**kwargs)
+
+    def _begin_block_graphs(self) -> None:
+        """With a CUDA graph per block: one call of the engine is one step of inductor's CUDA graph trees, so a
+        block's outputs stay valid while the blocks after it read them. Without it every compiled block's call
+        would start a step of its own, and the next block could overwrite the outputs it is reading."""
+        if self.options.block_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def forward_guided(self, passes: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
         """The first output of each of guidance's calls (`passes`, keyword arguments of the model) through
@@ -202,6 +212,7 @@ class Engine:
                 self._graphs[signature] = _Graphed(self._forward, kwargs)
                 out = self._graphs[signature](kwargs)
             else:
+                self._begin_block_graphs()
                 out = self._forward(**kwargs)
         if self.module.device.type == "cuda":
             torch.cuda.synchronize(self.module.device)

@@ -22,6 +22,7 @@ term is added to the rank's partial product before the layer's one all-reduce: s
 base. FP8 (--fp8): the LoRA path runs in the run's dtype (bf16 on GPUs) beside the FP8 GEMM, unfused, from the
 layer's unquantized input. FP8 fuses FLUX's q/k/v projections (to_qkv, to_added_qkv): a LoRA of to_q / to_k / to_v
 lands on the fused layer's rows of that projection. Context parallelism needs nothing: linears act per token.
+`detach_loras` takes the terms off again (benchmarks.step merges them into the weights).
 
 `export_kohya` writes a diffusers/PEFT FLUX.1 LoRA in kohya's format (tests and training check the conversion).
 """
@@ -43,7 +44,7 @@ from engines.options import LoraError, LoraFile
 from engines.tensor_parallel import RowParallelLinear, WeightSplit, take
 
 __all__ = ["LoraDelta", "LoraError", "LoraFile", "LoraLinear", "LoraSet", "LoraWeights", "attach_loras",
-           "check_lora_files", "export_kohya", "has_lora", "lora_layout", "read_lora"]
+           "check_lora_files", "detach_loras", "export_kohya", "has_lora", "lora_layout", "read_lora"]
 
 LOADERS = {
     "FluxTransformer2DModel": "FluxLoraLoaderMixin",
@@ -324,6 +325,25 @@ def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dty
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, LoraLinear.of(base, delta))
     return LoraSet(names=tuple(lora.name for lora in loras), slots=slots, scales=scales, layers=len(targets))
+
+
+def detach_loras(model: nn.Module) -> dict[str, LoraDelta]:
+    """Undo attach_loras in place: every adapted layer back to its base (the same weight and bias tensors);
+    returns the LoRA terms taken off, by layer name (benchmarks.step merges them into the weights)."""
+    taken = {}
+    for name, module in list(model.named_modules()):
+        if not has_lora(module):
+            continue
+        taken[name] = module.lora
+        if isinstance(module, RowParallelLinear):
+            module.lora = None
+            continue
+        base = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        base.weight, base.bias = module.weight, module.bias
+        base.train(module.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, base)
+    return taken
 
 
 def export_kohya(state: dict[str, torch.Tensor], path: Path, *, alpha: float | None = None) -> Path:

@@ -83,6 +83,10 @@ class StepCache:
     """(dim, count) of the measured stream's real tokens on this rank in the current call (the rest is
     shard padding), from the context-parallel wrapper; None: every row is real."""
     metric: Metric = first_block_sums
+    copies: bool = False
+    """Keep copies of the first and last blocks' outputs across steps: where each block is a CUDA graph
+    (+blockgraph), its next replay overwrites them. Without graphs the outputs are the cache's own (no copy:
+    at FLUX.1-dev 1024² a copy is about 56 MB a computed step)."""
     skipped: list[int] = field(default_factory=list)
     """The steps of the current (or last) request that reused the cached blocks, in order."""
     steps: int = 0
@@ -165,6 +169,10 @@ class StepCache:
 
     # --- the blocks' side -----------------------------------------------------------------------------
 
+    def _kept(self, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A block's outputs as the cache keeps them across steps (copied where a graph would overwrite them)."""
+        return tuple(t.clone() for t in out) if self.copies else out
+
     def _begin_call(self) -> _Branch:
         """The branch state of a call that reaches the first block."""
         if self._step < 0:
@@ -216,14 +224,14 @@ class _CachedBlock(nn.Module):
             residual = out[self.outputs.index(self.stream)] - self._inputs(args, kwargs)[self.stream]
             if cache._decide(residual, state):
                 # copies: a CUDA graph per block (+blockgraph) overwrites its outputs at its next replay
-                state.head, state.reference = tuple(t.clone() for t in out), residual
+                state.head, state.reference = cache._kept(out), residual
                 return self._pack(out)
             return self._pack(tuple(now - then for now, then in zip(out, state.head)))  # the change, handed on
         state = cache._current
         if cache._compute:
             out = self._tuple(self.block(*args, **kwargs))
             if self.role == "tail":
-                state.tail = tuple(t.clone() for t in out)  # as the head's outputs: a graph's are overwritten
+                state.tail = cache._kept(out)  # as the head's outputs
             return self._pack(out)
         inputs = self._inputs(args, kwargs)
         passed = tuple(inputs[name] for name in self.outputs)
@@ -243,13 +251,17 @@ class _CachedBlock(nn.Module):
 
 
 def install_step_cache(transformer: Any, options: CacheOptions, *, block_lists: Sequence[str],
-                       outputs: Sequence[Sequence[str]], stream: str, group: Any = None) -> StepCache:
+                       outputs: Sequence[Sequence[str]], stream: str, group: Any = None,
+                       copies: bool | None = None) -> StepCache:
     """A step cache on a pipeline's transformer: a plain diffusers model, a ParallelTransformer, or an
     Engine of either (install after the engine is prepared: its compiled blocks are then wrapped, not
-    traced). `group`: every rank of the job (None for one process). Arguments as StepCache.install."""
+    traced). `group`: every rank of the job (None for one process). `copies` (StepCache.copies): None
+    follows the engine (a CUDA graph per block, +blockgraph). Other arguments as StepCache.install."""
     module = getattr(transformer, "module", transformer)  # an Engine runs its `module`
     parallel = module if isinstance(module, ParallelTransformer) else None
-    cache = StepCache(options=options, group=group)
+    if copies is None:
+        copies = bool(getattr(getattr(transformer, "options", None), "block_graphs", False))
+    cache = StepCache(options=options, group=group, copies=copies)
     if parallel is not None:
         cache.real_tokens = lambda: parallel.real_tokens
         parallel.step_cache = cache

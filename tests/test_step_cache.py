@@ -200,8 +200,8 @@ def test_the_cache_keeps_copies_of_what_a_graph_overwrites() -> None:
             blocks[index] = _GraphLike(blocks[index])
     inputs = flux_inputs((4, 6), text_tokens=8, batch=1)
     results = []
-    for model in (plain, graphed):
-        cache = install_step_cache(model, CacheOptions(threshold=0.02), block_lists=lists,
+    for model, copies in ((plain, False), (graphed, True), (graphed, False)):
+        cache = install_step_cache(model, CacheOptions(threshold=0.02), block_lists=lists, copies=copies,
                                    outputs=(("encoder_hidden_states", "hidden_states"),) * 2, stream="hidden_states")
         outputs = []
         for step in range(6):
@@ -209,7 +209,10 @@ def test_the_cache_keeps_copies_of_what_a_graph_overwrites() -> None:
             with cache.step(step, 6), torch.no_grad():
                 outputs.append(model(**step_inputs)[0])
         results.append((outputs, cache.skipped))
-    (plain_out, plain_skipped), (graphed_out, graphed_skipped) = results
+        cache.remove()
+    (plain_out, plain_skipped), (graphed_out, graphed_skipped), (uncopied_out, _) = results
     assert plain_skipped == graphed_skipped == [1, 3], (plain_skipped, graphed_skipped)  # skips and computes between
     for a, b in zip(plain_out, graphed_out):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # without the copies a skipped step reads what later calls wrote over: another output
+    assert max((a - b).abs().max().item() for a, b in zip(plain_out, uncopied_out)) > 1e-3
