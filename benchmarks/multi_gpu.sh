@@ -32,7 +32,7 @@
 #   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
 #   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | flux1-generic-step 69 | wan14b-step over 220
 #          (its 1 GPU row alone: 113)
-#   part 6 (not yet timed on GPUs): qwen-image-generation 200 | wan14b-generation 330
+#   part 6 (not yet timed on GPUs): qwen-image-generation 240 | wan14b-generation 330
 #   part 7 (2x H200): flux1-blockgraph-step 106 cold, 49 with part 5's kernels
 #   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step over 300 cold (its FP8 compile)
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
@@ -204,10 +204,10 @@ elif [ "$part" = 5 ]; then
         --out "$out/wan14b-step.json"
 elif [ "$part" = 6 ]; then
     # whole generations on the generic path, 1 GPU against ulysses-$gpus (split VAE on): Qwen-Image 1328² (20 of
-    # its 50 steps), then Wan 2.1 14B 81x720x1280 with 2 steps (a 1 GPU step is ~30 s: its 50 would not fit a
+    # its 50 steps; and cfg-2: its two guidance calls at once, one per half of the ranks), then Wan 2.1 14B 81x720x1280 with 2 steps (a 1 GPU step is ~30 s: its 50 would not fit a
     # command; the step rows of part 5 and these stages give the whole video's time)
-    piece qwen-image-generation 200 "${generation[@]}" --model qwen-image "${qwen_shape[@]}" "${qwen_steps[@]}" \
-        --strategies ulysses --backends "$fast" --split-vae on --runs 1 --warmup-steps 2 --engine-cache "$cache" \
+    piece qwen-image-generation 240 "${generation[@]}" --model qwen-image "${qwen_shape[@]}" "${qwen_steps[@]}" \
+        --strategies ulysses --cfg --backends "$fast" --split-vae on --runs 1 --warmup-steps 2 --engine-cache "$cache" \
         --out "$out/qwen-image-generation.json"
     piece wan14b-generation 330 "${generation[@]}" --model wan2.1-t2v-14b "${wan_shape[@]}" --steps 2 \
         --strategies ulysses --backends "$fast" --split-vae on --runs 1 --warmup-steps 1 --engine-cache "$cache" \

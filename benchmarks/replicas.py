@@ -10,10 +10,9 @@ honestly, not quality). Then, for each size:
 - batch: a prompt file of `--lines` lines, once with `--replicas 1` (every request on every GPU) and once with
   `--replicas auto`; images a minute from the times the manifest's lines appear, after each run's first `--gpus`
   images (which include compiling its engines), and the whole command's wall time;
-- serve (the first size): a server with each setting; after a warm-up, a lone request (LONE times, the median
-  of the client's latency and of the server's own seconds)
-  and `--users` gradio_client users at once (their mean and worst latency), and each GPU's memory in use after
-  the warm-up (what auto's extra layouts cost against one group's).
+- serve (the first size): a server with each setting; after a warm-up, each GPU's memory in use (what auto's
+  extra layouts cost against one group's), a lone request LONE times (the medians of the client's latency and of
+  the server's own seconds), and `--users` gradio_client users at once (their mean and worst latency).
 
 Everything lands in OUT/replicas.json, the commands' logs beside it.
 """
@@ -130,7 +129,7 @@ def gpu_memory_mib() -> list[int] | None:
 
 
 def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> dict:
-    """A server with `replicas`; a warm-up, a lone request three times, then `--users` users at once."""
+    """A server with `replicas`; a warm-up, its GPU memory, a lone request LONE times, then `--users` users at once."""
     from gradio_client import Client
 
     from app.launch import free_port

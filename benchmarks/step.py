@@ -377,7 +377,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
     # eager output against the bf16 eager one.
     if args.fp8:
-        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, rows, unfused=args.fp8_unfused,
+        measure_fp8(spec, model, shapes, inputs, backends, ctx, record, unfused=args.fp8_unfused,
                     single=args.fp8 == "all", modes=modes, adapter=adapter)
         if args.lora_rank:  # the LoRA on the FP8 model, as the app attaches it (after quantizing)
             measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
@@ -431,9 +431,30 @@ def first_output(forward: Callable[..., Any], kwargs: dict[str, Any]) -> torch.T
     return next(leaf for leaf in torch.utils._pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor))
 
 
+def record_everywhere(model: nn.Module, shapes: list[Shape], backends: list[EngineOptions], ctx: ParallelContext,
+                      record: Callable[..., None], *, mode: str, one_gpu: Any, single: bool,
+                      modes: list[tuple[ParallelPlan, str]], adapter: Any, note: str | None = None,
+                      extra: dict[str, dict[str, Any]]) -> None:
+    """Rows of `model` as it is now, every backend: on rank 0's GPU alone through `one_gpu` (`single`; restored
+    after, None on the other ranks) and on all ranks for each (plan, transport) of `modes`; `mode` ends each row's
+    mode name, `extra` gives each shape's rows more fields."""
+    for options in backends if single else []:
+        for shape in shapes:
+            record(f"1 GPU{mode}", shape, 1, one_gpu, None, options, note=note, extra=extra[shape.label])
+    if one_gpu is not None:
+        one_gpu.restore()
+    for plan, transport in modes:
+        parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
+        for options in backends:
+            for shape in shapes:
+                record(f"{mode_label(plan, transport)}{mode}", shape, ctx.world_size, parallel, ctx.control_group,
+                       options, plan=plan, transport=transport, note=note, extra=extra[shape.label])
+        parallel.restore()
+
+
 def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], inputs: dict[str, dict[str, Any]],
                 backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None],
-                rows: list[dict[str, Any]], *, unfused: bool = False, single: bool = True,
+                *, unfused: bool = False, single: bool = True,
                 modes: list[tuple[ParallelPlan, str]] = (), adapter: Any = None) -> None:
     """FP8 rows: quantize `model` in place, time each backend on rank 0's GPU alone (`single`) and on all
     ranks for each (plan, transport) of `modes`; note the relative error ||fp8 - bf16|| / ||bf16|| of one
@@ -456,22 +477,9 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
             for s in shapes:
                 out = first_output(one_gpu, inputs[s.label]).float()
                 errors[s.label] = float((out - reference[s.label]).norm() / reference[s.label].norm())
-        for options in backends if single else []:
-            for shape in shapes:
-                record(f"1 GPU fp8{suffix}", shape, 1, one_gpu, None, options, note=f"{layers} FP8 linears")
-                if ctx.is_main:
-                    rows[-1]["rel_error"] = errors[shape.label]
-        if one_gpu is not None:
-            one_gpu.restore()
-        for plan, transport in modes:
-            parallel = parallelize_transformer(quantized, ctx, plan, adapter, all_to_all=transport)
-            for options in backends:
-                for shape in shapes:
-                    record(f"{mode_label(plan, transport)} fp8{suffix}", shape, ctx.world_size, parallel,
-                           ctx.control_group, options, plan=plan, transport=transport, note=f"{layers} FP8 linears")
-                    if ctx.is_main:
-                        rows[-1]["rel_error"] = errors[shape.label]
-            parallel.restore()
+        record_everywhere(quantized, shapes, backends, ctx, record, mode=f" fp8{suffix}", one_gpu=one_gpu,
+                          single=single, modes=modes, adapter=adapter, note=f"{layers} FP8 linears",
+                          extra={s.label: {"rel_error": errors.get(s.label)} for s in shapes})
         del quantized, one_gpu  # the unfused copy's memory is free before the fused rows
         gc.collect()
         if ctx.device.type == "cuda":
@@ -562,18 +570,8 @@ def measure_lora(spec: BenchModel, model: nn.Module, shapes: list[Shape], inputs
         shape_extra = {s.label: dict(extra) for s in shapes}
         for label, out in outputs.items() if reference else ():
             shape_extra[label]["fused_rel_diff"] = float((out - reference[label]).norm() / reference[label].norm())
-        for options in backends if single else []:
-            for shape in shapes:
-                record(f"1 GPU{mode}", shape, 1, one_gpu, None, options, extra=shape_extra[shape.label])
-        if one_gpu is not None:
-            one_gpu.restore()
-        for plan, transport in modes:
-            parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
-            for options in backends:
-                for shape in shapes:
-                    record(f"{mode_label(plan, transport)}{mode}", shape, ctx.world_size, parallel, ctx.control_group,
-                           options, plan=plan, transport=transport, extra=shape_extra[shape.label])
-            parallel.restore()
+        record_everywhere(model, shapes, backends, ctx, record, mode=mode, one_gpu=one_gpu, single=single,
+                          modes=modes, adapter=adapter, extra=shape_extra)
         return outputs
 
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as folder:
@@ -808,7 +806,10 @@ def main(argv: list[str] | None = None) -> None:
             given = args.video if bench.video else args.sizes
             sizes = given or ",".join(bench.tiny_sizes if args.tiny else bench.sizes)
             shapes = parse_shapes(sizes, video=bench.video, text_tokens=args.text_tokens)
-            cfg = spec.family.guidance_batch if args.cfg is None else args.cfg  # only guidance-batched calls split
+            # by default only guidance-batched calls split (a family of separate guidance calls, Qwen-Image, times
+            # one call unless --cfg asks for a batch of two)
+            batched = spec.family.guidance_batch and not spec.family.guidance_calls
+            cfg = batched if args.cfg is None else args.cfg
             run_model(spec, shapes, args, ctx, cfg=cfg, rows=rows)
         if ctx.is_main:
             rows = finish(rows, ctx.device)

@@ -22,10 +22,9 @@ CUDA graphs per block (block_graphs=True, inductor-blocks): each compiled block 
 CUDA graphs ("reduce-overhead": CUDA graph trees). The trees copy a call's inputs into static buffers unless
 they are an earlier graph's outputs (one block's to the next: no copy) or parameters, and overwrite a graph's
 outputs at its next replay; each engine call is one step of the trees (torch.compiler.cudagraph_mark_step_begin),
-so the blocks of a call read each other's outputs in place; what the step cache keeps across steps it clones
-(engines.step_cache). The glue
-between the blocks (embedders, sharding, the final layer) runs eagerly. This keeps CUDA graphs with a step
-cache, whose decision sits between the first block and the rest.
+so the blocks of a call read each other's outputs in place; what the step cache keeps across steps it copies
+(engines.step_cache, StepCache.copies). The glue between the blocks (embedders, sharding, the final layer) runs
+eagerly. This keeps CUDA graphs with a step cache, whose decision sits between the first block and the rest.
 
 CUDA graphs (cuda_graph=True, any backend, CUDA only): after two warm-up calls, the whole rank
 forward (eager glue, compiled graphs and NCCL collectives) is captured into one CUDA graph per
@@ -190,10 +189,10 @@ class Engine:
         if self.options.block_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    def forward_guided(self, passes: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+    def forward_guided(self, passes: list[dict[str, Any]]) -> list[Any]:
         """The first output of each of guidance's calls (`passes`, keyword arguments of the model) through
-        this engine. A module that splits them over rank groups itself (engines.cosmos3.ParallelCosmos3)
-        is given the engine to run its group's call; otherwise the calls run in turn."""
+        this engine. A parallel transformer (engines.wrapper.ParallelTransformer.forward_guided, which splits
+        them over CFG groups) is given the engine to run its group's call; a plain model runs them in turn."""
         guided = getattr(self.module, "forward_guided", None)
         if guided is not None:
             return guided(passes, call=self)

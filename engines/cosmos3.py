@@ -30,8 +30,8 @@ The split:
   heads only (widened to the query heads on arrival); the replicated und keys are one more block,
   merged by log-sum-exp (ring) or concatenated (allgather; over the group's collectives also when
   the run's transport is copy-engine, whose K/V gather takes no replicated keys).
-- CFG: `forward_guided` runs the conditional and unconditional calls on different rank groups at
-  once and exchanges the predictions.
+- CFG: `forward_guided` (engines.wrapper) runs the conditional and unconditional calls on different
+  rank groups at once and exchanges the predictions.
 - Compiled engines: the text stream's length changes with every prompt, so the shard seam marks it
   dynamic (also on one rank, where nothing is sharded): blocks compiled per layer take it as a
   symbolic size instead of compiling again for each prompt length.
@@ -39,7 +39,6 @@ The split:
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -50,7 +49,6 @@ from diffusers.models.transformers.transformer_cosmos3 import (
 )
 
 from engines.attention import split_attention
-from engines.collectives import all_gather
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, gather_tokens, shard_tokens
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
@@ -146,23 +144,6 @@ class ParallelCosmos3(ParallelTransformer):
         """One call of the model (its keyword arguments and result), split over the sequence ranks.
         Every rank of a CFG group gives the same arguments; guidance's calls go through forward_guided."""
         return self.model(**kwargs)
-
-    def forward_guided(self, passes: list[dict[str, Any]], call: Any = None) -> list[list[torch.Tensor]]:
-        """The vision predictions (the model's `sample`) of each call in `passes` (conditional first),
-        on every rank. With a CFG axis of len(passes) groups, group i runs passes[i] while the others
-        run theirs, and the predictions are exchanged; without one, the calls run in turn.
-        `call` runs one pass (default: this module; an Engine passes itself, so its compiled forward runs)."""
-        call = call or self
-        cfg = self.mesh.plan.cfg
-        if cfg == 1:
-            return [call(**kwargs, return_dict=False)[0] for kwargs in passes]
-        if len(passes) != cfg:
-            raise ValueError(f"the CFG axis has {cfg} rank groups for {len(passes)} guidance passes")
-        branch = self.step_cache.branch(self.mesh.cfg_rank) if self.step_cache is not None else nullcontext()
-        with branch:
-            mine = call(**passes[self.mesh.cfg_rank], return_dict=False)[0]
-        gathered = [all_gather(x.unsqueeze(0), 0, self.mesh.cfg_group, cfg) for x in mine]
-        return [[g[i] for g in gathered] for i in range(cfg)]
 
     def restore(self) -> torch.nn.Module:
         for seam in ("_cp_shard_fn", "_cp_gather_fn"):

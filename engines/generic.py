@@ -18,8 +18,10 @@ applies such a plan from outside, with this project's pieces instead of diffuser
 - the attention is engines.attention.split_attention(mesh): Ulysses, ring, all-gather K/V or Ulysses x ring,
   on either transport, with the padded keys left out; the processors' own projections, norms and rotary
   embedding run unchanged;
-- the batch is split over CFG groups (a guidance-batched call), and tensor parallelism, compiled engines,
-  CUDA graphs, FP8 and the step cache apply to the model as to the hand-written adapters.
+- the batch is split over CFG groups (a guidance-batched call, Wan); a model whose guidance branches are
+  separate calls (Qwen-Image, FLUX.3) runs one branch per CFG group through forward_guided (engines.wrapper);
+  tensor parallelism, compiled engines, CUDA graphs, FP8 and the step cache apply to the model as to the
+  hand-written adapters.
 
 How the attention is reached. diffusers' processors call `dispatch_attention_fn(..., parallel_config=
 self._parallel_config)`. Each processor here gets a copy whose `_parallel_config` is a SequenceSplit, and the
@@ -150,11 +152,14 @@ class ParallelGeneric(ParallelTransformer):
         """Run one denoiser call; arguments and result as the model's forward."""
         mesh = self.mesh
         arguments = self._signature.bind(*args, **kwargs).arguments
-        hidden = next(value for value in arguments.values() if isinstance(value, torch.Tensor))
-        batch = hidden.shape[0]
-        check_batch(batch, mesh)
-        arguments = {name: value if name in self.shared else _split_batch(value, mesh, batch, name in self.per_sample)
-                     for name, value in arguments.items()}
+        batched = mesh.plan.cfg > 1 and not self.one_branch  # a guidance-batched call: its batch over the CFG groups
+        if batched:
+            hidden = next(value for value in arguments.values() if isinstance(value, torch.Tensor))
+            batch = hidden.shape[0]
+            check_batch(batch, mesh)
+            arguments = {name: value if name in self.shared else _split_batch(value, mesh, batch,
+                                                                              name in self.per_sample)
+                         for name, value in arguments.items()}
         self._state.lengths.clear()
         self.real_tokens = None
         if mesh.plan.seq_degree > 1:
@@ -163,6 +168,8 @@ class ParallelGeneric(ParallelTransformer):
                 if name in arguments and isinstance(arguments[name], torch.Tensor):
                     arguments[name] = self._split(name, arguments[name], split)
         out = self.model(**arguments)
+        if not batched:
+            return out
         if isinstance(out, tuple):
             return (gather_batch(out[0], mesh), *out[1:])
         out.sample = gather_batch(out.sample, mesh)

@@ -431,8 +431,8 @@ QWEN_IMAGE = ModelFamily(
     block_outputs=(("encoder_hidden_states", "hidden_states"),),
     cache_stream="hidden_states",
     limits="pipelines.requests:qwen_image_limits",
-    guidance_batch=False,  # two calls of their own text lengths (no mask: they cannot share a batch)
-    guidance_calls=True,
+    guidance_batch=True,  # two calls of their own text lengths (no mask: no shared batch), on two rank groups
+    guidance_calls=True,  # with --cfg-parallel (forward_guided)
     bench=BenchShapes(inputs="pipelines.transformer_inputs:qwen_image_inputs", sizes=("1328x1328",),
                       tiny_sizes=("64x64", "80x48"), diffusers_parallel=True,
                       tiny_config="training.tiny_models:QWEN_IMAGE_TINY_TRANSFORMER",
@@ -441,6 +441,11 @@ QWEN_IMAGE = ModelFamily(
         ModelSpec(name="qwen-image", family="qwen-image", media="image", checkpoint_class="QwenImagePipeline",
                   folder="Qwen-Image", source="Qwen/Qwen-Image", height=1328, width=1328, steps=50, guidance=4.0,
                   negative_prompt=" ", architecture=QWEN_IMAGE_ARCHITECTURE),
+        # Qwen-Image-Edit: the same transformer (zero_cond_t off) and encoder (its vision tower now used), the
+        # reference image as its input; the defaults are its model card's (50 steps, true_cfg_scale 4, " ").
+        ModelSpec(name="qwen-image-edit", family="qwen-image", media="image", checkpoint_class="QwenImageEditPipeline",
+                  folder="Qwen-Image-Edit", source="Qwen/Qwen-Image-Edit", height=1024, width=1024, steps=50,
+                  guidance=4.0, negative_prompt=" ", architecture=QWEN_IMAGE_ARCHITECTURE),
     ),
 )
 
@@ -493,15 +498,15 @@ FLUX3 = ModelFamily(
     block_outputs=(("encoder_hidden_states", "hidden_states"),),
     cache_stream="hidden_states",
     limits="pipelines.requests:flux3_limits",
-    guidance_batch=False,  # two calls of their own text lengths (FLUX.3 attends to its padding: no shared batch)
-    guidance_calls=True,
+    guidance_batch=False,  # the distilled model: no guidance; the base model says otherwise (its ModelSpec)
+    guidance_calls=True,  # two calls of their own text lengths (FLUX.3 attends to its padding: no shared batch)
     bench=BenchShapes(inputs="pipelines.transformer_inputs:flux3_inputs", sizes=("1024x1024", "2048x2048"),
                       tiny_sizes=("64x64", "80x48"), tiny_config="training.tiny_models:FLUX3_TINY_TRANSFORMER",
                       tiny_checkpoint="training.tiny_models:write_tiny_flux3"),
     models=(
         ModelSpec(name="flux3-klein-base", checkpoint_class="Flux3ModularPipeline", folder="flux-3-image-klein-base",
-                  source="black-forest-labs/flux-3-image-klein-base", steps=50, guidance=3.5,
-                  architecture=_flux3(flow_map=False), **_FLUX3),
+                  source="black-forest-labs/flux-3-image-klein-base", steps=50, guidance=3.5, guidance_batch=True,
+                  architecture=_flux3(flow_map=False), **_FLUX3),  # its two guidance calls on two rank groups
         ModelSpec(name="flux3-klein", checkpoint_class="Flux3DistilledModularPipeline", folder="flux-3-image-klein",
                   source="black-forest-labs/flux-3-image-klein", steps=16, guidance=1.0,
                   architecture=_flux3(flow_map=True), **_FLUX3),

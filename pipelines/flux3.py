@@ -22,9 +22,10 @@ the modular pipeline's (tests/test_pipelines_flux3.py). What differs:
   one reference image, not several;
 - a folder whose processor is a plain tokenizer (the tiny test folders: Qwen3-VL's processor needs
   torchvision for its video half) is used through ChatTokenizer, its own chat template unchanged;
-- LoRAs and the step cache apply as for the other families; guidance never runs batched (guidance_batch is
-  False: the two calls may differ in text length, and FLUX.3 attends to its padding, so they cannot share a
-  batch), so --cfg-parallel does not apply.
+- LoRAs and the step cache apply as for the other families; guidance never runs batched (the two calls may
+  differ in text length, and FLUX.3 attends to its padding, so they cannot share a batch): with --cfg-parallel
+  the base model's two calls run at once, each on its own half of the ranks (StagedPipeline.predict_guided);
+  a distilled checkpoint has no guidance, so --cfg-parallel does not apply to it.
 """
 
 from __future__ import annotations
@@ -216,12 +217,12 @@ class Flux3ImagePipeline(StagedPipeline):
                         target_timestep=(following / 1000).expand(1).to(model_input.dtype), return_dict=False,
                         txt_ids=text_ids, **fixed)[0]
                 else:  # Flux3LoopDenoiser: the prompt's call, then the negative prompt's
-                    prediction = self.transformer(hidden_states=model_input, timestep=timestep, return_dict=False,
-                                                  **fixed, encoder_hidden_states=text, txt_ids=text_ids)[0]
+                    calls = [dict(hidden_states=model_input, timestep=timestep, **fixed, encoder_hidden_states=embeds,
+                                  txt_ids=ids)
+                             for embeds, ids in ((text, text_ids), (negative, negative_ids)) if embeds is not None]
+                    prediction, *rest = self.predict_guided(calls)
                     if negative is not None:
-                        unconditional = self.transformer(
-                            hidden_states=model_input, timestep=timestep, return_dict=False, **fixed,
-                            encoder_hidden_states=negative, txt_ids=negative_ids)[0]
+                        unconditional = rest[0]
             if negative is not None:  # ClassifierFreeGuidance.forward
                 prediction = unconditional + request.guidance * (prediction - unconditional)
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]

@@ -14,18 +14,29 @@ every rank uses its static packing helpers and calculate_shift), so our image eq
   every text token is real and the mask would be all True (diffusers then passes None too);
 - classifier-free guidance (`guidance` above 1 is Qwen-Image's true_cfg_scale) makes two transformer calls
   a step, the prompt's and the negative prompt's, as diffusers does: the two have their own lengths, and
-  without a mask they cannot share one batch, so --cfg-parallel does not apply (the record says
-  guidance_batch=False);
+  without a mask they cannot share one batch; with --cfg-parallel each runs on its own half of the ranks at
+  once (StagedPipeline.predict_guided, the transformer's forward_guided);
 - the VAE decode runs whole on rank 0: pipelines.split_vae does not know AutoencoderKLQwenImage's decoder
   (decode_is_split says so).
 As in diffusers, the text is as long as the prompt is, not padded: a compiled engine (static shapes) builds
-once per distinct prompt length it meets. Qwen-Image-Edit (a reference image through the vision tower and
-the VAE) is not offered: its Qwen2VLProcessor needs torchvision, which the CPU test machine cannot have.
+once per distinct prompt length it meets.
+
+Qwen-Image-Edit (QwenImageEditImagePipeline, checkpoint class QwenImageEditPipeline) is the same three stages with
+the request's input image (`condition`: --input, a batch line's input, the UI's and API's input image) as its
+reference, prepared as diffusers' QwenImageEditPipeline prepares it: resized to the input's aspect ratio at about
+1024² pixels (its calculate_dimensions), given with the prompt to Qwen2.5-VL's vision tower (its edit template, its
+first 64 tokens dropped, through its own encode_prompt), and VAE-encoded, normalised and packed into tokens that
+follow the image's (img_shapes' second entry); each step's prediction is sliced back to the image's tokens. The
+output size is the request's height and width (default 1024x1024); diffusers' own default is the reference's
+calculated size, which a request gets by asking for that size. Its processor folder is loaded as
+Qwen2VLProcessor over transformers' PIL image processor (Qwen2VLImageProcessorPil) and no video processor:
+transformers' default image and video processors need torchvision, which the CPU test machine cannot have.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,7 +47,9 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline, calculate_dimensions
 from diffusers.utils.torch_utils import randn_tensor
+from transformers import Qwen2VLProcessor
 
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
@@ -57,6 +70,10 @@ class QwenImageConditioning:
     """[1, L, D]: the prompt's last hidden states, its real tokens only."""
     negative_embeds: torch.Tensor | None = None
     """[1, L', D]: the negative prompt's, when guidance is on (above 1); None otherwise."""
+    image_latents: torch.Tensor | None = None
+    """[1, R, C]: Qwen-Image-Edit's reference image, VAE-encoded, normalised and packed; None for text-to-image."""
+    reference_grid: tuple[int, int] | None = None
+    """Rows and columns of the reference's packed tokens (its img_shapes entry)."""
 
 
 class QwenImageImagePipeline(StagedPipeline):
@@ -84,8 +101,12 @@ class QwenImageImagePipeline(StagedPipeline):
                     dtype: torch.dtype = torch.float32, with_encoders: bool = True,
                     with_vae: bool | None = None,
                     share: TransformerShare | None = None) -> QwenImageImagePipeline:
-        """Load from a diffusers QwenImagePipeline folder; `with_encoders=False` skips the text encoder and
-        tokenizer (ranks > 0), and the VAE too unless `with_vae`."""
+        """Load from a diffusers QwenImagePipeline folder (a QwenImageEditPipeline folder: as
+        QwenImageEditImagePipeline); `with_encoders=False` skips the text encoder and tokenizer (ranks > 0), and the
+        VAE too unless `with_vae`."""
+        if spec.checkpoint_class == EDIT_CHECKPOINT_CLASS and not issubclass(cls, QwenImageEditImagePipeline):
+            return QwenImageEditImagePipeline.from_folder(spec, folder, device=device, dtype=dtype,
+                                                          with_encoders=with_encoders, with_vae=with_vae, share=share)
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
         names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
@@ -114,10 +135,13 @@ class QwenImageImagePipeline(StagedPipeline):
         embeds = self.cached_text(("qwen-image", prompts, length), encode)
         return QwenImageConditioning(prompt_embeds=embeds[0], negative_embeds=embeds[1] if guided else None)
 
-    def _encode_one(self, pipe: QwenImagePipeline, prompt: str, length: int) -> torch.Tensor:
+    def _encode_one(self, pipe: QwenImagePipeline | QwenImageEditPipeline, prompt: str, length: int,
+                    **inputs) -> torch.Tensor:
         """One prompt alone through diffusers' encode_prompt (a batch of one has no padding), kept to the tokens
-        its mask marks real: every token the transformer then sees is real, so it needs no mask."""
-        embeds, mask = pipe.encode_prompt(prompt=prompt, device=self.device, max_sequence_length=length)
+        its mask marks real: every token the transformer then sees is real, so it needs no mask.
+
+        inputs: more of encode_prompt's arguments (Qwen-Image-Edit's image)."""
+        embeds, mask = pipe.encode_prompt(prompt=prompt, device=self.device, max_sequence_length=length, **inputs)
         if mask is not None:
             embeds = embeds[:, mask[0].bool()]
         return embeds
@@ -140,6 +164,9 @@ class QwenImageImagePipeline(StagedPipeline):
                              device=device, dtype=text.dtype)
         latents = QwenImagePipeline._pack_latents(noise, 1, channels, rows * PACK, cols * PACK)
         img_shapes = [[(1, rows, cols)]]
+        reference = cond.image_latents.to(device) if cond.image_latents is not None else None
+        if reference is not None:  # Qwen-Image-Edit: the reference's tokens after the image's, as diffusers joins them
+            img_shapes = [[(1, rows, cols), (1, *cond.reference_grid)]]
 
         config = self.scheduler.config
         mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
@@ -150,18 +177,18 @@ class QwenImageImagePipeline(StagedPipeline):
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
 
-        def predict(embeds: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-            return self.transformer(hidden_states=latents.to(self.dtype), timestep=timestep / 1000,
-                                    encoder_hidden_states=embeds.to(self.dtype), encoder_hidden_states_mask=None,
-                                    img_shapes=img_shapes, attention_kwargs={}, return_dict=False)[0]
-
         for i, t in enumerate(timesteps):
             timestep = t.expand(1).to(latents.dtype)
+            tokens = latents if reference is None else torch.cat([latents, reference], dim=1)
+            calls = [dict(hidden_states=tokens.to(self.dtype), timestep=timestep / 1000,
+                          encoder_hidden_states=embeds.to(self.dtype), encoder_hidden_states_mask=None,
+                          img_shapes=img_shapes, attention_kwargs={})
+                     for embeds in (text, negative) if embeds is not None]
             with self.cache_step(request, i, len(timesteps)):
-                prediction = predict(text, timestep)
-                if negative is not None:
-                    unconditional = predict(negative, timestep)
+                prediction, *rest = self.predict_guided(calls)
+            prediction = prediction[:, : latents.shape[1]]  # the image's tokens (the reference's follow them)
             if negative is not None:
+                unconditional = rest[0][:, : latents.shape[1]]
                 combined = unconditional + request.guidance * (prediction - unconditional)
                 # Qwen-Image's rescaling: the guided prediction keeps the conditional one's norm per token
                 prediction = combined * (torch.norm(prediction, dim=-1, keepdim=True)
@@ -193,3 +220,87 @@ class QwenImageImagePipeline(StagedPipeline):
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:
         """All three stages in one process."""
         return self.decode(request, self.denoise(request, self.encode(request), on_step))
+
+
+EDIT_CHECKPOINT_CLASS = "QwenImageEditPipeline"
+"""The model_index.json class of a Qwen-Image-Edit folder: from_folder loads it as QwenImageEditImagePipeline."""
+
+EDIT_AREA = 1024 * 1024
+"""Pixels of the reference as QwenImageEditPipeline resizes it (its calculate_dimensions' target area)."""
+
+
+class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
+    """transformers' Qwen2VLProcessor for text and images only: ProcessorMixin takes the parts this __init__ names,
+    so the video processor (which needs torchvision) is neither asked for nor checked."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def load_edit_processor(folder: Path) -> Qwen2VLImageTextProcessor:
+    """A Qwen-Image-Edit folder's processor/ (preprocessor_config.json and the tokenizer's files) without
+    torchvision: transformers' PIL image processor, the folder's tokenizer, no video processor."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = folder / "processor"
+    return Qwen2VLImageTextProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
+                                     tokenizer=AutoTokenizer.from_pretrained(path))
+
+
+class QwenImageEditImagePipeline(QwenImageImagePipeline):
+    """Prompt and reference image -> image with Qwen-Image-Edit's QwenImageTransformer2DModel (module docstring)."""
+
+    def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
+                 text_encoder=None, tokenizer=None, processor=None, vae=None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae,
+                         device=device)
+        # diffusers' pipeline over the same parts: its prompt-and-image encoding and its reference's VAE encoding
+        # (rank 0's; None on the ranks that load no encoders).
+        self._diffusers = None if text_encoder is None else QwenImageEditPipeline(
+            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
+            transformer=transformer)
+
+    @classmethod
+    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
+                    with_vae: bool | None = None,
+                    share: TransformerShare | None = None) -> QwenImageEditImagePipeline:
+        """Load from a diffusers QwenImageEditPipeline folder, its processor by load_edit_processor; the
+        arguments as QwenImageImagePipeline.from_folder's."""
+        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
+        if with_encoders:
+            parts["processor"] = load_edit_processor(folder)
+        return cls(spec=spec, folder=folder, device=device, **parts)
+
+    @torch.no_grad()
+    def encode(self, request: GenerationRequest) -> QwenImageConditioning:
+        """The prompt's embeddings with the reference image (and the negative prompt's when guidance is on), and
+        the reference's packed latents, as QwenImageEditPipeline makes them."""
+        pipe = self._diffusers
+        if pipe is None or self.vae is None:
+            raise RuntimeError("this pipeline was loaded without text encoder or VAE (with_encoders=False)")
+        if request.condition is None:
+            raise ValueError(f"model '{self.spec.name}' edits an image: the request brings none (its input)")
+        with PIL.Image.open(request.condition) as opened:
+            image = opened.convert("RGB")
+        width, height, _ = calculate_dimensions(EDIT_AREA, image.width / image.height)
+        reference = self.image_processor.resize(image, height, width)  # what the vision tower sees, as diffusers
+        guided = request.guidance > 1.0
+        prompts = (request.prompt, request.negative_prompt) if guided else (request.prompt,)
+        length = self.spec.max_sequence_length
+
+        def encode() -> list[torch.Tensor]:
+            return [self._encode_one(pipe, prompt, length, image=reference) for prompt in prompts]
+
+        picture = (reference.size, hashlib.sha256(reference.tobytes()).hexdigest())
+        embeds = self.cached_text(("qwen-image-edit", prompts, picture), encode)
+        pixels = self.image_processor.preprocess(reference, height, width).unsqueeze(2)  # [1, 3, 1, H, W]
+        latents = pipe._encode_vae_image(pixels.to(self.device, embeds[0].dtype), generator=None)  # normalised
+        channels, rows, cols = latents.shape[1], latents.shape[3], latents.shape[4]
+        packed = QwenImageEditPipeline._pack_latents(latents, 1, channels, rows, cols)
+        return QwenImageConditioning(prompt_embeds=embeds[0], negative_embeds=embeds[1] if guided else None,
+                                     image_latents=packed, reference_grid=(rows // PACK, cols // PACK))

@@ -66,7 +66,8 @@ class MediaLimits:
     """A video request's input (video_input) is one image, the video's first frame (image-to-video), not frames
     it continues: a video file is refused."""
     input_required: bool = False
-    """A video request must bring its input (an image-to-video checkpoint makes no video from text alone)."""
+    """A video request must bring its input (an image-to-video checkpoint makes no video from text alone); an
+    image request its reference image (reference_image: an editing checkpoint, Qwen-Image-Edit)."""
     loras: tuple[tuple[str, float], ...] = ()
     """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
     names no LoRA uses (serve's requests name none by default: app.submit)."""
@@ -197,12 +198,15 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
 def qwen_image_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     """Qwen-Image: sizes a multiple of the VAE's spatial factor x the transformer's 2x2 packing (16); its rotary
     table (4096 positions from the image's centre, the text after the image's) bounds no size below 4096 px,
-    the largest served, as for FLUX."""
+    the largest served, as for FLUX. Qwen-Image-Edit (a QwenImageEditPipeline checkpoint) requires its input
+    image, the reference it edits (checked as FLUX.2's references are)."""
     vae = read_component_config(folder, "vae")
     transformer = read_component_config(folder, "transformer")
     spatial = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
     multiple = spatial * int(transformer.get("patch_size", 2))
-    return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
+    edit = spec.checkpoint_class == "QwenImageEditPipeline"
+    return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096, reference_image=edit,
+                       input_required=edit)
 
 
 def flux3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
@@ -495,6 +499,8 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
                 f"model '{spec.name}' makes images from text alone; it takes no input image or video")
         elif condition is not None:
             condition = problems.check(_check_reference, condition)
+        elif limits.input_required:
+            problems.messages.append(f"model '{spec.name}' edits an image: give one as its input")
     else:
         if frames is not None:
             problems.check(_check_video_frames, limits, frames)

@@ -135,6 +135,18 @@ class StagedPipeline:
             return nullcontext()
         return cache.step(index, total, skip=request.step_cache)
 
+    def predict_guided(self, calls: list[dict[str, Any]]) -> list[Any]:
+        """The model's `sample` for each call of one step's guidance (keyword arguments of the transformer,
+        conditional first), where the branches are separate calls (guidance_calls: text lengths differ): through
+        the transformer's forward_guided where it has one (a parallel transformer, or its engine), which runs
+        each branch on its own rank group with --cfg-parallel and the calls in turn without; else in turn."""
+        import torch
+
+        guided = getattr(self.transformer, "forward_guided", None)
+        if guided is not None and len(calls) > 1:
+            return [p if isinstance(p, torch.Tensor) else torch.stack(list(p)) for p in guided(calls)]
+        return [self.transformer(**call, return_dict=False)[0] for call in calls]
+
     def computed_steps(self) -> int | None:
         """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""
         if not self.step_caches:

@@ -1,7 +1,7 @@
 """FLUX.3 through the app, as users run it: generate a PNG from an unchanged FLUX.3 folder (as diffusers'
 modular pipeline saves one: modular_model_index.json, no scheduler), and the same image from 2 ranks splitting
 the text and image tokens (Ulysses on the generic context-parallel engine, engines.flux3; guidance's two
-calls each split).
+calls each split, or each on its own rank with --cfg-parallel).
 
 The checkpoint is training.tiny_models' tiny random FLUX.3 folder, run under the flux3-klein-base name.
 """
@@ -46,10 +46,12 @@ def test_generate_writes_an_image(one_rank_image: Path) -> None:
     assert settings["steps"] == 2 and settings["seed"] == 3
 
 
-def test_two_ranks_ulysses_equal_one_rank(folder: Path, one_rank_image: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("plan", [["--strategy", "ulysses"], ["--cfg-parallel"]], ids=["ulysses", "cfg-parallel"])
+def test_two_ranks_equal_one_rank(folder: Path, one_rank_image: Path, tmp_path: Path, plan: list[str]) -> None:
+    """Ulysses (guidance's two calls each split), or --cfg-parallel (each call whole on its own rank)."""
     out = tmp_path / "i2.png"
-    result = run_app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), "--strategy", "ulysses",
-                 "--out", str(out))
+    result = run_app("launch", "--nproc", "2", "generate", *COMMON, "--model-path", str(folder), *plan,
+                     "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(np.asarray(Image.open(out), np.int16) - np.asarray(Image.open(one_rank_image), np.int16))
     assert difference.max() <= 1, f"max pixel difference {difference.max()}"

@@ -10,7 +10,9 @@ Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy
   Qwen-Image-Edit-2509's zero_cond_t variant (a per-token modulation index, split in every block, and the
   per-sample image shapes split with the batch over CFG groups);
 - FLUX.3, by our plan (engines/flux3.py): text, image and reference-image tokens each split on entry, per-mode
-  blocks attending one stream each and joint blocks all three (7 + 15 + 6 tokens).
+  blocks attending one stream each and joint blocks all three (7 + 15 + 6 tokens);
+- on CFG plans, Qwen-Image's and FLUX.3's guidance as two calls of different text lengths (7 and 5 tokens),
+  one per CFG group (forward_guided).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
               "qwen-edit": (randomize(QwenImageTransformer2DModel(**QWEN_TINY, zero_cond_t=True)), qwen_inputs,
                             parallelize_joint),
               "flux3": (randomize(Flux3Transformer2DModel(**FLUX3_TINY)), flux3_inputs, parallelize_flux3)}
-    results = []
+    results, guided = [], []
     for plan in plans(ctx.world_size):
         for (name, (model, inputs, adapter)), variant in itertools.product(models.items(), (False, True)):
             if (name == "qwen-edit" and variant) or (name == "wan" and plan.tp > 1):
@@ -142,7 +144,24 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                                 seq_degree=plan.seq_degree, real_tokens=parallel.real_tokens,
                                 tokens=45 if name == "wan" else kwargs["hidden_states"].shape[1],
                                 attentions=(4 + variant) if name == "flux3" else 2))  # FLUX.3: per mode, joint
-    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(results))
+        if plan.cfg > 1:  # guidance as two calls of their own text lengths, one per CFG group (forward_guided)
+            for name in ("qwen", "flux3"):
+                model, inputs, adapter = models[name]
+                torch.manual_seed(2)
+                conditional = inputs(False)
+                unconditional = {**conditional, "encoder_hidden_states": conditional["encoder_hidden_states"][:, :5]}
+                if "txt_ids" in conditional:
+                    unconditional["txt_ids"] = conditional["txt_ids"][:5]
+                passes = [{k: v for k, v in call.items() if k != "return_dict"}
+                          for call in (conditional, unconditional)]
+                with torch.no_grad():
+                    expected = [model(**call)[0] for call in (conditional, unconditional)]
+                    parallel = parallelize_transformer(model, ctx, plan, adapter)
+                    got = parallel.forward_guided(passes)
+                    parallel.restore()
+                guided.append(dict(plan=plan.label, model=name, scale=min(e.abs().max().item() for e in expected),
+                                   err=max((g - e).abs().max().item() for g, e in zip(got, expected))))
+    Path(out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(dict(results=results, guided=guided)))
     shutdown(ctx)
 
 
@@ -151,7 +170,13 @@ def test_wan_and_qwen_image_by_their_diffusers_plans_match_one_process(world_siz
     spawn_ranks(_worker, world_size, str(tmp_path))
     count = 0
     for rank in range(world_size):
-        for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+        ran = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        cfg_plans = [plan.label for plan in plans(world_size) if plan.cfg > 1]
+        assert sorted((g["plan"], g["model"]) for g in ran["guided"]) == sorted(
+            itertools.product(cfg_plans, ("flux3", "qwen")))
+        for g in ran["guided"]:  # each CFG group ran one call, the other's prediction came over
+            assert g["scale"] > 0.01 and g["err"] <= TOLERANCE, f"guided {g} on rank {rank}"
+        for r in ran["results"]:
             case = f"{r['model']} {r['plan']} (variant: {r['variant']}) on rank {rank}"
             assert r["same_shape"], case
             assert r["scale"] > 0.01, f"{case}: output too small to compare ({r['scale']:.3g})"

@@ -109,11 +109,13 @@ def test_reference_image_equals_diffusers(base: Path, tmp_path: Path) -> None:
     assert cond.reference_latents.shape[1] == (80 // 16) * (96 // 16) and cond.reference_ids[0, 3] == -1
 
 
-def test_limits_from_the_configs(base: Path) -> None:
+def test_limits_from_the_configs(base: Path, distilled: Path) -> None:
     spec, path = resolve_model("flux3-klein-base", base)
     limits = read_limits(spec, path)
     assert (limits.size_multiple, limits.max_height, limits.reference_image) == (16, 4096, True)
-    assert not read_limits(spec, path, cfg_parallel=True).guidance_split  # two calls: --cfg-parallel does not apply
+    assert read_limits(spec, path, cfg_parallel=True).guidance_split  # the base model: its two calls, one per group
+    flow_map, flow_map_path = resolve_model("flux3-klein", distilled)
+    assert not read_limits(flow_map, flow_map_path, cfg_parallel=True).guidance_split  # no guidance
     with pytest.raises(RequestError, match="width 40 is not a multiple of 16"):
         make_request(spec, limits, prompt=PROMPT, width=40)
 

@@ -75,7 +75,7 @@ def test_limits_from_the_configs(folder: Path) -> None:
     spec, path = resolve_model("qwen-image", folder)
     limits = read_limits(spec, path)
     assert (limits.size_multiple, limits.max_height, limits.reference_image) == (16, 4096, False)
-    assert not read_limits(spec, path, cfg_parallel=True).guidance_split  # two calls: --cfg-parallel does not apply
+    assert read_limits(spec, path, cfg_parallel=True).guidance_split  # its two calls, one per CFG group
     with pytest.raises(RequestError, match="width 40 is not a multiple of 16"):
         make_request(spec, limits, prompt=PROMPT, width=40)
 

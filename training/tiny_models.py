@@ -588,8 +588,69 @@ def save_qwen_image(folder: Path, parts: dict) -> None:
 
 
 def write_tiny_qwen_image(spec: ModelSpec, folder: Path) -> None:
-    """A tiny random Qwen-Image checkpoint in `folder` (the Qwen-Image record's tiny_checkpoint)."""
-    save_qwen_image(folder, qwen_image_components(seed=0))
+    """A tiny random Qwen-Image checkpoint in `folder` (the Qwen-Image record's tiny_checkpoint): Qwen-Image-Edit's
+    for a QwenImageEditPipeline spec, else QwenImagePipeline's."""
+    if spec.checkpoint_class == "QwenImageEditPipeline":
+        save_qwen_image_edit(folder, qwen_image_edit_components(seed=0))
+    else:
+        save_qwen_image(folder, qwen_image_components(seed=0))
+
+
+QWEN_VL_IMAGE_TOKENS = ("<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+"""The vision tokens Qwen2VLProcessor and Qwen2.5-VL's rotary index read (after <|vision_start|>)."""
+
+QWEN_VL_PREPROCESSOR = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, patch_size=14, temporal_patch_size=2,
+                            merge_size=2)
+"""Qwen2.5-VL's published image preprocessing bounds and patches (preprocessor_config.json's keys)."""
+
+
+def qwen_image_edit_components(seed: int) -> dict:
+    """Qwen-Image-Edit's component set, shrunk and random: qwen_image_components' VAE, transformer and scheduler
+    (zero_cond_t off, as Qwen/Qwen-Image-Edit), its tokenizer with Qwen-VL's vision tokens, a Qwen2.5-VL whose
+    one-layer vision tower now sees the reference (its config's vision token ids the tokenizer's), and the
+    processor's image preprocessing (transformers' PIL Qwen2-VL image processor with Qwen2.5-VL's bounds)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    parts = qwen_image_components(seed)
+    tokenizer = parts["tokenizer"]
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
+    width = QWEN_IMAGE_TINY_TRANSFORMER["joint_attention_dim"]
+    image_id, video_id = (tokenizer.convert_tokens_to_ids(token) for token in ("<|image_pad|>", "<|video_pad|>"))
+    torch.manual_seed(seed + 3)
+    parts["text_encoder"] = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=72, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                         bos_token_id=0, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
+                           fullatt_block_indexes=[0]),
+        image_token_id=image_id, video_token_id=video_id,
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        bos_token_id=0, eos_token_id=2, pad_token_id=0)).eval()
+    parts["image_processor"] = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": QWEN_VL_PREPROCESSOR["min_pixels"], "longest_edge": QWEN_VL_PREPROCESSOR["max_pixels"]},
+        **{k: v for k, v in QWEN_VL_PREPROCESSOR.items() if not k.endswith("_pixels")})
+    return parts
+
+
+def save_qwen_image_edit(folder: Path, parts: dict) -> None:
+    """Write qwen_image_edit_components' parts as a diffusers QwenImageEditPipeline folder (replacing `folder`):
+    processor/ holds the image preprocessing and the tokenizer's files, as the published folder's does."""
+    _save_parts(folder, {name: part for name, part in parts.items() if name != "image_processor"})
+    parts["image_processor"].save_pretrained(folder / "processor")
+    parts["tokenizer"].save_pretrained(folder / "processor")
+    write_model_index(
+        folder,
+        "QwenImageEditPipeline",
+        {
+            "processor": ("transformers", "Qwen2VLProcessor"),
+            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+            "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+            "tokenizer": ("transformers", type(parts["tokenizer"]).__name__),
+            "transformer": ("diffusers", "QwenImageTransformer2DModel"),
+            "vae": ("diffusers", "AutoencoderKLQwenImage"),
+        },
+    )
 
 
 FLUX3_TINY_TRANSFORMER = dict(

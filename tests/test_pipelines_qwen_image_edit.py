@@ -1,0 +1,140 @@
+"""Qwen-Image-Edit through our pipeline: equal to diffusers' QwenImageEditPipeline (over the same components and
+our torchvision-free processor) on a tiny random checkpoint, with classifier-free guidance and without; its
+limits (an input image required); the PIL image processor against Qwen2-VL's preprocessing arithmetic.
+
+The checkpoint is training.tiny_models' Qwen-Image-Edit folder: the tiny Qwen-Image parts with a Qwen2.5-VL whose
+one-layer vision tower sees the reference, and a processor/ folder (PIL image processor config, tokenizer).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from pipelines.factory import load_pipeline
+from pipelines.registry import resolve_model
+from pipelines.requests import RequestError, make_request, read_limits
+
+PROMPT = "a big red circle on the left"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from training.tiny_models import qwen_image_edit_components, save_qwen_image_edit
+
+    path = tmp_path_factory.mktemp("qwen-image-edit") / "Qwen-Image-Edit"
+    save_qwen_image_edit(path, qwen_image_edit_components(seed=1))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """A 96x64 noise picture: its aspect ratio makes the reference 1248x832 (calculate_dimensions)."""
+    path = tmp_path_factory.mktemp("input") / "in.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    PIL.Image.fromarray(pixels).save(path)
+    return path
+
+
+def diffusers_run(path: Path, req) -> tuple[torch.Tensor, PIL.Image.Image]:
+    """diffusers' QwenImageEditPipeline on the same request: its final packed latents and its image."""
+    from diffusers import QwenImageEditPipeline
+
+    from pipelines.loading import load_parts
+    from pipelines.qwen_image import load_edit_processor
+
+    parts = load_parts(path, ["transformer", "scheduler", "text_encoder", "tokenizer", "vae"], dtype=torch.float32,
+                       device="cpu")
+    pipe = QwenImageEditPipeline(processor=load_edit_processor(path), **parts)
+    pipe.set_progress_bar_config(disable=True)
+    final = {}
+
+    def keep(_pipe, _step, _t, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+
+    with PIL.Image.open(req.condition) as opened:
+        image = opened.convert("RGB")
+    out = pipe(image=image, prompt=req.prompt, negative_prompt=req.negative_prompt, true_cfg_scale=req.guidance,
+               height=req.height, width=req.width, num_inference_steps=req.steps,
+               generator=torch.Generator().manual_seed(req.seed), output_type="pil", callback_on_step_end=keep)
+    return final["latents"], out.images[0]
+
+
+@pytest.mark.parametrize("guidance", [4.0, 1.0])
+def test_equals_diffusers_pipeline(folder: Path, reference: Path, guidance: float) -> None:
+    spec, path = resolve_model("qwen-image-edit", folder)
+    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=2, height=64, width=48,
+                       guidance=guidance, negative_prompt="blurry", condition=str(reference))
+    pipeline = load_pipeline(spec, path)
+    cond = pipeline.encode(req)
+    assert (cond.negative_embeds is not None) == (guidance > 1)
+    assert cond.reference_grid == (832 // 16, 1248 // 16)  # the reference at ~1024² in the input's aspect ratio
+    assert cond.image_latents.shape[1] == 52 * 78
+    ours = pipeline.denoise(req, cond)
+    latents, image = diffusers_run(path, req)
+    assert ours.shape == latents.shape
+    assert (ours - latents).abs().max().item() < 1e-5
+    result = pipeline.decode(req, ours)
+    assert result.size == (48, 64)
+    assert np.abs(np.asarray(result, np.int16) - np.asarray(image, np.int16)).max() <= 1
+
+
+def test_limits_require_an_input_image(folder: Path, reference: Path) -> None:
+    spec, path = resolve_model("qwen-image-edit", folder)
+    assert spec.checkpoint_class == "QwenImageEditPipeline" and (spec.steps, spec.guidance) == (50, 4.0)
+    limits = read_limits(spec, path)
+    assert (limits.size_multiple, limits.reference_image, limits.input_required) == (16, True, True)
+    with pytest.raises(RequestError, match="edits an image: give one as its input"):
+        make_request(spec, limits, prompt=PROMPT)
+    req = make_request(spec, limits, prompt=PROMPT, condition=str(reference))
+    assert (req.height, req.width, req.negative_prompt, req.condition) == (1024, 1024, " ", str(reference))
+
+
+def test_resolves_from_its_model_index(folder: Path) -> None:
+    """A folder whose model_index.json names QwenImageEditPipeline is qwen-image-edit, not qwen-image."""
+    from pipelines.registry import spec_for_folder
+
+    assert spec_for_folder(folder).name == "qwen-image-edit"
+
+
+def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's published smart_resize: sides multiples of `factor`, pixels within bounds, aspect kept."""
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar, w_bar = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@pytest.mark.parametrize("size", [(1248, 832), (100, 30), (5000, 4000)])
+def test_pil_image_processor_is_qwen2_vl_preprocessing(folder: Path, size: tuple[int, int]) -> None:
+    """pixel_values and image_grid_thw as Qwen2-VL's slow image processor computes them: smart_resize, PIL bicubic,
+    rescale, normalise, the frame repeated to the temporal patch, merge-ordered 14x14 patches."""
+    from pipelines.qwen_image import load_edit_processor
+
+    processor = load_edit_processor(folder)
+    config = processor.image_processor
+    width, height = size
+    image = PIL.Image.fromarray(np.random.default_rng(1).integers(0, 256, (height, width, 3), dtype=np.uint8))
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=image, return_tensors="pt")
+
+    patch, merge, temporal = config.patch_size, config.merge_size, config.temporal_patch_size
+    h, w = _smart_resize(height, width, patch * merge, config.size.shortest_edge, config.size.longest_edge)
+    pixels = np.asarray(image.resize((w, h), PIL.Image.BICUBIC), np.float64) / 255
+    pixels = ((pixels - np.array(config.image_mean)) / np.array(config.image_std)).transpose(2, 0, 1)
+    frames = np.repeat(pixels[None], temporal, axis=0)  # [T, C, H, W]
+    gh, gw = h // patch, w // patch
+    patches = frames.reshape(1, temporal, 3, gh // merge, merge, patch, gw // merge, merge, patch)
+    expected = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gh * gw, 3 * temporal * patch * patch)
+    assert out["image_grid_thw"].tolist() == [[1, gh, gw]]
+    assert np.abs(out["pixel_values"].numpy() - expected).max() < 1e-4
+    assert (out["input_ids"] == processor.image_token_id).sum().item() == gh * gw // merge**2
