@@ -104,13 +104,13 @@ class QwenImageImagePipeline(StagedPipeline):
         """Load from a diffusers QwenImagePipeline folder (a QwenImageEditPipeline folder: as
         QwenImageEditImagePipeline); `with_encoders=False` skips the text encoder and tokenizer (ranks > 0), and the
         VAE too unless `with_vae`."""
-        if spec.checkpoint_class == EDIT_CHECKPOINT_CLASS and not issubclass(cls, QwenImageEditImagePipeline):
-            return QwenImageEditImagePipeline.from_folder(spec, folder, device=device, dtype=dtype,
-                                                          with_encoders=with_encoders, with_vae=with_vae, share=share)
+        edit = spec.checkpoint_class == EDIT_CHECKPOINT_CLASS
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
         names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        return cls(spec=spec, folder=folder, device=device, **parts)
+        if edit and with_encoders:
+            parts["processor"] = load_edit_processor(folder)
+        return (QwenImageEditImagePipeline if edit else cls)(spec=spec, folder=folder, device=device, **parts)
 
     def _grid(self, request: GenerationRequest) -> tuple[int, int]:
         """Rows and columns of packed latent tokens (VAE factor x 2x2 patches per token)."""
@@ -261,20 +261,6 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
         self._diffusers = None if text_encoder is None else QwenImageEditPipeline(
             scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
             transformer=transformer)
-
-    @classmethod
-    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
-                    with_vae: bool | None = None,
-                    share: TransformerShare | None = None) -> QwenImageEditImagePipeline:
-        """Load from a diffusers QwenImageEditPipeline folder, its processor by load_edit_processor; the
-        arguments as QwenImageImagePipeline.from_folder's."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        if with_encoders:
-            parts["processor"] = load_edit_processor(folder)
-        return cls(spec=spec, folder=folder, device=device, **parts)
 
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> QwenImageConditioning:
