@@ -378,7 +378,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # eager output against the bf16 eager one.
     if args.fp8:
         measure_fp8(spec, model, shapes, inputs, backends, ctx, record, unfused=args.fp8_unfused,
-                    single=args.fp8 == "all", modes=modes, adapter=adapter)
+                    single=args.fp8 == "all", modes=modes, adapter=adapter, linear=args.fp8_linear)
         if args.lora_rank:  # the LoRA on the FP8 model, as the app attaches it (after quantizing)
             measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
                          adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
@@ -455,12 +455,13 @@ def record_everywhere(model: nn.Module, shapes: list[Shape], backends: list[Engi
 def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], inputs: dict[str, dict[str, Any]],
                 backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None],
                 *, unfused: bool = False, single: bool = True,
-                modes: list[tuple[ParallelPlan, str]] = (), adapter: Any = None) -> None:
-    """FP8 rows: quantize `model` in place, time each backend on rank 0's GPU alone (`single`) and on all
-    ranks for each (plan, transport) of `modes`; note the relative error ||fp8 - bf16|| / ||bf16|| of one
-    eager call's output (1 GPU) against the unquantized model's. With `unfused`, rows "... fp8 unfused" come
-    first, from a copy quantized without fusing the projections that share an input (engines.fp8.quantize_fp8's
-    fuse=False): quantizing is in place, and fusing has to come before it."""
+                modes: list[tuple[ParallelPlan, str]] = (), adapter: Any = None, linear: str = "torchao") -> None:
+    """FP8 rows: quantize `model` in place (engines.fp8.quantize_fp8, its `linear`: torchao or scaled-mm), time
+    each backend on rank 0's GPU alone (`single`) and on all ranks for each (plan, transport) of `modes`; note the
+    relative error ||fp8 - bf16|| / ||bf16|| of one eager call's output (1 GPU) against the unquantized model's.
+    With `unfused`, rows "... fp8 unfused" come first, from a copy quantized without fusing the projections that
+    share an input (engines.fp8.quantize_fp8's fuse=False): quantizing is in place, and fusing has to come before
+    it."""
     from engines.fp8 import quantize_fp8
 
     reference: dict[str, torch.Tensor] = {}
@@ -470,7 +471,7 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
         one_gpu.restore()
     for suffix, fuse in ([(" unfused", False)] if unfused else []) + [("", True)]:
         quantized = model if fuse else copy.deepcopy(model)
-        layers = quantize_fp8(quantized, spec.family.repeated_blocks, fuse=fuse)
+        layers = quantize_fp8(quantized, spec.family.repeated_blocks, fuse=fuse, linear=linear)
         one_gpu = single_process_forward(spec, quantized, ctx.device) if ctx.is_main else None
         errors: dict[str, float] = {}
         if one_gpu is not None:
@@ -478,7 +479,7 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
                 out = first_output(one_gpu, inputs[s.label]).float()
                 errors[s.label] = float((out - reference[s.label]).norm() / reference[s.label].norm())
         record_everywhere(quantized, shapes, backends, ctx, record, mode=f" fp8{suffix}", one_gpu=one_gpu,
-                          single=single, modes=modes, adapter=adapter, note=f"{layers} FP8 linears",
+                          single=single, modes=modes, adapter=adapter, note=f"{layers} FP8 linears ({linear})",
                           extra={s.label: {"rel_error": errors.get(s.label)} for s in shapes})
         del quantized, one_gpu  # the unfused copy's memory is free before the fused rows
         gc.collect()
@@ -736,6 +737,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-unfused", action="store_true",
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
                         "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
+    p.add_argument("--fp8-linear", default="torchao", choices=("torchao", "scaled-mm"),
+                   help="with --fp8, how the FP8 linears run (engines.fp8.quantize_fp8's linear): torchao's "
+                        "Float8Tensor weights (default) or engines.fp8.Fp8Linear (plain float8 weights, "
+                        "torch._scaled_mm called directly: the same numbers, no tensor subclass for torch.compile)")
     p.add_argument("--cached-step", action="store_true",
                    help="after the 1-GPU rows and after each plan's, time them again on a step that a step cache "
                         "skips (--cache: engines/step_cache.py), with each backend that keeps the block loop in Python")
@@ -772,6 +777,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if args.tp > 1 and args.lora_rank:
         p.error("--lora-rank does not combine with --tp here (the tp split is made after the LoRA rows, in place)")
+    if args.fp8 and args.fp8_linear == "scaled-mm" and args.lora_rank:
+        p.error("--fp8-linear scaled-mm does not take LoRA terms yet (engines.fp8.Fp8Linear): leave --lora-rank out")
     if args.tp > 1 and args.peers:
         p.error("--tp does not combine with --peers (a peer's parallelism stays on the model; the split follows it)")
     return args

@@ -43,6 +43,12 @@ Quantizing whole and splitting the FP8 tensor would give the same bytes, but the
 A split model's projections stay unfused: the families' splits name them (and FLUX.2's refuses fused ones), so
 under tp each q/k/v projection quantizes its input apart, the same values at the cost of the extra casts.
 
+A second form, not the default yet (`quantize_fp8(..., linear="scaled-mm")`, benchmarks/step.py --fp8-linear): each
+chosen layer replaced by an Fp8Linear module, its float8 weight and float32 per-row scale plain tensors, whose forward
+quantizes the activation per token and calls torch._scaled_mm itself with torchao's arguments: the same bytes and
+products as torchao's (tests/test_fp8_linear.py), but torch.compile traces plain ops, no tensor subclass.
+is_fp8 and fp8_layers see both. Not yet for models split by tensor parallelism, nor with LoRA terms attached.
+
 torchao refuses to
 quantize unless a GPU with FP8 GEMMs (CUDA compute capability 8.9+, MI300, XPU) is present; torch
 2.13's _scaled_mm also runs float8 on CPUs, so for CPU models that check is skipped and the CPU tests
@@ -136,8 +142,13 @@ def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[st
     return len(attentions)
 
 
+FP8_LINEARS = ("torchao", "scaled-mm")
+"""quantize_fp8's `linear` choices: torchao's Float8Tensor weights (the default), or Fp8Linear modules (plain
+float8 weights and scales, torch._scaled_mm called directly: the same numbers, no tensor subclass to trace)."""
+
+
 def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool = True,
-                 group: dist.ProcessGroup | None = None) -> int:
+                 group: dist.ProcessGroup | None = None, linear: str = "torchao") -> int:
     """Convert `model`'s block linears (fp8_linear_names) to FP8 in place, after fusing the projections
     that share an input (fuse_shared_input_projections) unless `fuse` is False or the model is split by tensor
     parallelism; returns how many.
@@ -146,7 +157,13 @@ def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool
         group: for a model split by tensor parallelism, a process group whose ranks together hold every shard
             (the run's group; collective over it): its row-parallel layers get each row's scale over the whole
             row (see the module docstring). Not needed for a model that is not split.
+        linear: "torchao" (Float8Tensor weights) or "scaled-mm" (each chosen layer replaced by an Fp8Linear: the
+            same float8 weights, scales and products, as plain tensors and ops; not yet for split models).
     """
+    if linear not in FP8_LINEARS:
+        raise ValueError(f"linear={linear!r}: one of {FP8_LINEARS}")
+    if linear == "scaled-mm":
+        return _quantize_scaled_mm(model, repeated_blocks, fuse=fuse)
     quiet_torchao_import()
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
@@ -220,7 +237,9 @@ def _scale_of(row_max: torch.Tensor, floor: float | None = None) -> torch.Tensor
 
 
 def is_fp8(weight: torch.Tensor) -> bool:
-    """Whether `weight` is an FP8 weight made by quantize_fp8."""
+    """Whether `weight` is an FP8 weight made by quantize_fp8 (a Float8Tensor, or an Fp8Linear's float8 one)."""
+    if weight.dtype == torch.float8_e4m3fn:
+        return True
     if "torchao" not in sys.modules:
         return False
     from torchao.quantization import Float8Tensor
@@ -230,9 +249,7 @@ def is_fp8(weight: torch.Tensor) -> bool:
 
 def fp8_layers(model: nn.Module) -> int:
     """How many of `model`'s weights are FP8 (0 for a model run in its own dtype)."""
-    if "torchao" not in sys.modules:  # nothing was quantized; torchao's import costs seconds
-        return 0
-    return sum(is_fp8(p) for p in model.parameters())
+    return sum(is_fp8(p) for p in model.parameters())  # is_fp8 imports nothing: torchao's import costs seconds
 
 
 class _cpu_allowed:
@@ -253,3 +270,87 @@ class _cpu_allowed:
             import torchao.quantization.quant_api as quant_api
 
             quant_api._check_hardware_support = self._check
+
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+"""448: the largest float8_e4m3fn value, torchao's quant_max."""
+
+
+def quantize_rows(x: torch.Tensor, floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` ([..., K]) quantized per row to float8_e4m3fn as torchao's per-row path does (_choose_scale_float8,
+    _quantize_affine_float8), in plain ops: (float8 data [..., K], float32 scale [..., 1]).
+
+    The scale is each row's absolute maximum, clamped below by `floor` (torchao's hp_value_lb) when given,
+    divided by 448 in `x`'s dtype, then made float32 (so a bfloat16 input's scale is bfloat16-rounded, as
+    torchao's); the data is x in float32 divided by its row's scale, clamped to +-448 and cast."""
+    row_max = x.abs().amax(dim=-1, keepdim=True)
+    if floor is not None:
+        row_max = torch.clamp(row_max, min=floor)
+    scale = (row_max / E4M3_MAX).to(torch.float32)
+    data = (x.to(torch.float32) / scale).clamp(min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, scale
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, *, use_fast_accum: bool = True) -> torch.Tensor:
+    """x @ weight.T + bias as torchao's Float8Tensor per-row linear computes it on its torch._scaled_mm path
+    (_float8_addmm_impl): `x` ([..., K], any float dtype) quantized per token with ACTIVATION_AMAX_FLOOR, the
+    float8 `weight` [N, K] and its float32 per-row `weight_scale` [N, 1]; one _scaled_mm of the rows [M, K] by the
+    weight transposed (column-major [K, N]) with scale_a [M, 1], scale_b [1, N], fast accumulation (torchao's default
+    Float8MMConfig off XPU), the output in `x`'s dtype, reshaped to [..., N]. The bias goes into the GEMM, except for
+    a float32 output, where _scaled_mm takes none and it is added after (torchao's addmm_float8_unwrapped_inference)."""
+    rows = x.reshape(-1, x.shape[-1])
+    data, scale = quantize_rows(rows, ACTIVATION_AMAX_FLOOR)
+    fused_bias = bias if x.dtype != torch.float32 else None
+    out = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=weight_scale.t(), bias=fused_bias,
+                           out_dtype=x.dtype, use_fast_accum=use_fast_accum)
+    if bias is not None and fused_bias is None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Fp8Linear(nn.Module):
+    """An nn.Linear in FP8 as plain tensors (quantize_fp8(..., linear="scaled-mm")): `weight`, float8_e4m3fn
+    [out, in] (a frozen parameter, so fp8_layers counts it), `weight_scale`, its float32 per-row scale [out, 1] (a
+    buffer), and the bias in its high-precision dtype. Forward: scaled_mm_linear, the numbers of torchao's per-row
+    Float8Tensor linear (tests/test_fp8_linear.py), but a compiler traces plain ops, no tensor subclass."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("weight_scale", weight_scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """`linear`'s weight quantized per output row as torchao quantizes a bfloat16 weight (no floor), from
+        bfloat16 (a float32 layer is cast first, as quantize_fp8 does); its bias in bfloat16."""
+        weight, scale = quantize_rows(linear.weight.detach().to(torch.bfloat16))
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        return cls(weight, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _quantize_scaled_mm(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool) -> int:
+    """quantize_fp8(..., linear="scaled-mm"): the chosen layers (after fusing, as the torchao path) replaced by
+    Fp8Linear modules; returns how many."""
+    from engines.tensor_parallel import RowParallelLinear
+
+    if any(isinstance(module, RowParallelLinear) for module in model.modules()):
+        raise NotImplementedError('quantize_fp8(..., linear="scaled-mm") does not take a model split by tensor '
+                                  'parallelism yet (its row-parallel layers quantize their inputs as torchao tensors)')
+    if fuse:
+        fuse_shared_input_projections(model, repeated_blocks)
+    chosen = fp8_linear_names(model, repeated_blocks)
+    for name in chosen:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, Fp8Linear.from_linear(getattr(owner, child)))
+    return len(chosen)
