@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
-# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8). On GPUS=4 or 8: the scaling sweep
-# (PART=sweep) and what it leaves out (PART=rest).
+# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9).
+# On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
 #   PART=2 PACK=$OUT/part2.tgz benchmarks/multi_gpu.sh /tmp/part2     # (3 and 4 alike)
@@ -35,14 +35,16 @@
 #   part 6 (not yet timed on GPUs): qwen-image-generation 240 | wan14b-generation 330
 #   part 7 (2x H200): flux1-blockgraph-step 106 cold, 49 with part 5's kernels
 #   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step over 300 cold (its FP8 compile)
+#   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
+#          empty cache
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|8|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, 8, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|8|9|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, 8, 9, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -229,6 +231,21 @@ elif [ "$part" = 8 ]; then
     piece flux1-lora-fp8-step 420 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --lora-rank 64 --warmup 1 \
         --iters 5 --cache-dir "$cache" --out "$out/flux1-lora-fp8-step.json"
+elif [ "$part" = 9 ]; then
+    # cold builds: FLUX.1-dev 1024² one step on allgather-$gpus, bf16 then FP8 with each FP8 linear, each from its
+    # own empty engine and kernel cache (the goal: FP8 within 2x of bf16); rows carry build_s, the graphs dynamo
+    # made and the seconds of each compile phase (build_phases); recompiles are logged
+    for run in bf16 fp8-scaled-mm fp8-torchao; do
+        case $run in
+            bf16) fp8=() cap=150 ;;
+            fp8-scaled-mm) fp8=(--fp8 alone --fp8-linear scaled-mm) cap=200 ;;
+            fp8-torchao) fp8=(--fp8 alone --fp8-linear torchao) cap=420 ;;
+        esac
+        rm -rf "$cache/cold-$run"
+        TORCH_LOGS=recompiles piece "cold-$run" "$cap" "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" \
+            --strategies allgather --all-to-all "$transport" --backends "$backend" "${fp8[@]}" --no-diffusers \
+            --warmup 1 --iters 3 --cache-dir "$cache/cold-$run" --out "$out/cold-$run.json"
+    done
 elif [ "$part" = sweep ]; then
     # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
     # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first
@@ -257,7 +274,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"

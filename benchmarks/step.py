@@ -265,6 +265,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         `cached`: the step a step cache skips, CachedStep; `extra`: more fields of the row, e.g. its LoRA)."""
         ms, peak, build_s, pipelined = float("nan"), 0.0, None, float("nan")
         label = backend or options.label
+        compiling = CompileSeconds()
         if forward is not None and error is None:
             engine = timed = None
             try:
@@ -277,6 +278,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                                         warmup=args.warmup if warmup is None else warmup, iters=args.iters,
                                         device_group=device_group)
                 build_s = next(iter(engine.builds.values())).seconds
+                compiling.stop()
                 if args.profile:
                     # plain file names (labels hold "+", which some file transfers refuse)
                     slug = re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label)))
@@ -305,6 +307,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
             adapter=adapter_name.partition(":")[2] if plan is not None else None,
+            graphs=compiling.graphs if ctx.is_main else None, build_phases=compiling.phases if ctx.is_main else None,
             **{"lora": "none", **(extra or {})},
         ))
         if ctx.is_main:
@@ -319,25 +322,26 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     backends = [EngineOptions.parse(b) for b in args.backends]
     if not args.tiny and device.type != "cuda":
         backends = [b for b in backends if not b.cuda_graph]
+    bf16 = args.fp8 != "alone"  # '--fp8 alone': the FP8 rows and nothing before them
     # 1. one GPU: rank 0 alone; the others wait at the gather in record()
-    single = single_process_forward(spec, model, device) if ctx.is_main else None
-    for options in backends:
+    single = single_process_forward(spec, model, device) if ctx.is_main and bf16 else None
+    for options in backends if bf16 else []:
         for shape in shapes:
             record("1 GPU", shape, 1, single, None, options)
-    if args.cached_step:  # the same, on a step that a step cache skips (engines/step_cache.py)
+    if args.cached_step and bf16:  # the same, on a step that a step cache skips (engines/step_cache.py)
         for options in (b for b in backends if b.keeps_block_loop):
             for shape in shapes:
                 record("1 GPU cached step", shape, 1, single, None, options, cached=True)
     if single is not None:
         single.restore()
-    if args.diffusers_forward:  # the diffusers model itself, called as its pipeline calls it
+    if args.diffusers_forward and bf16:  # the diffusers model itself, called as its pipeline calls it
         for shape in shapes:
             record("diffusers forward", shape, 1, model if ctx.is_main else None, None, EngineOptions())
     # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
     heads = spec.config["num_attention_heads"]
     modes = [(plan, transport) for plan in our_plans(ctx, heads, args.strategies, cfg)
              for transport in (args.all_to_all if plan.has_exchanges else ["nccl"])]
-    for plan, transport in modes:
+    for plan, transport in modes if bf16 else []:
         parallel = parallelize_transformer(model, ctx, plan, adapter, all_to_all=transport)
         mode = mode_label(plan, transport)
         for options in backends:
@@ -351,13 +355,13 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                            plan=plan, transport=transport, cached=True)
         parallel.restore()
     # 2b. --lora-rank: the same 1 GPU and plans with a LoRA, unfused (the app's) and merged into the weights
-    if args.lora_rank:
+    if args.lora_rank and bf16:
         measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
                      adapter=adapter)
     # 3. diffusers-native Ulysses (families whose record says it runs them; CUDA only: it divides by the
     # accelerator count; not with --tp, whose split of the weights would follow hooks that cannot be undone)
     if (spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers
-            and args.tp == 1):
+            and args.tp == 1 and bf16):
         from diffusers import ContextParallelConfig
 
         setup_error = None
@@ -371,7 +375,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                    EngineOptions(), error=setup_error)
     # 4. peers (xDiT, cache-dit), last of all: they change process-wide state (compiler settings,
     # xDiT's process groups) and are the likeliest to fail.
-    for name in args.peers:
+    for name in args.peers if bf16 else []:
         measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
     # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU (unless
     # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
@@ -398,6 +402,30 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+class CompileSeconds:
+    """Where a row's build went, from torch's own compile counters (torch._dynamo.utils.compilation_time_metrics and
+    counters["stats"]["unique_graphs"]) between this object's making and stop(): `graphs`, how many graphs dynamo
+    made (a block class is one unless something recompiles), and `phases`, the seconds of each compile phase that
+    took at least `least` (phases nest: inductor's "compile_fx_inner" holds its "Scheduler.codegen", which holds
+    "async_compile.wait", the wait for the kernels' compilers). Empty where nothing compiled (a cache hit keeps
+    dynamo's trace)."""
+
+    def __init__(self, least: float = 0.5) -> None:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        self._metrics, self._counters, self._least = compilation_time_metrics, counters, least
+        self._start = {name: sum(times) for name, times in compilation_time_metrics.items()}
+        self._graphs = counters["stats"]["unique_graphs"]
+        self.graphs: int | None = None
+        self.phases: dict[str, float] = {}
+
+    def stop(self) -> None:
+        self.graphs = self._counters["stats"]["unique_graphs"] - self._graphs
+        spent = {name: sum(times) - self._start.get(name, 0.0) for name, times in self._metrics.items()}
+        self.phases = {name: round(seconds, 2) for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1])
+                       if seconds >= self._least}
 
 
 class CachedStep:
@@ -730,10 +758,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="eager",
                    help="comma-separated engine labels (engines.options.EngineOptions): eager, inductor, "
                         "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
-    p.add_argument("--fp8", nargs="?", const="all", default=None, choices=("all", "parallel"),
+    p.add_argument("--fp8", nargs="?", const="all", default=None, choices=("all", "parallel", "alone"),
                    help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
                         "and time 1 GPU and every plan again with every backend ('--fp8 parallel': the plans "
-                        "only); rows carry the output's relative error")
+                        "only; '--fp8 alone': the plans' FP8 rows and no other row, so that with an empty "
+                        "--cache-dir they time a cold FP8 build); rows carry the output's relative error")
     p.add_argument("--fp8-unfused", action="store_true",
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
                         "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
