@@ -41,6 +41,9 @@ def add_request_arguments(parser: argparse.ArgumentParser, *, prompt_required: b
                         help="random seed: the same seed and settings give the same result (default 0)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (model default if omitted)")
     parser.add_argument("--guidance", type=float, default=None, help="guidance scale (model default if omitted)")
+    parser.add_argument("--guidance-2", type=float, default=None,
+                        help="two-expert models (Wan 2.2 A14B): the guidance scale of the second, low-noise expert's "
+                             "steps (model default if omitted)")
     parser.add_argument("--height", type=int, default=None,
                         help="pixels (model default if omitted; a multiple of the model's size step)")
     parser.add_argument("--width", type=int, default=None,
@@ -147,6 +150,7 @@ def request_fields(args: argparse.Namespace) -> dict:
     width, height = parse_size(args.size)
     return dict(
         negative_prompt=args.negative_prompt, seed=args.seed, steps=args.steps, guidance=args.guidance,
+        guidance_2=args.guidance_2,
         height=args.height if args.height is not None else height,
         width=args.width if args.width is not None else width,
         frames=args.frames, fps=args.fps,

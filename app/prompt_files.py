@@ -1,8 +1,8 @@
 """Prompt files for `batch`: .txt (one prompt a line), .jsonl and .csv with per-line overrides.
 
 Fields a .jsonl object or a .csv column may set: prompt (required), negative_prompt, seed, size
-("WxH") or width/height, steps, guidance, frames, fps, input (a conditioning image or video, or a
-FLUX.2 reference image, relative to the prompt file), name (the output file's name, sanitized), lora (the run's
+("WxH") or width/height, steps, guidance, guidance_2 (a two-expert model's second expert's), frames, fps, input (a
+conditioning image or video, or a FLUX.2 reference image, relative to the prompt file), name (the output file's name, sanitized), lora (the run's
 --lora names this line uses, with scales: "style:0.8,detail" or in .jsonl {"style": 0.8}; "" none). A line that cannot be read becomes a
 BadLine with its line number; the others are unaffected.
 """
@@ -21,8 +21,8 @@ from app.arguments import parse_size
 from pipelines.requests import RequestError
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
-FIELDS = ("prompt", "negative_prompt", "seed", "size", "width", "height", "steps", "guidance", "frames", "fps",
-          "input", "name", "step_cache", "lora")
+FIELDS = ("prompt", "negative_prompt", "seed", "size", "width", "height", "steps", "guidance", "guidance_2", "frames",
+          "fps", "input", "name", "step_cache", "lora")
 MAX_NAME_CHARS = 100
 PROMPT_NAME_CHARS = 40
 """The most characters of its prompt's words in an unnamed line's output file name."""

@@ -6,8 +6,9 @@ Prints, for the block's GEMM shapes at 1024² (4,608 tokens; q/k/v apart and fus
 torch._scaled_mm with per-row and per-tensor scales (the ceiling FP8 can reach), and one eager per-row
 quantization of the activation; then one FluxSingleTransformerBlock in bf16 and with per-row FP8 linears
 (engines.fp8.quantize_fp8: the app's recipe, q/k/v fused), eager and compiled, with CUDA kernel tables. A
-compiled FP8 block whose kernels add up to less GPU time than its wall time is bound by the host
-(tensor-subclass handling per call).
+compiled FP8 block whose kernels add up to less GPU time than its wall time is bound by the host (per call: the
+Python of the compiled wrapper and the launches; with torchao's tensor-subclass weights, once the app's form, also
+their unwrapping).
 """
 
 from __future__ import annotations

@@ -547,15 +547,21 @@ def attach_random_lora(spec: BenchModel, model: nn.Module, rank: int, folder: Pa
 @torch.no_grad()
 def merge_lora_terms(model: nn.Module, terms: dict[str, LoraDelta], *, sign: float = 1.0) -> None:
     """Add each LoRA term B (s * A) (detach_loras' terms, sign -1: subtract it) into its layer's weight in place, in
-    float32 then cast. An FP8 weight is dequantized with its per-row scales, summed, cast to its high-precision
-    dtype (what torchao quantizes) and quantized per row again with torchao's scale and rounding (engines.fp8's),
-    its float8 data and scales written in place: the same tensors, so compiled engines and CUDA graphs keep them."""
-    from engines.fp8 import _scale_of
+    float32 then cast. An FP8 weight is dequantized with its per-row scales, summed, cast to bfloat16 (what FP8
+    weights are quantized from) and quantized per row again with torchao's scale and rounding (engines.fp8's), its
+    float8 data and scales written in place: the same tensors, so compiled engines and CUDA graphs keep them."""
+    from engines.fp8 import _scale_of, quantize_rows
 
     for name, term in terms.items():
-        weight = model.get_submodule(name).weight
+        layer = model.get_submodule(name)
+        weight = layer.weight
         delta = (term.up.float() * term.scales.float()) @ term.down.float()
-        if is_fp8(weight):
+        if weight.dtype == torch.float8_e4m3fn:  # an Fp8Linear: float8 data, its scales beside it
+            high = (weight.float() * layer.weight_scale + sign * delta).to(torch.bfloat16)
+            data, scale = quantize_rows(high)
+            weight.copy_(data)
+            layer.weight_scale.copy_(scale)
+        elif is_fp8(weight):  # torchao's Float8Tensor
             from torchao.quantization.quant_primitives import _quantize_affine_float8
 
             high = (weight.qdata.float() * weight.scale.float() + sign * delta).to(weight.dtype)
@@ -766,10 +772,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-unfused", action="store_true",
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
                         "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
-    p.add_argument("--fp8-linear", default="torchao", choices=("torchao", "scaled-mm"),
-                   help="with --fp8, how the FP8 linears run (engines.fp8.quantize_fp8's linear): torchao's "
-                        "Float8Tensor weights (default) or engines.fp8.Fp8Linear (plain float8 weights, "
-                        "torch._scaled_mm called directly: the same numbers, no tensor subclass for torch.compile)")
+    p.add_argument("--fp8-linear", default="scaled-mm", choices=("scaled-mm", "torchao"),
+                   help="with --fp8, how the FP8 linears run (engines.fp8.quantize_fp8's linear): engines.fp8.Fp8Linear "
+                        "(the app's: plain float8 weights, torch._scaled_mm called directly) or torchao's Float8Tensor "
+                        "weights (the same numbers, a tensor subclass for torch.compile to trace)")
     p.add_argument("--cached-step", action="store_true",
                    help="after the 1-GPU rows and after each plan's, time them again on a step that a step cache "
                         "skips (--cache: engines/step_cache.py), with each backend that keeps the block loop in Python")
@@ -806,8 +812,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if args.tp > 1 and args.lora_rank:
         p.error("--lora-rank does not combine with --tp here (the tp split is made after the LoRA rows, in place)")
-    if args.fp8 and args.fp8_linear == "scaled-mm" and args.lora_rank:
-        p.error("--fp8-linear scaled-mm does not take LoRA terms yet (engines.fp8.Fp8Linear): leave --lora-rank out")
     if args.tp > 1 and args.peers:
         p.error("--tp does not combine with --peers (a peer's parallelism stays on the model; the split follows it)")
     return args

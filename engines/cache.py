@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from engines.fp8 import fp8_layers
+from engines.fp8 import fp8_form, fp8_layers
 from engines.lora import lora_layout
 
 
@@ -93,6 +93,7 @@ def key_document(module: nn.Module, signature: str, options: Any, rank: int) -> 
         "rank": rank,
         "options": _plain(dataclasses.asdict(options)),
         "fp8_layers": fp8_layers(model),
+        "fp8_form": fp8_form(model),
         "lora_layers": lora_layout(model),
         "versions": library_versions(),
     }

@@ -108,8 +108,8 @@ def _plain_projections(attn: Any) -> bool:
 
     --fp8 fuses the projections (engines.fp8), so its double-stream blocks take the plain path: the input
     quantized once and one GEMM per stream are a sure saving, while the reordering gained little under FP8,
-    whose weights (a tensor subclass) cannot pass through linear_after's custom op, leaving the projections'
-    order to inductor."""
+    whose layers (Fp8Linear modules, or torchao's tensor subclass as the weight) are no plain weight for linear_after's
+    custom op, leaving the projections' order to inductor."""
     return not attn.fused_projections and all(
         type(proj) is nn.Linear and not is_fp8(proj.weight)
         for proj in (attn.to_q, attn.add_q_proj, attn.to_v, attn.add_v_proj))

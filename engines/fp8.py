@@ -1,11 +1,20 @@
-"""FP8 (e4m3) matrix multiplies for a transformer's repeated blocks, through torchao (`--fp8`).
+"""FP8 (e4m3) matrix multiplies for a transformer's repeated blocks (`--fp8`), with torchao's recipe and numbers.
 
-torchao's Float8DynamicActivationFloat8WeightConfig replaces each chosen nn.Linear's weight by a
-Float8Tensor: the weight is quantized once, each call's activation is quantized on the fly, and the
-product runs as one scaled FP8 GEMM (torch._scaled_mm) with the output in the activation's dtype.
-Scales are per row: per output channel of the weight, per token of the activation. torchao takes
-per-row weights from bfloat16 only, so a float32 model's chosen layers (CPU runs) are cast to bfloat16
-first, which keeps more than e4m3 does; their activations and outputs stay float32.
+The recipe is torchao's per-row dynamic FP8 (Float8DynamicActivationFloat8WeightConfig with PerRow): the weight is
+quantized once, each call's activation is quantized on the fly, and the product runs as one scaled FP8 GEMM
+(torch._scaled_mm) with the output in the activation's dtype. Scales are per row: per output channel of the weight,
+per token of the activation. Per-row weights are taken from bfloat16, as torchao takes them, so a float32 model's
+chosen layers (CPU runs) are cast to bfloat16 first, which keeps more than e4m3 does; their activations and outputs
+stay float32.
+
+How it runs (`quantize_fp8`'s `linear`): the app's is "scaled-mm": each chosen layer becomes an Fp8Linear, its
+float8 weight and float32 per-row scale plain tensors, whose forward quantizes the activation per token and calls
+torch._scaled_mm itself with torchao's arguments: torchao's bytes and products, bit for bit (tests/test_fp8_linear.py),
+but torch.compile traces plain ops. "torchao" keeps torchao's own form, its Float8Tensor subclass as the weight, for
+comparison: compiled, the subclass is what makes a cold build slow (a FLUX.1-dev 1024² step on 2x H200 from an empty
+cache: 26 s with Fp8Linear, bf16 23 s, the subclass over 300 s; docs/benchmarks.md), and eager, the host unwraps it at
+every call. This is the one place the FP8 arithmetic is written here rather than taken from torchao: compiled
+engines are what this project competes on, and the library's form compiles too slowly for them.
 
 Which layers: the nn.Linear layers inside the family's repeated blocks (attention projections, MLPs,
 FLUX's fused single-stream projections), which hold nearly all of a step's FLOPs. These stay in the
@@ -25,10 +34,10 @@ and Cosmos 3's attentions keep theirs apart (diffusers' Cosmos processor calls t
 attention declares them unfusable). The result is the same: a per-row weight scale is one output
 channel's, so concatenating weights before quantizing changes no scale.
 
-Nothing here is hand-written FP8 arithmetic: the context-parallel processors call the projections as
-modules or as F.linear on their weights, which Float8Tensor dispatches, and compiled engines trace it as
-a tensor subclass. Each token's activation scale covers its whole row, as in one process, so the context-parallel
-code never splits an FP8 projection by input columns (FLUX.1's overlapped single blocks run proj_out whole under FP8).
+The context-parallel processors call FP8 projections as modules (an Fp8Linear; torchao's form also through F.linear
+on their weights, which Float8Tensor dispatches). Each token's activation scale covers its whole row, as in one
+process, so the context-parallel code never splits an FP8 projection by input columns (FLUX.1's overlapped single
+blocks run proj_out whole under FP8).
 
 With tensor parallelism (--tp) the model is split first (loaded split, engines/sharded_loading.py) and each rank
 quantizes its shards, with the scales one process uses, so the GEMMs' FP8 inputs are one process's, bit for bit:
@@ -37,22 +46,20 @@ quantizes its shards, with the scales one process uses, so the GEMMs' FP8 inputs
 - a row-parallel shard keeps its input columns of every row (RowParallelLinear): its weight scales come from each
   row's absolute maximum over all the shards (one all-reduce of the per-row maxima over the run's group when the
   model is quantized: `quantize_fp8(..., group=)`), and each call's activation scales from each token's maximum
-  over all the tp ranks' columns (one all-reduce of one number a token, `quantize_whole_rows`), which the layer
-  quantizes itself before its partial GEMM. The partial products are then summed as without FP8.
+  over all the tp ranks' columns (one all-reduce of one number a token: `scaled_mm_whole_rows`), which the layer
+  quantizes itself before its partial GEMM. The layer stays a
+  RowParallelLinear: its weight becomes float8 with a `weight_scale` beside it. The partial products are then summed
+  as without FP8.
 Quantizing whole and splitting the FP8 tensor would give the same bytes, but the ranks load only their shards.
 A split model's projections stay unfused: the families' splits name them (and FLUX.2's refuses fused ones), so
 under tp each q/k/v projection quantizes its input apart, the same values at the cost of the extra casts.
 
-A second form, not the default yet (`quantize_fp8(..., linear="scaled-mm")`, benchmarks/step.py --fp8-linear): each
-chosen layer replaced by an Fp8Linear module, its float8 weight and float32 per-row scale plain tensors, whose forward
-quantizes the activation per token and calls torch._scaled_mm itself with torchao's arguments: the same bytes and
-products as torchao's (tests/test_fp8_linear.py), but torch.compile traces plain ops, no tensor subclass.
-is_fp8 and fp8_layers see both. Not yet for models split by tensor parallelism, nor with LoRA terms attached.
+is_fp8 and fp8_layers see both forms. A LoRA term (engines.lora) rides on an Fp8Linear (its `lora`), beside the FP8
+GEMM in the run's dtype, as on a RowParallelLinear.
 
-torchao refuses to
-quantize unless a GPU with FP8 GEMMs (CUDA compute capability 8.9+, MI300, XPU) is present; torch
-2.13's _scaled_mm also runs float8 on CPUs, so for CPU models that check is skipped and the CPU tests
-run the same code path as the GPUs.
+torchao refuses to quantize unless a GPU with FP8 GEMMs (CUDA compute capability 8.9+, MI300, XPU) is present;
+torch 2.13's _scaled_mm also runs float8 on CPUs, so for CPU models that check is skipped and the CPU tests run the
+same code path as the GPUs.
 """
 
 from __future__ import annotations
@@ -142,13 +149,13 @@ def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[st
     return len(attentions)
 
 
-FP8_LINEARS = ("torchao", "scaled-mm")
-"""quantize_fp8's `linear` choices: torchao's Float8Tensor weights (the default), or Fp8Linear modules (plain
-float8 weights and scales, torch._scaled_mm called directly: the same numbers, no tensor subclass to trace)."""
+FP8_LINEARS = ("scaled-mm", "torchao")
+"""quantize_fp8's `linear` choices: Fp8Linear modules (plain float8 weights and scales, torch._scaled_mm called
+directly; the app's), or torchao's Float8Tensor weights (the same numbers, a tensor subclass to trace)."""
 
 
 def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool = True,
-                 group: dist.ProcessGroup | None = None, linear: str = "torchao") -> int:
+                 group: dist.ProcessGroup | None = None, linear: str = "scaled-mm") -> int:
     """Convert `model`'s block linears (fp8_linear_names) to FP8 in place, after fusing the projections
     that share an input (fuse_shared_input_projections) unless `fuse` is False or the model is split by tensor
     parallelism; returns how many.
@@ -157,74 +164,47 @@ def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool
         group: for a model split by tensor parallelism, a process group whose ranks together hold every shard
             (the run's group; collective over it): its row-parallel layers get each row's scale over the whole
             row (see the module docstring). Not needed for a model that is not split.
-        linear: "torchao" (Float8Tensor weights) or "scaled-mm" (each chosen layer replaced by an Fp8Linear: the
-            same float8 weights, scales and products, as plain tensors and ops; not yet for split models).
+        linear: "scaled-mm" (each chosen layer replaced by an Fp8Linear, a row-parallel one given a float8 weight and
+            its scale) or "torchao" (Float8Tensor weights): the same float8 weights, scales and products.
     """
     if linear not in FP8_LINEARS:
         raise ValueError(f"linear={linear!r}: one of {FP8_LINEARS}")
     if linear == "scaled-mm":
-        return _quantize_scaled_mm(model, repeated_blocks, fuse=fuse)
+        return _quantize_scaled_mm(model, repeated_blocks, fuse=fuse, group=group)
     quiet_torchao_import()
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     from engines.tensor_parallel import RowParallelLinear
 
-    split = any(isinstance(module, RowParallelLinear) for module in model.modules())
-    if fuse and not split:  # a split model keeps them apart: its family's split names them (see the docstring)
+    if any(isinstance(module, RowParallelLinear) for module in model.modules()):
+        raise ValueError('quantize_fp8(..., linear="torchao") is kept for comparison on models not split by tensor '
+                         'parallelism; a split model takes the default form (its row-parallel layers quantize their '
+                         'inputs over whole rows: scaled_mm_whole_rows)')
+    if fuse:
         fuse_shared_input_projections(model, repeated_blocks)
     chosen = set(fp8_linear_names(model, repeated_blocks))
     if not chosen:
         return 0
     for name in chosen:
         model.get_submodule(name).to(torch.bfloat16)
-    rows = sorted(name for name in chosen if isinstance(model.get_submodule(name), RowParallelLinear))
-    # A row of zeros (Cosmos zeroes its padded prompt tokens; shards are zero-padded) has amax 0: without a
-    # floor its scale is 0 and the row quantizes to 0/0 = NaN. With one it quantizes to zeros, exactly.
+    # A row of zeros (Cosmos zeroes its padded prompt tokens; sequence shards are zero-padded) has amax 0: without
+    # a floor its scale is 0 and the row quantizes to 0/0 = NaN. With one it quantizes to zeros, exactly.
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_AMAX_FLOOR)
     with _cpu_allowed(next(model.parameters()).device):
-        quantize_(model, config, filter_fn=lambda module, name: name in chosen and name not in rows)
-    if rows:
-        _quantize_row_parallel([model.get_submodule(name) for name in rows], config, group)
+        quantize_(model, config, filter_fn=lambda module, name: name in chosen)
     return len(chosen)
 
 
-def _quantize_row_parallel(layers: list[nn.Linear], config: object, group: dist.ProcessGroup | None) -> None:
-    """Row-parallel shards to FP8 with each row's scale over the whole row (all the shards' columns), as one
-    process quantizes the whole weight: the maxima of all the layers' rows in one all-reduce over `group`.
-
-    Any group whose ranks hold every shard gives each row's whole maximum: ranks outside one tp group hold the
-    same shards as its ranks. The scale and the rounding are torchao's own functions (its per-row path)."""
-    from torchao.quantization import Float8Tensor
-    from torchao.quantization.quant_primitives import _quantize_affine_float8
-
+def _whole_row_maxima(layers: list[nn.Linear], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Each row-parallel layer's rows' absolute maxima over the whole rows (all the shards' columns), float32 [out]:
+    one all-reduce (max) of all the layers' maxima over `group`."""
     if group is None:
         raise ValueError("this model is split by tensor parallelism: quantizing it to FP8 needs its process group "
                          "(quantize_fp8(..., group=)), over which each row's scale is taken from the whole row")
     # float32 holds every bfloat16 value exactly, and gloo reduces float32 on any build
     maxima = torch.cat([layer.weight.detach().abs().amax(dim=1) for layer in layers]).float()
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    for layer, row_max in zip(layers, maxima.split([layer.out_features for layer in layers]), strict=True):
-        weight = layer.weight.detach()
-        scale = _scale_of(row_max.to(weight.dtype)[:, None])
-        quantized = Float8Tensor(_quantize_affine_float8(weight, scale), scale, block_size=[1, weight.shape[1]],
-                                 mm_config=config.mm_config, kernel_preference=config.kernel_preference,
-                                 dtype=weight.dtype)  # no act_quant_kwargs: RowParallelLinear quantizes its input
-        layer.weight = nn.Parameter(quantized, requires_grad=False)
-
-
-def quantize_whole_rows(x: torch.Tensor, weight: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The FP8 form of a row-parallel FP8 layer's input `x` (this rank's columns of each token's row): each
-    token's scale from its maximum over all the tp group's columns (an all-reduce of one number a token over
-    `group_name`), so the float8 values are one process's. `weight`: the layer's FP8 weight (its GEMM config)."""
-    from torchao.quantization import Float8Tensor
-    from torchao.quantization.quant_primitives import _quantize_affine_float8
-
-    from engines.collectives import all_reduce
-
-    row_max = all_reduce(x.abs().amax(dim=-1, keepdim=True), group_name, op="max")
-    scale = _scale_of(row_max, ACTIVATION_AMAX_FLOOR)  # with torchao's floor for activations
-    return Float8Tensor(_quantize_affine_float8(x, scale), scale, block_size=[1] * (x.dim() - 1) + [x.shape[-1]],
-                        mm_config=weight.mm_config, kernel_preference=weight.kernel_preference, dtype=x.dtype)
+    return list(maxima.split([layer.out_features for layer in layers]))
 
 
 def _scale_of(row_max: torch.Tensor, floor: float | None = None) -> torch.Tensor:
@@ -245,6 +225,17 @@ def is_fp8(weight: torch.Tensor) -> bool:
     from torchao.quantization import Float8Tensor
 
     return isinstance(weight, Float8Tensor)
+
+
+def fp8_form(model: nn.Module) -> str | None:
+    """Which of FP8_LINEARS made `model`'s FP8 weights (None for a model run in its own dtype): engines.cache keys
+    compiled artifacts by it, since the two forms trace to different graphs."""
+    for weight in model.parameters():
+        if weight.dtype == torch.float8_e4m3fn:
+            return "scaled-mm"
+        if is_fp8(weight):  # a Float8Tensor reports its high-precision dtype
+            return "torchao"
+    return None
 
 
 def fp8_layers(model: nn.Module) -> int:
@@ -276,14 +267,17 @@ E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 """448: the largest float8_e4m3fn value, torchao's quant_max."""
 
 
-def quantize_rows(x: torch.Tensor, floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, floor: float | None = None, row_max: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` ([..., K]) quantized per row to float8_e4m3fn as torchao's per-row path does (_choose_scale_float8,
     _quantize_affine_float8), in plain ops: (float8 data [..., K], float32 scale [..., 1]).
 
-    The scale is each row's absolute maximum, clamped below by `floor` (torchao's hp_value_lb) when given,
-    divided by 448 in `x`'s dtype, then made float32 (so a bfloat16 input's scale is bfloat16-rounded, as
-    torchao's); the data is x in float32 divided by its row's scale, clamped to +-448 and cast."""
-    row_max = x.abs().amax(dim=-1, keepdim=True)
+    The scale is each row's absolute maximum (`row_max` [..., 1] in `x`'s dtype where given: a whole row's, of which
+    `x` holds some columns), clamped below by `floor` (torchao's hp_value_lb) when given, divided by 448 in `x`'s
+    dtype, then made float32 (so a bfloat16 input's scale is bfloat16-rounded, as torchao's); the data is x in
+    float32 divided by its row's scale, clamped to +-448 and cast."""
+    if row_max is None:
+        row_max = x.abs().amax(dim=-1, keepdim=True)
     if floor is not None:
         row_max = torch.clamp(row_max, min=floor)
     scale = (row_max / E4M3_MAX).to(torch.float32)
@@ -309,11 +303,28 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def scaled_mm_whole_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         group_name: str) -> torch.Tensor:
+    """A row-parallel FP8 layer's partial product (no bias), as scaled_mm_linear computes a whole layer's: `x`
+    holds this rank's columns of each token's row, quantized with its token's scale over all the tp group's
+    columns (an all-reduce of one number a token over `group_name`), so the float8 values are one process's;
+    `weight`, `weight_scale`: the shard's float8 columns and the whole rows' scales (quantize_fp8 with `group`)."""
+    from engines.collectives import all_reduce
+
+    rows = x.reshape(-1, x.shape[-1])
+    row_max = all_reduce(rows.abs().amax(dim=-1, keepdim=True), group_name, op="max")
+    data, scale = quantize_rows(rows, ACTIVATION_AMAX_FLOOR, row_max=row_max)
+    out = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype,
+                           use_fast_accum=True)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Fp8Linear(nn.Module):
-    """An nn.Linear in FP8 as plain tensors (quantize_fp8(..., linear="scaled-mm")): `weight`, float8_e4m3fn
-    [out, in] (a frozen parameter, so fp8_layers counts it), `weight_scale`, its float32 per-row scale [out, 1] (a
-    buffer), and the bias in its high-precision dtype. Forward: scaled_mm_linear, the numbers of torchao's per-row
-    Float8Tensor linear (tests/test_fp8_linear.py), but a compiler traces plain ops, no tensor subclass."""
+    """An nn.Linear in FP8 as plain tensors (quantize_fp8): `weight`, float8_e4m3fn [out, in] (a frozen parameter,
+    so fp8_layers counts it), `weight_scale`, its float32 per-row scale [out, 1] (a buffer), and the bias in its
+    high-precision dtype. Forward: scaled_mm_linear, the numbers of torchao's per-row Float8Tensor linear
+    (tests/test_fp8_linear.py), but a compiler traces plain ops, no tensor subclass; plus its LoRA term where
+    engines.lora attached one (`lora`), from the unquantized input."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -321,6 +332,7 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("weight_scale", weight_scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.lora: nn.Module | None = None
 
     @classmethod
     @torch.no_grad()
@@ -332,25 +344,34 @@ class Fp8Linear(nn.Module):
         return cls(weight, scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+        out = scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+        return out if self.lora is None else out + self.lora(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _quantize_scaled_mm(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool) -> int:
-    """quantize_fp8(..., linear="scaled-mm"): the chosen layers (after fusing, as the torchao path) replaced by
-    Fp8Linear modules; returns how many."""
+def _quantize_scaled_mm(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool,
+                        group: dist.ProcessGroup | None) -> int:
+    """quantize_fp8(..., linear="scaled-mm"): the chosen layers (after fusing, as the torchao form, unless the model is
+    split) replaced by Fp8Linear modules, except row-parallel shards, which keep their module and get a float8 weight
+    with the whole rows' scales (`weight_scale`; module docstring); returns how many."""
     from engines.tensor_parallel import RowParallelLinear
 
-    if any(isinstance(module, RowParallelLinear) for module in model.modules()):
-        raise NotImplementedError('quantize_fp8(..., linear="scaled-mm") does not take a model split by tensor '
-                                  'parallelism yet (its row-parallel layers quantize their inputs as torchao tensors)')
-    if fuse:
+    split = any(isinstance(module, RowParallelLinear) for module in model.modules())
+    if fuse and not split:  # a split model keeps them apart: its family's split names them (module docstring)
         fuse_shared_input_projections(model, repeated_blocks)
     chosen = fp8_linear_names(model, repeated_blocks)
+    rows = [model.get_submodule(name) for name in chosen if isinstance(model.get_submodule(name), RowParallelLinear)]
+    for layer in rows:
+        layer.to(torch.bfloat16)  # the weight is quantized from bfloat16, as torchao takes it; the bias stays so
+    for layer, row_max in zip(rows, _whole_row_maxima(rows, group) if rows else [], strict=True):
+        weight, scale = quantize_rows(layer.weight.detach(), row_max=row_max.to(torch.bfloat16)[:, None])
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.register_buffer("weight_scale", scale)
     for name in chosen:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, Fp8Linear.from_linear(getattr(owner, child)))
+        if not isinstance(getattr(owner, child), RowParallelLinear):
+            setattr(owner, child, Fp8Linear.from_linear(getattr(owner, child)))
     return len(chosen)

@@ -20,8 +20,9 @@ Tensor parallelism: a column-parallel base (output rows split) gets B's rows as 
 row-parallel base (RowParallelLinear, input columns split) gets A's columns as the base's (B whole), and its LoRA
 term is added to the rank's partial product before the layer's one all-reduce: summed once over the group, like the
 base. FP8 (--fp8): the LoRA path runs in the run's dtype (bf16 on GPUs) beside the FP8 GEMM, unfused, from the
-layer's unquantized input. FP8 fuses FLUX's q/k/v projections (to_qkv, to_added_qkv): a LoRA of to_q / to_k / to_v
-lands on the fused layer's rows of that projection. Context parallelism needs nothing: linears act per token.
+layer's unquantized input (an Fp8Linear takes its term inside, as a RowParallelLinear does). FP8 fuses FLUX's
+q/k/v projections (to_qkv, to_added_qkv): a LoRA of to_q / to_k / to_v lands on the fused layer's rows of that
+projection. Context parallelism needs nothing: linears act per token.
 `detach_loras` takes the terms off again (benchmarks.step merges them into the weights).
 
 `export_kohya` writes a diffusers/PEFT FLUX.1 LoRA in kohya's format (tests and training check the conversion).
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.fp8 import Fp8Linear
 from engines.options import LoraError, LoraFile
 from engines.tensor_parallel import RowParallelLinear, WeightSplit, take
 
@@ -218,7 +220,7 @@ class LoraDelta(nn.Module):
 
 class LoraLinear(nn.Linear):
     """An nn.Linear (or a column-parallel shard of one) plus its LoRA term; the base's weight and bias are the
-    same tensors (FP8 ones included). Row-parallel layers take theirs inside (RowParallelLinear.lora)."""
+    same tensors (torchao's FP8 ones included). Row-parallel and Fp8Linear layers take theirs inside (their `lora`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + self.lora(x)
@@ -319,7 +321,7 @@ def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dty
         elif linear is not None:
             down_all = take(down_all, 1, linear.ranges(in_size, tp, rank))
         delta = LoraDelta(down_all.to(device, dtype), up_all.to(device, dtype), scales)
-        if isinstance(base, RowParallelLinear):
+        if isinstance(base, (RowParallelLinear, Fp8Linear)):
             base.lora = delta
         else:
             parent, _, child = name.rpartition(".")
@@ -335,7 +337,7 @@ def detach_loras(model: nn.Module) -> dict[str, LoraDelta]:
         if not has_lora(module):
             continue
         taken[name] = module.lora
-        if isinstance(module, RowParallelLinear):
+        if isinstance(module, (RowParallelLinear, Fp8Linear)):
             module.lora = None
             continue
         base = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")

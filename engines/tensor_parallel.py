@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.collectives import all_reduce
-from engines.fp8 import is_fp8, quantize_whole_rows
+from engines.fp8 import scaled_mm_whole_rows
 from engines.mesh import ParallelMesh
 
 
@@ -144,12 +144,12 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.group_name:
             raise RuntimeError("this row-parallel layer has no tp group: parallelize the model first")
-        inputs = x
-        if is_fp8(self.weight):  # --fp8: the input's scales over its whole rows, as one process (engines/fp8.py)
-            x = quantize_whole_rows(x, self.weight, self.group_name)
-        out = F.linear(x, self.weight)
+        if self.weight.dtype == torch.float8_e4m3fn:  # --fp8: the input's scales over its whole rows (engines/fp8.py)
+            out = scaled_mm_whole_rows(x, self.weight, self.weight_scale, self.group_name)
+        else:
+            out = F.linear(x, self.weight)
         if self.lora is not None:  # a partial product too: summed by the same all-reduce, once
-            out = out + self.lora(inputs)
+            out = out + self.lora(x)
         out = all_reduce(out, self.group_name)
         return out if self.bias is None else out + self.bias
 

@@ -352,13 +352,14 @@ WAN = ModelFamily(
                   source="Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", height=720, width=1280, architecture=_WAN21_I2V,
                   **{**_WAN21, "checkpoint_class": "WanImageToVideoPipeline"}),
         # Wan 2.2 A14B: two experts of the 14B's architecture over the Wan 2.1 VAE (high noise, then low noise);
-        # defaults as Wan-AI's model cards run them (40 steps; the text-to-video card's high-noise guidance)
+        # defaults as Wan-AI's model cards and diffusers' examples run them (40 steps; guidance 4.0 on the high-noise
+        # expert and 3.0 on the low-noise one for text-to-video, 3.5 on both for image-to-video)
         ModelSpec(name="wan2.2-t2v-a14b", folder="Wan2.2-T2V-A14B-Diffusers", source="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-                  height=720, width=1280, experts=2,
+                  height=720, width=1280, experts=2, guidance_2=3.0,
                   architecture=_wan21(num_attention_heads=40, ffn_dim=13824, num_layers=40),
                   **{**_WAN21, "steps": 40, "guidance": 4.0}),
         ModelSpec(name="wan2.2-i2v-a14b", folder="Wan2.2-I2V-A14B-Diffusers", source="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
-                  height=720, width=1280, experts=2,
+                  height=720, width=1280, experts=2, guidance_2=3.5,
                   architecture=_wan21(in_channels=36, num_attention_heads=40, ffn_dim=13824, num_layers=40),
                   **{**_WAN21, "checkpoint_class": "WanImageToVideoPipeline", "steps": 40, "guidance": 3.5}),
     ),

@@ -75,6 +75,9 @@ class ModelSpec:
     experts: int = 1
     """Transformers it denoises with, each whole and resident: Wan 2.2 A14B's two experts (model_index.json's
     transformer and transformer_2; the second takes the steps below boundary_ratio's timestep)."""
+    guidance_2: float | None = None
+    """A two-expert model's default guidance scale for its second (low-noise) expert's steps (WanPipeline's
+    guidance_scale_2); None: one expert."""
     guidance_batch: bool | None = None
     """Its classifier-free guidance has two branches (--cfg-parallel applies); None: as its family's record
     says (FLUX.2's Klein base checkpoints use guidance where dev and the distilled Klein ones do not)."""

@@ -53,7 +53,7 @@ from transformers import Qwen2VLProcessor
 
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import GenerationRequest
+from pipelines.requests import EDIT_AREA, QWEN_EDIT_CHECKPOINT, GenerationRequest
 from pipelines.stages import StagedPipeline
 
 StepCallback = Callable[[int, int], None]
@@ -104,7 +104,7 @@ class QwenImageImagePipeline(StagedPipeline):
         """Load from a diffusers QwenImagePipeline folder (a QwenImageEditPipeline folder: as
         QwenImageEditImagePipeline); `with_encoders=False` skips the text encoder and tokenizer (ranks > 0), and the
         VAE too unless `with_vae`."""
-        edit = spec.checkpoint_class == EDIT_CHECKPOINT_CLASS
+        edit = spec.checkpoint_class == QWEN_EDIT_CHECKPOINT  # loaded as QwenImageEditImagePipeline
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
         names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
@@ -222,11 +222,6 @@ class QwenImageImagePipeline(StagedPipeline):
         return self.decode(request, self.denoise(request, self.encode(request), on_step))
 
 
-EDIT_CHECKPOINT_CLASS = "QwenImageEditPipeline"
-"""The model_index.json class of a Qwen-Image-Edit folder: from_folder loads it as QwenImageEditImagePipeline."""
-
-EDIT_AREA = 1024 * 1024
-"""Pixels of the reference as QwenImageEditPipeline resizes it (its calculate_dimensions' target area)."""
 
 
 class Qwen2VLImageTextProcessor(Qwen2VLProcessor):

@@ -68,6 +68,9 @@ class MediaLimits:
     input_required: bool = False
     """A video request must bring its input (an image-to-video checkpoint makes no video from text alone); an
     image request its reference image (reference_image: an editing checkpoint, Qwen-Image-Edit)."""
+    reference_area: int = 0
+    """Pixels a reference image is resized to (about, its aspect kept) before its tokens join the image's, which
+    the work estimate counts (pipelines.work): Qwen-Image-Edit's EDIT_AREA; 0: none counted."""
     loras: tuple[tuple[str, float], ...] = ()
     """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
     names no LoRA uses (serve's requests name none by default: app.submit)."""
@@ -89,6 +92,9 @@ class GenerationRequest:
     seed: int
     frames: int
     fps: int
+    guidance_2: float | None = None
+    """A two-expert model's guidance on its second (low-noise) expert's steps (WanPipeline's guidance_scale_2);
+    None for a model of one transformer."""
     condition: str | None = None
     """Image or video file whose frames condition a video-to-world request, or the reference image of an
     image request (models whose limits take one)."""
@@ -99,7 +105,11 @@ class GenerationRequest:
     """The run's loaded LoRAs this request uses and their scales (engines/lora.py); () none."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields (settings, metadata, manifests); guidance_2 only where a model has a second expert."""
+        fields = asdict(self)
+        if fields["guidance_2"] is None:
+            del fields["guidance_2"]
+        return fields
 
     def with_seed(self, seed: int) -> GenerationRequest:
         return replace(self, seed=seed)
@@ -195,6 +205,12 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     )
 
 
+QWEN_EDIT_CHECKPOINT = "QwenImageEditPipeline"
+"""The model_index.json class of a Qwen-Image-Edit folder."""
+EDIT_AREA = 1024 * 1024
+"""Pixels of Qwen-Image-Edit's reference as QwenImageEditPipeline resizes it (its calculate_dimensions' target)."""
+
+
 def qwen_image_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     """Qwen-Image: sizes a multiple of the VAE's spatial factor x the transformer's 2x2 packing (16); its rotary
     table (4096 positions from the image's centre, the text after the image's) bounds no size below 4096 px,
@@ -204,9 +220,9 @@ def qwen_image_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     transformer = read_component_config(folder, "transformer")
     spatial = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
     multiple = spatial * int(transformer.get("patch_size", 2))
-    edit = spec.checkpoint_class == "QwenImageEditPipeline"
+    edit = spec.checkpoint_class == QWEN_EDIT_CHECKPOINT
     return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096, reference_image=edit,
-                       input_required=edit)
+                       input_required=edit, reference_area=EDIT_AREA if edit else 0)
 
 
 def flux3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
@@ -344,11 +360,11 @@ def _check_steps(steps: int) -> None:
         raise RequestError(f"steps must be between 1 and {MAX_STEPS}, got {steps}")
 
 
-def _check_guidance(limits: MediaLimits, guidance: float) -> None:
+def _check_guidance(limits: MediaLimits, guidance: float, name: str = "guidance") -> None:
     if not 0.0 <= guidance <= 100.0:
-        raise RequestError(f"guidance must be between 0 and 100, got {guidance}")
+        raise RequestError(f"{name} must be between 0 and 100, got {guidance}")
     if limits.guidance_split and guidance <= 1.0:
-        raise RequestError(f"guidance must be above 1 here (got {guidance:g}): this run splits classifier-free "
+        raise RequestError(f"{name} must be above 1 here (got {guidance:g}): this run splits classifier-free "
                            "guidance's two branches across ranks (--cfg-parallel), and without guidance there is one")
 
 
@@ -478,6 +494,16 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
     if guidance is not None:
         problems.check(_check_guidance, limits, guidance)
 
+    guidance_2 = None
+    if spec.experts > 1:
+        default_2 = spec.guidance_2 if spec.guidance_2 is not None else guidance
+        guidance_2 = problems.check(_as_float, "guidance_2", given.get("guidance_2", default_2), "0 to 100")
+        if guidance_2 is not None:
+            problems.check(_check_guidance, limits, guidance_2, "guidance_2")
+    elif "guidance_2" in given:
+        problems.messages.append(f"guidance_2 is the second expert's guidance of a two-expert model (Wan 2.2 A14B); "
+                                 f"model '{spec.name}' has one transformer: use guidance")
+
     seed = problems.check(_as_int, "seed", given.get("seed", 0), f"0 to {MAX_SEED}")
     if seed is not None:
         problems.check(_check_seed, seed)
@@ -522,5 +548,6 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
         raise RequestError.of(problems.messages)
     return GenerationRequest(
         prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, steps=steps,
-        guidance=guidance, seed=seed, frames=frames, fps=fps, condition=condition, step_cache=step_cache, lora=lora,
+        guidance=guidance, guidance_2=guidance_2, seed=seed, frames=frames, fps=fps, condition=condition,
+        step_cache=step_cache, lora=lora,
     )

@@ -26,8 +26,8 @@ The kinds of folder, told apart by their configs:
   expert transformers of one architecture (transformer_2 in model_index.json), as WanPipeline runs them: the
   steps whose timestep is at or above boundary_ratio x the scheduler's training timesteps call `transformer`
   (high noise), the rest `transformer_2`. Each expert is a whole transformer on every rank, parallelized,
-  compiled and step-cached on its own (a cache's first step after the switch is computed). One guidance scale
-  serves both (WanPipeline's guidance_scale_2 left at its default, the same).
+  compiled and step-cached on its own (a cache's first step after the switch is computed). The second expert's
+  steps take the request's guidance_2 (WanPipeline's guidance_scale_2; the model's default is Wan-AI's).
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ class WanVideoPipeline(StagedPipeline):
                     **extra,
                 )[0]
             if branches == 2:
-                prediction = prediction[1:] + request.guidance * (prediction[:1] - prediction[1:])
+                scale = request.guidance if i < switch or request.guidance_2 is None else request.guidance_2
+                prediction = prediction[1:] + scale * (prediction[:1] - prediction[1:])
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
             if on_step is not None:
                 on_step(i + 1, len(timesteps))

@@ -52,8 +52,12 @@ class WorkCounter:
     def __call__(self, request: GenerationRequest) -> Work:
         guided = uses_guidance_batch(self.spec) or self._family.guidance_calls  # two branches, batched or not
         branches = 2 if guided and request.guidance > 1.0 else 1
+        reference = None
+        if request.condition is not None and self.limits.reference_area:  # a square of its area: about its tokens
+            side = round(self.limits.reference_area ** 0.5)
+            reference = (side, side)
         with self._lock:  # one meta forward at a time: FlopCounterMode is a process-wide dispatch mode
-            return self._count(request.height, request.width, request.frames, branches)
+            return self._count(request.height, request.width, request.frames, branches, reference)
 
     def _meta_models(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         if self._models is None:
@@ -67,13 +71,15 @@ class WorkCounter:
             self._models = (transformer.eval(), vae.eval())
         return self._models
 
-    def _count_shape(self, height: int, width: int, frames: int, branches: int) -> Work:
+    def _count_shape(self, height: int, width: int, frames: int, branches: int,
+                     reference: tuple[int, int] | None) -> Work:
         from torch.utils.flop_counter import FlopCounterMode
 
         from pipelines.transformer_inputs import Shape  # the family's input builder's shape type
 
         transformer, vae = self._meta_models()
-        shape = Shape(height=height, width=width, frames=frames, text_tokens=self.spec.max_sequence_length)
+        shape = Shape(height=height, width=width, frames=frames, text_tokens=self.spec.max_sequence_length,
+                      reference=reference)
         inputs, _ = load(self._family.bench.inputs)(self._transformer_config, shape, batch=branches, device=META,
                                                      dtype=torch.float32)
         with torch.no_grad():

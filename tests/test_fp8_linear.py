@@ -1,4 +1,4 @@
-"""engines.fp8.Fp8Linear (quantize_fp8(..., linear="scaled-mm")): plain float8 weights and scales and a direct
+"""engines.fp8.Fp8Linear (quantize_fp8's default, the app's --fp8): plain float8 weights and scales and a direct
 torch._scaled_mm give torchao's Float8Tensor per-row linear's numbers, bit for bit, on CPU (torch's _scaled_mm
 runs float8 there): the quantized weights, the outputs for 2D and 3D inputs, with and without bias, bfloat16
 and float32 activations, a row of zeros; eager and compiled."""
@@ -35,8 +35,8 @@ def _pair(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, s
         if bias:
             linear.bias.normal_(0, 0.5)
     torchao_model, plain_model = _Blocks(linear), _Blocks(copy.deepcopy(linear))
-    assert quantize_fp8(torchao_model, ("blocks",), fuse=False) == 1
-    assert quantize_fp8(plain_model, ("blocks",), fuse=False, linear="scaled-mm") == 1
+    assert quantize_fp8(torchao_model, ("blocks",), fuse=False, linear="torchao") == 1
+    assert quantize_fp8(plain_model, ("blocks",), fuse=False) == 1  # the default: the app's
     assert isinstance(plain_model.blocks[0]["proj"], Fp8Linear)
     return torchao_model, plain_model
 

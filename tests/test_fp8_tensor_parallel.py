@@ -61,33 +61,43 @@ def _same_fp8_bytes(model: torch.nn.Module, whole: torch.nn.Module, tp: int, tp_
     """(FP8 layers compared, names whose FP8 data or scales are not one process's share of them): a column-parallel
     layer's rows (data and scale) are rows of one process's layer; a row-parallel layer has one process's scales
     and the rank's columns of each of its packed parts."""
-    from engines.fp8 import is_fp8
     from engines.tensor_parallel import RowParallelLinear
 
     compared, different = 0, []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or not is_fp8(module.weight):
+        mine = _fp8_bytes(module)
+        if mine is None:
             continue
-        mine, reference = module.weight, whole.get_submodule(name).weight
-        if not is_fp8(reference):
+        reference = _fp8_bytes(whole.get_submodule(name))
+        if reference is None:
             different.append(f"{name} (not FP8 in one process)")
             continue
+        (data, scale), (my_data, my_scale) = reference, mine
         if isinstance(module, RowParallelLinear):
-            width = mine.shape[1]
-            same_scale = torch.equal(mine.scale, reference.scale)
-            data = reference.qdata.view(torch.uint8)
             parts = _row_parts(name, whole, tp)
             kept = torch.cat([data[:, start + tp_rank * (size // tp):start + (tp_rank + 1) * (size // tp)]
                               for start, size in parts], dim=1)
-            ok = same_scale and kept.shape[1] == width and torch.equal(kept, mine.qdata.view(torch.uint8))
+            ok = torch.equal(my_scale, scale) and kept.shape[1] == my_data.shape[1] and torch.equal(kept, my_data)
         else:
-            rows = {tuple(r.tolist()): s.item() for r, s in zip(reference.qdata.view(torch.uint8), reference.scale)}
-            ok = all(rows.get(tuple(r.tolist())) == s.item()
-                     for r, s in zip(mine.qdata.view(torch.uint8), mine.scale))
+            rows = {tuple(r.tolist()): s.item() for r, s in zip(data, scale)}
+            ok = all(rows.get(tuple(r.tolist())) == s.item() for r, s in zip(my_data, my_scale))
         compared += 1
         if not ok:
             different.append(name)
     return compared, different
+
+
+def _fp8_bytes(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An FP8 layer's float8 weight as bytes [out, in] and its per-row scales [out, 1], in either of quantize_fp8's
+    forms (an Fp8Linear or a row-parallel layer with a float8 weight; torchao's Float8Tensor); None if not FP8."""
+    from engines.fp8 import is_fp8
+
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not is_fp8(weight):
+        return None
+    if weight.dtype == torch.float8_e4m3fn:
+        return weight.view(torch.uint8), layer.weight_scale
+    return weight.qdata.view(torch.uint8), weight.scale
 
 
 def _row_parts(name: str, whole: torch.nn.Module, tp: int) -> list[tuple[int, int]]:

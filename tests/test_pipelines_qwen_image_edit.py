@@ -138,3 +138,21 @@ def test_pil_image_processor_is_qwen2_vl_preprocessing(folder: Path, size: tuple
     assert out["image_grid_thw"].tolist() == [[1, gh, gw]]
     assert np.abs(out["pixel_values"].numpy() - expected).max() < 1e-4
     assert (out["input_ids"] == processor.image_token_id).sum().item() == gh * gw // merge**2
+
+
+def test_the_work_estimate_counts_the_reference_tokens(folder: Path, reference: Path) -> None:
+    """The time limit's work estimate (pipelines.work) counts the reference's tokens beside the image's: a 64x64 edit
+    (16 tokens) with its reference at about 1024² (4096 tokens) costs what a 4112-token image costs."""
+    from pipelines.work import WorkCounter
+
+    spec, path = resolve_model("qwen-image-edit", folder)
+    limits = read_limits(spec, path)
+    assert limits.reference_area == 1024 * 1024
+    count = WorkCounter(spec, path, limits)
+    edit = count(make_request(spec, limits, prompt=PROMPT, height=64, width=64, guidance=1.0,
+                              condition=str(reference)))
+    alone = count._count(64, 64, 1, 1, None)
+    one_grid = count._count(16 * 16, 257 * 16, 1, 1, None)  # 16 x 257 = 4112 tokens in one grid
+    assert edit.step_flops == pytest.approx(one_grid.step_flops, rel=1e-9)
+    assert edit.step_flops > 10 * alone.step_flops
+    assert edit.decode_flops == alone.decode_flops  # the decode is the image's alone

@@ -59,10 +59,11 @@ def diffusers_run(path: Path, req) -> tuple[torch.Tensor, np.ndarray]:
         final["latents"] = tensors["latents"]
         return {}
 
+    second = {} if req.guidance_2 is None else {"guidance_scale_2": req.guidance_2}  # a two-expert model's
     out = pipe(prompt=req.prompt, negative_prompt=req.negative_prompt, height=req.height, width=req.width,
                num_frames=req.frames, num_inference_steps=req.steps, guidance_scale=req.guidance,
                generator=torch.Generator().manual_seed(req.seed), max_sequence_length=SEQUENCE, output_type="np",
-               callback_on_step_end=keep)
+               callback_on_step_end=keep, **second)
     return final["latents"], out.frames[0]
 
 
@@ -213,14 +214,17 @@ def expert_calls(pipeline) -> dict[str, int]:
     return calls
 
 
-def test_two_experts_equal_diffusers_pipeline(a14b_folder: Path) -> None:
+@pytest.mark.parametrize("guidance_2", [None, 6.0], ids=["default-guidance-2", "guidance-2"])
+def test_two_experts_equal_diffusers_pipeline(a14b_folder: Path, guidance_2: float | None) -> None:
     """Wan 2.2 A14B text-to-video: the high-noise expert takes the steps at or above the boundary timestep, the
-    low-noise one the rest, as diffusers' WanPipeline switches them; a folder alone resolves to its name."""
+    low-noise one the rest with its own guidance scale (the model's 3.0, or the request's guidance_2), as diffusers'
+    WanPipeline switches them (guidance_scale_2); a folder alone resolves to its name."""
     spec, path = resolve_model(None, a14b_folder)
     assert spec.name == "wan2.2-t2v-a14b" and spec.experts == 2
     spec = replace(spec, max_sequence_length=SEQUENCE)
     req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=4, height=48, width=64, frames=9,
-                       negative_prompt="blurry, static", guidance=4.0)
+                       negative_prompt="blurry, static", guidance=4.0, guidance_2=guidance_2)
+    assert req.guidance_2 == (3.0 if guidance_2 is None else guidance_2)
     pipeline = load_pipeline(spec, path)
     assert pipeline.transformer_names == ("transformer", "transformer_2") and pipeline.boundary_ratio == 0.875
     calls = expert_calls(pipeline)
@@ -230,6 +234,18 @@ def test_two_experts_equal_diffusers_pipeline(a14b_folder: Path) -> None:
     assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
     expected = (np.clip(frames, 0.0, 1.0) * 255).round()
     assert np.abs(pipeline.decode(req, ours).astype(np.float64) - expected).max() <= 1
+
+
+def test_guidance_2_is_refused_by_a_model_of_one_transformer(folder: Path, a14b_folder: Path) -> None:
+    """guidance_2 belongs to a two-expert model: a one-transformer model refuses it with a message; the two-expert
+    one checks it as guidance (0 to 100)."""
+    spec, path = resolve_model("wan2.1-t2v-1.3b", folder)
+    with pytest.raises(RequestError, match="model 'wan2.1-t2v-1.3b' has one transformer: use guidance"):
+        make_request(spec, read_limits(spec, path), prompt=PROMPT, guidance_2=3.0)
+    assert make_request(spec, read_limits(spec, path), prompt=PROMPT).guidance_2 is None
+    spec, path = resolve_model("wan2.2-t2v-a14b", a14b_folder)
+    with pytest.raises(RequestError, match="guidance_2 must be between 0 and 100, got 150"):
+        make_request(spec, read_limits(spec, path), prompt=PROMPT, guidance_2=150)
 
 
 def test_two_experts_each_have_their_step_cache(a14b_folder: Path) -> None:

@@ -58,6 +58,7 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pipelines.family import ModelSpec
+from pipelines.requests import QWEN_EDIT_CHECKPOINT
 
 REPO = Path(__file__).resolve().parent.parent
 """The repository root; its assets/ folder is the default output."""
@@ -590,7 +591,7 @@ def save_qwen_image(folder: Path, parts: dict) -> None:
 def write_tiny_qwen_image(spec: ModelSpec, folder: Path) -> None:
     """A tiny random Qwen-Image checkpoint in `folder` (the Qwen-Image record's tiny_checkpoint): Qwen-Image-Edit's
     for a QwenImageEditPipeline spec, else QwenImagePipeline's."""
-    if spec.checkpoint_class == "QwenImageEditPipeline":
+    if spec.checkpoint_class == QWEN_EDIT_CHECKPOINT:
         save_qwen_image_edit(folder, qwen_image_edit_components(seed=0))
     else:
         save_qwen_image(folder, qwen_image_components(seed=0))
@@ -641,7 +642,7 @@ def save_qwen_image_edit(folder: Path, parts: dict) -> None:
     parts["tokenizer"].save_pretrained(folder / "processor")
     write_model_index(
         folder,
-        "QwenImageEditPipeline",
+        QWEN_EDIT_CHECKPOINT,
         {
             "processor": ("transformers", "Qwen2VLProcessor"),
             "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
