@@ -4,9 +4,9 @@ Concurrent users are queued, never interleaved: the lockstep service runs one re
 at a time, in arrival order. Each job carries its own event stream (Started when its turn comes, step
 progress, then a result or a failure) back to the handler that submitted it. A handler whose client
 cancelled or left cancels its job: a waiting job is dropped when its turn comes, a running one is
-stopped by every rank at the next step. The queue holds at most `max_waiting` jobs besides the
-running one; more are refused (ServiceBusy), so that a flood of requests gets an answer at once
-rather than hours of waiting.
+stopped by every rank at the next step. The queue holds at most `max_waiting` wanted jobs besides the
+running one (a cancelled one waiting for its turn holds no place); more are refused (ServiceBusy), so that a
+flood of requests gets an answer at once rather than hours of waiting.
 """
 
 from __future__ import annotations
@@ -174,8 +174,10 @@ class JobQueue:
         with self._lock:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)
-            if self._queue.qsize() >= self.max_waiting:
-                raise ServiceBusy(f"the server is busy: its queue is full ({self._queue.qsize()} waiting, "
+            with self._queue.mutex:  # cancelled jobs wait for their turn to be dropped: they hold no place
+                wanted = sum(1 for waiting in self._queue.queue if waiting.cancelled is None)
+            if wanted >= self.max_waiting:
+                raise ServiceBusy(f"the server is busy: its queue is full ({wanted} waiting, "
                                   f"--max-queue {self.max_waiting}); try again in a while")
             self._queue.put(job)
             self._arrived.notify_all()

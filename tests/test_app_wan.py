@@ -108,7 +108,8 @@ def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Pat
 
 
 def test_two_experts_with_a_lora_two_ranks_equal_one_rank(folder: Path, a14b_folder: Path, tmp_path: Path) -> None:
-    """Wan 2.2 A14B from its folder alone, with a LoRA of two files (one per expert): each expert's tokens split
+    """Wan 2.2 A14B from its folder alone, with a LoRA of two files (one per expert) and the low-noise expert's own
+    guidance (--guidance-2, in the video's settings): each expert's tokens split
     over the ranks (Ulysses keeps the batch, so the video is one process's; with --cfg-parallel the groups' batch-1
     calls round apart from one batch-2 call, which 4 steps at guidance 4 drew up to 5 levels apart on 0.3% of the
     pixels). Two files for a model of one transformer are refused before any rank starts."""
@@ -117,13 +118,15 @@ def test_two_experts_with_a_lora_two_ranks_equal_one_rank(folder: Path, a14b_fol
     high = expert_lora(a14b_folder, "transformer", tmp_path / "high.safetensors", 0)
     low = expert_lora(a14b_folder, "transformer_2", tmp_path / "low.safetensors", 1)
     lora = ["--lora", f"fast={high},{low}:0.7"]
+    guidance_2 = ["--guidance-2", "2.5"]  # the low-noise expert's own guidance
     one, two = tmp_path / "v1.mp4", tmp_path / "v2.mp4"
-    result = run_app("generate", *A14B, *lora, "--model-path", str(a14b_folder), "--out", str(one))
+    result = run_app("generate", *A14B, *lora, *guidance_2, "--model-path", str(a14b_folder), "--out", str(one))
     assert result.returncode == 0, result.stderr
     settings = read_mp4_settings(one)
     assert settings["model"] == "wan2.2-t2v-a14b" and settings["lora"] == {"fast": 0.7}
-    result = run_app("launch", "--nproc", "2", "generate", *A14B, *lora, "--model-path", str(a14b_folder),
-                     "--out", str(two))
+    assert settings["guidance_2"] == 2.5
+    result = run_app("launch", "--nproc", "2", "generate", *A14B, *lora, *guidance_2, "--model-path",
+                     str(a14b_folder), "--out", str(two))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(two) - frames_of(one))
     assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
