@@ -12,6 +12,8 @@ serves videos (5 frames and more) and its "-image" name, the same folder, one-fr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipelines.family import Architecture, BenchShapes, ModelFamily, ModelSpec
 
 CLIP_L = dict(  # text_encoder of FLUX.1-dev: CLIP ViT-L/14's text tower
@@ -447,6 +449,19 @@ QWEN_IMAGE = ModelFamily(
         ModelSpec(name="qwen-image-edit", family="qwen-image", media="image", checkpoint_class="QwenImageEditPipeline",
                   folder="Qwen-Image-Edit", source="Qwen/Qwen-Image-Edit", height=1024, width=1024, steps=50,
                   guidance=4.0, negative_prompt=" ", architecture=QWEN_IMAGE_ARCHITECTURE),
+        # Qwen-Image-Edit-2509 and -2511 (QwenImageEditPlusPipeline): the vision tower sees the reference at about
+        # 384², the VAE at about 1024²; 2511's transformer gives the reference's tokens timestep 0 (zero_cond_t,
+        # which tells the two folders apart); defaults as diffusers' examples run them (40 steps, true_cfg_scale 4)
+        ModelSpec(name="qwen-image-edit-2509", family="qwen-image", media="image",
+                  checkpoint_class="QwenImageEditPlusPipeline", folder="Qwen-Image-Edit-2509",
+                  source="Qwen/Qwen-Image-Edit-2509", height=1024, width=1024, steps=40, guidance=4.0,
+                  negative_prompt=" ", architecture=replace(QWEN_IMAGE_ARCHITECTURE, transformer={
+                      **_QWEN_IMAGE_TRANSFORMER, "zero_cond_t": False})),
+        ModelSpec(name="qwen-image-edit-2511", family="qwen-image", media="image",
+                  checkpoint_class="QwenImageEditPlusPipeline", folder="Qwen-Image-Edit-2511",
+                  source="Qwen/Qwen-Image-Edit-2511", height=1024, width=1024, steps=40, guidance=4.0,
+                  negative_prompt=" ", architecture=replace(QWEN_IMAGE_ARCHITECTURE, transformer={
+                      **_QWEN_IMAGE_TRANSFORMER, "zero_cond_t": True})),
     ),
 )
 

@@ -31,6 +31,12 @@ output size is the request's height and width (default 1024x1024); diffusers' ow
 calculated size, which a request gets by asking for that size. Its processor folder is loaded as
 Qwen2VLProcessor over transformers' PIL image processor (Qwen2VLImageProcessorPil) and no video processor:
 transformers' default image and video processors need torchvision, which the CPU test machine cannot have.
+
+Qwen-Image-Edit-2509 and -2511 (QwenImageEditPlusImagePipeline, checkpoint class QwenImageEditPlusPipeline) take the
+same stages with QwenImageEditPlusPipeline's preparation of one reference: the vision tower sees it at about 384²
+(CONDITION_IMAGE_SIZE) under a "Picture 1:" prompt, the VAE encodes it at about 1024² (VAE_IMAGE_SIZE) from the
+input itself. 2511's transformer (zero_cond_t in its config) gives the reference's tokens timestep 0 by itself,
+from img_shapes: the generic path splits the per-token index it makes as its plan says (modulate_index).
 """
 
 from __future__ import annotations
@@ -48,12 +54,17 @@ from diffusers import QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline, calculate_dimensions
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+    CONDITION_IMAGE_SIZE,
+    VAE_IMAGE_SIZE,
+    QwenImageEditPlusPipeline,
+)
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import Qwen2VLProcessor
 
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import EDIT_AREA, QWEN_EDIT_CHECKPOINT, GenerationRequest
+from pipelines.requests import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT, GenerationRequest
 from pipelines.stages import StagedPipeline
 
 StepCallback = Callable[[int, int], None]
@@ -104,13 +115,13 @@ class QwenImageImagePipeline(StagedPipeline):
         """Load from a diffusers QwenImagePipeline folder (a QwenImageEditPipeline folder: as
         QwenImageEditImagePipeline); `with_encoders=False` skips the text encoder and tokenizer (ranks > 0), and the
         VAE too unless `with_vae`."""
-        edit = spec.checkpoint_class == QWEN_EDIT_CHECKPOINT  # loaded as QwenImageEditImagePipeline
+        edit = EDIT_PIPELINES.get(spec.checkpoint_class)  # an editing checkpoint's pipeline class
         names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
         names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
         parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        if edit and with_encoders:
+        if edit is not None and with_encoders:
             parts["processor"] = load_edit_processor(folder)
-        return (QwenImageEditImagePipeline if edit else cls)(spec=spec, folder=folder, device=device, **parts)
+        return (edit or cls)(spec=spec, folder=folder, device=device, **parts)
 
     def _grid(self, request: GenerationRequest) -> tuple[int, int]:
         """Rows and columns of packed latent tokens (VAE factor x 2x2 patches per token)."""
@@ -246,6 +257,13 @@ def load_edit_processor(folder: Path) -> Qwen2VLImageTextProcessor:
 class QwenImageEditImagePipeline(QwenImageImagePipeline):
     """Prompt and reference image -> image with Qwen-Image-Edit's QwenImageTransformer2DModel (module docstring)."""
 
+    DIFFUSERS = QwenImageEditPipeline
+    """diffusers' pipeline whose prompt-and-image encoding and VAE encoding this one uses."""
+    VISION_AREA = EDIT_AREA
+    """Pixels of the reference the vision tower sees (about: calculate_dimensions keeps its aspect)."""
+    VAE_AREA = EDIT_AREA
+    """Pixels of the reference the VAE encodes into the tokens that follow the image's."""
+
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, processor=None, vae=None,
                  device: torch.device | str = "cpu") -> None:
@@ -253,14 +271,14 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
                          device=device)
         # diffusers' pipeline over the same parts: its prompt-and-image encoding and its reference's VAE encoding
         # (rank 0's; None on the ranks that load no encoders).
-        self._diffusers = None if text_encoder is None else QwenImageEditPipeline(
+        self._diffusers = None if text_encoder is None else self.DIFFUSERS(
             scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
             transformer=transformer)
 
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> QwenImageConditioning:
         """The prompt's embeddings with the reference image (and the negative prompt's when guidance is on), and
-        the reference's packed latents, as QwenImageEditPipeline makes them."""
+        the reference's packed latents, as DIFFUSERS makes them."""
         pipe = self._diffusers
         if pipe is None or self.vae is None:
             raise RuntimeError("this pipeline was loaded without text encoder or VAE (with_encoders=False)")
@@ -268,7 +286,7 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
             raise ValueError(f"model '{self.spec.name}' edits an image: the request brings none (its input)")
         with PIL.Image.open(request.condition) as opened:
             image = opened.convert("RGB")
-        width, height, _ = calculate_dimensions(EDIT_AREA, image.width / image.height)
+        width, height, _ = calculate_dimensions(self.VISION_AREA, image.width / image.height)
         reference = self.image_processor.resize(image, height, width)  # what the vision tower sees, as diffusers
         guided = request.guidance > 1.0
         prompts = (request.prompt, request.negative_prompt) if guided else (request.prompt,)
@@ -278,10 +296,27 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
             return [self._encode_one(pipe, prompt, length, image=reference) for prompt in prompts]
 
         picture = (reference.size, hashlib.sha256(reference.tobytes()).hexdigest())
-        embeds = self.cached_text(("qwen-image-edit", prompts, picture), encode)
-        pixels = self.image_processor.preprocess(reference, height, width).unsqueeze(2)  # [1, 3, 1, H, W]
+        embeds = self.cached_text((self.DIFFUSERS.__name__, prompts, picture), encode)
+        # the VAE's reference from the input itself (the same pixels as from `reference` where the areas agree:
+        # resizing to the size an image has already is no change)
+        width, height, _ = calculate_dimensions(self.VAE_AREA, image.width / image.height)
+        pixels = self.image_processor.preprocess(image, height, width).unsqueeze(2)  # [1, 3, 1, H, W]
         latents = pipe._encode_vae_image(pixels.to(self.device, embeds[0].dtype), generator=None)  # normalised
         channels, rows, cols = latents.shape[1], latents.shape[3], latents.shape[4]
         packed = QwenImageEditPipeline._pack_latents(latents, 1, channels, rows, cols)
         return QwenImageConditioning(prompt_embeds=embeds[0], negative_embeds=embeds[1] if guided else None,
                                      image_latents=packed, reference_grid=(rows // PACK, cols // PACK))
+
+
+class QwenImageEditPlusImagePipeline(QwenImageEditImagePipeline):
+    """Prompt and reference image -> image with Qwen-Image-Edit-2509 or -2511 (QwenImageEditPlusPipeline's
+    preparation of one reference: module docstring)."""
+
+    DIFFUSERS = QwenImageEditPlusPipeline
+    VISION_AREA = CONDITION_IMAGE_SIZE
+    VAE_AREA = VAE_IMAGE_SIZE
+
+
+EDIT_PIPELINES = {QWEN_EDIT_CHECKPOINT: QwenImageEditImagePipeline,
+                  QWEN_EDIT_PLUS_CHECKPOINT: QwenImageEditPlusImagePipeline}
+"""An editing checkpoint's class (model_index.json) -> the pipeline that loads it (from_folder)."""

@@ -103,6 +103,10 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
         candidates = [spec for spec in candidates if spec.guidance_batch] or candidates
     if len(candidates) > 1:  # sizes of one class (Wan 2.1 1.3B and 14B): the name whose published transformer it is
         candidates = [spec for spec in candidates if _has_architecture(folder, spec)] or candidates
+    if len(candidates) > 1:  # none whole (a shrunk folder): the names that agree on the keys where they differ
+        # (Qwen-Image-Edit-2509 and -2511: zero_cond_t)
+        differing = _differing_keys(candidates)
+        candidates = [spec for spec in candidates if _has_architecture(folder, spec, differing)] or candidates
     if candidates:
         return candidates[0]
     supported = dict.fromkeys(spec.checkpoint_class for spec in MODELS.values())
@@ -117,14 +121,23 @@ def folder_experts(index: dict) -> int:
     return 2 if (index.get("transformer_2") or [None])[0] is not None else 1
 
 
-def _has_architecture(folder: Path, spec: ModelSpec) -> bool:
-    """Whether `folder`'s transformer config has `spec`'s published transformer (every key both give, equal)."""
+def _has_architecture(folder: Path, spec: ModelSpec, keys: set[str] | None = None) -> bool:
+    """Whether `folder`'s transformer config has `spec`'s published transformer (every key both give, equal; only
+    `keys` where given)."""
     path = folder / "transformer" / "config.json"
     if spec.architecture is None or not path.is_file():
         return False
     config = json.loads(path.read_text())
     published = json.loads(json.dumps(spec.architecture.transformer))  # tuples as the config's lists
-    return all(config[key] == value for key, value in published.items() if key in config)
+    return all(config[key] == value for key, value in published.items()
+               if key in config and (keys is None or key in keys))
+
+
+def _differing_keys(specs: list[ModelSpec]) -> set[str]:
+    """The published transformer keys on which `specs` do not all agree (a key one of them leaves out counts)."""
+    configs = [spec.architecture.transformer if spec.architecture else {} for spec in specs]
+    keys = set().union(*configs)
+    return {key for key in keys if len({json.dumps(config.get(key)) for config in configs}) > 1}
 
 
 INDEX_FILES = ("model_index.json", "modular_model_index.json")

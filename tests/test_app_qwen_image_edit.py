@@ -64,3 +64,23 @@ def test_two_ranks_equal_one_rank(folder: Path, reference: Path, one_rank_image:
     assert result.returncode == 0, result.stderr
     difference = np.abs(np.asarray(Image.open(out), np.int16) - np.asarray(Image.open(one_rank_image), np.int16))
     assert difference.max() <= 1, f"max pixel difference {difference.max()}"
+
+
+def test_2511_two_ranks_equal_one_rank(reference: Path, tmp_path: Path) -> None:
+    """Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline, zero_cond_t): the transformer's per-token timestep index
+    (its reference's tokens at timestep 0) is split with the tokens, as its plan says (modulate_index), so ring-2
+    equals one rank."""
+    from pipelines.registry import get_spec
+    from training.tiny_models import write_tiny_qwen_image
+
+    folder = tmp_path / "Qwen-Image-Edit-2511"
+    write_tiny_qwen_image(get_spec("qwen-image-edit-2511"), folder)
+    common = ["--model", "qwen-image-edit-2511", *COMMON[2:], "--model-path", str(folder), "--input", str(reference)]
+    one, two = tmp_path / "i1.png", tmp_path / "i2.png"
+    result = run_app("generate", *common, "--out", str(one))
+    assert result.returncode == 0, result.stderr
+    assert read_png_settings(one)["model"] == "qwen-image-edit-2511"
+    result = run_app("launch", "--nproc", "2", "generate", *common, "--strategy", "ring", "--out", str(two))
+    assert result.returncode == 0, result.stderr
+    difference = np.abs(np.asarray(Image.open(two), np.int16) - np.asarray(Image.open(one), np.int16))
+    assert difference.max() <= 1, f"max pixel difference {difference.max()}"

@@ -41,16 +41,17 @@ def reference(tmp_path_factory) -> Path:
     return path
 
 
-def diffusers_run(path: Path, req) -> tuple[torch.Tensor, PIL.Image.Image]:
-    """diffusers' QwenImageEditPipeline on the same request: its final packed latents and its image."""
-    from diffusers import QwenImageEditPipeline
+def diffusers_run(path: Path, req, plus: bool = False) -> tuple[torch.Tensor, PIL.Image.Image]:
+    """diffusers' QwenImageEditPipeline (QwenImageEditPlusPipeline with `plus`) on the same request: its final
+    packed latents and its image."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
     from pipelines.loading import load_parts
     from pipelines.qwen_image import load_edit_processor
 
     parts = load_parts(path, ["transformer", "scheduler", "text_encoder", "tokenizer", "vae"], dtype=torch.float32,
                        device="cpu")
-    pipe = QwenImageEditPipeline(processor=load_edit_processor(path), **parts)
+    pipe = (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(processor=load_edit_processor(path), **parts)
     pipe.set_progress_bar_config(disable=True)
     final = {}
 
@@ -82,6 +83,31 @@ def test_equals_diffusers_pipeline(folder: Path, reference: Path, guidance: floa
     assert (ours - latents).abs().max().item() < 1e-5
     result = pipeline.decode(req, ours)
     assert result.size == (48, 64)
+    assert np.abs(np.asarray(result, np.int16) - np.asarray(image, np.int16)).max() <= 1
+
+
+@pytest.mark.parametrize("name", ["qwen-image-edit-2509", "qwen-image-edit-2511"])
+def test_plus_checkpoints_equal_diffusers_pipeline(name: str, reference: Path, tmp_path: Path) -> None:
+    """Qwen-Image-Edit-2509 and -2511 folders (QwenImageEditPlusPipeline; 2511's transformer with zero_cond_t):
+    QwenImageEditPlusPipeline's reference, the vision tower's at ~384² and the VAE's at ~1024², and its output;
+    a folder alone resolves to its name (zero_cond_t tells them apart)."""
+    from pipelines.registry import get_spec, spec_for_folder
+    from training.tiny_models import write_tiny_qwen_image
+
+    path = tmp_path / name
+    write_tiny_qwen_image(get_spec(name), path)
+    assert spec_for_folder(path).name == name
+    spec, path = resolve_model(name, path)
+    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=2, height=64, width=48,
+                       guidance=4.0, negative_prompt="blurry", condition=str(reference))
+    assert spec.steps == 40 and req.condition == str(reference)
+    pipeline = load_pipeline(spec, path)
+    cond = pipeline.encode(req)
+    assert cond.reference_grid == (832 // 16, 1248 // 16)  # the VAE's reference at ~1024², as the Edit's
+    ours = pipeline.denoise(req, cond)
+    latents, image = diffusers_run(path, req, plus=True)
+    assert (ours - latents).abs().max().item() < 1e-5
+    result = pipeline.decode(req, ours)
     assert np.abs(np.asarray(result, np.int16) - np.asarray(image, np.int16)).max() <= 1
 
 

@@ -58,7 +58,7 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pipelines.family import ModelSpec
-from pipelines.requests import QWEN_EDIT_CHECKPOINT
+from pipelines.requests import QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
 
 REPO = Path(__file__).resolve().parent.parent
 """The repository root; its assets/ folder is the default output."""
@@ -536,11 +536,12 @@ def qwen_image_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def qwen_image_components(seed: int) -> dict:
+def qwen_image_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     """Qwen-Image's component set, shrunk and random: a Qwen2.5-VL text encoder (a one-layer vision tower it
     never uses for text) under qwen_image_tokenizer, Qwen-Image's VAE (8x, one frame) with per-channel
     latent statistics, the transformer (QWEN_IMAGE_TINY_TRANSFORMER) and the scheduler as Qwen/Qwen-Image
-    ships it (dynamic exponential shift, terminal shift 0.02)."""
+    ships it (dynamic exponential shift, terminal shift 0.02); `zero_cond_t`: the transformer's (Qwen-Image-Edit-2511:
+    a reference's tokens at timestep 0)."""
     width = QWEN_IMAGE_TINY_TRANSFORMER["joint_attention_dim"]
     tokenizer = qwen_image_tokenizer()
     torch.manual_seed(seed)
@@ -561,7 +562,7 @@ def qwen_image_components(seed: int) -> dict:
         latents_std=(torch.rand(z_dim, generator=statistics) + 0.5).tolist(),
     ).eval()
     torch.manual_seed(seed + 2)
-    transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TINY_TRANSFORMER).eval()
+    transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TINY_TRANSFORMER, zero_cond_t=zero_cond_t).eval()
     with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
         for parameter in transformer.parameters():
             parameter.normal_(0.0, 0.1)
@@ -590,9 +591,12 @@ def save_qwen_image(folder: Path, parts: dict) -> None:
 
 def write_tiny_qwen_image(spec: ModelSpec, folder: Path) -> None:
     """A tiny random Qwen-Image checkpoint in `folder` (the Qwen-Image record's tiny_checkpoint): Qwen-Image-Edit's
-    for a QwenImageEditPipeline spec, else QwenImagePipeline's."""
-    if spec.checkpoint_class == QWEN_EDIT_CHECKPOINT:
-        save_qwen_image_edit(folder, qwen_image_edit_components(seed=0))
+    for an editing spec (QwenImageEditPipeline, or QwenImageEditPlusPipeline with the transformer's zero_cond_t as
+    the spec's architecture says: on for 2511), else QwenImagePipeline's."""
+    if spec.checkpoint_class in (QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT):
+        zero_cond_t = bool(spec.architecture and spec.architecture.transformer.get("zero_cond_t"))
+        save_qwen_image_edit(folder, qwen_image_edit_components(seed=0, zero_cond_t=zero_cond_t),
+                             checkpoint=spec.checkpoint_class)
     else:
         save_qwen_image(folder, qwen_image_components(seed=0))
 
@@ -605,14 +609,14 @@ QWEN_VL_PREPROCESSOR = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, patc
 """Qwen2.5-VL's published image preprocessing bounds and patches (preprocessor_config.json's keys)."""
 
 
-def qwen_image_edit_components(seed: int) -> dict:
+def qwen_image_edit_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     """Qwen-Image-Edit's component set, shrunk and random: qwen_image_components' VAE, transformer and scheduler
-    (zero_cond_t off, as Qwen/Qwen-Image-Edit), its tokenizer with Qwen-VL's vision tokens, a Qwen2.5-VL whose
+    (zero_cond_t off, as Qwen/Qwen-Image-Edit and -2509; on, as -2511), its tokenizer with Qwen-VL's vision tokens, a Qwen2.5-VL whose
     one-layer vision tower now sees the reference (its config's vision token ids the tokenizer's), and the
     processor's image preprocessing (transformers' PIL Qwen2-VL image processor with Qwen2.5-VL's bounds)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    parts = qwen_image_components(seed)
+    parts = qwen_image_components(seed, zero_cond_t=zero_cond_t)
     tokenizer = parts["tokenizer"]
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
     width = QWEN_IMAGE_TINY_TRANSFORMER["joint_attention_dim"]
@@ -634,15 +638,16 @@ def qwen_image_edit_components(seed: int) -> dict:
     return parts
 
 
-def save_qwen_image_edit(folder: Path, parts: dict) -> None:
-    """Write qwen_image_edit_components' parts as a diffusers QwenImageEditPipeline folder (replacing `folder`):
-    processor/ holds the image preprocessing and the tokenizer's files, as the published folder's does."""
+def save_qwen_image_edit(folder: Path, parts: dict, *, checkpoint: str = QWEN_EDIT_CHECKPOINT) -> None:
+    """Write qwen_image_edit_components' parts as a diffusers `checkpoint` folder (QwenImageEditPipeline, or
+    QwenImageEditPlusPipeline: the same parts), replacing `folder`: processor/ holds the image preprocessing and
+    the tokenizer's files, as the published folders' do."""
     _save_parts(folder, {name: part for name, part in parts.items() if name != "image_processor"})
     parts["image_processor"].save_pretrained(folder / "processor")
     parts["tokenizer"].save_pretrained(folder / "processor")
     write_model_index(
         folder,
-        QWEN_EDIT_CHECKPOINT,
+        checkpoint,
         {
             "processor": ("transformers", "Qwen2VLProcessor"),
             "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
