@@ -64,8 +64,8 @@ def check_build(args: argparse.Namespace):
 
 
 def _request_namespace(args: argparse.Namespace) -> argparse.Namespace:
-    return argparse.Namespace(negative_prompt=None, seed=0, steps=None, guidance=None, height=args.height,
-                              width=args.width, size=args.size, frames=args.frames, fps=None)
+    return argparse.Namespace(negative_prompt=None, seed=0, steps=None, guidance=None, guidance_2=None,
+                              height=args.height, width=args.width, size=args.size, frames=args.frames, fps=None)
 
 
 def run_build(args: argparse.Namespace) -> int:
