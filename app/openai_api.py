@@ -72,9 +72,8 @@ IMAGE_IGNORED = {"quality", "style", "moderation", "output_compression", "user",
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames", "fps"}
 FIELD_PARAMS = {"height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
                 "fps": "fps", "steps": "steps", "guidance_2": "guidance_2", "guidance": "guidance", "seed": "seed",
-                "prompt": "prompt",
-                "step_cache": "step_cache", "input file": "image", "reference image": "image", "model": "image",
-                "lora": "lora", "LoRA": "lora"}
+                "prompt": "prompt", "step_cache": "step_cache", "input file": "image", "reference image": "image",
+                "model": "image", "lora": "lora", "LoRA": "lora"}
 """The first words of make_request's problems -> the API field each names (the input: 'image' or
 'input_reference', set per endpoint)."""
 

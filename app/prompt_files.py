@@ -1,10 +1,10 @@
 """Prompt files for `batch`: .txt (one prompt a line), .jsonl and .csv with per-line overrides.
 
-Fields a .jsonl object or a .csv column may set: prompt (required), negative_prompt, seed, size
-("WxH") or width/height, steps, guidance, guidance_2 (a two-expert model's second expert's), frames, fps, input (a
-conditioning image or video, or a FLUX.2 reference image, relative to the prompt file), name (the output file's name, sanitized), lora (the run's
---lora names this line uses, with scales: "style:0.8,detail" or in .jsonl {"style": 0.8}; "" none). A line that cannot be read becomes a
-BadLine with its line number; the others are unaffected.
+Fields a .jsonl object or a .csv column may set: prompt (required), negative_prompt, seed, size ("WxH") or
+width/height, steps, guidance, guidance_2 (a two-expert model's second expert's), frames, fps, input (a conditioning
+image or video, or a reference image, relative to the prompt file), name (the output file's name, sanitized), lora
+(the run's --lora names this line uses, with scales: "style:0.8,detail" or in .jsonl {"style": 0.8}; "" none). A
+line that cannot be read becomes a BadLine with its line number; the others are unaffected.
 """
 
 from __future__ import annotations

@@ -47,9 +47,8 @@ quantizes its shards, with the scales one process uses, so the GEMMs' FP8 inputs
   row's absolute maximum over all the shards (one all-reduce of the per-row maxima over the run's group when the
   model is quantized: `quantize_fp8(..., group=)`), and each call's activation scales from each token's maximum
   over all the tp ranks' columns (one all-reduce of one number a token: `scaled_mm_whole_rows`), which the layer
-  quantizes itself before its partial GEMM. The layer stays a
-  RowParallelLinear: its weight becomes float8 with a `weight_scale` beside it. The partial products are then summed
-  as without FP8.
+  quantizes itself before its partial GEMM. The layer stays a RowParallelLinear: its weight becomes float8 with a
+  `weight_scale` beside it. The partial products are then summed as without FP8.
 Quantizing whole and splitting the FP8 tensor would give the same bytes, but the ranks load only their shards.
 A split model's projections stay unfused: the families' splits name them (and FLUX.2's refuses fused ones), so
 under tp each q/k/v projection quantizes its input apart, the same values at the cost of the extra casts.
