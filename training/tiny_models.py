@@ -536,6 +536,21 @@ def qwen_image_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def tiny_qwen25_vl(width: int, *, vocab_size: int, max_positions: int,
+                   **token_ids: int) -> Qwen2_5_VLForConditionalGeneration:
+    """A random Qwen2.5-VL of two `width`-wide text layers (multimodal rotary sections 2, 1, 1) and a one-layer vision
+    tower, in eval mode, from the caller's seed; `token_ids`: its vision tokens' ids (image_token_id, ...) where a
+    tokenizer adds them (Qwen-Image-Edit's), else the config's defaults."""
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                         bos_token_id=0, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
+                           fullatt_block_indexes=[0]),
+        **token_ids, bos_token_id=0, eos_token_id=2, pad_token_id=0)).eval()
+
+
 def qwen_image_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     """Qwen-Image's component set, shrunk and random: a Qwen2.5-VL text encoder (a one-layer vision tower it
     never uses for text) under qwen_image_tokenizer, Qwen-Image's VAE (8x, one frame) with per-channel
@@ -545,14 +560,7 @@ def qwen_image_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     width = QWEN_IMAGE_TINY_TRANSFORMER["joint_attention_dim"]
     tokenizer = qwen_image_tokenizer()
     torch.manual_seed(seed)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
-                         bos_token_id=0, eos_token_id=2, pad_token_id=0),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
-                           fullatt_block_indexes=[0]),
-        bos_token_id=0, eos_token_id=2, pad_token_id=0)).eval()
+    text_encoder = tiny_qwen25_vl(width, vocab_size=64, max_positions=1024)
     z_dim = QWEN_IMAGE_TINY_TRANSFORMER["out_channels"]
     torch.manual_seed(seed + 1)
     statistics = torch.Generator().manual_seed(seed)  # as a trained VAE has them: decode's de-normalisation is exercised
@@ -622,16 +630,9 @@ def qwen_image_edit_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     width = QWEN_IMAGE_TINY_TRANSFORMER["joint_attention_dim"]
     image_id, video_id = (tokenizer.convert_tokens_to_ids(token) for token in ("<|image_pad|>", "<|video_pad|>"))
     torch.manual_seed(seed + 3)
-    parts["text_encoder"] = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=72, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
-                         bos_token_id=0, eos_token_id=2, pad_token_id=0),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
-                           fullatt_block_indexes=[0]),
-        image_token_id=image_id, video_token_id=video_id,
-        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        bos_token_id=0, eos_token_id=2, pad_token_id=0)).eval()
+    parts["text_encoder"] = tiny_qwen25_vl(width, vocab_size=72, max_positions=4096, image_token_id=image_id,
+                                           video_token_id=video_id,
+                                           vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"))
     parts["image_processor"] = Qwen2VLImageProcessorPil(
         size={"shortest_edge": QWEN_VL_PREPROCESSOR["min_pixels"], "longest_edge": QWEN_VL_PREPROCESSOR["max_pixels"]},
         **{k: v for k, v in QWEN_VL_PREPROCESSOR.items() if not k.endswith("_pixels")})
