@@ -59,6 +59,7 @@ import transformers
 from torch import nn
 
 from app.failures import JobFailed, describe
+from app.outputs import OutputError, check_writer
 from app.lockstep import LockstepService
 from app.runtime import build_engines, cpu_threads_per_rank, install_step_caches, parallelize_pipelines
 from benchmarks.inputs import BenchModel, benchmarkable, build_random
@@ -518,6 +519,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.strategies = comma_list(p, args.strategies, "strategy", STRATEGIES)
     if args.runs < 1 or args.warmup_steps < 1:
         p.error("--runs and --warmup-steps must be >= 1")
+    for name in args.models:  # each result is written as the app writes it: an MP4 writer or no run at all
+        try:
+            check_writer(get_spec(name))
+        except OutputError as error:
+            p.error(str(error))
     if args.cache is not None:
         try:
             CacheOptions.parse(args.cache)

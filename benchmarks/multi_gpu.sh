@@ -14,8 +14,10 @@
 # OUT_DIR/pieces.tsv; a piece that fails or runs out of time is logged and the next one runs. The pieces of a
 # part share BUDGET seconds (default 530, leaving a 600 s command time for installing wheels and packing): a
 # piece gets at most what is left, and one that would get under 45 s is skipped (logged). ONLY="a b" runs
-# only those pieces, SKIP="a b" all but those. Engines compile into CACHE (default /tmp/multi-gpu-cache,
-# outside OUT_DIR: the pieces of a part, and the parts run on one machine, reuse each other's kernels).
+# only those pieces, SKIP="a b" all but those; FLUX_SIZES=1024x1024 drops FLUX.1's 2048² rows. Engines compile into
+# CACHE (default /tmp/multi-gpu-cache, outside OUT_DIR: the pieces of a part, and the parts run on one machine, reuse
+# each other's kernels). CUDA_VISIBLE_DEVICES=0,1 and 2,3 run two 2-GPU parts at once on a 4-GPU host, each with a
+# CACHE of its own (a copy of a warm one).
 # The app check needs gradio, gradio_client and imageio-ffmpeg (a server of a video model refuses to start
 # where MP4 cannot be written): on a machine that keeps /tmp between commands they can be installed into one
 # --target by two commands, where together they are too big to travel in one.
@@ -29,12 +31,12 @@
 #                    flux2-dev-step 220 (every strategy, tp 2 last)
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
 #                    200 (29 frames, 1 GPU and ulysses-2)
-#   part 4 (~530 s): flux1-fp8-generation 420 (the cold FP8 compile) | flux1-fp8-step 200 (its kernels warm)
+#   part 4 (2x / 4x H200, 2026-11-27): flux1-fp8-generation 99 / 92 | flux1-fp8-step 54 / 57 (with the sweep's kernels)
 #   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | flux1-generic-step 69 | wan14b-step over 220
-#          (its 1 GPU row alone: 113)
-#   part 6 (not yet timed on GPUs): qwen-image-generation 240 | wan14b-generation 330
-#   part 7 (2x H200): flux1-blockgraph-step 106 cold, 49 with part 5's kernels
-#   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step over 300 cold (its FP8 compile)
+#          (its 1 GPU row alone: 113); on 4x H200, without the graph rows: 94 | 76 | - | 263
+#   part 6 (4x H200, 2026-11-27): qwen-image-generation 119 | wan14b-generation 193
+#   part 7 (2x H200): flux1-blockgraph-step 85 with FP8, part 5's kernels warm
+#   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step 152 without its 1 GPU rows
 #   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
 #          empty cache
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
@@ -56,13 +58,14 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 printf 'piece\tstatus\tseconds\n' >> "$out/pieces.tsv"
 
 if [ -n "${TINY:-}" ]; then
-    tiny=(--tiny) backend=eager fast=eager transport=nccl
+    tiny=(--tiny) backend=eager fast=eager graphs=eager transport=nccl
     flux_sizes=64x64 cosmos_video=9x32x48 nano_video=9x64x96 steps=(--steps 4) few=(--warmup 1 --iters 1)
     nano_frames=9 nano_steps=(--steps 4) wan_video=9x48x64 qwen_sizes=64x64
     wan_shape=(--frames 9 --height 48 --width 64) qwen_shape=(--height 64 --width 64) qwen_steps=(--steps 4)
 else
-    tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks transport=copy-engine
-    flux_sizes=1024x1024,2048x2048 cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
+    tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks graphs=inductor-blocks,inductor-blocks+cudagraph
+    transport=copy-engine
+    flux_sizes=${FLUX_SIZES:-1024x1024,2048x2048} cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
     few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=() wan_video=81x720x1280 qwen_sizes=1328x1328
     wan_shape=(--frames 81 --height 720 --width 1280) qwen_shape=(--height 1328 --width 1328) qwen_steps=(--steps 20)
 fi
@@ -107,7 +110,7 @@ environment() {
     python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)"
     python3 -m pip list 2>/dev/null | grep -iE '^(torch|torchao|triton|diffusers|transformers|gradio|gradio.client|imageio.ffmpeg|accelerate) '
-    git log -1 --format='commit %H %s' 2>/dev/null; git status --short 2>/dev/null | head -20
+    git status --short 2>/dev/null | head -20  # local changes (the date names the code: git keeps its history)
     command -v nvidia-smi > /dev/null && nvidia-smi && nvidia-smi topo -m
     return 0
 }
@@ -176,10 +179,10 @@ elif [ "$part" = 3 ]; then
         "${nano_steps[@]}" --strategies ulysses --backends "$fast" --runs 1 --warmup-steps 1 \
         --engine-cache "$cache" --out "$out/cosmos3-nano-generation.json"
 elif [ "$part" = 4 ]; then
-    # a whole FLUX.1-dev 1024² image with --fp8 on 2 GPUs (the goal: <= 1.5 s; step_s: each step's seconds),
-    # bf16 first on the same weights; no 1 GPU rows (part 2 has them). Its cold FP8 compile is most of the piece.
+    # a whole FLUX.1-dev 1024² image with --fp8 on $gpus GPUs (the goals: <= 1.5 s on 2, <= 0.9 s on 4; step_s:
+    # each step's seconds), 1 GPU and bf16 first on the same weights, then FP8 on 1 GPU and on $gpus
     piece flux1-fp8-generation 420 "${generation[@]}" --model flux-dev "${steps[@]}" --strategies allgather \
-        --all-to-all "$transport" --backends "$backend" --fp8 --no-single --runs 2 --warmup-steps 2 \
+        --all-to-all "$transport" --backends "$backend" --fp8 --runs 2 --warmup-steps 2 \
         --engine-cache "$cache" --out "$out/flux1-fp8-generation.json"
     # FLUX.1-dev 1024² one step with --fp8 on 2 GPUs (the goal: <= 55 ms), against bf16 in the same run
     piece flux1-fp8-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
@@ -190,12 +193,13 @@ elif [ "$part" = 5 ]; then
     # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
     # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², FLUX.1-dev 1024² on the generic path
     # (against its hand-written adapter's rows of part 2: the record keeps the faster), then Wan 2.1 14B at
-    # 81x720x1280 (guidance batched: cfg-parallel too)
-    piece qwen-image-step 150 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
-        --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
+    # 81x720x1280 (guidance batched: cfg-parallel too). The image models with and without a CUDA graph: without
+    # one their steps are host-bound on 2 and 4 GPUs (docs/benchmarks.md)
+    piece qwen-image-step 200 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
+        --strategies ulysses,ring,allgather --backends "$graphs" "${few[@]}" --cache-dir "$cache" \
         --out "$out/qwen-image-step.json"
-    piece flux3-step 120 "${step[@]}" --model flux3-klein-base --sizes "${flux_sizes%%,*}" --text-tokens 256 \
-        --strategies ulysses,ring,allgather --backends "$fast" "${few[@]}" --cache-dir "$cache" \
+    piece flux3-step 160 "${step[@]}" --model flux3-klein-base --sizes "${flux_sizes%%,*}" --text-tokens 256 \
+        --strategies ulysses,ring,allgather --backends "$graphs" "${few[@]}" --cache-dir "$cache" \
         --out "$out/flux3-step.json"
     piece flux1-generic-step 120 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --adapter generic --no-diffusers --warmup 1 --iters 5 \
@@ -217,19 +221,19 @@ elif [ "$part" = 6 ]; then
 elif [ "$part" = 7 ]; then
     # the step cache inside CUDA graphs (+blockgraph: a graph per compiled block, the decision between them):
     # FLUX.1-dev 1024² one step, 1 GPU and allgather-$gpus, against the whole-forward graph (part 2's backend),
-    # and a skipped step's cost (the goal: <= 10% of a full step)
-    piece flux1-blockgraph-step 240 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+    # and a skipped step's cost (the goal: <= 10% of a full step); then both backends again on FP8 weights
+    piece flux1-blockgraph-step 300 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend,inductor-blocks+overlap+blockgraph" --cached-step \
-        --no-diffusers --warmup 1 --iters 5 --cache-dir "$cache" --out "$out/flux1-blockgraph-step.json"
+        --fp8 parallel --no-diffusers --warmup 1 --iters 5 --cache-dir "$cache" --out "$out/flux1-blockgraph-step.json"
 elif [ "$part" = 8 ]; then
     # FLUX.1-dev 1024² one step with a random rank-64 LoRA: 1 GPU and allgather-$gpus, no LoRA against the app's
     # unfused LoRA (and the seconds a switch takes) and the LoRA merged into the weights (and one merge's seconds)
-    # (benchmarks/step.py measure_lora); then the same on FP8 weights, the plans only (bf16 1 GPU rows beside them)
+    # (benchmarks/step.py measure_lora); then the same on FP8 weights, 1 GPU and the plans
     piece flux1-lora-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --no-diffusers --lora-rank 64 --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-lora-step.json"
     piece flux1-lora-fp8-step 420 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
-        --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --lora-rank 64 --warmup 1 \
+        --all-to-all "$transport" --backends "$backend" --fp8 --no-diffusers --lora-rank 64 --warmup 1 \
         --iters 5 --cache-dir "$cache" --out "$out/flux1-lora-fp8-step.json"
 elif [ "$part" = 9 ]; then
     # cold builds: FLUX.1-dev 1024² one step on allgather-$gpus, bf16 then FP8 with each FP8 linear, each from its

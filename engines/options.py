@@ -49,14 +49,16 @@ why entry points set it before they import torch."""
 def default_backend(device_type: str, *, fp8: bool = False, cache: bool = False) -> str:
     """Per-block compiled engines on GPUs (built in seconds, steps faster); eager on CPUs.
 
-    With FP8 weights (and no step cache, which decides between the blocks, outside any graph) the GPU
-    engine runs in one CUDA graph per call: every call of a compiled block unwraps its FP8 weights (torchao
-    tensor subclasses) on the host, and that host time, not the GPU's, bounds the step. Measured on one H100
-    (docs/benchmarks.md): FLUX.1-dev 1024² with --fp8 took 173 ms a step per block compiled, 97 ms in a
-    CUDA graph (bf16: 180 and 129 ms)."""
+    With FP8 weights the GPU engine replays CUDA graphs: one per call, or with a step cache (whose decision
+    sits between the blocks) one per block. FP8 GEMMs shorten a step's GPU work until the host's launches set
+    its pace. Measured (docs/benchmarks.md), FLUX.1-dev 1024² with --fp8: one H100, 173 ms a step per block
+    compiled, 97 ms in a graph (torchao's weights; bf16 180 and 129 ms); allgather-2 on 2x H200, 56.1 ms in one
+    graph, 64.2 ms in a graph per block."""
     if device_type != "cuda":
         return "eager"
-    return "inductor-blocks+cudagraph" if fp8 and not cache else "inductor-blocks"
+    if fp8:
+        return "inductor-blocks+blockgraph" if cache else "inductor-blocks+cudagraph"
+    return "inductor-blocks"
 
 
 def engine_cache_dir(given: Path | str | None) -> Path:

@@ -107,6 +107,18 @@ def test_baseline_gives_the_speedup_of_a_run_without_1_gpu() -> None:
     assert finish([row("ours ulysses-2", 2.0, 1.0)], baseline=[])[0]["speedup"] is None
 
 
+def test_a_video_model_without_an_mp4_writer_is_refused_before_anything_loads(monkeypatch, capsys) -> None:
+    """The benchmark writes each result as the app does: where no MP4 can be written, a video model's run
+    stops at its arguments instead of failing after its first generation."""
+    from benchmarks.generation import parse_args
+
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", "/nonexistent/ffmpeg")
+    with pytest.raises(SystemExit):
+        parse_args(["--tiny", "--model", "wan2.1-t2v-1.3b"])
+    assert "makes MP4 videos, which cannot be written here" in capsys.readouterr().err
+    assert parse_args(["--tiny", "--model", "flux-dev"]).models == ["flux-dev"]  # images need no ffmpeg
+
+
 def test_vae_split_benchmark_tiny(tmp_path: Path) -> None:
     """benchmarks/vae_split.py on the tiny VAEs: the whole decode and 2 and 4 parts, their outputs equal."""
     out = tmp_path / "vae-split.json"
