@@ -272,6 +272,9 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                 fps = gr.Number(label="Frames per second", value=model.spec.fps)
             seed, random_seed = _seed_inputs("video")
             width, height, steps, guidance = _size_inputs(model, "video")
+            # Wan 2.2 A14B's low-noise expert's own guidance; hidden, not left out, for one-transformer models
+            guidance_2 = gr.Number(label="Guidance of the low-noise expert", value=model.spec.guidance_2,
+                                   elem_id="video-guidance-2", visible=model.spec.guidance_2 is not None)
             cached = _step_cache_input(step_cache, "video")
             lora, lora_scale = _lora_inputs(model, "video")
             button, stop = _generate_buttons("video")
@@ -289,11 +292,13 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                              random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
                              width: float | None = None, height: float | None = None, step_cache: bool = True,
                              lora: list[str] | None = None, lora_scale: float | None = None,
+                             guidance_2: float | None = None,
                              session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
         path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt,
                                      negative_prompt=negative_prompt, condition=condition or None, frames=frames,
                                      fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height,
-                                     step_cache=step_cache, lora=_lora_field(lora, lora_scale))
+                                     step_cache=step_cache, lora=_lora_field(lora, lora_scale),
+                                     guidance_2=guidance_2)
         return str(path), str(path), used, status(), used["seed"]
 
     loras = [lora, lora_scale] if lora is not None else []
@@ -301,16 +306,17 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     def restore(shown: list[dict[str, Any]], event: gr.SelectData) -> tuple:
         used = shown[event.index]
         return (used["prompt"], used["negative_prompt"], used["frames"], used["fps"], used["seed"], False,
-                used["steps"], used["guidance"], used["width"], used["height"], *_restored_loras(used, lora_scale),
-                used)
+                used["steps"], used["guidance"], used.get("guidance_2"), used["width"], used["height"],
+                *_restored_loras(used, lora_scale), used)
 
+    # guidance_2 comes last, after placeholders for the LoRA inputs a server without LoRAs has not got
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
-              *([cached] if cached else [gr.State(True)]), *loras]
+              *([cached] if cached else [gr.State(True)]), *(loras or [gr.State(None), gr.State(None)]), guidance_2]
     event = _wire(demo, model, server.recent, button, stop, generate_video, inputs,
                   [result, download, settings, status_line, seed], "generate_video", gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
     event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
-    restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, width, height]
+    restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, guidance_2, width, height]
     gallery.select(restore, inputs=shown, outputs=[*restored, *loras, settings], api_visibility="private",
                    show_progress="hidden")
 

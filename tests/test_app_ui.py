@@ -71,6 +71,20 @@ def test_the_video_input_file_is_optional_in_the_api(url):
         "no input file", api_name="/generate_video", frames=5, steps=1, width=64, height=64)[2]["condition"] is None
 
 
+def test_the_low_noise_experts_guidance_reaches_the_request(url):
+    """/generate_video takes guidance_2 (Wan 2.2 A14B's second expert), optional and last; a one-transformer
+    model (tiny-cosmos here) refuses it naming the field, and runs without it as before."""
+    client = Client(url, verbose=False)
+    parameters = {p["parameter_name"]: p for p in client.view_api(return_format="dict", print_info=False)[
+        "named_endpoints"]["/generate_video"]["parameters"]}
+    assert list(parameters)[-1] == "guidance_2" and parameters["guidance_2"]["parameter_default"] is None
+    with pytest.raises(AppError, match="guidance_2 is the second expert's guidance of a two-expert model"):
+        client.predict("two experts?", api_name="/generate_video", frames=5, steps=1, width=64, height=64,
+                       guidance_2=4.0)
+    assert "guidance_2" not in client.predict("one expert", api_name="/generate_video", frames=5, steps=1,
+                                              width=64, height=64)[2]
+
+
 def test_the_step_cache_is_a_choice_of_each_request(url):
     from pipelines.media import read_png_settings
 
