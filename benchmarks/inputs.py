@@ -79,7 +79,7 @@ def parse_shapes(text: str, *, video: bool, text_tokens: int) -> list[Shape]:
 
 
 @contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device and their buffers as usual (rotary
     frequency tables hold computed values that random init must not lose): accelerate's
     init_empty_weights(include_buffers=False), which the GPU image does not install."""
@@ -104,7 +104,7 @@ def build_random(model: BenchModel, *, device: torch.device, dtype: torch.dtype,
     a 12B model never exists in float32, and no nn.init pass runs (slow for 12B on a CPU). Buffers
     keep the values the model computed for them, cast to `dtype` as a checkpoint load would.
     """
-    with _parameters_on_meta():
+    with parameters_on_meta():
         module = model.model_class(**model.config)
     for owner in module.modules():
         for name, param in owner._parameters.items():

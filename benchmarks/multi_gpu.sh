@@ -30,7 +30,7 @@
 #   part 2 (~480 s): flux1-step 200 | flux1-generation 160 | flux1-cached-step 150 (both transports) |
 #                    flux2-dev-step 220 (every strategy, tp 2 last)
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
-#                    200 (29 frames, 1 GPU and ulysses-2)
+#                    200 (29 frames, 1 GPU and ulysses-2) | cosmos3-super-tp (not yet timed on GPUs; alone: ONLY=)
 #   part 4 (2x / 4x H200, 2026-11-27): flux1-fp8-generation 99 / 92 | flux1-fp8-step 54 / 57 (with the sweep's kernels)
 #   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | flux1-generic-step 69 | wan14b-step over 220
 #          (its 1 GPU row alone: 113); on 4x H200, without the graph rows: 94 | 76 | - | 263
@@ -178,6 +178,11 @@ elif [ "$part" = 3 ]; then
     piece cosmos3-nano-generation 200 "${generation[@]}" --model cosmos3-nano --frames "$nano_frames" \
         "${nano_steps[@]}" --strategies ulysses --backends "$fast" --runs 1 --warmup-steps 1 \
         --engine-cache "$cache" --out "$out/cosmos3-nano-generation.json"
+    # Cosmos 3 Super (64B: ~119 GiB in bf16, more than a GPU) one call at Nano's size, tp 2 on a model built split
+    # (no rank holds the whole), bf16 then --fp8 on the same weights, each rank's peak memory (ONLY=cosmos3-super-tp)
+    piece cosmos3-super-tp 360 "${step[@]}" --model cosmos3-super --video "$nano_video" --text-tokens 300 \
+        --strategies ulysses --no-cfg --tp 2 --tp-only --fp8 parallel --backends "$fast" "${few[@]}" \
+        --cache-dir "$cache" --out "$out/cosmos3-super-tp.json"
 elif [ "$part" = 4 ]; then
     # a whole FLUX.1-dev 1024² image with --fp8 on $gpus GPUs (the goals: <= 1.5 s on 2, <= 0.9 s on 4; step_s:
     # each step's seconds), 1 GPU and bf16 first on the same weights, then FP8 on 1 GPU and on $gpus
@@ -188,6 +193,10 @@ elif [ "$part" = 4 ]; then
     piece flux1-fp8-step 200 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-fp8-step.json"
+    # where the rest of the FP8 step goes: one profiled call a row and rank (chrome trace + top ops), bf16 beside it
+    piece flux1-fp8-profile 150 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
+        --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 2 \
+        --cache-dir "$cache" --profile "$out/flux1-fp8-profile" --out "$out/flux1-fp8-profile.json"
 elif [ "$part" = 5 ]; then
     # the generic context-parallel path (engines/generic.py), one step each, 1 GPU against every strategy on
     # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
@@ -201,6 +210,10 @@ elif [ "$part" = 5 ]; then
     piece flux3-step 160 "${step[@]}" --model flux3-klein-base --sizes "${flux_sizes%%,*}" --text-tokens 256 \
         --strategies ulysses,ring,allgather --backends "$graphs" "${few[@]}" --cache-dir "$cache" \
         --out "$out/flux3-step.json"
+    # why Qwen-Image's steps without graphs are slower on N GPUs than on 1: a profiled call, 1 GPU and Ulysses
+    piece qwen-image-profile 120 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
+        --strategies ulysses --no-cfg --no-diffusers --backends "$fast" --warmup 1 --iters 1 --cache-dir "$cache" \
+        --profile "$out/qwen-image-profile" --out "$out/qwen-image-profile.json"
     piece flux1-generic-step 120 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --adapter generic --no-diffusers --warmup 1 --iters 5 \
         --cache-dir "$cache" --out "$out/flux1-generic-step.json"

@@ -10,6 +10,7 @@ for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled
     torchrun --nproc-per-node 2 -m benchmarks.step --all-to-all nccl,copy-engine --out transports.json
     torchrun --nproc-per-node 2 -m benchmarks.step --strategies "" --no-diffusers --peers xdit --out xdit.json
     torchrun --nproc-per-node 2 -m benchmarks.step --model flux2-dev --strategies ulysses --no-cfg --tp 2 --out tp.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --model cosmos3-super --video 189x720x1280 --text-tokens 300 --no-cfg --tp 2 --tp-only --fp8 parallel --backends inductor-blocks --warmup 1 --iters 2 --out super.json
     torchrun --nproc-per-node 2 -m benchmarks.step --fp8 parallel --cached-step --backends inductor-blocks --out x.json
     python -m benchmarks.step --model flux-dev                    # 1 GPU only
     torchrun --nproc-per-node 1 -m benchmarks.step --strategies "" --peers xdit   # xDiT on 1 GPU
@@ -29,6 +30,13 @@ LoRA: "unfused" as the app runs one (engines/lora.py: a diffusers/PEFT file read
 with the seconds LoraSet.select takes to switch it on and off (switch_s, switch_off_s); then "fused", merged into
 the weights (merge_lora_terms), with the seconds one merge and one unmerge of the whole transformer take (merge_s,
 unmerge_s). Every row names its LoRA mode ("lora": none, unfused or fused) and rank.
+
+--tp N (measure_tp): after every other row, each block's weights split over N ranks, for the plans of N (the one
+tp plan on N ranks), every backend; with --fp8, then the same rows with the split linears made FP8 in place, modes
+"... fp8" (each rank quantizes its shards, a row-parallel one's scales taken over whole rows: engines/fp8.py).
+--tp-only: those rows alone, of a transformer built split (build_split, as engines/sharded_loading.py loads one): no
+rank ever holds the whole model, so a model too big for one GPU (Cosmos 3 Super, ~119 GiB in bf16) runs on the ranks
+that hold its shares; the rows carry each rank's peak memory (peak_gib_per_rank).
 
 Entry point: main() sets cuBLAS's variables (and with --cache-dir inductor's cache folder) as the app
 does (engines.options.run_environment), before the first cuBLAS call and the first compile.
@@ -56,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, parse_shapes
+from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, parameters_on_meta, parse_shapes
 from benchmarks.peers import (
     PEERS,
     Peer,
@@ -76,6 +84,7 @@ from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, En
     set_environment
 from engines.parallelize import parallelize_transformer
 from engines.plan import ParallelPlan
+from engines.tensor_parallel import split_weights, take
 from pipelines.family import load
 from pipelines.transformer_inputs import Shape
 
@@ -247,7 +256,6 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     """
     device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
     batch = args.batch or spec.family.bench.batch
-    model = build_random(spec, device=device, dtype=dtype)
     adapter_name = family_adapter(spec, getattr(args, "adapter", "record"))
     adapter = load(adapter_name)
     built = {s.label: spec.inputs(s, batch=batch, device=device, dtype=dtype) for s in shapes}
@@ -304,7 +312,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             all_to_all=transport if plan is not None and plan.has_exchanges else None,
             batch=batch, text_tokens=shape.text_tokens, gpus=gpus,
             ms=max(r[0] for r in ran), ms_per_rank=[r[0] for r in ran], pipelined_ms=max(r[4] for r in ran),
-            peak_gib=max(r[1] for r in ran), flops=flops[shape.label],
+            peak_gib=max(r[1] for r in ran), peak_gib_per_rank=[r[1] for r in ran], flops=flops[shape.label],
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
             adapter=adapter_name.partition(":")[2] if plan is not None else None,
             graphs=compiling.graphs if ctx.is_main else None, build_phases=compiling.phases if ctx.is_main else None,
@@ -323,6 +331,12 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     if not args.tiny and device.type != "cuda":
         backends = [b for b in backends if not b.cuda_graph]
     bf16 = args.fp8 != "alone"  # '--fp8 alone': the FP8 rows and nothing before them
+    heads = spec.config["num_attention_heads"]
+    if args.tp_only:  # 6. alone, on a model built split: no rank holds the whole model
+        measure_tp(spec, None, shapes, backends, ctx, record, tp=args.tp, strategies=args.strategies, fp8=args.fp8,
+                   adapter=adapter, dtype=dtype)
+        return rows
+    model = build_random(spec, device=device, dtype=dtype)
     # 1. one GPU: rank 0 alone; the others wait at the gather in record()
     single = single_process_forward(spec, model, device) if ctx.is_main and bf16 else None
     for options in backends if bf16 else []:
@@ -338,7 +352,6 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         for shape in shapes:
             record("diffusers forward", shape, 1, model if ctx.is_main else None, None, EngineOptions())
     # 2. ours, each plan over all ranks, with each transport (plans that exchange: Ulysses, ring passes)
-    heads = spec.config["num_attention_heads"]
     modes = [(plan, transport) for plan in our_plans(ctx, heads, args.strategies, cfg)
              for transport in (args.all_to_all if plan.has_exchanges else ["nccl"])]
     for plan, transport in modes if bf16 else []:
@@ -386,14 +399,16 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         if args.lora_rank:  # the LoRA on the FP8 model, as the app attaches it (after quantizing)
             measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
                          adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
-    # 6. --tp: each block's weights split over tp ranks, last of all (the split is made in place and not undone)
+    # 6. --tp: each block's weights split over tp ranks, last of all (the split is made in place and not undone); with
+    # --fp8 the whole model is FP8 by now (step 5) and a split model is quantized after its split: it is built split
     if args.tp > 1:
-        for plan in our_plans(ctx, heads, args.strategies or ["ulysses"], False, tp=args.tp):
-            parallel = parallelize_transformer(model, ctx, plan, adapter)
-            for options in backends:
-                for shape in shapes:
-                    record(mode_label(plan, "nccl"), shape, ctx.world_size, parallel, ctx.control_group, options,
-                           plan=plan, transport="nccl")
+        if args.fp8:
+            single = parallel = model = None  # every reference to the whole model, so that it is freed first
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        measure_tp(spec, model, shapes, backends, ctx, record, tp=args.tp, strategies=args.strategies, fp8=args.fp8,
+                   adapter=adapter, dtype=dtype)
     del model
     # The model is also held in reference cycles (diffusers' parallelism hooks, compiled wrappers):
     # without a collection the next model's rows counted this one's weights in their peak memory
@@ -513,6 +528,83 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def build_split(spec: BenchModel, *, tp: int, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+                ) -> nn.Module:
+    """Rank `rank`'s share (of `tp`) of build_random's model (the same seed gives the same values), split by its
+    family's tensor-parallel split, built the way engines/sharded_loading.py's load_split loads a checkpoint.
+
+    The model is made with its parameters on the meta device (buffers computed in __init__, such as Cosmos 3's
+    rotary tables, stay real), its linears split at their local shapes (split_weights on meta tensors), and each
+    parameter then made on `device`: build_random's values, drawn in its order, one whole parameter at a time of
+    which this rank keeps its slices. So no rank holds the whole model; the largest parameter (Cosmos 3's text
+    embedding, 1.5 GiB of Super's 119) is the most that is ever held beside the rank's share.
+    """
+    with parameters_on_meta():
+        model = spec.model_class(**spec.config)
+    whole = [(name, tuple(parameter.shape)) for name, parameter in model.named_parameters()]
+    split = load(spec.family.tensor_parallel)(model, tp)
+    split_weights(model, split, tp=tp, rank=rank)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, shape in whole:
+            owner_name, _, attribute = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            local = tuple(owner._parameters[attribute].shape)
+            if name.endswith("bias"):  # as build_random: biases 0, norm scales 1, the rest N(0, 0.02)
+                value = torch.zeros(local, dtype=dtype, device=device)
+            elif len(shape) == 1:
+                value = torch.ones(local, dtype=dtype, device=device)
+            else:
+                value = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+                ranges = split.parameter_ranges(name, shape, tp, rank) if tp > 1 else None
+                value = value if ranges is None else take(value, *ranges)
+            if tuple(value.shape) != local:
+                raise ValueError(f"{name}: made {tuple(value.shape)}, the split model keeps {local} on this rank")
+            owner._parameters[attribute] = nn.Parameter(value, requires_grad=False)
+    left = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if left:  # a parameter the split added or renamed, which the whole model does not have
+        raise ValueError(f"the split model has parameters the whole one has not: {left[:5]}")
+    # nn.Module.to, not diffusers' override (as build_random): the buffers, cast to `dtype` as a checkpoint load would
+    model = nn.Module.to(model, device=device, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def measure_tp(spec: BenchModel, model: nn.Module | None, shapes: list[Shape], backends: list[EngineOptions],
+               ctx: ParallelContext, record: Callable[..., None], *, tp: int, strategies: list[str], fp8: str | None,
+               adapter: Any, dtype: torch.dtype) -> None:
+    """--tp rows: each block's weights split over `tp` ranks, each plan of `tp` (our_plans, with `strategies` for the
+    other ranks), every backend; with `fp8`, then the same rows with the split linears made FP8 in place (modes
+    "... fp8"; 'alone': those only), each rank's shards quantized over the ranks' group as the app does for a model
+    loaded split (engines.fp8.quantize_fp8's group: a row-parallel shard's scales over whole rows).
+
+    `model`: the whole model, split in place (not undone); None: built split (build_split), no rank holding the
+    whole. Rows have no rel_error: a reference output would cost an extra eager call of a model this big, per shape.
+    """
+    from engines.fp8 import quantize_fp8
+
+    note, built = None, {}
+    if model is None:
+        model = build_split(spec, tp=tp, rank=ctx.rank % tp, device=ctx.device, dtype=dtype)  # tp: the innermost axis
+        gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        note, built = f"built split: {gib:.2f} GiB of parameters per rank", {"param_gib": gib}
+    plans = our_plans(ctx, spec.config["num_attention_heads"], strategies or ["ulysses"], False, tp=tp)
+    modes = [(plan, "nccl") for plan in plans]
+    extra = {shape.label: dict(built) for shape in shapes}
+    if fp8 != "alone":
+        record_everywhere(model, shapes, backends, ctx, record, mode="", one_gpu=None, single=False, modes=modes,
+                          adapter=adapter, note=note, extra=extra)
+    if fp8:
+        # The compiled engines of the rows above are released (record): the FP8 weights replace bf16 ones in place.
+        layers = quantize_fp8(model, spec.family.repeated_blocks, group=ctx.group)
+        fp8_note = f"{layers} FP8 linears (scaled-mm)" + (f"; {note}" if note else "")
+        record_everywhere(model, shapes, backends, ctx, record, mode=" fp8", one_gpu=None, single=False, modes=modes,
+                          adapter=adapter, note=fp8_note, extra=extra)
+    del model
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def write_random_lora(spec: BenchModel, rank: int, path: Path, *, seed: int = 0) -> Path:
@@ -782,8 +874,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1,
                    help="after every other row, split each block's weights over this many ranks (tensor "
                         "parallelism, engines/tensor_parallel.py; the rest of the ranks split the sequence by "
-                        "each --strategies) and time that; the split is not undone, so it runs last (not with --fp8 "
-                        "or --peers; the diffusers-native rows are left out)")
+                        "each --strategies) and time that; the split is not undone, so it runs last (not with "
+                        "--peers or --lora-rank; the diffusers-native rows are left out); with --fp8, then the same "
+                        "rows with the split linears made FP8 (\"ours tp-N fp8\"), on a model built split")
+    p.add_argument("--tp-only", action="store_true",
+                   help="with --tp, time only the --tp rows (bf16, and FP8 with --fp8), on a transformer built "
+                        "already split (build_split): no rank ever holds the whole model, so one too big for a GPU "
+                        "(cosmos3-super) runs on the ranks that hold its shares; no 1 GPU, other plan, diffusers or "
+                        "LoRA row")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="after our rows (and after the FP8 ones), time 1 GPU and every plan again with a random LoRA "
                         "of this rank, unfused as the app runs it and fused into the weights, with the seconds a "
@@ -806,8 +904,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.all_to_all = comma_list(p, args.all_to_all, "all-to-all transport", TRANSPORTS)
     if args.tp < 1:
         p.error(f"--tp must be >= 1, got {args.tp}")
-    if args.tp > 1 and args.fp8:
-        p.error("--tp does not combine with --fp8 (the app refuses both together: engines.options.RunOptions)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: every rank refuses alike, before any collective
+    if args.tp > 1 and world % args.tp:
+        p.error(f"--tp {args.tp} splits the weights over groups of {args.tp} ranks: the {world} rank(s) of this run "
+                f"are not a multiple of it (torchrun --nproc-per-node)")
+    if args.tp_only and args.tp < 2:
+        p.error("--tp-only times the --tp rows alone, on a model built split: give --tp 2 or more")
+    if args.tp_only and (args.diffusers_forward or args.cached_step or args.fp8_unfused):
+        p.error("--tp-only times the tp rows alone: it does not combine with --diffusers-forward, --cached-step "
+                "or --fp8-unfused")
+    if args.tp > 1 and args.fp8 and args.fp8_linear != "scaled-mm":
+        p.error("--tp with --fp8 needs --fp8-linear scaled-mm (engines.fp8: torchao's form is not split by tensor "
+                "parallelism)")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
     if args.tp > 1 and args.lora_rank:
