@@ -379,7 +379,7 @@ def quantize_transformers(pipelines: Iterable, group=None) -> None:
 
     for pipeline in pipelines:
         for _, module in pipeline.transformers():
-            quantize_fp8(module, family_of(pipeline.spec).repeated_blocks, group=group)
+            quantize_fp8(module, family_of(pipeline.spec).compiled_blocks, group=group)
 
 
 def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
@@ -433,7 +433,7 @@ def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
     if engine.backend == "eager" and not engine.cuda_graph:
         return engine.label
     for pipeline in pipelines:
-        repeated_blocks = family_of(pipeline.spec).repeated_blocks
+        repeated_blocks = family_of(pipeline.spec).compiled_blocks
         for name, module in pipeline.transformers():
             pipeline.use_transformer(prepare_engine(module, engine, repeated_blocks=repeated_blocks,
                                                     cache_dir=options.cache_dir, rank=ctx.rank), name)

@@ -450,7 +450,7 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
                 from engines.fp8 import quantize_fp8
 
                 for model in models.values():
-                    quantize_fp8(model, family_of(spec).repeated_blocks)
+                    quantize_fp8(model, family_of(spec).compiled_blocks)
             for mode, plan in modes:
                 for backend in args.backends:
                     label = mode if precision == "bf16" else f"{mode} fp8"

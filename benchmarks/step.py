@@ -277,7 +277,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         if forward is not None and error is None:
             engine = timed = None
             try:
-                engine = prepare_engine(forward, options, repeated_blocks=spec.family.repeated_blocks,
+                engine = prepare_engine(forward, options, repeated_blocks=spec.family.compiled_blocks,
                                         cache_dir=args.cache_dir, rank=ctx.rank if gpus > 1 else 0)
                 parallel_group = dist.group.WORLD if gpus > 1 else None
                 timed = CachedStep(engine, spec.family, group=parallel_group) if cached else engine
@@ -514,7 +514,7 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
         one_gpu.restore()
     for suffix, fuse in ([(" unfused", False)] if unfused else []) + [("", True)]:
         quantized = model if fuse else copy.deepcopy(model)
-        layers = quantize_fp8(quantized, spec.family.repeated_blocks, fuse=fuse, linear=linear)
+        layers = quantize_fp8(quantized, spec.family.compiled_blocks, fuse=fuse, linear=linear)
         one_gpu = single_process_forward(spec, quantized, ctx.device) if ctx.is_main else None
         errors: dict[str, float] = {}
         if one_gpu is not None:
@@ -597,7 +597,7 @@ def measure_tp(spec: BenchModel, model: nn.Module | None, shapes: list[Shape], b
                           adapter=adapter, note=note, extra=extra)
     if fp8:
         # The compiled engines of the rows above are released (record): the FP8 weights replace bf16 ones in place.
-        layers = quantize_fp8(model, spec.family.repeated_blocks, group=ctx.group)
+        layers = quantize_fp8(model, spec.family.compiled_blocks, group=ctx.group)
         fp8_note = f"{layers} FP8 linears (scaled-mm)" + (f"; {note}" if note else "")
         record_everywhere(model, shapes, backends, ctx, record, mode=" fp8", one_gpu=None, single=False, modes=modes,
                           adapter=adapter, note=fp8_note, extra=extra)

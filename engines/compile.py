@@ -284,7 +284,7 @@ def prepare_engine(
         if not repeated_blocks:
             raise ValueError(f"no repeated blocks named for {type(model).__name__}; use scope 'whole'")
         for name in repeated_blocks:
-            blocks: nn.ModuleList = getattr(model, name)
+            blocks: nn.ModuleList = model.get_submodule(name)  # a dotted path reaches into a ModuleDict
             for index, block in enumerate(blocks):
                 if backend == "inductor":
                     compiled = _inductor_compile(block, options)

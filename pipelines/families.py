@@ -506,11 +506,11 @@ FLUX3 = ModelFamily(
     pipeline="pipelines.flux3:Flux3ImagePipeline",
     parallelize="engines.flux3:parallelize_flux3",
     tensor_parallel="engines.generic:generic_weights",  # the SwiGLU feed-forward stays whole
-    # Only the joint blocks: the per-mode blocks run text first, then image (mode_blocks["image"], a ModuleList in
-    # a ModuleDict, which the engines do not reach by attribute). A step cache over ("txt_mode_blocks", ...) would
-    # measure the text and hand the unlisted image blocks' output on as a change; the joint blocks' first one takes
-    # the image (and reference) tokens as hidden_states. The per-mode blocks compile with the whole model.
+    # The step cache loops over the joint blocks only: the per-mode blocks run text first, then image, then the
+    # reference, and a cache over them would measure the text's change; the joint blocks' first one takes the image
+    # (and reference) tokens as hidden_states. The per-mode blocks compile and go FP8 one block at a time all the same.
     repeated_blocks=("single_transformer_blocks",),
+    other_blocks=("txt_mode_blocks", "mode_blocks.image", "mode_blocks.image_cond"),
     block_outputs=(("encoder_hidden_states", "hidden_states"),),
     cache_stream="hidden_states",
     limits="pipelines.requests:flux3_limits",

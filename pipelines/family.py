@@ -129,7 +129,8 @@ class ModelFamily:
     """Reference of its tensor-parallel split, a function (model, tp) -> engines.tensor_parallel.WeightSplit
     (its adapter splits by it; sharded loading and the memory plan read it)."""
     repeated_blocks: tuple[str, ...]
-    """Names of the transformer's ModuleLists of repeated blocks (per-block compilation)."""
+    """Names of the transformer's ModuleLists of repeated blocks: compiled one block at a time, their linears made
+    FP8 by --fp8, and the step cache's block loop (its first block's change decides a step)."""
     block_outputs: tuple[tuple[str, ...], ...]
     """Per list of repeated_blocks: the block arguments its outputs replace, in return order (the step
     cache, engines.step_cache, passes a skipped block's inputs on in that form)."""
@@ -150,6 +151,10 @@ class ModelFamily:
     """Where `parallelize` is a hand-written adapter: the reference of the same family on the generic path
     (engines.generic), which the step benchmark runs with --adapter generic; the record keeps the hand-written
     one only while it measures faster. "" where `parallelize` is the generic path already."""
+    other_blocks: tuple[str, ...] = ()
+    """More ModuleLists of repeated blocks (dotted paths reach into a ModuleDict: "mode_blocks.image"), compiled and
+    made FP8 like repeated_blocks but outside the step cache's loop: FLUX.3's per-mode blocks, which run before its
+    joint blocks on one stream each."""
     adapter_at_one_rank: bool = False
     """Its parallelize function also wraps the transformer of a one-rank run (Cosmos 3: its adapter marks
     the prompt-length dimension dynamic for compiled blocks)."""
@@ -159,6 +164,11 @@ class ModelFamily:
     bench: BenchShapes
     models: tuple[ModelSpec, ...] = field(default=())
     """Its named checkpoints."""
+
+    @property
+    def compiled_blocks(self) -> tuple[str, ...]:
+        """Every list of repeated blocks: what per-block compilation and --fp8 reach (repeated_blocks + other_blocks)."""
+        return self.repeated_blocks + self.other_blocks
 
     def __post_init__(self) -> None:
         for spec in self.models:

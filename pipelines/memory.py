@@ -75,7 +75,7 @@ def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, f
         model = load(family.transformer)(**config)
     if tp > 1:  # a family whose attention tp cannot split (Wan's) runs whole at tp 1
         split_weights(model, load(family.tensor_parallel)(model, tp), tp=tp, rank=0)  # meta: local shapes, no data
-    quantized = set(fp8_linear_names(model, family.repeated_blocks)) if fp8 else set()
+    quantized = set(fp8_linear_names(model, family.compiled_blocks)) if fp8 else set()
     total = 0
     for name, parameter in model.named_parameters():
         module, _, kind = name.rpartition(".")

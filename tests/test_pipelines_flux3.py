@@ -123,3 +123,39 @@ def test_limits_from_the_configs(base: Path, distilled: Path) -> None:
 def test_folder_alone_names_its_model(base: Path, distilled: Path) -> None:
     assert resolve_model(None, base)[0].name == "flux3-klein-base"
     assert resolve_model(None, distilled)[0].name == "flux3-klein"
+
+
+def test_every_block_list_compiles_and_goes_fp8_one_block_at_a_time() -> None:
+    """FLUX.3's per-mode blocks (text, image, reference image) compile and go FP8 one block at a time like its joint
+    blocks (the family's compiled_blocks, reached by dotted paths into mode_blocks); the step cache keeps looping
+    over the joint blocks alone. The compiled engine equals eager."""
+    from diffusers import Flux3Transformer2DModel
+
+    from engines.compile import prepare_engine
+    from engines.fp8 import fp8_linear_names
+    from engines.options import EngineOptions
+    from pipelines.families import FLUX3
+    from pipelines.transformer_inputs import Shape, flux3_inputs
+    from training.tiny_models import FLUX3_TINY_TRANSFORMER
+
+    assert FLUX3.repeated_blocks == ("single_transformer_blocks",)
+    torch.manual_seed(0)
+    model = Flux3Transformer2DModel(**FLUX3_TINY_TRANSFORMER).eval()
+    kwargs, _ = flux3_inputs(FLUX3_TINY_TRANSFORMER, Shape(height=32, width=32, text_tokens=6), batch=1,
+                             device=torch.device("cpu"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)  # a 2x2-token reference image at l = 1
+    kwargs["image_cond_hidden_states"] = torch.randn(1, 4, FLUX3_TINY_TRANSFORMER["cond_in_channels"], generator=g)
+    kwargs["image_cond_ids"] = torch.tensor([[0, r, c, 1] for r in (0, 1) for c in (0, 1)], dtype=torch.float32)
+    with torch.no_grad():
+        eager = model(**kwargs)[0]
+        engine = prepare_engine(model, EngineOptions.parse("inductor-blocks"), repeated_blocks=FLUX3.compiled_blocks)
+        compiled = engine(**kwargs)[0]
+    lists = {name: len(model.get_submodule(name)) for name in FLUX3.compiled_blocks}
+    assert lists == {"single_transformer_blocks": 2, "txt_mode_blocks": 2, "mode_blocks.image": 2,
+                     "mode_blocks.image_cond": 2}
+    assert len(engine._swapped) == sum(lists.values())  # every block of every list compiled on its own
+    assert (compiled - eager).abs().max().item() < 2e-4
+    engine.release()
+    quantized = fp8_linear_names(model, FLUX3.compiled_blocks)
+    for name in FLUX3.compiled_blocks:
+        assert any(layer.startswith(f"{name}.") for layer in quantized), name

@@ -50,7 +50,7 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
     if fp8:
         from engines.fp8 import quantize_fp8
 
-        quantize_fp8(pipe.transformer, family_of(spec).repeated_blocks)
+        quantize_fp8(pipe.transformer, family_of(spec).compiled_blocks)
     if cache is not None:
         from engines.options import CacheOptions
 
