@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
-# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9).
+# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
+# every family in a CUDA graph (PART=graphs).
 # On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
@@ -45,8 +46,8 @@
 # The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
 # milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|8|9|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, 8, 9, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|8|9|graphs|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -62,12 +63,14 @@ if [ -n "${TINY:-}" ]; then
     flux_sizes=64x64 cosmos_video=9x32x48 nano_video=9x64x96 steps=(--steps 4) few=(--warmup 1 --iters 1)
     nano_frames=9 nano_steps=(--steps 4) wan_video=9x48x64 qwen_sizes=64x64
     wan_shape=(--frames 9 --height 48 --width 64) qwen_shape=(--height 64 --width 64) qwen_steps=(--steps 4)
+    wan_small=9x48x64 ti2v_video=9x64x96
 else
     tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks graphs=inductor-blocks,inductor-blocks+cudagraph
     transport=copy-engine
     flux_sizes=${FLUX_SIZES:-1024x1024,2048x2048} cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
     few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=() wan_video=81x720x1280 qwen_sizes=1328x1328
     wan_shape=(--frames 81 --height 720 --width 1280) qwen_shape=(--height 1328 --width 1328) qwen_steps=(--steps 20)
+    wan_small=81x480x832 ti2v_video=49x704x1280
 fi
 step=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.step "${tiny[@]}")
 generation=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.generation "${tiny[@]}")
@@ -263,6 +266,22 @@ elif [ "$part" = 9 ]; then
             --strategies allgather --all-to-all "$transport" --backends "$backend" "${fp8[@]}" --no-diffusers \
             --warmup 1 --iters 3 --cache-dir "$cache/cold-$run" --out "$out/cold-$run.json"
     done
+elif [ "$part" = graphs ]; then
+    # whether every family's step runs in one CUDA graph (the candidate GPU default) and what it gains: one step, 1 GPU
+    # and ulysses-$gpus, without and with +cudagraph (FLUX.1, Cosmos-Predict2 and, in part 5, Qwen-Image and FLUX.3
+    # have run with graphs)
+    piece flux2-klein-graphs 120 "${step[@]}" --model flux2-klein-4b --sizes "${flux_sizes%%,*}" --text-tokens 512 \
+        --strategies ulysses --no-cfg --backends "$graphs" --no-diffusers "${few[@]}" --cache-dir "$cache" \
+        --out "$out/flux2-klein-graphs.json"
+    piece wan-1.3b-graphs 150 "${step[@]}" --model wan2.1-t2v-1.3b --video "$wan_small" --text-tokens 512 \
+        --strategies ulysses --backends "$graphs" --no-diffusers "${few[@]}" --cache-dir "$cache" \
+        --out "$out/wan-1.3b-graphs.json"
+    piece wan22-ti2v-graphs 150 "${step[@]}" --model wan2.2-ti2v-5b --video "$ti2v_video" --text-tokens 512 \
+        --strategies ulysses --backends "$graphs" --no-diffusers "${few[@]}" --cache-dir "$cache" \
+        --out "$out/wan22-ti2v-graphs.json"
+    piece cosmos3-nano-graphs 150 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
+        --strategies ulysses --no-cfg --backends "$graphs" --no-diffusers "${few[@]}" --cache-dir "$cache" \
+        --out "$out/cosmos3-nano-graphs.json"
 elif [ "$part" = sweep ]; then
     # one step, 1 GPU against every strategy on $gpus ranks (diffusers-native Ulysses beside FLUX.1; Cosmos-2B
     # with its CFG-parallel plans, cfg-2 x ulysses-N/2 among them), most wanted first
@@ -291,7 +310,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"
