@@ -116,10 +116,16 @@ def build_random(model: BenchModel, *, device: torch.device, dtype: torch.dtype,
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.ndim == 1:  # norm scales
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            fill_random_(name, param, generator)
     return module.eval().requires_grad_(False)
+
+
+def fill_random_(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """build_random's value of parameter `name`, in place: a bias 0, a norm scale (one dimension) 1, the rest
+    N(0, 0.02) drawn from `generator` (so the parameters' order of drawing decides the values)."""
+    if name.endswith("bias"):
+        tensor.zero_()
+    elif tensor.ndim == 1:  # norm scales
+        tensor.fill_(1.0)
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)

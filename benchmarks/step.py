@@ -64,7 +64,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, parameters_on_meta, parse_shapes
+from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, fill_random_, parameters_on_meta, \
+    parse_shapes
 from benchmarks.peers import (
     PEERS,
     Peer,
@@ -552,14 +553,13 @@ def build_split(spec: BenchModel, *, tp: int, rank: int, device: torch.device, d
             owner_name, _, attribute = name.rpartition(".")
             owner = model.get_submodule(owner_name)
             local = tuple(owner._parameters[attribute].shape)
-            if name.endswith("bias"):  # as build_random: biases 0, norm scales 1, the rest N(0, 0.02)
-                value = torch.zeros(local, dtype=dtype, device=device)
-            elif len(shape) == 1:
-                value = torch.ones(local, dtype=dtype, device=device)
-            else:
-                value = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
-                ranges = split.parameter_ranges(name, shape, tp, rank) if tp > 1 else None
-                value = value if ranges is None else take(value, *ranges)
+            # build_random's value: drawn whole where it is drawn (to keep the generator's order), then this rank's
+            # slices; a constant one (a bias, a norm scale) made at its local shape
+            drawn = len(shape) > 1 and not name.endswith("bias")
+            value = torch.empty(shape if drawn else local, dtype=dtype, device=device)
+            fill_random_(name, value, generator)
+            ranges = split.parameter_ranges(name, shape, tp, rank) if drawn and tp > 1 else None
+            value = value if ranges is None else take(value, *ranges)
             if tuple(value.shape) != local:
                 raise ValueError(f"{name}: made {tuple(value.shape)}, the split model keeps {local} on this rank")
             owner._parameters[attribute] = nn.Parameter(value, requires_grad=False)

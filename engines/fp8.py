@@ -46,8 +46,8 @@ quantizes its shards, with the scales one process uses, so the GEMMs' FP8 inputs
 - a row-parallel shard keeps its input columns of every row (RowParallelLinear): its weight scales come from each
   row's absolute maximum over all the shards (one all-reduce of the per-row maxima over the run's group when the
   model is quantized: `quantize_fp8(..., group=)`), and each call's activation scales from each token's maximum
-  over all the tp ranks' columns (one all-reduce of one number a token: `scaled_mm_whole_rows`), which the layer
-  quantizes itself before its partial GEMM. The layer stays a RowParallelLinear: its weight becomes float8 with a
+  over all the tp ranks' columns (one all-reduce of one number a token: scaled_mm_linear's `group_name`), which the
+  layer quantizes itself before its partial GEMM. The layer stays a RowParallelLinear: its weight becomes float8 with a
   `weight_scale` beside it. The partial products are then summed as without FP8.
 Quantizing whole and splitting the FP8 tensor would give the same bytes, but the ranks load only their shards.
 A split model's projections stay unfused: the families' splits name them (and FLUX.2's refuses fused ones), so
@@ -178,7 +178,7 @@ def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool
     if any(isinstance(module, RowParallelLinear) for module in model.modules()):
         raise ValueError('quantize_fp8(..., linear="torchao") is kept for comparison on models not split by tensor '
                          'parallelism; a split model takes the default form (its row-parallel layers quantize their '
-                         'inputs over whole rows: scaled_mm_whole_rows)')
+                         'inputs over whole rows: scaled_mm_linear with group_name)')
     if fuse:
         fuse_shared_input_projections(model, repeated_blocks)
     chosen = set(fp8_linear_names(model, repeated_blocks))
@@ -285,36 +285,30 @@ def quantize_rows(x: torch.Tensor, floor: float | None = None, row_max: torch.Te
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None, *, use_fast_accum: bool = True) -> torch.Tensor:
+                     bias: torch.Tensor | None, *, use_fast_accum: bool = True,
+                     group_name: str | None = None) -> torch.Tensor:
     """x @ weight.T + bias as torchao's Float8Tensor per-row linear computes it on its torch._scaled_mm path
     (_float8_addmm_impl): `x` ([..., K], any float dtype) quantized per token with ACTIVATION_AMAX_FLOOR, the
     float8 `weight` [N, K] and its float32 per-row `weight_scale` [N, 1]; one _scaled_mm of the rows [M, K] by the
     weight transposed (column-major [K, N]) with scale_a [M, 1], scale_b [1, N], fast accumulation (torchao's default
     Float8MMConfig off XPU), the output in `x`'s dtype, reshaped to [..., N]. The bias goes into the GEMM, except for
-    a float32 output, where _scaled_mm takes none and it is added after (torchao's addmm_float8_unwrapped_inference)."""
+    a float32 output, where _scaled_mm takes none and it is added after (torchao's addmm_float8_unwrapped_inference).
+
+    `group_name`: a row-parallel shard's partial product (RowParallelLinear, no bias): `x` holds this rank's columns
+    of each token's row, quantized with its token's scale over all the tp group's columns (an all-reduce of one
+    number a token), so the float8 values are one process's; `weight_scale`: the whole rows' (quantize_fp8's group)."""
     rows = x.reshape(-1, x.shape[-1])
-    data, scale = quantize_rows(rows, ACTIVATION_AMAX_FLOOR)
+    row_max = None
+    if group_name is not None:
+        from engines.collectives import all_reduce
+
+        row_max = all_reduce(rows.abs().amax(dim=-1, keepdim=True), group_name, op="max")
+    data, scale = quantize_rows(rows, ACTIVATION_AMAX_FLOOR, row_max=row_max)
     fused_bias = bias if x.dtype != torch.float32 else None
     out = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=weight_scale.t(), bias=fused_bias,
                            out_dtype=x.dtype, use_fast_accum=use_fast_accum)
     if bias is not None and fused_bias is None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def scaled_mm_whole_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         group_name: str) -> torch.Tensor:
-    """A row-parallel FP8 layer's partial product (no bias), as scaled_mm_linear computes a whole layer's: `x`
-    holds this rank's columns of each token's row, quantized with its token's scale over all the tp group's
-    columns (an all-reduce of one number a token over `group_name`), so the float8 values are one process's;
-    `weight`, `weight_scale`: the shard's float8 columns and the whole rows' scales (quantize_fp8 with `group`)."""
-    from engines.collectives import all_reduce
-
-    rows = x.reshape(-1, x.shape[-1])
-    row_max = all_reduce(rows.abs().amax(dim=-1, keepdim=True), group_name, op="max")
-    data, scale = quantize_rows(rows, ACTIVATION_AMAX_FLOOR, row_max=row_max)
-    out = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=weight_scale.t(), out_dtype=x.dtype,
-                           use_fast_accum=True)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

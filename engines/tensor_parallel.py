@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.collectives import all_reduce
-from engines.fp8 import scaled_mm_whole_rows
+from engines.fp8 import scaled_mm_linear
 from engines.mesh import ParallelMesh
 
 
@@ -145,7 +145,7 @@ class RowParallelLinear(nn.Linear):
         if not self.group_name:
             raise RuntimeError("this row-parallel layer has no tp group: parallelize the model first")
         if self.weight.dtype == torch.float8_e4m3fn:  # --fp8: the input's scales over its whole rows (engines/fp8.py)
-            out = scaled_mm_whole_rows(x, self.weight, self.weight_scale, self.group_name)
+            out = scaled_mm_linear(x, self.weight, self.weight_scale, None, group_name=self.group_name)
         else:
             out = F.linear(x, self.weight)
         if self.lora is not None:  # a partial product too: summed by the same all-reduce, once

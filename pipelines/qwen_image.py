@@ -233,8 +233,6 @@ class QwenImageImagePipeline(StagedPipeline):
         return self.decode(request, self.denoise(request, self.encode(request), on_step))
 
 
-
-
 class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
     """transformers' Qwen2VLProcessor for text and images only: ProcessorMixin takes the parts this __init__ names,
     so the video processor (which needs torchvision) is neither asked for nor checked."""
