@@ -51,7 +51,7 @@ def check_build(args: argparse.Namespace):
     if args.ranks < 1:
         raise BuildError(f"--ranks must be >= 1, got {args.ranks}")
     backend = args.backend or (DEFAULT_BACKEND if args.device == "cpu" else
-                               default_backend("cuda", fp8=args.fp8, cache=args.cache is not None))
+                               default_backend("cuda", cache=args.cache is not None))
     try:
         options = EngineOptions.parse(backend)
     except ValueError as error:

@@ -480,8 +480,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--backends", default=None,
                    help="comma-separated engine labels (engines.options.EngineOptions), e.g. "
-                        "eager,inductor-blocks+cudagraph (default: what serve uses: inductor-blocks on GPUs, eager "
-                        "on CPUs)")
+                        "eager,inductor-blocks+cudagraph (default: what serve uses: inductor-blocks+cudagraph on "
+                        "GPUs, eager on CPUs)")
     p.add_argument("--strategies", default="ulysses",
                    help=f"comma-separated parallel modes on all ranks, of {', '.join(STRATEGIES)} (default ulysses; "
                         "'' for none)")

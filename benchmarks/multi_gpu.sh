@@ -31,13 +31,16 @@
 #   part 2 (~480 s): flux1-step 200 | flux1-generation 160 | flux1-cached-step 150 (both transports) |
 #                    flux2-dev-step 220 (every strategy, tp 2 last)
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
-#                    200 (29 frames, 1 GPU and ulysses-2) | cosmos3-super-tp (not yet timed on GPUs; alone: ONLY=)
+#                    200 (29 frames, 1 GPU and ulysses-2) | cosmos3-super-tp 107 on 2 of 4x H200 (alone: ONLY=)
 #   part 4 (2x / 4x H200, 2026-11-27): flux1-fp8-generation 99 / 92 | flux1-fp8-step 54 / 57 (with the sweep's kernels)
+#          | flux1-fp8-profile 64 (4 GPUs)
 #   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | flux1-generic-step 69 | wan14b-step over 220
 #          (its 1 GPU row alone: 113); on 4x H200, without the graph rows: 94 | 76 | - | 263
-#   part 6 (4x H200, 2026-11-27): qwen-image-generation 119 | wan14b-generation 193
-#   part 7 (2x H200): flux1-blockgraph-step 85 with FP8, part 5's kernels warm
-#   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step 152 without its 1 GPU rows
+#   part 5 with its graph rows, 4x H200: qwen-image-step 91 | flux3-step 110 | qwen-image-profile 42
+#   part 6 (4x H200, 2026-11-27): qwen-image-generation 119 (no graphs) | wan14b-generation 193 (2 GPUs: 200)
+#   part 7 (2x H200): flux1-blockgraph-step 85 with FP8, part 5's kernels warm (4x H200: 78)
+#   part 8 (2x H200): flux1-lora-step 95 with part 5's kernels | flux1-lora-fp8-step 158 (cold, 2 of 4x H200)
+#   graphs (2 of 4x H200): flux2-klein-graphs 54 | wan-1.3b-graphs 89 | wan22-ti2v-graphs 82 | cosmos3-nano-graphs 110
 #   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
 #          empty cache
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
@@ -59,13 +62,14 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 printf 'piece\tstatus\tseconds\n' >> "$out/pieces.tsv"
 
 if [ -n "${TINY:-}" ]; then
-    tiny=(--tiny) backend=eager fast=eager graphs=eager transport=nccl
+    tiny=(--tiny) backend=eager fast=eager graph=eager graphs=eager transport=nccl
     flux_sizes=64x64 cosmos_video=9x32x48 nano_video=9x64x96 steps=(--steps 4) few=(--warmup 1 --iters 1)
     nano_frames=9 nano_steps=(--steps 4) wan_video=9x48x64 qwen_sizes=64x64
     wan_shape=(--frames 9 --height 48 --width 64) qwen_shape=(--height 64 --width 64) qwen_steps=(--steps 4)
     wan_small=9x48x64 ti2v_video=9x64x96
 else
-    tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks graphs=inductor-blocks,inductor-blocks+cudagraph
+    tiny=() backend=inductor-blocks+overlap+cudagraph fast=inductor-blocks graph=inductor-blocks+cudagraph
+    graphs=$fast,$graph
     transport=copy-engine
     flux_sizes=${FLUX_SIZES:-1024x1024,2048x2048} cosmos_video=93x704x1280 nano_video=189x720x1280 steps=(--steps 28)
     few=(--warmup 1 --iters 2) nano_frames=29 nano_steps=() wan_video=81x720x1280 qwen_sizes=1328x1328
@@ -226,10 +230,11 @@ elif [ "$part" = 5 ]; then
         --out "$out/wan14b-step.json"
 elif [ "$part" = 6 ]; then
     # whole generations on the generic path, 1 GPU against ulysses-$gpus (split VAE on): Qwen-Image 1328² (20 of
-    # its 50 steps; and cfg-2: its two guidance calls at once, one per half of the ranks), then Wan 2.1 14B 81x720x1280 with 2 steps (a 1 GPU step is ~30 s: its 50 would not fit a
-    # command; the step rows of part 5 and these stages give the whole video's time)
+    # its 50 steps, in CUDA graphs, the GPU default; and cfg-2: its two guidance calls at once, one per half of the
+    # ranks), then Wan 2.1 14B 81x720x1280 with 2 steps (a 1 GPU step is ~23 s: its 50 would not fit a command; the
+    # step rows of part 5 and these stages give the whole video's time; a graph changes nothing in steps this long)
     piece qwen-image-generation 240 "${generation[@]}" --model qwen-image "${qwen_shape[@]}" "${qwen_steps[@]}" \
-        --strategies ulysses --cfg --backends "$fast" --split-vae on --runs 1 --warmup-steps 2 --engine-cache "$cache" \
+        --strategies ulysses --cfg --backends "$graph" --split-vae on --runs 1 --warmup-steps 2 --engine-cache "$cache" \
         --out "$out/qwen-image-generation.json"
     piece wan14b-generation 330 "${generation[@]}" --model wan2.1-t2v-14b "${wan_shape[@]}" --steps 2 \
         --strategies ulysses --backends "$fast" --split-vae on --runs 1 --warmup-steps 1 --engine-cache "$cache" \

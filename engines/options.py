@@ -46,19 +46,19 @@ Cosmos-Predict2-2B unchanged. It takes effect only before a process's first cuBL
 why entry points set it before they import torch."""
 
 
-def default_backend(device_type: str, *, fp8: bool = False, cache: bool = False) -> str:
-    """Per-block compiled engines on GPUs (built in seconds, steps faster); eager on CPUs.
+def default_backend(device_type: str, *, cache: bool = False) -> str:
+    """On GPUs, per-block compiled engines (built in seconds) replayed as CUDA graphs: one graph per call, or
+    with a step cache (whose decision sits between the blocks) one per block; eager on CPUs.
 
-    With FP8 weights the GPU engine replays CUDA graphs: one per call, or with a step cache (whose decision
-    sits between the blocks) one per block. FP8 GEMMs shorten a step's GPU work until the host's launches set
-    its pace. Measured (docs/benchmarks.md), FLUX.1-dev 1024² with --fp8: one H100, 173 ms a step per block
-    compiled, 97 ms in a graph (torchao's weights; bf16 180 and 129 ms); allgather-2 on 2x H200, 56.1 ms in one
-    graph, 64.2 ms in a graph per block."""
+    Without graphs a step split over several GPUs is paced by the host's kernel launches, not by the GPUs.
+    Measured (docs/benchmarks.md), 4x H200, one step, per-block compiled against the same in one graph:
+    Qwen-Image 1328² ulysses-4 339.8 -> 80.0 ms (1 GPU 240.2 -> 237.0), FLUX.3 Klein base 1024² ulysses-4
+    58.6 -> 25.1 ms; FLUX.2 Klein 4B ulysses-2 39.4 -> 34.0 ms; FLUX.1-dev 1024² --fp8, one H100, 173 -> 97 ms.
+    Video steps (Wan, Cosmos 3 Nano) take the same time either way (within 1%). A graph per block costs
+    some of that back: FLUX.1-dev allgather-2 --fp8, 56.1 ms in one graph, 64.2 ms in a graph per block."""
     if device_type != "cuda":
         return "eager"
-    if fp8:
-        return "inductor-blocks+blockgraph" if cache else "inductor-blocks+cudagraph"
-    return "inductor-blocks"
+    return "inductor-blocks+blockgraph" if cache else "inductor-blocks+cudagraph"
 
 
 def engine_cache_dir(given: Path | str | None) -> Path:
@@ -353,8 +353,7 @@ class RunOptions:
 
     def engine(self, device_type: str) -> EngineOptions:
         """The engine this run builds on a `device_type` ("cuda" or "cpu") rank."""
-        return EngineOptions.parse(self.backend or default_backend(device_type, fp8=self.fp8,
-                                                                     cache=self.cache is not None))
+        return EngineOptions.parse(self.backend or default_backend(device_type, cache=self.cache is not None))
 
     @property
     def cache_dir(self) -> Path:

@@ -82,14 +82,13 @@ def test_run_options_are_checked_once() -> None:
         RunOptions(all_to_all="carrier-pigeon")
     with pytest.raises(ValueError, match="not an engine"):
         RunOptions(backend="inductor-sideways")
-    assert RunOptions().engine("cuda").label == "inductor-blocks"
     assert RunOptions().engine("cpu").label == "eager"
     assert RunOptions(backend="inductor+cudagraph").engine("cpu").cuda_graph
-    # --fp8 on GPUs replays CUDA graphs: one a call, or one a block with the step cache deciding between them
-    assert RunOptions(fp8=True).engine("cuda").label == "inductor-blocks+cudagraph"
-    assert RunOptions(fp8=True, cache="fbcache").engine("cuda").label == "inductor-blocks+blockgraph"
-    assert RunOptions(cache="fbcache").engine("cuda").label == "inductor-blocks"
-    assert RunOptions(fp8=True, cache="fbcache").engine("cpu").label == "eager"
+    # GPUs replay CUDA graphs, bf16 or FP8: one a call, or one a block with the step cache deciding between them
+    for fp8 in (False, True):
+        assert RunOptions(fp8=fp8).engine("cuda").label == "inductor-blocks+cudagraph"
+        assert RunOptions(fp8=fp8, cache="fbcache").engine("cuda").label == "inductor-blocks+blockgraph"
+        assert RunOptions(fp8=fp8, cache="fbcache").engine("cpu").label == "eager"
     with pytest.raises(ValueError, match="--tp must be a positive integer"):
         RunOptions(tp=0)
     assert RunOptions(tp=2, fp8=True).fp8  # each rank quantizes its shards (engines/fp8.py)
