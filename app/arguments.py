@@ -98,7 +98,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "the rest, so tp x ulysses x ring x cfg = ranks. Default: `launch` picks the smallest "
                              "N whose weights fit the GPUs' memory, 1 otherwise (docs/tensor-parallel.md)")
     default = backend_default or ("inductor-blocks+cudagraph on GPUs (+blockgraph with --cache: a graph per block), "
-                                       "eager on CPUs")
+                                  "eager on CPUs")
     parser.add_argument("--backend", default=backend_default, type=backend_label,
                         help="engine of each rank's transformer: eager, inductor, inductor-blocks (per-block "
                              "compile), inductor...+overlap (keeps FLUX's all-to-all overlap through compilation), any "
