@@ -49,6 +49,8 @@ point beside the engine cache (engines.options.run_environment); this module set
 from __future__ import annotations
 
 import importlib.util
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -227,6 +229,26 @@ class Engine:
         self._swapped = []
         self._graphs.clear()
         return self.module
+
+
+def stop_compile_workers(grace_s: float = 10.0) -> None:
+    """Shut inductor's compile-worker pools down now, killing a pool's worker process that is still there after
+    `grace_s`; a no-op where nothing was compiled.
+
+    torch 2.11's pool can outlive a cold start's compiles, and its shutdown, which the interpreter runs at exit,
+    then waits 300 s for a process that does not end (pytorch/pytorch#162199, fixed in later torch). Measured on
+    2x H200 (torch 2.11): a cold `generate` of tiny-flux wrote its image 41 s after launch, and its ranks were
+    still in that shutdown 39 s later. engines.distributed.shutdown calls this when a process tears down; the
+    exit's own shutdown then finds the pools stopped."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    for pool in list(getattr(module, "_pool_set", ())):
+        stopping = threading.Thread(target=pool.shutdown, name="stop-compile-workers", daemon=True)
+        stopping.start()
+        stopping.join(grace_s)
+        process = getattr(pool, "process", None)  # inductor's SubprocPool: the process its workers run under
+        if stopping.is_alive() and process is not None:
+            process.kill()
+            stopping.join(grace_s)
 
 
 def _inductor_compile(module: nn.Module, options: EngineOptions) -> Callable[..., Any]:

@@ -174,10 +174,14 @@ def shutdown(ctx: ParallelContext) -> None:
     Drop every CUDA graph that captured this group's collectives first (Engine.release): measured on
     2x H200 (torch 2.11, NCCL 2.28), destroy_process_group() never returns while such a graph is
     alive, and 100 s after SIGKILL the rank still held its GPU memory. Graphs only reachable
-    through reference cycles are collected here.
+    through reference cycles are collected here. Then inductor's compile workers are stopped, so that
+    the process's exit does not wait on them (engines.compile.stop_compile_workers), in one process too.
     """
+    from engines.compile import stop_compile_workers
+
     if ctx.is_distributed and dist.is_initialized():
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         dist.destroy_process_group()
+    stop_compile_workers()

@@ -9,6 +9,8 @@ torch 2.11 (the GPU image) refuses to trace torch._utils._maybe_view_chunk_cat, 
 all-gather calls for a non-zero gather dim; torch 2.13 (here) traces it. The workers make it raise,
 so the CPU test fails if the parallel layer ever reaches it again.
 
+Also: engines.compile.stop_compile_workers, which ends torch 2.11's compile-worker pool at teardown.
+
 Compile with the default (or dynamic=False): every token count then gets its own static graph.
 With dynamic=True diffusers' CosmosLearnablePositionalEmbed (extra_pos_embed_type="learnable",
 Cosmos 1.0 only) compiles to wrong values even in a single process, a torch/diffusers issue
@@ -18,6 +20,9 @@ outside this layer; FLUX and Cosmos-Predict2 configs are unaffected.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -99,3 +104,40 @@ def test_compiled_fullgraph_matches_eager(tmp_path: Path) -> None:
     for rank in range(2):
         for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
             assert r["err"] == 0.0, r
+
+
+class _StuckPool:
+    """Stands in for a compile-worker pool of torch 2.11 after a cold start: its shutdown waits on a process that
+    does not end (pytorch/pytorch#162199)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def shutdown(self) -> None:
+        self.process.wait(300)
+
+
+class _QuickPool:
+    process = None
+    stopped = False
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+def test_stop_compile_workers_kills_a_pool_that_does_not_stop(monkeypatch) -> None:
+    import torch._inductor.async_compile as async_compile
+
+    from engines.compile import stop_compile_workers
+
+    stuck, quick = _StuckPool(), _QuickPool()
+    monkeypatch.setattr(async_compile, "_pool_set", [stuck, quick])
+    try:
+        started = time.monotonic()
+        stop_compile_workers(grace_s=1.0)
+        assert time.monotonic() - started < 10  # not the 300 s an exit would wait
+        assert stuck.process.poll() is not None  # killed
+        assert quick.stopped
+    finally:
+        stuck.process.kill()
+        stuck.process.wait()
