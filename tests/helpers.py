@@ -76,11 +76,19 @@ def _rank_main(rank: int, environ: dict[str, str], worker: Callable[..., None], 
     worker(rank, *args)
 
 
-def spawn_ranks(worker: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Run worker(rank, world_size, port, *args) on `world_size` processes; raise if any fails."""
+def spawn_ranks(worker: Callable[..., None], world_size: int, *args: Any, tries: int = 3) -> None:
+    """Run worker(rank, world_size, port, *args) on `world_size` processes; raise if any fails. A free port can
+    be taken by a test running beside this one before rank 0 listens on it (seen in CI: EADDRINUSE in
+    init_process_group, before any work): then the ranks start again on another port, up to `tries` times."""
     mp.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
-    mp.start_processes(_rank_main, args=(dict(os.environ), worker, world_size, free_port(), *args),
-                       nprocs=world_size, join=True, start_method="forkserver")
+    for attempt in range(tries):
+        try:
+            mp.start_processes(_rank_main, args=(dict(os.environ), worker, world_size, free_port(), *args),
+                               nprocs=world_size, join=True, start_method="forkserver")
+            return
+        except mp.ProcessRaisedException as error:
+            if "EADDRINUSE" not in str(error) or attempt == tries - 1:
+                raise
 
 
 def run_app(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
