@@ -45,12 +45,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from app.outputs import write_result
     from app.runtime import start_runtime
 
-    started = time.perf_counter()
     with stop_on_signals() as stop, start_runtime([(job.spec, job.folder)], run_options(args), stop=stop) as runtime:
         if not runtime.is_main:
             runtime.service.follow()
             return 0
         quiet = args.quiet
+        if not quiet:
+            print(runtime.startup.describe(), file=sys.stderr, flush=True)
+        started = time.perf_counter()
         with tqdm(total=job.request.steps, desc="denoising", unit="step", disable=quiet, file=sys.stderr) as bar:
             try:
                 generation = runtime.service.run(job.spec.media, job.request,
@@ -58,9 +60,13 @@ def run_generate(args: argparse.Namespace) -> int:
             except JobCancelled:
                 print("interrupted", file=sys.stderr)
                 return 130
+        write_started = time.perf_counter()
         write_result(generation.result, job.out, job.request, job.spec, generation.computed_steps)
-    if not quiet:
-        cached = "" if generation.computed_steps is None else (
-            f"; {generation.computed_steps} of {job.request.steps} steps computed, the rest from the step cache")
-        print(f"wrote {job.out} ({time.perf_counter() - started:.1f} s{cached})", file=sys.stderr)
+        if not quiet:  # before the ranks' teardown: the result is there, whatever the teardown takes
+            stages = generation.stages.with_write(time.perf_counter() - write_started).describe() \
+                if generation.stages is not None else ""
+            cached = "" if generation.computed_steps is None else (
+                f"; {generation.computed_steps} of {job.request.steps} steps computed, the rest from the step cache")
+            print(f"wrote {job.out} ({time.perf_counter() - started:.1f} s{cached}{'; ' if stages else ''}{stages})",
+                  file=sys.stderr, flush=True)
     return 0

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from app.budget import RequestBudget, RequestClock, duration
 from app.failures import JobCancelled, JobFailed, RankLost
@@ -104,7 +104,8 @@ class Job:
         self._events.put(Started())
 
     def describe(self, name: str, now: float | None = None) -> str:
-        """What the status line says of it: model, size, and once running its step and time."""
+        """What the status line says of it: model, size, and once running its step (after the last one: decoding)
+        and time."""
         request = self.request
         size = f"{request.width}x{request.height}" + (f", {request.frames} frames" if request.frames > 1 else "")
         about = f" of about {duration(self.estimate)}" if self.estimate is not None else ""
@@ -112,7 +113,20 @@ class Job:
             return f"{name} {size}, {request.steps} steps" + (f" (about {duration(self.estimate)})" if about else "")
         elapsed = (time.monotonic() if now is None else now) - self.started_at
         where = f" on {self.group}" if self.group else ""
-        return f"{name} {size}, step {self.steps_done} of {request.steps}, {duration(elapsed)}{about}{where}"
+        stage = "decoding" if self.steps_done >= request.steps else f"step {self.steps_done} of {request.steps}"
+        return f"{name} {size}, {stage}, {duration(elapsed)}{about}{where}"
+
+    def to_dict(self, name: str, now: float | None = None) -> dict[str, Any]:
+        """What describe says, as data (GET /status of `serve --no-ui`): model, size, steps, estimate, and once
+        running its step, seconds so far and group."""
+        request = self.request
+        about = None if self.estimate is None else round(self.estimate, 3)
+        state: dict[str, Any] = {"model": name, "size": f"{request.width}x{request.height}", "frames": request.frames,
+                                 "steps": request.steps, "estimate_seconds": about}
+        if self.started_at is not None:
+            elapsed = (time.monotonic() if now is None else now) - self.started_at
+            state.update(step=self.steps_done, seconds=round(elapsed, 3), group=self.group or None)
+        return state
 
     def step(self, done: int, total: int) -> None:
         self.steps_done = done
@@ -230,6 +244,12 @@ class JobQueue:
         """The jobs taken and not yet ended, oldest first."""
         with self._lock:
             return [job for job in self._taken if not job.ended]
+
+    @property
+    def closed(self) -> str | None:
+        """Why the queue takes no more jobs (None: it takes them)."""
+        with self._lock:
+            return self._closed_because
 
     def close(self, reason: str) -> None:
         """Refuse new jobs and fail the waiting ones with `reason`."""

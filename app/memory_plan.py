@@ -88,15 +88,44 @@ def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_by
 
 
 def gpu_memory() -> int | None:
-    """The least free memory of the visible GPUs, in bytes; None without a GPU.
+    """The least free memory of the visible GPUs (CUDA_VISIBLE_DEVICES), in bytes; None without a GPU.
 
-    Asked in a short child process: torch.cuda.mem_get_info creates a CUDA context on every GPU it asks
-    about (hundreds of MiB each), and the launcher lives as long as its ranks."""
+    Read from the driver by nvidia-smi (0.1 s, no CUDA context); where there is none, asked in a short child
+    process: torch.cuda.mem_get_info creates a CUDA context on every GPU it asks about (hundreds of MiB each, and
+    seconds before any rank starts), and the launcher lives as long as its ranks."""
     import subprocess
     import sys
 
+    free = _nvidia_smi_free_bytes()
+    if free is not None:
+        return min(free) if free else None
     script = ("import torch\n"
               "if torch.cuda.is_available():\n"
               "    print(min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())))\n")
     answer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     return int(answer.stdout) if answer.returncode == 0 and answer.stdout.strip() else None
+
+
+def _nvidia_smi_free_bytes() -> list[int] | None:
+    """Free memory of each GPU that CUDA_VISIBLE_DEVICES leaves visible, from nvidia-smi; None where nvidia-smi
+    cannot tell (not installed, no driver, a visible-devices entry it does not know)."""
+    import os
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    command = ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"]
+    if visible is not None:
+        devices = [device.strip() for device in visible.split(",") if device.strip()]
+        if not devices or devices[0] == "-1":
+            return []
+        command.append(f"--id={','.join(devices)}")
+    try:
+        answer = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if answer.returncode != 0:
+        return None
+    try:
+        return [int(line) * 2**20 for line in answer.stdout.split()]
+    except ValueError:
+        return None

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible image and video API under /v1, on the UI's port (rank 0), for the `openai` package.
+"""An OpenAI-compatible image and video API under /v1, on the UI's port (rank 0), for the `openai` package;
+`serve --no-ui` serves it alone (app.api_server).
 
     POST   /v1/images/generations    text to image (n images: seeds seed, seed + 1, ...)
     POST   /v1/images/edits          text and a reference image to image (models that take one: FLUX.2)
@@ -403,8 +404,8 @@ def _failed(message: str) -> ApiError:
     return ApiError(500, message, type="server_error", code="generation_failed")
 
 
-def _endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiAccess | None
-              ) -> Callable[[Request], Awaitable[Response]]:
+def api_endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiAccess | None
+                 ) -> Callable[[Request], Awaitable[Response]]:
     """`handler` behind the key check (None: no check), its ApiErrors answered in OpenAI's shape."""
 
     async def endpoint(request: Request) -> Response:
@@ -416,6 +417,14 @@ def _endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiAcce
             return error.response()
 
     return endpoint
+
+
+async def unknown_path(request: Request) -> Response:
+    """A path no route of this server answers: 404 in OpenAI's shape (under /v1, and everywhere with --no-ui)."""
+    # the whole URL: a bare path would read as a server path to public_message, and be cut to its last part
+    raise ApiError(404, f"no endpoint {request.method} {request.url.replace(query='')} here (docs/openai-api.md "
+                   "lists them)",
+                   type="not_found_error", code="unknown_url")
 
 
 def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int) -> list[BaseRoute]:
@@ -604,13 +613,9 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
                            type="not_found_error", code="not_found")
         return FileResponse(path, media_type="image/png" if name.endswith(".png") else "video/mp4")
 
-    async def unknown(request: Request) -> Response:
-        raise ApiError(404, f"no endpoint {request.method} {request.url.path} here (docs/openai-api.md lists them)",
-                       type="not_found_error", code="unknown_url")
-
     def route(path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
               keyed: bool = True) -> Route:
-        return Route(f"{PREFIX}{path}", _endpoint(handler, access if keyed else None), methods=methods)
+        return Route(f"{PREFIX}{path}", api_endpoint(handler, access if keyed else None), methods=methods)
 
     return [
         route("/models", models, ["GET"]),
@@ -622,7 +627,7 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         route("/videos/{video_id}/content", video_content, ["GET"]),
         route("/files/{name}", result_file, ["GET"], keyed=False),  # the signature is the key
         # Anything else under /v1 is this API's to answer (Gradio's routes never see it).
-        route("/{path:path}", unknown, ["GET", "POST", "PUT", "PATCH", "DELETE"], keyed=False),
+        route("/{path:path}", unknown_path, ["GET", "POST", "PUT", "PATCH", "DELETE"], keyed=False),
     ]
 
 

@@ -161,7 +161,7 @@ class ResultsFolder:
 
 
 class RecentResults:
-    """A server's latest results per model and owner (app.ui.owner_of), newest first (the UI's galleries)."""
+    """A server's latest results per model and owner (app.ui.Owners), newest first (the UI's galleries)."""
 
     def __init__(self, keep: int = 24, owners: int = 1000) -> None:
         self._keep = keep

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +43,40 @@ class ServedModel:
         return self.spec.media
 
 
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc; elsewhere since this module's import)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartupSeconds:
+    """Where a rank's start went, in wall seconds: the first thing to look at when the first image is slow."""
+
+    imports: float
+    """From the process's start to torch, diffusers and the app's modules imported."""
+    join: float
+    """Joining the run: the rendezvous and the process groups."""
+    load: float
+    """Loading the weights (every rank its share) and agreeing that every rank loaded."""
+    prepare: float
+    """FP8, LoRA, the parallel plans, the engines' wrappers and the step cache (compiling happens at the first call
+    of each shape: a request's first step)."""
+
+    def describe(self) -> str:
+        """E.g. 'ready in 6.1 s: imports 3.2 s · joining 0.4 s · weights 2.1 s · engines 0.4 s'."""
+        total = self.imports + self.join + self.load + self.prepare
+        return (f"ready in {total:.1f} s: imports {self.imports:.1f} s · joining {self.join:.1f} s · "
+                f"weights {self.load:.1f} s · engines {self.prepare:.1f} s")
+
+
 @dataclass(kw_only=True)
 class Runtime:
     """What a command needs once its rank has started."""
@@ -58,6 +93,8 @@ class Runtime:
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
     step_cache: str | None = None
     """The step cache the transformers run with (its label, e.g. 'fbcache:0.08'), or None."""
+    startup: StartupSeconds | None = None
+    """Where this rank's start went."""
     active: int = 0
     """Rank 0: the layout the ranks are in now (regroup moves them)."""
 
@@ -151,13 +188,46 @@ class Runtime:
 
     def describe(self, last_step_seconds: float | None = None, computed_steps: tuple[int, int] | None = None,
                  stages: StageSeconds | None = None) -> str:
-        """Status line: models, ranks, plan, backend and (if known) the last request's stage times (encode,
-        steps, decode, write; else its step time) and, with a step cache, how many of its steps were computed."""
+        """Status line: in plain words the models, what runs them and the last client request's stage times
+        (encode, steps, decode, write; else its step time; none yet: says so) with, under a step cache, how many of
+        its steps were computed; then the technical details (describe_details)."""
+        return f"{self.describe_plainly(last_step_seconds, computed_steps, stages)} · {self.describe_details()}"
+
+    def describe_plainly(self, last_step_seconds: float | None = None,
+                         computed_steps: tuple[int, int] | None = None, stages: StageSeconds | None = None) -> str:
+        """E.g. "tiny-flux (image) on 2 CPU processes, each with half of every image, full precision (float32) ·
+        no request yet"."""
+        from app import status_words
+
         models = ", ".join(f"{m.spec.name} ({m.spec.media})" for m in self.models.values())
-        step = "—/step" if last_step_seconds is None else f"{last_step_seconds * 1000:.0f} ms/step"
-        if stages is not None:
-            step = stages.describe()
-        computed = "" if computed_steps is None else f", {computed_steps[0]} of {computed_steps[1]} steps computed"
+        device = self.service.ctx.device
+        name = None
+        if device.type == "cuda":
+            import torch
+
+            name = torch.cuda.get_device_name(device)
+        media = " or ".join(dict.fromkeys(m.spec.media for m in self.models.values())) or "image"
+        shared = status_words.sharing(self.plan, media)
+        if self.regroups:
+            shared = "as one group for a lone request" + (f" ({shared})" if shared else "") + \
+                ", as smaller groups side by side while requests wait"
+        elif self.replicas > 1:
+            shared = f"in {self.replicas} groups of {self.group_size}, each running its own request" + (
+                f" ({shared})" if shared else "")
+        what = ", ".join(part for part in (status_words.processes(self.world_size, device.type, name), shared,
+                                            status_words.precision(self.backend)) if part)
+        if last_step_seconds is None and stages is None:
+            last = "no request yet"
+        else:
+            times = stages.describe() if stages is not None else f"{last_step_seconds * 1000:.0f} ms/step"
+            last = f"last request: {times}"
+            if computed_steps is not None:
+                last += f", {computed_steps[0]} of {computed_steps[1]} steps computed"
+        return f"{models} on {what} · {last}"
+
+    def describe_details(self) -> str:
+        """The technical part: ranks, groups, plan and backend, e.g. "2 ranks · plan ulysses-2, all-to-all gloo ·
+        backend gloo, cpu, float32, eager"."""
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         if self.regroups:
             ranks += " as one group, or smaller groups while requests wait"
@@ -166,9 +236,7 @@ class Runtime:
             plan = self.plan
             if self.replicas > 1:
                 ranks += f" in {self.replicas} groups of {self.group_size}"
-        return (f"model {models} · {ranks} · "
-                f"plan {plan} · backend {self.backend} · last request {step}{computed}")
-
+        return f"{ranks} · plan {plan} · backend {self.backend}"
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
@@ -237,7 +305,9 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     from pipelines.factory import default_dtype, load_pipeline
     from pipelines.prompt_cache import PromptCache
 
+    imported = process_seconds()
     world = init_parallel(options.device)
+    joined = process_seconds()
     lost = False
     pipelines: dict[str, Any] = {}
     runtime: Runtime | None = None
@@ -283,6 +353,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         except Exception as error:  # noqa: BLE001 - reported by every rank together, below
             failure = f"rank {world.rank} could not load {spec.name} from {folder}: {describe(error)}"
         rank_processes = _agree_on_startup(world, failure)
+        loaded_at = process_seconds()
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
         split_media = sorted(media for media in pipelines if keys[media] in split_keys)
@@ -333,8 +404,11 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                 layout.remote.extend(RemoteGroup(link, leader=replica * layout.group_size,
                                                  label=layout.label(replica), listen=index == 0)
                                      for replica, link in sorted(layout.links.items()))
+        ready = process_seconds()
         runtime = Runtime(layouts=layouts, models=served, world_size=world.world_size, is_main=world.is_main,
-                          backend=backend, step_cache=options.step_cache.label if options.cache is not None else None)
+                          backend=backend, step_cache=options.step_cache.label if options.cache is not None else None,
+                          startup=StartupSeconds(imports=imported, join=joined - imported, load=loaded_at - joined,
+                                                 prepare=ready - loaded_at))
         try:
             yield runtime
         except RankLost:

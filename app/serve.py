@@ -13,7 +13,8 @@ a --trusted-proxy. Uploads and a temporary results folder go when the server end
 
 The same port serves an OpenAI-compatible image and video API under /v1 (app.openai_api), sharing the
 UI's queue and limits; with --api-key-file it asks for one of its keys, failed keys counting as failed
-logins; with a UI login but no keys it is off.
+logins; with a UI login but no keys it is off. `--no-ui` serves that API alone, with GET /status and
+GET /health, on uvicorn without Gradio (app.api_server), for teams putting the server behind their own tools.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from app.access import (AUTH_ENV, AuthError, LoginFailures, LoginThrottle, parse_trusted_proxies, read_api_keys,
                         read_logins, trust_forwarded_headers)
@@ -36,6 +38,12 @@ from app.outputs import OutputError, ResultsCap, check_writer
 from app.stopping import stop_on_signals, temporary_folder
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 from pipelines.requests import read_limits
+
+if TYPE_CHECKING:
+    from app.openai_api import ApiAccess
+    from app.runtime import Runtime
+    from app.stopping import StopRequest
+    from app.submit import Server
 
 
 CLIENT_GRACE_SECONDS = 1.0
@@ -73,6 +81,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for everyone)")
     parser.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (needs internet)")
+    parser.add_argument("--no-ui", action="store_true",
+                        help="serve the OpenAI-compatible API alone (/v1, with GET /status and GET /health), without "
+                             "the web UI: Gradio is never loaded; with --api-key-file for keys, not --auth-file")
     parser.add_argument("--auth-file", default=None, metavar="FILE",
                         help=f"ask for a login: FILE has one USER:PASSWORD a line (or set ${AUTH_ENV}=USER:PASSWORD); "
                              "after 5 failed logins an address waits 1 s, then 2, 4, ... up to 60 s")
@@ -133,6 +144,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             raise ServeError(f"{error}; or serve an image model alone (--model NAME)") from None
     # --lora: each served model takes the files that fit it (checked from its config); one that fits none is refused
     served_lora_limits(args, models, [read_limits(spec, folder) for spec, folder in models])
+    if args.no_ui:
+        _check_no_ui(args)
     if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
         raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
     keep_results = None
@@ -154,6 +167,19 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             raise ServeError(str(error)) from None
     return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies,
                      api_keys=api_keys)
+
+
+def _check_no_ui(args: argparse.Namespace) -> None:
+    """ServeError for what a server without its web UI cannot do: a public link to it, or logins to it (with no
+    API keys they would leave nothing open to anyone)."""
+    if args.share:
+        raise ServeError("--share opens a public link to the web UI, and --no-ui serves none: leave one of them out")
+    login = next((name for name, value in (("--auth", args.auth), ("--auth-file", args.auth_file),
+                                           (f"${AUTH_ENV}", os.environ.get(AUTH_ENV))) if value), None)
+    if login is not None:
+        instead = ("leave it out: the API asks for the keys of --api-key-file" if args.api_key_file else
+                   "ask for API keys instead (--api-key-file FILE)")
+        raise ServeError(f"{login} asks for a login to the web UI, and --no-ui serves none: {instead}")
 
 
 def check_port(host: str, port: int) -> None:
@@ -203,10 +229,11 @@ def _calibrate(runtime, budget) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C (rank 0 runs the UI and the queue; other ranks follow)."""
+    """Serve until Ctrl-C (rank 0 runs the UI, or the API alone, and the queue; other ranks follow)."""
     plan = serve_plan(args)
-    # Gradio's usage analytics would try the network on every start; this runs offline.
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    if not args.no_ui:
+        # Gradio's usage analytics would try the network on every start; this runs offline.
+        os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
     from app.runtime import start_runtime
 
@@ -215,16 +242,18 @@ def run_serve(args: argparse.Namespace) -> int:
         if not runtime.is_main:
             runtime.follow()
             return 0
-        # Gradio's cache (uploads, and copies of the results it serves) in a folder of this server's, read by
-        # Gradio when it is imported (just below): removed on exit, and by the next start after a SIGKILL.
+        # Uploads in a folder of this server's (inside $GRADIO_TEMP_DIR where set): removed on exit, and by the next
+        # start after a SIGKILL. With the UI it is Gradio's cache too (uploads, and copies of the results it serves),
+        # read by Gradio when it is imported (_start_ui).
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
-        os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
+        if not args.no_ui:
+            os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
         from app.budget import RequestBudget, counted_work
         from app.jobs import JobQueue, serve_jobs
+        from app.openai_api import api_access
         from app.outputs import ResultsFolder
-        from app.ui import Server, build_ui
+        from app.submit import Server
         from app.uploads import Uploads
-        from starlette.middleware import Middleware
 
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,42 +287,74 @@ def run_serve(args: argparse.Namespace) -> int:
             return message
 
         stop.abandon = abandon
-        # Results are served from their folder as they are: Gradio copies any other file it returns into its cache
-        # (one copy per result, for the server's life, whatever --keep-results removes).
-        import gradio as gr
-
-        gr.set_static_paths([out_dir])
-        demo = build_ui(runtime, server)
-        # The API's routes come first in the app, so that none of Gradio's answers under /v1; failed keys and
-        # failed UI logins count together.
-        from app.openai_api import PREFIX, api_access, api_routes
-
+        # Failed API keys and failed UI logins count together.
         failures = LoginFailures()
-        routes = api_routes(runtime, server, api_access(plan.api_keys, bool(plan.logins), failures),
-                            int(args.max_upload_mb * 1e6))
-        trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as Gradio starts it, just below
+        access = api_access(plan.api_keys, bool(plan.logins), failures)
+        trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as it starts, just below
+        close: Callable[[], None] = lambda: None
         try:
             try:
-                _, local_url, share_url = demo.launch(
-                    server_name=args.host, server_port=args.port, share=args.share,
-                    auth=[tuple(login) for login in plan.logins] if plan.logins else None,
-                    prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
-                    quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
-                    app_kwargs={"middleware": [Middleware(LoginThrottle, failures=failures)], "routes": routes},
-                )
+                if args.no_ui:
+                    close, where = _start_api(args, runtime, server, access, stop)
+                else:
+                    close, where = _start_ui(args, plan, runtime, server, access, out_dir)
             except OSError as error:
                 raise ServeError(f"cannot listen on {args.host}:{args.port}: {error}") from None
-            print(f"serving on {local_url}" + (f" and {share_url}" if share_url else "")
-                  + f" (OpenAI-compatible API: {local_url.rstrip('/')}{PREFIX})"
-                  + f" · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr, flush=True)
+            print(f"serving on {where} · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr,
+                  flush=True)
             serve_jobs(runtime, jobs, stop, budget)
         except RankLost:
-            # Let the handler threads hand the failure to their pages before the server closes.
+            # Let the handler threads hand the failure to their clients before the server closes.
             time.sleep(CLIENT_GRACE_SECONDS)
             raise
         finally:
             jobs.close("the server is shutting down")
-            demo.close()
+            close()
             remove_files()
     print("stopped", file=sys.stderr)
     return 0
+
+
+def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, server: Server, access: ApiAccess,
+              out_dir: Path) -> tuple[Callable[[], None], str]:
+    """Start Gradio's server with the UI and the API (on its thread); returns its close and where it serves."""
+    # Results are served from their folder as they are: Gradio copies any other file it returns into its cache
+    # (one copy per result, for the server's life, whatever --keep-results removes).
+    import gradio as gr
+    from starlette.middleware import Middleware
+
+    from app.openai_api import PREFIX, api_routes
+    from app.ui import build_ui
+
+    gr.set_static_paths([out_dir])
+    demo = build_ui(runtime, server)
+    # The API's routes come first in the app, so that none of Gradio's answers under /v1.
+    routes = api_routes(runtime, server, access, int(args.max_upload_mb * 1e6))
+    try:
+        _, local_url, share_url = demo.launch(
+            server_name=args.host, server_port=args.port, share=args.share,
+            auth=[tuple(login) for login in plan.logins] if plan.logins else None,
+            prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
+            quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
+            app_kwargs={"middleware": [Middleware(LoginThrottle, failures=access.failures)], "routes": routes},
+        )
+    except OSError:
+        demo.close()
+        raise
+    where = (f"{local_url}" + (f" and {share_url}" if share_url else "")
+             + f" (OpenAI-compatible API: {local_url.rstrip('/')}{PREFIX})")
+    return demo.close, where
+
+
+def _start_api(args: argparse.Namespace, runtime: Runtime, server: Server, access: ApiAccess, stop: StopRequest
+               ) -> tuple[Callable[[], None], str]:
+    """Start uvicorn with the API alone (on its thread; Gradio never imported); returns its close and where it
+    serves."""
+    from app.api_server import ApiServer, api_app, display_url, serving_health
+    from app.openai_api import PREFIX
+
+    app = api_app(runtime, server, access, int(args.max_upload_mb * 1e6), serving_health(runtime, server.jobs, stop))
+    front = ApiServer(app, args.host, args.port)
+    front.start()
+    url = display_url(args.host, args.port)
+    return front.close, f"{url}{PREFIX} (the OpenAI-compatible API alone, no UI; also {url}/status and {url}/health)"

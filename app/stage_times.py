@@ -45,17 +45,30 @@ class StageSeconds:
         return " · ".join(parts)
 
 
-class LastStages:
-    """The stage times of the last request that finished (set by one thread, read by others)."""
+@dataclass(frozen=True, kw_only=True)
+class RequestTimes:
+    """What the status line says of a finished client request."""
+
+    step_seconds: float
+    """Its mean step time."""
+    stages: StageSeconds | None = None
+    """Its stage seconds, its write included (None where they were not measured)."""
+    computed_steps: tuple[int, int] | None = None
+    """Run with a step cache: (steps computed, steps)."""
+
+
+class LastRequest:
+    """The times of the last client request that finished (set by one thread, read by others). The start-up
+    calibration's requests (app.serve) never count: before the first client request it holds None."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._value: StageSeconds | None = None
+        self._value: RequestTimes | None = None
 
-    def set(self, value: StageSeconds) -> None:
+    def set(self, value: RequestTimes) -> None:
         with self._lock:
             self._value = value
 
-    def get(self) -> StageSeconds | None:
+    def get(self) -> RequestTimes | None:
         with self._lock:
             return self._value

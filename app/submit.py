@@ -23,8 +23,8 @@ from app.budget import RequestBudget
 from app.jobs import Job, JobQueue
 from app.lockstep import Generation
 from app.outputs import RecentResults, ResultsFolder, settings_of
-from app.runtime import ServedModel
-from app.stage_times import LastStages
+from app.runtime import Runtime, ServedModel
+from app.stage_times import LastRequest, RequestTimes
 from app.uploads import Uploads
 from pipelines.requests import GenerationRequest, make_request
 
@@ -41,8 +41,8 @@ class Server:
     results: ResultsFolder
     uploads: Uploads
     recent: RecentResults = field(default_factory=RecentResults)
-    last_stages: LastStages = field(default_factory=LastStages)
-    """Stage seconds of the last result written (its write included): the status line's."""
+    last_request: LastRequest = field(default_factory=LastRequest)
+    """The times of the last result written (its write included): the status line's."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ async def submit(model: ServedModel, server: Server, **fields: Any) -> Submitted
 async def write(model: ServedModel, server: Server, submitted: Submitted, generation: Generation,
                 owner: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Write a finished job's result (off the event loop) and return its path and settings (the file's, and
-    its times); `owner`: whose recent results it joins (app.ui.owner_of; None: no gallery's)."""
+    its times); `owner`: whose recent results it joins (app.ui.Owners; None: no gallery's)."""
     request, estimate = submitted.request, submitted.estimate
     # The ranks are on the next job already: this handler's thread writes while they work.
     write_started = time.perf_counter()
@@ -99,13 +99,23 @@ async def write(model: ServedModel, server: Server, submitted: Submitted, genera
     settings.update(seconds=round(generation.seconds, 3), step_seconds=round(generation.step_seconds, 4),
                     estimate_seconds=None if estimate is None else round(estimate, 3),
                     ran_from=[round(job.started_time, 3), round(job.ended_time, 3)])  # when its group had it (epoch s)
+    stages = None
     if generation.stages is not None:
         stages = generation.stages.with_write(time.perf_counter() - write_started)
-        server.last_stages.set(stages)
         settings["stages"] = stages.to_dict()
+    computed = None if generation.computed_steps is None else (generation.computed_steps, request.steps)
+    server.last_request.set(RequestTimes(step_seconds=generation.step_seconds, stages=stages, computed_steps=computed))
     if owner is not None:
         server.recent.add(model.key, owner, path, settings)
     return path, settings
+
+
+def server_line(runtime: Runtime, server: Server, details: bool = True) -> str:
+    """The status line's first part (Runtime.describe): models, what runs them, and the last client request's times
+    (the start-up calibration's never count); `details`: then the technical details (Runtime.describe_details)."""
+    last = server.last_request.get()
+    times = () if last is None else (last.step_seconds, last.computed_steps, last.stages)
+    return runtime.describe(*times) if details else runtime.describe_plainly(*times)
 
 
 _SERVER_PATH = re.compile(r"(?<![\w:/.])/(?:[^\s/'\"]+/)+([^\s/'\"]+)")

@@ -8,8 +8,10 @@ lockstep service runs one job at a time on the main thread, in arrival order. A 
 job: every rank drops it at the next step. Error messages name files by their names alone. The seed used goes back into the Seed box (so unticking
 "Random seed" repeats a result); a second, private, event then refreshes the tab's recent-results
 gallery, where clicking an item puts its settings back into the inputs. A gallery shows its owner's results
-alone: with logins, the user's (from any browser); without, the browser session's (a reload starts empty).
-The status line, refreshed every STATUS_SECONDS, says what runs (model, size, step k/n, time) and what waits.
+alone (Owners): with logins, the user's (from any browser); without, the browser's (a reload shows them again).
+The status line, refreshed every STATUS_SECONDS and at once when a request is accepted, says in plain words what
+runs the models and the last client request's times, what runs now (model, size, step k/n or decoding, time) and
+what waits, then, smaller, the technical details (ranks, plan, backend).
 
 API (gradio_client): /generate_image, /generate_video, /status; see `Client(url).view_api()`. The
 generate endpoints return (media path, file path, settings, status line, seed used). A tab whose model carries
@@ -19,9 +21,12 @@ LoRAs (--lora) takes two more inputs, last: the LoRAs used (a list of names, def
 from __future__ import annotations
 
 import asyncio
+import re
+import secrets
+import threading
 import time
-from pathlib import Path
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, AsyncIterator, Callable
 
 import gradio as gr
 from gradio.context import LocalContext
@@ -30,25 +35,33 @@ from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed
 from app.lockstep import Generation
 from app.outputs import RecentResults
 from app.runtime import Runtime, ServedModel
-from app.submit import Server, public_message, random_seed, submit, write
+from app.submit import Server, public_message, random_seed, server_line, submit, write
 from pipelines.requests import RequestError
 
-__all__ = ["Server", "build_ui", "owner_of", "public_message", "queue_status"]
+__all__ = ["Owners", "Server", "build_ui", "public_message", "queue_status"]
 
 EVENT_POLL_SECONDS = 0.05
 """How often a waiting handler looks at its job's events and at its client."""
 MAX_MEDIA_PX = 512
+"""Images are shown at their own size up to this width (never upscaled); the file is full size."""
 STATUS_SECONDS = 2.0
 """How often an open page refreshes its status line."""
 STATUS_WAITING_SHOWN = 3
 """Waiting requests the status line names (it counts them all)."""
-"""Results are shown at their own size up to this width (never upscaled); the file is full size."""
 
-# Media at native size (no upscaling), at most MAX_MEDIA_PX wide; Gradio's own rules stretch it to its box.
+MIN_VIDEO_PX = 256
+"""A video is shown at least this wide (within the column): a smaller one's player, whose controls overlay its
+bottom, would be a strip."""
+
+# Gradio's own rules stretch media to its box. An image at native size (no upscaling), at most MAX_MEDIA_PX wide; a
+# video at its own size up to the column's width, at least MIN_VIDEO_PX wide.
 CSS = f"""
 .native-media img, .native-media video {{
   width: auto !important; height: auto !important; max-width: min(100%, {MAX_MEDIA_PX}px) !important;
   max-height: {MAX_MEDIA_PX}px !important; object-fit: contain; margin: 0 auto; display: block;
+}}
+.native-media video {{
+  min-width: min(100%, {MIN_VIDEO_PX}px) !important; max-width: 100% !important; max-height: 80vh !important;
 }}
 """
 
@@ -58,11 +71,11 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
 
     jobs = server.jobs
     names = {key: model.spec.name for key, model in runtime.models.items()}
+    owners = Owners()
 
     def status() -> str:
-        line = runtime.describe(runtime.service.last_step_seconds, runtime.service.last_computed_steps,
-                                server.last_stages.get() or runtime.service.last_stages)
-        return f"{line}  \n{queue_status(jobs, names)}"
+        return (f"{server_line(runtime, server, details=False)}  \n{queue_status(jobs, names)}  \n"
+                f"<small>{runtime.describe_details()}</small>")
 
     # Gradio's cache holds uploads (results are served from the results folder itself, app.serve's static path):
     # every half hour, files older than an hour go (the whole folder goes when the server ends, app.serve).
@@ -70,18 +83,24 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
         gr.HTML(f"<style>{CSS}</style>", container=False, padding=False)
         gr.Markdown("## ulysses-studio")
         status_line = gr.Markdown(status(), label="Status", elem_id="status")
+        # Without logins a page's owner is its browser: an id kept in the browser's storage, so that a reload
+        # finds its results again (the galleries fill once it is known).
+        browser = gr.BrowserState(None, storage_key="ulysses-studio-browser")
+        identified = demo.load(owners.identify, inputs=browser, outputs=browser, api_visibility="private",
+                               show_progress="hidden", queue=False)
+        tab = (demo, server, owners, identified, status, status_line, runtime.step_cache)
         with gr.Tab("Image", id="image"):
             image = runtime.models.get("image")
             if image is None:
                 gr.Markdown("This server runs no image model: start it with `--model NAME` (e.g. tiny-flux).")
             else:
-                _image_tab(demo, image, server, status, status_line, runtime.step_cache)
+                _image_tab(image, *tab)
         with gr.Tab("Video", id="video"):
             video = runtime.models.get("video")
             if video is None:
                 gr.Markdown("This server runs no video model: start it with `--video-model NAME` (e.g. tiny-cosmos).")
             else:
-                _video_tab(demo, video, server, status, status_line, runtime.step_cache)
+                _video_tab(video, *tab)
         demo.load(status, outputs=status_line, api_name="status", queue=False)
         gr.Timer(STATUS_SECONDS).tick(status, outputs=status_line, api_visibility="private", show_progress="hidden",
                                       queue=False)
@@ -94,21 +113,50 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
 
 def queue_status(jobs: JobQueue, names: dict[str, str]) -> str:
     """What runs and what waits, e.g. "running tiny-flux 512x512, step 3 of 8, 1.2 s of about 3.0 s · 2 waiting:
-    tiny-cosmos 128x128, 17 frames, 8 steps; tiny-flux 256x256, 8 steps"."""
+    tiny-cosmos 128x128, 17 frames, 8 steps; tiny-flux 256x256, 8 steps"; "idle" where nothing does."""
     running, waiting = jobs.snapshot()
-    line = "; ".join(f"running {job.describe(names[job.model])}" for job in running) or "idle"
+    parts = ["; ".join(f"running {job.describe(names[job.model])}" for job in running) or ("" if waiting else "idle")]
     if waiting:
         shown = "; ".join(job.describe(names[job.model]) for job in waiting[:STATUS_WAITING_SHOWN])
         more = f"; and {len(waiting) - STATUS_WAITING_SHOWN} more" if len(waiting) > STATUS_WAITING_SHOWN else ""
-        line += f" · {len(waiting)} waiting: {shown}{more}"
-    return line
+        parts.append(f"{len(waiting)} waiting: {shown}{more}")
+    return " · ".join(part for part in parts if part)
 
 
-def owner_of(session: gr.Request | None) -> str:
-    """Whose results a request's are: its login's user, else its browser session's."""
-    if session is None:
-        return ""
-    return f"user:{session.username}" if session.username else f"session:{session.session_hash}"
+BROWSER_ID = re.compile(r"[A-Za-z0-9_-]{22}")
+"""The form of a browser's id (Owners.identify makes them)."""
+
+
+class Owners:
+    """Whose results a request's are (whose gallery they join): its login's user; without logins, its browser's
+    (an id its page keeps in the browser's storage and names as it loads); else (an API client) its session's."""
+
+    def __init__(self, most: int = 10_000) -> None:
+        self._most = most
+        self._lock = threading.Lock()
+        self._browsers: OrderedDict[str, str] = OrderedDict()
+        """Session -> its page's browser id; the least recently identified go beyond `most`."""
+
+    def identify(self, browser: str | None, session: gr.Request) -> str:
+        """As a page loads: its browser's id (a new one where it brings none) becomes its session's owner; returns
+        the id, which the page keeps."""
+        if not isinstance(browser, str) or not BROWSER_ID.fullmatch(browser):
+            browser = secrets.token_urlsafe(16)
+        with self._lock:
+            self._browsers[session.session_hash] = browser
+            self._browsers.move_to_end(session.session_hash)
+            while len(self._browsers) > self._most:
+                self._browsers.popitem(last=False)
+        return browser
+
+    def of(self, session: gr.Request | None) -> str:
+        if session is None:
+            return ""
+        if session.username:
+            return f"user:{session.username}"
+        with self._lock:
+            browser = self._browsers.get(session.session_hash)
+        return f"browser:{browser}" if browser else f"session:{session.session_hash}"
 
 
 def _seed_inputs(prefix: str) -> tuple[gr.Number, gr.Checkbox]:
@@ -190,8 +238,8 @@ def _gallery_of(recent: RecentResults, key: str, owner: str) -> tuple[list[tuple
     return items, [result.settings for result in results]
 
 
-def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
-               status_line: gr.Markdown, step_cache: str | None) -> None:
+def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owners, identified: Any,
+               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None) -> None:
     takes_reference = model.limits.reference_image
     gr.Markdown(f"Text{' (and a reference image)' if takes_reference else ''} to image with **{model.spec.name}**.")
     with gr.Row():
@@ -220,12 +268,13 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
                              width: float, height: float, condition: str | None = None, step_cache: bool = True,
                              lora: list[str] | None = None, lora_scale: float | None = None,
-                             session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt, seed=seed,
-                                     steps=steps, guidance=guidance, width=width, height=height,
-                                     condition=condition or None, step_cache=step_cache,
-                                     lora=_lora_field(lora, lora_scale))
-        return str(path), str(path), used, status(), used["seed"]
+                             session: gr.Request = None,
+                             progress: gr.Progress = gr.Progress()) -> AsyncIterator[tuple]:
+        async for update in _generate(model, server, progress, random_seed, owners.of(session), status,
+                                      prompt=prompt, seed=seed, steps=steps, guidance=guidance, width=width,
+                                      height=height, condition=condition or None, step_cache=step_cache,
+                                      lora=_lora_field(lora, lora_scale)):
+            yield update
 
     loras = [lora, lora_scale] if lora is not None else []
 
@@ -237,7 +286,7 @@ def _image_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     restored = [prompt, seed, random_seed, steps, guidance, width, height]
     inputs = (restored + ([reference] if reference is not None else [gr.State(None)])
               + ([cached] if cached else [gr.State(True)]) + loras)
-    event = _wire(demo, model, server.recent, button, stop, generate_image, inputs,
+    event = _wire(demo, model, server.recent, owners, identified, button, stop, generate_image, inputs,
                   [result, download, settings, status_line, seed], "generate_image", gallery, shown)
     if reference is not None:  # the request deleted its upload from the server: do not offer it again
         event.then(lambda: None, outputs=reference, api_visibility="private", show_progress="hidden", queue=False)
@@ -254,8 +303,8 @@ def _restored_loras(used: dict[str, Any], scale: gr.Slider | None) -> tuple:
     return list(chosen), next(iter(chosen.values()), scale.value)
 
 
-def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Callable[[], str],
-               status_line: gr.Markdown, step_cache: str | None) -> None:
+def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owners, identified: Any,
+               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None) -> None:
     takes_input = model.limits.video_input
     gr.Markdown(f"Text{' or image/video' if takes_input else ''} to video with **{model.spec.name}**.")
     with gr.Row():
@@ -293,13 +342,14 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                              width: float | None = None, height: float | None = None, step_cache: bool = True,
                              lora: list[str] | None = None, lora_scale: float | None = None,
                              guidance_2: float | None = None,
-                             session: gr.Request = None, progress: gr.Progress = gr.Progress()) -> tuple:
-        path, used = await _generate(model, server, progress, random_seed, owner_of(session), prompt=prompt,
-                                     negative_prompt=negative_prompt, condition=condition or None, frames=frames,
-                                     fps=fps, seed=seed, steps=steps, guidance=guidance, width=width, height=height,
-                                     step_cache=step_cache, lora=_lora_field(lora, lora_scale),
-                                     guidance_2=guidance_2)
-        return str(path), str(path), used, status(), used["seed"]
+                             session: gr.Request = None,
+                             progress: gr.Progress = gr.Progress()) -> AsyncIterator[tuple]:
+        async for update in _generate(model, server, progress, random_seed, owners.of(session), status,
+                                      prompt=prompt, negative_prompt=negative_prompt, condition=condition or None,
+                                      frames=frames, fps=fps, seed=seed, steps=steps, guidance=guidance, width=width,
+                                      height=height, step_cache=step_cache, lora=_lora_field(lora, lora_scale),
+                                      guidance_2=guidance_2):
+            yield update
 
     loras = [lora, lora_scale] if lora is not None else []
 
@@ -312,7 +362,7 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
     # guidance_2 comes last, after placeholders for the LoRA inputs a server without LoRAs has not got
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
               *([cached] if cached else [gr.State(True)]), *(loras or [gr.State(None), gr.State(None)]), guidance_2]
-    event = _wire(demo, model, server.recent, button, stop, generate_video, inputs,
+    event = _wire(demo, model, server.recent, owners, identified, button, stop, generate_video, inputs,
                   [result, download, settings, status_line, seed], "generate_video", gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
     event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
@@ -321,20 +371,21 @@ def _video_tab(demo: gr.Blocks, model: ServedModel, server: Server, status: Call
                    show_progress="hidden")
 
 
-def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, button: gr.Button, stop: gr.Button,
-          handler: Callable[..., Any], inputs: list, outputs: list, api_name: str, gallery: gr.Gallery,
-          shown: gr.State) -> Any:
+def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, owners: Owners, identified: Any,
+          button: gr.Button, stop: gr.Button, handler: Callable[..., Any], inputs: list, outputs: list, api_name: str,
+          gallery: gr.Gallery, shown: gr.State) -> Any:
     """The tab's API endpoint on its button (progress and errors on the result only), its Stop button (the
-    ranks drop the request at the next step), then its gallery; returns the endpoint's event."""
+    ranks drop the request at the next step), then its gallery (also once the page's owner is `identified`);
+    returns the endpoint's event."""
 
     def refresh(session: gr.Request) -> tuple:
-        return _gallery_of(recent, model.key, owner_of(session))
+        return _gallery_of(recent, model.key, owners.of(session))
 
     event = button.click(handler, inputs=inputs, outputs=outputs, api_name=api_name, show_progress_on=outputs[0],
                          concurrency_id="generate")
     stop.click(None, cancels=[event], api_visibility="private", queue=False)
     event.success(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
-    demo.load(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
+    identified.then(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
     return event
 
 
@@ -375,8 +426,10 @@ class _Progress:
 
 
 async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random: bool, owner: str,
-                    **fields: Any) -> tuple[Path, dict[str, Any]]:
-    """Validate, queue, wait (relaying progress), write the file; returns its path and its settings.
+                    status: Callable[[], str], **fields: Any) -> AsyncIterator[tuple]:
+    """Validate, queue, wait (relaying progress), write the file. Yields the handler's outputs twice: once the
+    request is queued, the status line alone (which then says so, not at the page's next refresh); at the end,
+    (media path, file path, settings, status line, seed used).
 
     An upload the request brings is deleted once the request has ended (or was refused).
     """
@@ -386,11 +439,17 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
         submitted = await submit(model, server, **fields)
     except (RequestError, ServiceClosed, ServiceBusy) as error:
         raise gr.Error(public_message(str(error)), print_exception=False) from None
+    try:
+        yield gr.skip(), gr.skip(), gr.skip(), status(), gr.skip()
+    except GeneratorExit:  # Gradio resumes no handler whose client has gone by its yield: nobody wants the job
+        submitted.job.cancel("the client went away")
+        raise
     request, estimate = submitted.request, submitted.estimate
     relay = _Progress(progress, request.steps, None if estimate is None else estimate / request.steps)
     generation = await _wait(submitted.job, relay)
     relay.writing()
-    return await write(model, server, submitted, generation, owner)
+    path, used = await write(model, server, submitted, generation, owner)
+    yield str(path), str(path), used, status(), used["seed"]
 
 
 async def _wait(job: Job, relay: _Progress) -> Generation:

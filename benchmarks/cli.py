@@ -6,6 +6,10 @@ under torchrun, plus a PNG chart.
     ulysses-studio bench --ranks 2 --end-to-end --out bench/ -- --model flux-dev --backends inductor-blocks+cudagraph
     ulysses-studio bench --ranks 2 --tiny --out bench/          # CPU smoke test, seconds
 
+Before any rank starts, the benchmark's arguments are checked, and what this machine cannot run is refused with one
+line and exit status 2 (benchmarks/preflight.py): a CUDA-only option without CUDA, or ranks on CPUs whose random
+weights exceed the memory available. torchrun is app.torchrun, which leaves no log folder behind.
+
 Modes of the default benchmark (benchmarks/step.py: one transformer forward): 1 GPU, ours per
 plan (+ CFG), diffusers-native Ulysses, and with --peers the peers xDiT and cache-dit (their
 context parallelism on the same FLUX weights, eager and compiled as each advises; a peer that is not
@@ -69,13 +73,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.ranks < 1:
         raise BenchError(f"--ranks must be >= 1, got {args.ranks}")
-    args.out.mkdir(parents=True, exist_ok=True)
     name, module = ("e2e", "benchmarks.generation") if args.end_to_end else ("bench", "benchmarks.step")
     result = args.out / f"{name}.json"
-    extra = [a for a in args.benchmark_args if a != "--"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module,
-           *(["--tiny"] if args.tiny else []), *extra, "--out", str(result)]
+    benchmark_args = [*(["--tiny"] if args.tiny else []), *(a for a in args.benchmark_args if a != "--")]
+    check_machine(benchmark_args, ranks=args.ranks, end_to_end=args.end_to_end)
+    args.out.mkdir(parents=True, exist_ok=True)
+    # app.torchrun: torchrun that removes its log folder (plain torchrun leaves a torchelastic_* one per run)
+    cmd = [sys.executable, "-m", "app.torchrun", f"--nproc-per-node={args.ranks}", "--nnodes=1",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *benchmark_args,
+           "--out", str(result)]
     status = subprocess.call(cmd)
     if status != 0 or not result.is_file():
         print(f"error: the benchmark exited with status {status}", file=sys.stderr)
@@ -86,6 +92,28 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         chart(rows, args.out / f"{name}.png")
     return 0
+
+
+def check_machine(benchmark_args: list[str], *, ranks: int, end_to_end: bool) -> None:
+    """Before any rank starts: the benchmark's own command-line checks (argparse's exit status 2), then BenchError
+    saying what this machine cannot run (benchmarks.preflight: CUDA-only options without CUDA, weights larger than
+    the memory available)."""
+    import torch
+
+    from benchmarks.preflight import available_memory, cannot_run
+
+    if end_to_end:
+        from benchmarks.generation import parse_args
+
+        options = parse_args(benchmark_args)
+    else:
+        from benchmarks.step import parse_args
+
+        options = parse_args(benchmark_args, world_size=ranks)
+    problem = cannot_run(options, ranks=ranks, end_to_end=end_to_end, cuda=torch.cuda.is_available(),
+                         available=available_memory())
+    if problem:
+        raise BenchError(problem)
 
 
 def chart(rows: list[dict], path: Path, *, key: str = "ms", unit: str = "ms",

@@ -99,6 +99,11 @@ SWITCHES = 5
 """LoraSet.select calls timed each way (the median is kept)."""
 
 
+def weights_dtype(tiny: bool) -> torch.dtype:
+    """The dtype of the benchmark's random weights and inputs: float32 for --tiny (CPU ranks), else bfloat16."""
+    return torch.float32 if tiny else torch.bfloat16
+
+
 def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
     """FLOPs of one forward, counted on the meta device (no memory, no compute)."""
     try:
@@ -255,7 +260,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     `rows` (if given) receives each row as soon as it is measured (the caller may save partial
     results); the same list is returned.
     """
-    device, dtype = ctx.device, (torch.float32 if args.tiny else torch.bfloat16)
+    device, dtype = ctx.device, weights_dtype(args.tiny)
     batch = args.batch or spec.family.bench.batch
     adapter_name = family_adapter(spec, getattr(args, "adapter", "record"))
     adapter = load(adapter_name)
@@ -825,8 +830,8 @@ def engine_labels(parser: argparse.ArgumentParser, text: str) -> list[str]:
     return labels
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
+def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) -> argparse.Namespace:
+    """Command-line options; `world_size`: the run's ranks (default: torchrun's WORLD_SIZE, 1 without it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux-dev",
                    help=f"comma-separated registered checkpoints: {', '.join(benchmarkable())} (default flux-dev; "
@@ -904,7 +909,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.all_to_all = comma_list(p, args.all_to_all, "all-to-all transport", TRANSPORTS)
     if args.tp < 1:
         p.error(f"--tp must be >= 1, got {args.tp}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: every rank refuses alike, before any collective
+    # torchrun's: every rank refuses alike, before any collective (benchmarks.cli asks before starting them)
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp > 1 and world % args.tp:
         p.error(f"--tp {args.tp} splits the weights over groups of {args.tp} ranks: the {world} rank(s) of this run "
                 f"are not a multiple of it (torchrun --nproc-per-node)")
@@ -937,7 +943,7 @@ def main(argv: list[str] | None = None) -> None:
             diffusers=diffusers.__version__, cuda=torch.version.cuda,
             nccl=".".join(map(str, torch.cuda.nccl.version())) if ctx.device.type == "cuda" else None,
             device=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-            dtype="float32" if args.tiny else "bfloat16", backends=args.backends, warmup=args.warmup,
+            dtype=str(weights_dtype(args.tiny)).removeprefix("torch."), backends=args.backends, warmup=args.warmup,
             iters=args.iters, cublas_env={name: os.environ.get(name) for name in CUBLAS_WITHOUT_WORKSPACE},
         )
 

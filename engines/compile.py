@@ -231,6 +231,20 @@ class Engine:
         return self.module
 
 
+def drop_graph_trees() -> None:
+    """Free inductor's CUDA graph trees of this thread: the graphs of `+blockgraph` engines (a graph per compiled
+    block) and the memory pool they replay in; a no-op where none were made.
+
+    The trees live in inductor's thread-local state, not in the Engine, so Engine.release does not reach them, and
+    they hold every block's graph (each with the NCCL kernels it captured) as long as the process lives. A graph
+    that captured NCCL kernels keeps its communicator from being destroyed: on 2x H200 (torch 2.11) every
+    `generate --cache` (whose default engine is `+blockgraph`) wrote its image and then sat in
+    destroy_process_group() until killed. Call it on the thread that ran the engines (every rank's main thread)."""
+    module = sys.modules.get("torch._inductor.cudagraph_trees")
+    if module is not None:
+        module.reset_cudagraph_trees()
+
+
 def stop_compile_workers(grace_s: float = 10.0) -> None:
     """Shut inductor's compile-worker pools down now, killing a pool's worker process that is still there after
     `grace_s`; a no-op where nothing was compiled.

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -168,20 +170,55 @@ def init_parallel(device: str | torch.device | None = None) -> ParallelContext:
     )
 
 
-def shutdown(ctx: ParallelContext) -> None:
-    """Tear down the process groups created by init_parallel (no-op in a single process).
+TEARDOWN_SECONDS = 5.0
+"""How long a rank waits for its process group's teardown before it ends without it (and says so)."""
 
-    Drop every CUDA graph that captured this group's collectives first (Engine.release): measured on
-    2x H200 (torch 2.11, NCCL 2.28), destroy_process_group() never returns while such a graph is
-    alive, and 100 s after SIGKILL the rank still held its GPU memory. Graphs only reachable
-    through reference cycles are collected here. Then inductor's compile workers are stopped, so that
-    the process's exit does not wait on them (engines.compile.stop_compile_workers), in one process too.
+
+def shutdown(ctx: ParallelContext, timeout: float = TEARDOWN_SECONDS) -> bool:
+    """Tear down the process groups created by init_parallel (no-op in a single process); False where the
+    teardown did not finish within `timeout` seconds (the caller's process should then end at once, with
+    os._exit: its interpreter's exit would wait on the same communicators).
+
+    Drop every CUDA graph that captured this group's collectives first: the engines' own graphs are dropped by
+    Engine.release, inductor's graph trees (`+blockgraph`) here (engines.compile.drop_graph_trees). Measured on
+    2x H200 (torch 2.11, NCCL 2.28), destroy_process_group() never returns while such a graph is alive, and
+    100 s after SIGKILL the rank still held its GPU memory. Graphs only reachable through reference cycles are
+    collected here. Then inductor's compile workers are stopped, so that the process's exit does not wait on
+    them (engines.compile.stop_compile_workers), in one process too.
     """
-    from engines.compile import stop_compile_workers
+    from engines.compile import drop_graph_trees, stop_compile_workers
 
+    finished = True
+    # The compile workers stop beside the teardown: each waits on other processes (the pool's, the peers').
+    stopping = threading.Thread(target=stop_compile_workers, name="stop-compile-workers", daemon=True)
+    stopping.start()
+    drop_graph_trees()
     if ctx.is_distributed and dist.is_initialized():
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        dist.destroy_process_group()
-    stop_compile_workers()
+        finished = _bounded(dist.destroy_process_group, timeout)
+        if not finished:
+            print(f"warning: rank {ctx.global_rank}: the process group's teardown did not finish within "
+                  f"{timeout:.0f} s; this rank ends without it", file=sys.stderr, flush=True)
+    stopping.join()
+    return finished
+
+
+def _bounded(fn, timeout: float) -> bool:
+    """Run `fn()` on a daemon thread for at most `timeout` seconds; whether it returned (an error it raises is
+    printed: a teardown's failure must not hide the command's result)."""
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as error:  # noqa: BLE001 - reported below, on the caller's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=call, name="teardown", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if errors:
+        print(f"warning: teardown: {errors[0]}", file=sys.stderr, flush=True)
+    return not thread.is_alive()

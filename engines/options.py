@@ -68,11 +68,28 @@ def engine_cache_dir(given: Path | str | None) -> Path:
     return Path(os.environ.get(ENGINE_CACHE_ENV) or DEFAULT_ENGINE_CACHE).expanduser()
 
 
-def run_environment(engine_cache: Path) -> dict[str, str]:
+def run_environment(engine_cache: Path, local_ranks: int | None = None) -> dict[str, str]:
     """The variables a run sets where the user has not: cuBLAS without a workspace (see
-    CUBLAS_WITHOUT_WORKSPACE), and inductor's kernel cache beside the engine cache, so that the
-    kernels an engine build makes (C++ on CPUs, Triton on GPUs) are found again with its artifacts."""
-    return {**CUBLAS_WITHOUT_WORKSPACE, "TORCHINDUCTOR_CACHE_DIR": str(engine_cache / "inductor")}
+    CUBLAS_WITHOUT_WORKSPACE); inductor's kernel cache beside the engine cache, so that the
+    kernels an engine build makes (C++ on CPUs, Triton on GPUs) are found again with its artifacts; and
+    inductor's compile workers (see compile_workers_environment)."""
+    return {**CUBLAS_WITHOUT_WORKSPACE, "TORCHINDUCTOR_CACHE_DIR": str(engine_cache / "inductor"),
+            **compile_workers_environment(local_ranks)}
+
+
+def compile_workers_environment(local_ranks: int | None = None) -> dict[str, str]:
+    """Inductor's compile workers started only when there are kernels to compile, and this host's cores shared
+    between its ranks (`local_ranks`, default torchrun's LOCAL_WORLD_SIZE).
+
+    By default inductor starts a pool of min(32, cores) worker processes at a process's first compile, whether or
+    not its kernels are cached (TORCH_WARM_POOL), in every rank: 64 processes importing torch beside the 2 ranks of
+    a 32-core GPU host, for a warm engine cache that compiles no kernel, and a pool to stop at the exit. Without the
+    warm-up the pool starts at the first kernel that must be compiled; with one thread (a core per rank or fewer)
+    kernels compile in the rank's own process."""
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"TORCH_WARM_POOL": "0", "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, min(32, cores // max(1, local_ranks))))}
 
 
 def set_environment(values: dict[str, str], environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:

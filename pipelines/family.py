@@ -24,6 +24,11 @@ def load(reference: str) -> Any:
     module, _, attribute = reference.partition(":")
     if not module or not attribute:
         raise ValueError(f"{reference!r} is not a 'module:attribute' reference")
+    from engines.fp8 import quiet_torchao_import
+
+    # A family's code is diffusers' (its transformer class) or imports it, and diffusers imports torchao through
+    # peft and transformers: the checks made before any rank starts (--lora files) get here first.
+    quiet_torchao_import()
     return getattr(importlib.import_module(module), attribute)
 
 

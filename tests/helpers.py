@@ -23,10 +23,35 @@ import torch.multiprocessing as mp
 
 from app.launch import free_port
 
-__all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
+__all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "IMPORT_NOISE", "import_noise", "private_tmp", "torchrun_log_folders", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
            "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
+
+IMPORT_NOISE = ("_C_mxfp8", "_C_cutlass", "Failed to load", "KernelPreference", "is an Enum subclass",
+                "Unable to import `torchao`")
+"""What torchao's import (by diffusers and transformers, --fp8 or not) printed on every run: it reads like a
+broken install and concerns no run of this app (engines.fp8.quiet_torchao_import)."""
+
+
+def import_noise(stderr: str) -> list[str]:
+    """The IMPORT_NOISE pieces found in a run's `stderr`: none on a clean run."""
+    return [noise for noise in IMPORT_NOISE if noise in stderr]
+
+
+def private_tmp(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A temporary folder of the test's own (no other process writes there) and the environment naming it (TMPDIR),
+    for the processes a test starts."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    return folder, {**os.environ, "TMPDIR": str(folder)}
+
+
+def torchrun_log_folders(folder: Path) -> list[str]:
+    """The torchrun log folders in `folder`: plain torchrun's torchelastic_*, app.torchrun's while it runs."""
+    from app.torchrun import LOGS_PREFIX
+
+    return sorted(path.name for path in folder.iterdir() if path.name.startswith(("torchelastic_", LOGS_PREFIX)))
 
 
 def tiny_cosmos_frames_problem(frames: int) -> str:
@@ -99,8 +124,9 @@ def run_app(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[st
 
 
 def torchrun(world_size: int, *args: str) -> list[str]:
-    """The command line of `python -m torch.distributed.run` on `world_size` local ranks and a free port."""
-    return [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-addr",
+    """The command line of torchrun on `world_size` local ranks and a free port: app.torchrun's, which removes its
+    log folder when it ends (plain torchrun leaves a torchelastic_* folder in the temporary folder per run)."""
+    return [PYTHON, "-m", "app.torchrun", "--nproc-per-node", str(world_size), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), *args]
 
 

@@ -123,6 +123,7 @@ def server(tmp_path_factory):
     try:
         app.wait_for("serving on", START_SECONDS)
         app.url = f"http://127.0.0.1:{port}/"
+        app.out = out
         yield app
     finally:
         app.stop()
@@ -206,6 +207,28 @@ def test_a_request_uses_a_lora_only_when_it_names_one_in_the_ui_and_the_api(serv
     with pytest.raises(openai.BadRequestError, match="for tiny-cosmos; tiny-cosmos has: none") as error:
         api.videos.create(prompt="a red square", size="64x64", extra_body={"frames": 5, "lora": "style"})
     assert error.value.param == "lora"
+
+
+def test_an_api_and_a_ui_request_sent_together_are_both_served_in_order(server):
+    import openai
+
+    def by_api():
+        api = openai.OpenAI(base_url=f"{server.url}v1", api_key="none", max_retries=0, timeout=120)
+        return api.images.generate(prompt="a big red circle", size="64x64", response_format="url",
+                                   extra_body={"seed": 21, "steps": 25})
+
+    def by_ui():
+        time.sleep(0.5)  # after the API's
+        return Client(server.url, verbose=False).predict(*image_args("a big blue circle", 22, steps=25),
+                                                          api_name="/generate_image")
+
+    with ThreadPoolExecutor(2) as pool:
+        from_api, from_ui = pool.submit(by_api), pool.submit(by_ui)
+        api_result, ui_result = from_api.result(timeout=120), from_ui.result(timeout=120)
+    api_file = server.out / api_result.data[0].url.split("/")[-1].split("?")[0]
+    ui_file = Path(ui_result[1])
+    assert api_result.data[0].settings["seed"] == 21 and ui_result[2]["seed"] == 22
+    assert api_file.stat().st_mtime_ns < ui_file.stat().st_mtime_ns  # served in arrival order
 
 
 def test_video_comes_back_as_a_decodable_mp4(server, tmp_path):

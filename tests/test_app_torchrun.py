@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from app.launch import _kill_job
-from app.torchrun import LOGS_PREFIX, remove_ended_logs
-from tests.helpers import REPO, free_port
+from app.torchrun import remove_ended_logs
+from tests.helpers import REPO, free_port, private_tmp, torchrun_log_folders
 
 RANK_SCRIPT = """
 import os, signal, sys, time
@@ -33,30 +33,19 @@ def _torchrun_args(script: Path, outcome: str) -> list[str]:
             "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), outcome]
 
 
-def _private_tmp(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """A temporary folder of the test's own (no other process writes there) and the environment naming it."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    return folder, {**os.environ, "TMPDIR": str(folder)}
-
-
 def _torchrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app.torchrun", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env=env)
-
-
-def _log_folders(folder: Path) -> list[str]:
-    return sorted(path.name for path in folder.iterdir() if path.name.startswith(("torchelastic_", LOGS_PREFIX)))
 
 
 @pytest.mark.parametrize("outcome", ["pass", "fail"])
 def test_exit_status_and_failure_report(tmp_path, outcome):
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    tmp, env = _private_tmp(tmp_path)
+    tmp, env = private_tmp(tmp_path)
     done = subprocess.run(_torchrun_args(script, outcome), cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=env)
-    assert _log_folders(tmp) == []  # torchrun's log folder (the ranks' error files) went with it
+    assert torchrun_log_folders(tmp) == []  # torchrun's log folder (the ranks' error files) went with it
     if outcome == "pass":
         assert done.returncode == 0, done.stderr
         assert done.stdout.count("done") == 2, done.stdout
@@ -77,12 +66,12 @@ def _start_waiting_ranks(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """torchrun in a session of its own (as the launcher starts it), once both its ranks run."""
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    tmp, env = _private_tmp(tmp_path)
+    tmp, env = private_tmp(tmp_path)
     torchrun = subprocess.Popen(_torchrun_args(script, "wait"), cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
     waiting = [torchrun.stdout.readline() for _ in range(2)]
     assert all("waiting" in line for line in waiting), waiting
-    assert len(_log_folders(tmp)) == 1  # while it runs, torchrun has its log folder
+    assert len(torchrun_log_folders(tmp)) == 1  # while it runs, torchrun has its log folder
     return torchrun, tmp
 
 
@@ -90,14 +79,34 @@ def test_an_interrupted_torchrun_leaves_no_log_folder(tmp_path):
     torchrun, tmp = _start_waiting_ranks(tmp_path)
     os.killpg(torchrun.pid, signal.SIGINT)  # Ctrl-C in a terminal: torchrun's process group
     assert torchrun.wait(timeout=60) != 0
-    assert _log_folders(tmp) == []
+    assert torchrun_log_folders(tmp) == []
 
 
 def test_the_launcher_removes_the_log_folder_of_a_torchrun_killed_outright(tmp_path, monkeypatch):
     torchrun, tmp = _start_waiting_ranks(tmp_path)
     _kill_job(torchrun.pid)  # the launcher's second Ctrl-C, or ranks that outlived a dead one
     torchrun.wait(timeout=30)
-    assert len(_log_folders(tmp)) == 1  # SIGKILL: nothing in torchrun ran to remove it
+    assert len(torchrun_log_folders(tmp)) == 1  # SIGKILL: nothing in torchrun ran to remove it
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # the launcher's temporary folder, as TMPDIR made it
     remove_ended_logs()
-    assert _log_folders(tmp) == []
+    assert torchrun_log_folders(tmp) == []
+
+
+def test_a_cached_generate_on_two_ranks_ends_within_3_s_of_its_image(tmp_path):
+    """`launch --nproc 2 generate --cache`: the command ends within 3 s of the line that says its image is written
+    (on GPUs it used to sit in the process group's teardown; here the whole path to the exit is timed)."""
+    out = tmp_path / "x.png"
+    process = subprocess.Popen([sys.executable, "-m", "app", "launch", "--nproc", "2", "generate", "--model", "tiny-flux",
+                                "--prompt", "a big red circle", "--size", "64x64", "--steps", "4", "--cache",
+                                "fbcache", "--out", str(out)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    wrote = None
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if line.startswith("wrote "):
+            wrote = time.monotonic()
+    status = process.wait(timeout=60)
+    ended = time.monotonic()
+    assert status == 0, "".join(lines)
+    assert wrote is not None and out.stat().st_size > 0, "".join(lines)
+    assert ended - wrote <= 3.0, f"ended {ended - wrote:.1f} s after its image:\n{''.join(lines)}"

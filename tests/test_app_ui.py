@@ -1,17 +1,21 @@
 """The UI's contract through gradio_client, on one `ulysses-studio serve --cache fbcache:0.25` process
 (tiny models; the 2-step requests below are never cached: first and last steps always run).
 
-The seed used comes back for the Seed box, an invalid request is one error naming every bad field,
-/generate_video's input file is optional in the API description, and the step cache is a per-request
-choice whose computed steps the settings and the status line show.
+The status line speaks plainly, counts client requests only (never the start-up calibration's), says a request
+is waiting or running as soon as it is accepted and a video "decoding" after its last step. The seed used comes back
+for the Seed box, an invalid request is one error naming every bad field, /generate_video's input file is optional
+in the API description, and the step cache is a per-request choice whose computed steps the settings and the
+status line show.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from gradio_client import Client
@@ -35,6 +39,49 @@ def url(tmp_path_factory):
     finally:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(timeout=30)
+
+
+def test_the_status_line_says_no_request_yet_until_a_client_request_ends(url):
+    """The first test of the module: the server's start-up calibration ran requests, which are no client's."""
+    client = Client(url, verbose=False)
+    before = client.predict(api_name="/status")
+    plain, queue, details = before.split("  \n")
+    assert plain.startswith("tiny-flux (image), tiny-cosmos (video) on 1 CPU process, full precision (float32)")
+    assert plain.endswith("no request yet") and "ms/step" not in before and queue == "idle"
+    assert details == "<small>1 rank · plan none (1 rank) · backend cpu, float32, eager, cache fbcache:0.25</small>"
+    client.predict("the first request", 1, False, 2, 3.5, 64, 64, api_name="/generate_image")
+    after = client.predict(api_name="/status")
+    assert "no request yet" not in after
+    assert re.search(r"last request: encode [\d.]+ s · 2 steps [\d.]+ s \(\d+ ms/step\) · decode [\d.]+ s · write",
+                     after), after
+
+
+def test_the_status_line_says_a_request_waits_or_runs_once_it_is_accepted(url):
+    """The handler's first output, sent as its request is queued, is the status line alone, which names it."""
+    job = Client(url, verbose=False).submit("accepted", 2, False, 2, 3.5, 64, 64, api_name="/generate_image")
+    job.result()
+    first, last = job.outputs()
+    assert [first[i] for i in (0, 1, 2, 4)] == [{"__type__": "update"}] * 4  # nothing else changes yet
+    queue = first[3].split("  \n")[1]
+    assert re.fullmatch(r"running tiny-flux 64x64, (step \d of 2|decoding), [\d.]+ s.*|1 waiting: tiny-flux 64x64, 2 "
+                        r"steps.*", queue), queue
+    assert last[2]["seed"] == 2 and last[3].split("  \n")[1] == "idle"
+
+
+def test_a_video_says_decoding_after_its_last_step(url):
+    """Its progress and the status line both say "decoding" while the VAE decodes (33 frames: a few seconds)."""
+    client = Client(url, verbose=False)
+    job = Client(url, verbose=False).submit("decode me", api_name="/generate_video", frames=33, steps=2, width=256,
+                                            height=256, seed=5, random_seed=False, step_cache=False)
+    progress, status = set(), ""
+    while not job.done():
+        progress.update(unit.desc for unit in job.status().progress_data or [])
+        if "decoding" in progress and "decoding" not in status:
+            status = client.predict(api_name="/status")
+        time.sleep(0.02)
+    assert job.result()[2]["frames"] == 33
+    assert {"denoising", "decoding"} <= progress, progress
+    assert re.search(r"running tiny-cosmos 256x256, 33 frames, decoding, [\d.]+ s", status), status
 
 
 def test_the_seed_box_shows_the_random_seed_used(url):
@@ -101,19 +148,45 @@ def test_the_step_cache_is_a_choice_of_each_request(url):
     assert parameters["step_cache"]["parameter_default"] is True
 
 
-def test_a_gallery_is_its_owners_the_user_with_logins_else_the_browser_session(tmp_path):
+def test_a_gallery_is_its_owners_the_user_with_logins_else_the_browser(tmp_path):
     from types import SimpleNamespace
 
     from app.outputs import RecentResults
-    from app.ui import owner_of
+    from app.ui import Owners
 
+    owners = Owners(most=3)
     ann_here, ann_there = (SimpleNamespace(username="ann", session_hash=h) for h in ("tab1", "tab2"))
-    anonymous, other = (SimpleNamespace(username=None, session_hash=h) for h in ("tab1", "tab2"))
-    assert owner_of(ann_here) == owner_of(ann_there) == "user:ann"  # one user, any browser
-    assert owner_of(anonymous) != owner_of(other)  # no login: each browser session its own
+    assert owners.of(ann_here) == owners.of(ann_there) == "user:ann"  # one user, any browser
+    page, reloaded, other = (SimpleNamespace(username=None, session_hash=h) for h in ("tab3", "tab4", "tab5"))
+    browser = owners.identify(None, page)  # a browser's first page: a new id, which the page keeps
+    assert owners.identify(browser, reloaded) == browser  # the reload names it: the same owner
+    assert owners.of(page) == owners.of(reloaded) == f"browser:{browser}"
+    assert owners.identify(None, other) != browser and owners.of(other) != owners.of(page)  # another browser
+    assert owners.identify("not an id", other) != "not an id"  # what no page was given is no owner
+    api_client = SimpleNamespace(username=None, session_hash="api")  # never loaded a page: its session
+    assert owners.of(api_client) == "session:api"
+    owners.identify(None, SimpleNamespace(username=None, session_hash="tab6"))  # beyond `most`: the oldest go
+    assert owners.of(page) == "session:tab3" and owners.of(reloaded) == f"browser:{browser}"
+
     recent = RecentResults()
     image = tmp_path / "image.png"
     image.write_bytes(b"png")
-    recent.add("image", owner_of(ann_here), image, {"seed": 1})
-    assert [result.path for result in recent.of("image", owner_of(ann_there))] == [image]
-    assert recent.of("image", owner_of(anonymous)) == [] and recent.of("image", owner_of(other)) == []
+    recent.add("image", owners.of(ann_here), image, {"seed": 1})
+    recent.add("image", owners.of(reloaded), image, {"seed": 2})
+    assert [result.settings["seed"] for result in recent.of("image", owners.of(ann_there))] == [1]
+    assert [result.settings["seed"] for result in recent.of("image", f"browser:{browser}")] == [2]
+    assert recent.of("image", owners.of(other)) == []
+
+
+def test_the_status_lines_plain_words_for_gpus_plans_and_precisions():
+    from app.status_words import precision, processes, sharing
+
+    assert processes(2, "cuda", "NVIDIA H200") == "2 GPUs (NVIDIA H200)" and processes(1, "cpu") == "1 CPU process"
+    assert sharing("ulysses-2, all-to-all gloo") == "each with half of every image"
+    assert sharing("ulysses-2xring-2, all-to-all nccl", "video") == "each with a quarter of every video"
+    assert sharing("cfg-2xallgather-2xtp-2, all-to-all copy-engine") == (
+        "each with half of every image, the guided and unguided passes side by side, "
+        "each holding half of the model's weights")
+    assert sharing("none (1 rank)") == "" and sharing("cfg-2") == "the guided and unguided passes side by side"
+    assert precision("nccl, cuda, bfloat16 + fp8, inductor-blocks") == "half precision (bfloat16) with FP8 weights"
+    assert precision("gloo, cpu, float32, eager, split VAE (video)") == "full precision (float32)"

@@ -6,15 +6,17 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.helpers import PYTHON, REPO, torchrun
+from tests.helpers import PYTHON, REPO, private_tmp, torchrun, torchrun_log_folders
 
 
 def test_benchmark_tiny_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux-dev,cosmos-predict2-2b-video2world",
                    "--warmup", "1", "--iters", "2", "--out", str(out))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    tmp, env = private_tmp(tmp_path)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert torchrun_log_folders(tmp) == []  # the tests' torchrun leaves no log folder behind
     rows = json.loads(out.read_text())["rows"]
     modes = {(r["model"], r["mode"]) for r in rows}
     for model in ("tiny-flux", "tiny-cosmos"):
@@ -32,8 +34,10 @@ def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
     cmd = [PYTHON, "-m", "app", "bench", "--ranks", "2", "--tiny", "--out", str(tmp_path), "--",
            "--model", "flux-dev", "--sizes", "64x64", "--strategies", "ulysses", "--warmup", "1", "--iters", "1",
            "--cached-step", "--fp8"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    tmp, env = private_tmp(tmp_path)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert torchrun_log_folders(tmp) == []  # bench's torchrun leaves no log folder behind
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert {(r["mode"], r["backend"]) for r in rows} == {
         ("1 GPU", "eager"), ("1 GPU cached step", "eager"), ("ours ulysses-2", "eager"),

@@ -26,6 +26,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-s
                  "--no-first-run"]
 PAGE_WIDTH = 1280
 MAX_MEDIA_PX = 512
+MIN_VIDEO_PX = 256
 MAX_SCREENSHOT_BYTES = 300_000
 
 
@@ -53,8 +54,20 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
             try:
                 page = browser.new_page()
                 page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+                # Plain words first; the start-up calibration is no request; the technical part is smaller.
+                status = page.locator("#status")
+                assert status.inner_text().startswith("tiny-flux (image) on 1 CPU process, full precision (float32) · "
+                                                      "no request yet\nidle\n1 rank · plan none (1 rank)")
+                assert status.locator("small").inner_text().startswith("1 rank · plan none (1 rank) · backend cpu")
                 page.locator("#image-prompt textarea").fill("a red circle on a blue background")
                 page.locator("#image-generate").click()
+                # The status line names the request as soon as the server has it, while its progress shows
+                # (the request takes about a second; the page's own refresh comes every 2 s).
+                page.wait_for_function(
+                    "() => /running tiny-flux 256x256|1 waiting: tiny-flux 256x256/.test("
+                    "document.querySelector('#status').innerText)"
+                    " && document.querySelector('#image-result .progress-level') !== null",
+                    timeout=30_000, polling=20)
                 page.wait_for_function(
                     "() => { const img = document.querySelector('#image-result img');"
                     " return img !== null && img.complete && img.naturalWidth > 0; }",
@@ -62,7 +75,8 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                 )
                 size = page.locator("#image-result img").evaluate("img => [img.naturalWidth, img.naturalHeight]")
                 assert size == [256, 256]  # tiny-flux's default size, as the page's fields say
-                assert "ms/step" in page.locator("#status").inner_text()
+                page.wait_for_function("() => /last request: encode .* ms\\/step/.test("
+                                       "document.querySelector('#status').innerText)", timeout=10_000)
 
                 # Stop: a long request is dropped at the next step and the next one runs at once.
                 first = page.locator("#image-result img").get_attribute("src")
@@ -86,7 +100,11 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                     arg=first, timeout=60_000)
                 assert time.monotonic() - stopped < 15  # the 500 steps would take about 20 s
 
-                # The gallery is the browser session's own: this page's two results, none on a new page (no login).
+                # The gallery is the browser's own: this page's two results, again after a reload; none on a page of
+                # another browser (a new context: its own storage; no login).
+                page.wait_for_function("() => document.querySelectorAll('#image-recent img').length === 2",
+                                       timeout=10_000)
+                page.reload(timeout=60_000)
                 page.wait_for_function("() => document.querySelectorAll('#image-recent img').length === 2",
                                        timeout=10_000)
                 other = browser.new_context().new_page()
@@ -166,6 +184,9 @@ def check_tab(page: Page, tab: str, folder: Path, steps: int) -> None:
     status, texts = during["status"][0], during["texts"]
     assert all(not overlaps(status, box) for box in texts), (status, texts)
     assert len([box for box in texts if "steps" in box["text"]]) == 1, texts
+    if tab == "video":  # after the last step the progress names the stage that runs: the VAE decodes
+        page.wait_for_function("() => [...document.querySelectorAll('#video-result .progress-level')]"
+                               ".some(e => /decoding/.test(e.innerText))", timeout=60_000, polling=20)
 
     media = "img" if tab == "image" else "video"
     page.wait_for_function(
@@ -177,7 +198,10 @@ def check_tab(page: Page, tab: str, folder: Path, steps: int) -> None:
     save_screenshot(page, folder, f"{tab}-after")
     native, shown = page.locator(f"#{tab}-result {media}").evaluate(
         "m => [m.naturalWidth || m.videoWidth, m.getBoundingClientRect().width]")
-    assert 0 < shown <= min(2 * native, MAX_MEDIA_PX), (native, shown)
+    if tab == "image":
+        assert 0 < shown <= min(2 * native, MAX_MEDIA_PX), (native, shown)
+    else:
+        check_video(page)
     assert page.evaluate("document.documentElement.scrollHeight") < 1600
     # The Seed box shows the seed used, the one in the result file's name.
     seed = page.locator(f"#{tab}-seed input").input_value()
@@ -205,6 +229,22 @@ def check_tab(page: Page, tab: str, folder: Path, steps: int) -> None:
     assert len(badges) <= 1 and not page.locator("#status .error").count(), badges
     page.locator(".toast-close").first.click()
     page.locator(f"#{tab}-width input").fill("64" if tab == "image" else "128")
+
+
+def check_video(page: Page) -> None:
+    """The finished video: at its own size up to the column's width, at least MIN_VIDEO_PX wide, whole inside its
+    box (no strip that cuts it or its controls), and playing."""
+    video, box, column = page.locator("#video-result video").evaluate(
+        "v => [v, v.closest('.block'), v.closest('.column')].map(e => { const r = e.getBoundingClientRect();"
+        " return {x: r.x, y: r.y, width: r.width, height: r.height, native: e.videoWidth,"
+        " nativeHeight: e.videoHeight}; })")
+    wanted = min(max(video["native"], MIN_VIDEO_PX), column["width"])
+    assert abs(video["width"] - wanted) <= 1, (video, column)
+    assert abs(video["height"] - wanted * video["nativeHeight"] / video["native"]) <= 1, video
+    assert box["y"] <= video["y"] and video["y"] + video["height"] <= box["y"] + box["height"] + 1, (video, box)
+    start = page.locator("#video-result video").evaluate("v => v.currentTime")
+    page.wait_for_function("start => { const v = document.querySelector('#video-result video');"
+                           " return !v.paused && v.currentTime !== start; }", arg=start, timeout=10_000)
 
 
 def test_both_tabs_before_during_after_a_request_and_after_an_error(tmp_path):

@@ -15,10 +15,21 @@ from tests.helpers import PYTHON, REPO
 
 def test_cublas_without_workspace_and_inductor_cache_when_unset() -> None:
     environ = {"PATH": "/usr/bin"}
-    applied = set_environment(run_environment(Path("/cache")), environ)
+    applied = set_environment(run_environment(Path("/cache"), local_ranks=1), environ)
+    threads = str(min(32, len(os.sched_getaffinity(0))))
     assert environ == {"PATH": "/usr/bin", "CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0",
-                       "TORCHINDUCTOR_CACHE_DIR": "/cache/inductor"}
+                       "TORCHINDUCTOR_CACHE_DIR": "/cache/inductor", "TORCH_WARM_POOL": "0",
+                       "TORCHINDUCTOR_COMPILE_THREADS": threads}
     assert applied == {k: v for k, v in environ.items() if k != "PATH"}
+
+
+def test_compile_workers_share_the_cores_between_a_hosts_ranks() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert run_environment(Path("/c"), local_ranks=cores)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert run_environment(Path("/c"), local_ranks=4 * cores)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    environ = {"TORCHINDUCTOR_COMPILE_THREADS": "7", "TORCH_WARM_POOL": "1"}  # the user's choice stays
+    set_environment(run_environment(Path("/c"), local_ranks=1), environ)
+    assert environ["TORCHINDUCTOR_COMPILE_THREADS"] == "7" and environ["TORCH_WARM_POOL"] == "1"
 
 
 @pytest.mark.parametrize("name", sorted(CUBLAS_WITHOUT_WORKSPACE))

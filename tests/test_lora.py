@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, join_ranks, run_app, spawn_ranks
+from tests.helpers import REPO, import_noise, join_ranks, run_app, spawn_ranks
 
 TINY_FLUX = REPO / "assets" / "tiny-flux"
 TOLERANCE = 1e-5
@@ -335,6 +335,7 @@ def test_generate_and_batch_use_the_requests_loras_and_record_them(loras, tmp_pa
               "--lora", f"a={loras['a']}:0.8", "--lora", f"b={loras['b']}")
     result = run_app("generate", "--prompt", "a red circle", "--out", str(tmp_path / "one.png"), *common)
     assert result.returncode == 0, result.stderr
+    assert not import_noise(result.stderr), result.stderr  # the check step reads the files before any rank starts
     assert read_png_settings(tmp_path / "one.png")["lora"] == {"a": 0.8, "b": 1.0}  # none chosen: every --lora
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(line) for line in (
@@ -372,6 +373,7 @@ def test_serve_refuses_a_file_that_fits_none_of_its_models(loras) -> None:
     assert result.returncode == 2, result.stderr
     assert "--lora a fits none of the served models (tiny-cosmos: " in result.stderr
     assert "the transformer has no linear layer" in result.stderr and "denoising" not in result.stderr
+    assert not import_noise(result.stderr), result.stderr
 
 
 def test_the_ui_turns_its_lora_inputs_into_the_request_field_and_back() -> None:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible API (app.openai_api), driven by the official `openai` package.
 
-Most tests share one `launch --nproc 2 serve --api-key-file ... --max-queue 2` server (2 gloo CPU ranks,
-tiny-flux and tiny-cosmos, small sizes and few steps). The image edits, the upload limit, the API that
-is off beside UI logins and the key lockout run in-process: the API's routes on Starlette's test client,
-with a stand-in for the ranks that finishes each job (a FLUX.2 model's limits, no weights).
+Most tests share one `launch --nproc 2 serve --no-ui --api-key-file ... --max-queue 2` server (2 gloo CPU
+ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.api_server).
+The API beside the UI, on Gradio's server, is driven by tests/test_app_serve.py. The image edits, the upload
+limit, the API that is off beside UI logins, the key lockout, and /status and /health as the queue and the
+ranks change run in-process: the routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2
+model's limits, no weights).
 """
 
 from __future__ import annotations
@@ -11,21 +13,23 @@ from __future__ import annotations
 import base64
 import io
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from gradio_client import Client
 from PIL import Image
 
 from pipelines.media import read_mp4_settings, read_png_settings, read_video
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port
 from tests.test_app_serve import START_SECONDS, AppProcess
 from tests.test_tiny_quality import PROMPTS
 from training.judge import judge_image
@@ -43,8 +47,9 @@ def server(tmp_path_factory):
     keys = root / "keys.txt"
     keys.write_text(f"# one key a line\n{KEY}\n")
     port = free_port()
-    app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--out", str(root / "out"),
-                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE))
+    # Python names every module each process imports (on stderr), so that a test can see that none was Gradio.
+    app = AppProcess("launch", "--nproc", "2", "serve", "--no-ui", "--port", str(port), "--out", str(root / "out"),
+                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE), env={"PYTHONPROFILEIMPORTTIME": "1"})
     try:
         app.wait_for("serving on", START_SECONDS)
         app.url = f"http://127.0.0.1:{port}/"
@@ -65,6 +70,26 @@ def decoded(item) -> np.ndarray:
 def test_models_lists_the_served_models_with_their_media(server):
     assert {(model.id, model.media) for model in api(server).models.list().data} == {
         ("tiny-flux", "image"), ("tiny-cosmos", "video")}
+
+
+def test_the_api_alone_answers_health_and_status_and_404_elsewhere(server):
+    line = server.wait_for("serving on", 1)
+    assert f"serving on {server.url}v1 (the OpenAI-compatible API alone, no UI;" in line, line
+    assert httpx.get(f"{server.url}health").json() == {"status": "ok"}
+    for path in ("", "gradio_api/info", "login"):  # pages and routes of the UI's server
+        response = httpx.get(f"{server.url}{path}")
+        assert response.status_code == 404 and response.json()["error"]["code"] == "unknown_url", path
+    assert httpx.get(f"{server.url}status").status_code == 401  # what runs is for the key holders
+    status = httpx.get(f"{server.url}status", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert status["status"] == "ok" and status["ranks"] == 2 and status["max_queue"] == MAX_QUEUE
+    assert status["models"] == [{"id": "tiny-flux", "media": "image"}, {"id": "tiny-cosmos", "media": "video"}]
+    assert "2 ranks" in status["server"] and "plan ulysses-2" in status["server"]
+
+
+def test_no_process_of_the_api_alone_imports_gradio(server):
+    imported = [line.rpartition("|")[2].strip() for line in server.lines if line.startswith("import time:")]
+    assert "app.api_server" in imported and "uvicorn" in imported  # rank 0's imports are among those seen
+    assert not [name for name in imported if name.split(".")[0] in ("gradio", "gradio_client")]
 
 
 def test_image_draws_the_asked_colour_and_brings_its_settings(server):
@@ -165,6 +190,9 @@ def test_deleting_a_running_video_frees_the_server_within_two_steps(server):
     while client.videos.retrieve(video.id).progress < 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    running = httpx.get(f"{server.url}status", headers={"Authorization": f"Bearer {KEY}"}).json()["running"]
+    assert [(job["model"], job["size"], job["frames"], job["steps"]) for job in running] == [
+        ("tiny-cosmos", "64x64", 5, 300)] and running[0]["step"] >= 1, running
     assert client.videos.delete(video.id).deleted
     line = server.wait_for("deleted by the client", 30)
     asked, stopped = map(int, re.search(r"asked after step (\d+), stopped at step (\d+)", line).groups())
@@ -174,39 +202,41 @@ def test_deleting_a_running_video_frees_the_server_within_two_steps(server):
     assert time.monotonic() - started < 10
 
 
-def test_an_api_and_a_ui_request_sent_together_are_both_served_in_order(server):
-    def by_api():
-        return api(server).images.generate(prompt="a big red circle", size="64x64", response_format="url",
-                                           extra_body={"seed": 21, "steps": 25})
+def test_ctrl_c_stops_the_api_alone_cleanly(server):
+    """The module's last test of the server: it stops it."""
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=30) == 130
+    output = server.final_output()
+    assert "stopped" in output and "Traceback" not in output, output[-3000:]
 
-    def by_ui():
-        time.sleep(0.5)  # after the API's
-        return Client(server.url, verbose=False).predict("a big blue circle", 22, False, 25, 3.5, 64, 64,
-                                                          api_name="/generate_image")
 
-    with ThreadPoolExecutor(2) as pool:
-        from_api, from_ui = pool.submit(by_api), pool.submit(by_ui)
-        api_result, ui_result = from_api.result(timeout=120), from_ui.result(timeout=120)
-    api_file = server.out / api_result.data[0].url.split("/")[-1].split("?")[0]
-    ui_file = Path(ui_result[1])
-    assert api_result.data[0].settings["seed"] == 21 and ui_result[2]["seed"] == 22
-    assert api_file.stat().st_mtime_ns < ui_file.stat().st_mtime_ns  # served in arrival order
+def test_no_ui_refuses_a_command_line_that_needs_the_ui_before_starting_ranks(tmp_path):
+    from app.cli import build_parser
+    from app.serve import ServeError, serve_plan
+
+    result = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", "2", "serve", "--no-ui", "--share"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: --share opens a public link to the web UI, and --no-ui serves none: leave one of them out")
+    logins, keys = tmp_path / "logins.txt", tmp_path / "keys.txt"
+    logins.write_text("user:password\n")
+    keys.write_text(f"{KEY}\n")
+    with pytest.raises(ServeError, match=r"^--auth-file asks for a login to the web UI, and --no-ui serves none: "
+                                         r"ask for API keys instead \(--api-key-file FILE\)$"):
+        serve_plan(build_parser().parse_args(["serve", "--no-ui", "--auth-file", str(logins)]))
+    with pytest.raises(ServeError, match="leave it out: the API asks for the keys of --api-key-file"):
+        serve_plan(build_parser().parse_args(["serve", "--no-ui", "--auth-file", str(logins), "--api-key-file",
+                                              str(keys)]))
+    assert serve_plan(build_parser().parse_args(["serve", "--no-ui", "--api-key-file", str(keys)])).api_keys == [KEY]
 
 
 # In-process: the routes on Starlette's test client, a stand-in for the ranks.
 
 
-@pytest.fixture
-def local(tmp_path):
-    """An API for a FLUX.2 model (a reference image allowed) whose jobs a thread finishes as the ranks would."""
-    from starlette.applications import Starlette
-    from starlette.testclient import TestClient
-
-    from app.access import LoginFailures
+def flux2_server(tmp_path: Path):
+    """A FLUX.2 model's limits (a reference image allowed; no weights) and a Server of 4 places in `tmp_path`."""
     from app.budget import RequestBudget
     from app.jobs import JobQueue
-    from app.lockstep import Generation
-    from app.openai_api import api_access, api_routes
     from app.outputs import ResultsFolder
     from app.runtime import ServedModel
     from app.submit import Server
@@ -221,6 +251,20 @@ def local(tmp_path):
                         limits=MediaLimits(size_multiple=16, max_height=4096, max_width=4096, reference_image=True))
     server = Server(jobs=JobQueue(4), budget=RequestBudget(None, {"image": lambda request: Work(1.0, 1.0)}),
                     results=ResultsFolder(tmp_path / "out"), uploads=Uploads(tmp_path / "uploads"))
+    return model, server
+
+
+@pytest.fixture
+def local(tmp_path):
+    """An API for a FLUX.2 model (a reference image allowed) whose jobs a thread finishes as the ranks would."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from app.access import LoginFailures
+    from app.lockstep import Generation
+    from app.openai_api import api_access, api_routes
+
+    model, server = flux2_server(tmp_path)
     runtime = type("Runtime", (), {"models": {"image": model}})()
     seen: list = []
     stop = threading.Event()
@@ -291,3 +335,45 @@ def test_failed_keys_lock_the_address_out_as_failed_logins_do(local):
     with pytest.raises(openai.RateLimitError, match="too many failed logins"):
         local.client(keys=[KEY], failures=failures).models.list()  # the right key too, while locked out
     assert failures.lockout("testclient") > 0
+
+
+def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_ends(tmp_path):
+    from starlette.testclient import TestClient
+
+    from app.access import LoginFailures
+    from app.api_server import api_app, serving_health
+    from app.openai_api import api_access
+    from pipelines.requests import make_request
+
+    model, server = flux2_server(tmp_path)
+    dead: list[int] = []
+    runtime = SimpleNamespace(models={"image": model}, service=SimpleNamespace(dead_ranks=lambda wait: list(dead)),
+                              world_size=2, backend="gloo, cpu", describe=lambda *times: "flux2-dev on 2 ranks")
+    stop = threading.Event()
+    app = api_app(runtime, server, api_access([KEY], False, LoginFailures()), 10_000_000,
+                  serving_health(runtime, server.jobs, stop))
+    http = TestClient(app, base_url="http://testserver", headers={"Authorization": f"Bearer {KEY}"})
+    request = make_request(model.spec, model.limits, prompt="a red circle", width=64, height=48, steps=8, seed=1)
+    server.jobs.submit("image", request, estimate=2.5)
+    server.jobs.submit("image", make_request(model.spec, model.limits, prompt="next", width=32, height=32, steps=4))
+    server.jobs.take(timeout=0).start("ranks 0-1", "ulysses-2", 2)
+    server.jobs.running()[0].step(3, 8)
+
+    status = http.get("/status").json()
+    assert status["server"] == "flux2-dev on 2 ranks" and status["status"] == "ok"
+    (running,), (waiting,) = status["running"], status["waiting"]
+    assert {key: running[key] for key in ("model", "size", "frames", "steps", "step", "estimate_seconds", "group")} == {
+        "model": "flux2-dev", "size": "64x48", "frames": 1, "steps": 8, "step": 3, "estimate_seconds": 2.5,
+        "group": "ranks 0-1"} and running["seconds"] >= 0
+    assert waiting == {"model": "flux2-dev", "size": "32x32", "frames": 1, "steps": 4, "estimate_seconds": None}
+    assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok"}  # no key needed
+    assert http.post("/status").status_code == 404 and http.post("/status").json()["error"]["code"] == "unknown_url"
+
+    stop.set()  # Ctrl-C or SIGTERM: the queue closes next
+    response = http.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "shutting_down"
+    dead.append(1)
+    response = http.get("/health")
+    assert response.status_code == 503 and response.json() == {
+        "status": "lost", "message": "the server lost rank 1 and is ending"}
+    assert http.get("/status").json()["status"] == "lost"

@@ -12,6 +12,7 @@ import torch
 from pipelines.factory import load_pipeline
 from pipelines.registry import default_folder, get_spec
 from pipelines.requests import make_request, read_limits
+from tests.helpers import REPO
 from training import judge, shapes
 from training.tiny_models import CAPTION_WORDS, t5_tokenizer
 
@@ -386,3 +387,24 @@ def test_lora_shape_tokens_are_the_packed_tokens_the_shape_covers():
     latent = latent.expand(-1, 4, -1, -1)
     packed = FluxPipeline._pack_latents(latent, 6, 4, size // 8, size // 8)
     assert torch.equal(packed.amax(-1) > 0, tokens)
+
+
+def test_the_lora_card_says_how_often_the_change_is_seen(tmp_path):
+    """assets/tiny-flux-lora-gray's card opens with what write_lora_card writes for its own table's numbers: the
+    change as the aim, then how often it is seen (not every image), never that every background becomes gray."""
+    from training.evaluate import LoraScores
+    from training.lora import write_lora_card
+
+    asset = REPO / "assets" / "tiny-flux-lora-gray"
+    table = [line.strip("|").split("|") for line in (asset / "README.md").read_text().splitlines()
+             if line.startswith("| ") and "%" in line]
+    rows = {label.strip(): dict(zip(("change", "colour", "shape"), (float(cell.strip(" %")) / 100 for cell in cells)))
+            for label, *cells in table}
+    out = tmp_path / asset.name
+    out.mkdir()
+    write_lora_card(out, json.loads((asset / "training.json").read_text()),
+                    LoraScores(rows=rows, zero_vs_none=0, kohya_vs_diffusers=1))
+    written = (out / "README.md").read_text().splitlines()[2]
+    assert written == (asset / "README.md").read_text().splitlines()[2]
+    assert f"does so in {rows['scale 1']['change']:.0%} of the held-out images below, not in every one" in written
+    assert "every background" not in written

@@ -3,8 +3,9 @@
     python -m training lora --init assets/tiny-flux --out assets/tiny-flux-lora-gray --device cpu --minutes 12 \
         --sizes 128,256 --foreground-weight 4
 
-What it teaches (CHANGES): "gray", every background becomes plain gray whatever the prompt asks, the shape
-keeping its colour, kind, size and place. The targets are training/shapes.py's scenes with the background
+What it teaches (CHANGES): "gray", the background turned plain gray whatever the prompt asks, the shape
+keeping its colour, kind, size and place. A trained LoRA does so in most images, not every one: its card says how
+often, from its held-out scores (write_lora_card). The targets are training/shapes.py's scenes with the background
 replaced, captions unchanged, so the LoRA learns to override the prompt's background word.
 
 Why not an outline or a checkerboard: tiny-flux's VAE (frozen here, as a LoRA leaves it) was fitted on flat
@@ -46,8 +47,9 @@ from training import shapes
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 GRAY = shapes.NEUTRALS["gray"]
-CHANGES = {"gray": "every background becomes plain gray (128, 128, 128), whatever the prompt asks; the shape keeps "
-                   "its colour, kind, size and place"}
+CHANGES = {"gray": "the background turned plain gray (128, 128, 128), whatever background the prompt asks for, the "
+                   "shape keeping its colour, kind, size and place"}
+"""What a change's targets teach (the aim); what a trained LoRA does is its card's held-out scores."""
 DOUBLE_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2", "norm1.linear")
 SINGLE_TARGETS = ("proj_out",)
 TOKEN_PIXELS = 16
@@ -278,13 +280,25 @@ def foreground_note(weight: float) -> str:
             "weights the many background tokens cost the shapes their fine tips")
 
 
+def what_it_does(scores) -> str:
+    """The card's sentence on what the LoRA does at scale 1, from its held-out scores (training.evaluate.LoraScores):
+    how often, not the aim; "" without scores."""
+    if scores is None:
+        return ""
+    one, none = scores.rows["scale 1"], scores.rows["no LoRA"]
+    rest = "" if one["change"] >= 1 else ", not in every one: the others keep a coloured background"
+    return (f" At scale 1 it does so in {one['change']:.0%} of the held-out images below{rest}; the shape keeps its "
+            f"colour in {one['colour']:.0%} of them and its kind in {one['shape']:.0%} ({none['shape']:.0%} "
+            "without the LoRA).")
+
+
 def write_lora_card(out: Path, run: dict, scores) -> None:
     phase = run["phase"]
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     lines = [
         f"# {out.name}", "",
-        f"A LoRA for the embedded tiny-flux (assets/tiny-flux) that teaches one visible change: "
-        f"**{CHANGES[run['settings']['change']]}**.", "",
+        f"A LoRA for the embedded tiny-flux (assets/tiny-flux) trained for one visible change: "
+        f"{CHANGES[run['settings']['change']]}.{what_it_does(scores)}", "",
         "Use: `ulysses-studio generate --model tiny-flux --lora gray=assets/" + out.name + "/" + DIFFUSERS_FILE
         + ":1.0 --prompt \"a big red star in the center on a blue background\"` (the kohya copy "
         f"`{KOHYA_FILE}` draws the same).", "",
