@@ -52,7 +52,8 @@ import importlib.util
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,7 +209,7 @@ class Engine:
         if self.cache is not None and compiled:
             key = self.cache.key(self.module, signature, self.options, self.rank)
             hit = self.cache.load(key, self.rank)
-        with torch.no_grad():
+        with torch.no_grad(), _in_process_kernels(hit):
             if self.options.cuda_graph:
                 self._graphs[signature] = _Graphed(self._forward, kwargs)
                 out = self._graphs[signature](kwargs)
@@ -229,6 +230,22 @@ class Engine:
         self._swapped = []
         self._graphs.clear()
         return self.module
+
+
+@contextmanager
+def _in_process_kernels(cached: bool) -> Iterator[None]:
+    """With the engine's artifacts in its cache: inductor loads its kernels in this process, with no compile-worker
+    pool. Loading a cached graph runs its kernels' async_compile.triton calls, each of which starts inductor's pool of
+    worker processes (min(32, cores) processes importing torch) where compile_threads > 1, though nothing is left to
+    compile: on 2x H200 (torch 2.11) a warm `launch --nproc 2 generate` then ended 5-8 s after its image, waiting at
+    its exit for the pool it had just started, against under 2 s for a cold one."""
+    if not cached:
+        yield
+        return
+    from torch._inductor import config
+
+    with config.patch(compile_threads=1):
+        yield
 
 
 def drop_graph_trees() -> None:

@@ -350,32 +350,42 @@ class Run:
 
 
 def part_generate(run: Run) -> None:
+    """The rows in order of what they prove first (a part cut short by its command's time keeps the first): the exit
+    with and without the step cache, the first image (tiny-flux, then FLUX.1-dev's size), the levers, the video model,
+    the other families, a real video architecture."""
     n, files = run.gpus, run.files
     flux, cosmos = ["--model", "tiny-flux", *FLUX_IMAGE], ["--model", "tiny-cosmos", *COSMOS_VIDEO]
     one = {"flux": files / "flux-1.png", "flux-cache": files / "flux-cache-1.png", "flux-lora": files / "flux-lora-1.png",
            "cosmos": files / "cosmos-1.mp4", "cosmos-cache": files / "cosmos-cache-1.mp4"}
-    # one GPU: the references (cold: they compile)
     run.generate("tiny-flux-1-gpu", 1, flux, one["flux"])
-    run.generate("tiny-flux-1-gpu-cache", 1, [*flux, "--cache", "fbcache"], one["flux-cache"])
-    run.generate("tiny-flux-1-gpu-lora", 1, [*flux, "--lora", LORA], one["flux-lora"])
-    run.generate("tiny-cosmos-1-gpu", 1, cosmos, one["cosmos"], frames=17)
-    run.generate("tiny-cosmos-1-gpu-cache", 1, [*cosmos, "--cache", "fbcache"], one["cosmos-cache"], frames=17)
-    # N GPUs: cold, then warm (the first-image figure), then every lever
     run.generate(f"tiny-flux-{n}-gpus-cold", n, flux, files / "flux-n.png", reference=one["flux"])
     warm = run.generate(f"tiny-flux-{n}-gpus-warm", n, flux, files / "flux-n-warm.png", reference=one["flux"])
     if warm is not None and (files / "flux-n.png").exists() and (files / "flux-n-warm.png").exists():
         warm.check(np.array_equal(pixels(files / "flux-n.png"), pixels(files / "flux-n-warm.png")),
                    "a warm relaunch drew other pixels than the launch that compiled its engines")
-    levers = {"cache": (["--cache", "fbcache"], one["flux-cache"], PARALLEL_TOLERANCE),
-              "fp8": (["--fp8"], one["flux"], APPROXIMATE_TOLERANCE),
-              "lora": (["--lora", LORA], one["flux-lora"], PARALLEL_TOLERANCE),
+    run.generate("tiny-flux-1-gpu-cache", 1, [*flux, "--cache", "fbcache"], one["flux-cache"])
+    run.generate(f"tiny-flux-{n}-gpus-cache", n, [*flux, "--cache", "fbcache"], files / "flux-cache.png",
+                 reference=one["flux-cache"])
+    if run.wanted("flux-dev") or any(name.startswith("flux-dev-") for name in run.args.rows):
+        folder = random_folder(run, "flux-dev")
+        real = ["--model", "flux-dev", "--model-path", str(folder), "--prompt", "a big red circle", "--seed", "1",
+                "--size", "1024x1024", "--steps", "28"]
+        run.generate(f"flux-dev-{n}-gpus-cold", n, real, files / "flux-dev.png", timeout=420)
+        run.generate(f"flux-dev-{n}-gpus-warm", n, real, files / "flux-dev-warm.png", timeout=240)
+        run.generate(f"flux-dev-{n}-gpus-fp8-cache", n, [*real, "--fp8", "--cache", "fbcache"],
+                     files / "flux-dev-fp8.png", timeout=420)
+    run.generate("tiny-flux-1-gpu-lora", 1, [*flux, "--lora", LORA], one["flux-lora"])
+    levers = {"fp8-cache-lora": (["--fp8", "--cache", "fbcache", "--lora", LORA], one["flux-lora"], APPROXIMATE_TOLERANCE),
               "tp": (["--tp", str(n)], one["flux"], PARALLEL_TOLERANCE),
               "copy-engine": (["--strategy", "allgather", "--all-to-all", "copy-engine"], one["flux"], PARALLEL_TOLERANCE),
-              "fp8-cache-lora": (["--fp8", "--cache", "fbcache", "--lora", LORA], one["flux-lora"], APPROXIMATE_TOLERANCE)}
+              "lora": (["--lora", LORA], one["flux-lora"], PARALLEL_TOLERANCE),
+              "fp8": (["--fp8"], one["flux"], APPROXIMATE_TOLERANCE)}
     for lever, (extra, reference, tolerance) in levers.items():
         run.generate(f"tiny-flux-{n}-gpus-{lever}", n, [*flux, *extra], files / f"flux-{lever}.png",
                      reference=reference, tolerance=tolerance)
+    run.generate("tiny-cosmos-1-gpu", 1, cosmos, one["cosmos"], frames=17)
     run.generate(f"tiny-cosmos-{n}-gpus", n, cosmos, files / "cosmos-n.mp4", reference=one["cosmos"], frames=17)
+    run.generate("tiny-cosmos-1-gpu-cache", 1, [*cosmos, "--cache", "fbcache"], one["cosmos-cache"], frames=17)
     for lever, (extra, reference, tolerance) in {
             "cache": (["--cache", "fbcache"], one["cosmos-cache"], PARALLEL_TOLERANCE),
             "cfg-parallel": (["--cfg-parallel"], one["cosmos"], PARALLEL_TOLERANCE),
@@ -385,20 +395,13 @@ def part_generate(run: Run) -> None:
                      reference=reference, tolerance=tolerance, frames=17)
     # every other family: its tiny random checkpoint, on N GPUs with the step cache
     for name, model, args in TINY_FAMILIES:
+        if not run.wanted(f"{name}-{n}-gpus-cache"):
+            continue
         folder = tiny_folder(run, model)
         suffix = ".mp4" if "--frames" in args else ".png"
         run.generate(f"{name}-{n}-gpus-cache", n, ["--model", model, "--model-path", str(folder), *args,
                                                    "--cache", "fbcache"], files / f"{name}{suffix}")
-    # real architectures, random weights
-    if run.wanted("flux-dev") or run.wanted(f"flux-dev-{n}-gpus-warm"):
-        folder = random_folder(run, "flux-dev")
-        real = ["--model", "flux-dev", "--model-path", str(folder), "--prompt", "a big red circle", "--seed", "1",
-                "--size", "1024x1024", "--steps", "28"]
-        run.generate(f"flux-dev-{n}-gpus-cold", n, real, files / "flux-dev.png", timeout=420)
-        run.generate(f"flux-dev-{n}-gpus-warm", n, real, files / "flux-dev-warm.png", timeout=240)
-        run.generate(f"flux-dev-{n}-gpus-fp8-cache", n, [*real, "--fp8", "--cache", "fbcache"],
-                     files / "flux-dev-fp8.png", timeout=420)
-    if run.wanted("wan"):
+    if run.wanted(f"wan2.1-1.3b-{n}-gpus"):
         folder = random_folder(run, "wan2.1-t2v-1.3b")
         run.generate(f"wan2.1-1.3b-{n}-gpus", n, ["--model", "wan2.1-t2v-1.3b", "--model-path", str(folder), "--prompt",
                                                   "a red circle", "--frames", "33", "--size", "832x480", "--steps", "10"],
