@@ -24,7 +24,7 @@ def load(reference: str) -> Any:
     module, _, attribute = reference.partition(":")
     if not module or not attribute:
         raise ValueError(f"{reference!r} is not a 'module:attribute' reference")
-    from engines.fp8 import quiet_torchao_import
+    from engines.import_noise import quiet_torchao_import
 
     # A family's code is diffusers' (its transformer class) or imports it, and diffusers imports torchao through
     # peft and transformers: the checks made before any rank starts (--lora files) get here first.

@@ -11,10 +11,9 @@ the rest of it stays in bfloat16 (embedders, modulation, norms, the final projec
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from pipelines.family import ModelFamily, load
 from pipelines.registry import ModelSpec
@@ -52,6 +51,8 @@ def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int)
     from engines.plan import ParallelPlan
     from engines.tensor_parallel import rank_parameters
 
+    import torch
+
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
         model = load(family.transformer)(**config)
@@ -69,6 +70,8 @@ def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, f
     from engines.fp8 import fp8_linear_names
     from engines.plan import ParallelPlan
     from engines.tensor_parallel import split_weights
+
+    import torch
 
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
@@ -93,14 +96,14 @@ def folder_transformer_config(folder: Path) -> dict[str, Any]:
 
 
 def safetensors_parameters(folder: Path) -> int:
-    """Parameters stored in the safetensors files under `folder` (their headers only are read)."""
-    from safetensors import safe_open
-
+    """Parameters stored in the safetensors files under `folder`, from their headers alone (the format's 8-byte
+    length and JSON header: no tensor is read, and neither torch nor safetensors is imported)."""
     total = 0
     for path in Path(folder).rglob("*.safetensors"):
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                total += torch.Size(handle.get_slice(name).get_shape()).numel()
+        with path.open("rb") as stream:
+            length = int.from_bytes(stream.read(8), "little")
+            header = json.loads(stream.read(length))
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
     return total
 
 
@@ -111,6 +114,8 @@ def rank0_components(folder: Path, names: list[str]) -> dict[str, int]:
 
 def published_rank0_components(spec: ModelSpec) -> dict[str, int]:
     """Parameters of the text encoders and VAE of a checkpoint's published architecture, by component name."""
+    import torch
+
     arch = spec.architecture
     if arch is None:
         raise ValueError(f"no published architecture is recorded for '{spec.name}'")

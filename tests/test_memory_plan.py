@@ -161,3 +161,34 @@ def test_two_experts_count_twice() -> None:
     from pipelines.memory import GIB
 
     assert choose_tp([(two, None)], nproc=2, gpu_bytes=141 * GIB).tp == 1
+
+
+def test_a_whole_transformer_is_sized_from_its_files_as_the_model_counts_it():
+    """tp 1 without FP8: the folder's safetensors headers give the bytes that building the model would."""
+    from app.memory_plan import _stored_transformer_parameters
+    from pipelines.memory import BF16_BYTES, folder_transformer_config, transformer_bytes
+    from pipelines.registry import family_of, resolve_model
+
+    for name in ("tiny-flux", "tiny-cosmos"):
+        spec, folder = resolve_model(name, None)
+        stored = _stored_transformer_parameters(folder) * BF16_BYTES
+        assert stored == transformer_bytes(family_of(spec), folder_transformer_config(folder), 1), name
+
+
+def test_the_launchers_checks_import_neither_torch_nor_diffusers():
+    """Every second before torchrun starts is a second before the first image: the launcher's checks (the request,
+    the memory plan at tp 1, the GPUs) run without torch's and diffusers' imports."""
+    import subprocess
+
+    from tests.helpers import PYTHON, REPO
+
+    script = ("import sys\n"
+              "import app.launch as launch\n"
+              "launch._run_torchrun = lambda command, env: (0, 0)\n"
+              "from app.cli import main\n"
+              "status = main(['launch', '--nproc', '2', '--gpu-memory', '80', 'generate', '--model', 'tiny-flux',\n"
+              "               '--prompt', 'x', '--size', '64x64', '--steps', '1', '--out', 'unused.png'])\n"
+              "print(status, sorted(name for name in ('torch', 'diffusers', 'transformers') if name in sys.modules))\n")
+    result = subprocess.run([PYTHON, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[-2] == "0 []", result.stdout + result.stderr
+    assert "--tp 1: 6.6 MiB of weights" in result.stderr
