@@ -16,7 +16,7 @@
 - multi_gpu.sh: the 2-GPU figures, regressions, app check, new models, tensor parallelism and FP8, in four
   commands of under 10 minutes (PART=1 to 4), and the scaling sweep on 4 or 8 GPUs in one (GPUS=4
   PART=sweep); TINY=1 on CPU.
-- checks/: the acceptance checks that need GPUs (each file says how to run it): app_on_gpus.py (the
-  app itself on GPUs through gradio_client), copy_engine_vs_nccl.py (copy-engine exchanges equal
+- checks/: the acceptance checks that need GPUs (each file says how to run it): acceptance.py (the app's
+  own commands on GPUs, each checked for its output, its exit and what it leaves), copy_engine_vs_nccl.py (copy-engine exchanges equal
   NCCL's, and their timing), engine_cache_diff.py (what differs between two engine caches).
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
-# each piece. On 2 GPUs: the app check (part 1), FLUX.1-dev regressions and FLUX.2-dev (part 2), Cosmos 3 Nano
-# (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
+# each piece. On 2 GPUs: the app's acceptance run (PART=accept), Cosmos-Predict2-2B and FLUX.2 (part 1), FLUX.1-dev
+# regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
 # every family in a CUDA graph (PART=graphs).
 # On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
 #
@@ -19,15 +19,15 @@
 # CACHE (default /tmp/multi-gpu-cache, outside OUT_DIR: the pieces of a part, and the parts run on one machine, reuse
 # each other's kernels). CUDA_VISIBLE_DEVICES=0,1 and 2,3 run two 2-GPU parts at once on a 4-GPU host, each with a
 # CACHE of its own (a copy of a warm one).
-# The app check needs gradio, gradio_client and imageio-ffmpeg (a server of a video model refuses to start
-# where MP4 cannot be written): on a machine that keeps /tmp between commands they can be installed into one
-# --target by two commands, where together they are too big to travel in one.
+# The acceptance run needs imageio-ffmpeg (its video rows), openai (serve) and gradio with gradio_client (serve's UI
+# row): on a machine that keeps /tmp between commands they can be installed into one --target by several commands,
+# where together they are too big to travel in one.
 #
-# Measured on 2x H100 (docs/benchmarks.md, 2026-11-25), in seconds: app check 410-450 (up to the warm relaunch
-# in 320) | Cosmos-2B step 141 beside it | FLUX.1 step 128 | FLUX.1 generation 68 with the step's kernels |
+# Measured on 2x H100 (docs/benchmarks.md, 2026-11-25), in seconds: Cosmos-2B step 141 | FLUX.1 step 128 | FLUX.1 generation 68 with the step's kernels |
 # cached step 82 | Cosmos 3 Nano step 144 | FLUX.2-dev step 110 up to tp 2 | FP8 compile on 2 ranks over 278
 # cold (one GPU: 294):
-#   part 1 (~450 s): app-check 500 s cap, with cosmos2b-step 200 s and flux2-generation 300 s beside it
+#   accept: accept-generate 520 | accept-batch | accept-serve (one a command: ONLY=accept-generate ...)
+#   part 1 (~450 s): cosmos2b-step 200 s and flux2-generation 300 s
 #   part 2 (~480 s): flux1-step 200 | flux1-generation 160 | flux1-cached-step 150 (both transports) |
 #                    flux2-dev-step 220 (every strategy, tp 2 last)
 #   part 3 (~400 s): cosmos3-nano-step 260 (every strategy, cached step, tp 2 last) | cosmos3-nano-generation
@@ -46,11 +46,9 @@
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
-# The app check runs beside the Cosmos-Predict2-2B step (3-6 s GPU-bound calls, against the tiny models'
-# milliseconds of GPU work per request), which OUT_DIR/cosmos2b-note.txt records; SKIP=app-check for clean rows.
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=1|2|3|4|5|6|7|8|9|graphs|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=accept|1|2|3|4|5|6|7|8|9|graphs|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=accept, 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -80,9 +78,9 @@ step=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m 
 generation=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m benchmarks.generation "${tiny[@]}")
 
 pack() {
-    # logs beyond 4 MB keep their last 4 MB; the app check's work folder (engine caches) stays behind
+    # logs beyond 4 MB keep their last 4 MB
     find "$out" -name '*.log' -size +4M -exec sh -c 'tail -c 4000000 "$1" > "$1.tail" && mv "$1.tail" "$1"' _ {} \;
-    [ -n "${PACK:-}" ] && tar czf "$PACK.$BASHPID" --exclude=./app-check/work -C "$out" . && mv "$PACK.$BASHPID" "$PACK"
+    [ -n "${PACK:-}" ] && tar czf "$PACK.$BASHPID" -C "$out" . && mv "$PACK.$BASHPID" "$PACK"
     return 0
 }
 
@@ -129,22 +127,14 @@ if command -v nvidia-smi > /dev/null; then  # power and clocks through the part 
     trap 'kill $smi 2>/dev/null' EXIT
 fi
 
-if [ "$part" = 1 ]; then
-    # the app on 2 ranks (serve through gradio_client, a video, Ctrl-C, generate, batch, warm cache, build, the
-    # built cache's image and what differs between the caches: app-check/cache_diff.json); beside it
-    # Cosmos-Predict2-2B, whose calls are long enough not to feel it
-    if wanted app-check && python3 -c "import gradio, gradio_client" 2> /dev/null; then
-        # 90 s after a SIGTERM: the check stops its servers with Ctrl-C and waits for them (they run in their
-        # own sessions, which would outlive this command and hold the GPUs)
-        KILL_AFTER=90 piece app-check 500 python3 -m benchmarks.checks.app_on_gpus --out "$out/app-check" --ranks 2 \
-            --strategy allgather --all-to-all "$transport" --backend "$backend" &
-        app=$!
-        echo "measured while the app check ran beside it on the same GPUs" > "$out/cosmos2b-note.txt"
-        sleep 5  # the app check's launch first
-    else
-        wanted app-check && printf 'app-check\tskipped: gradio or gradio_client is not installed\n' | tee -a "$out/pieces.tsv"
-        app=
-    fi
+if [ "$part" = accept ]; then
+    # the GPU acceptance run of the app's own commands (benchmarks/checks/acceptance.py), one of its parts a
+    # command: ONLY=accept-generate (then accept-batch, accept-serve) on one machine, sharing the engine cache
+    for name in generate batch serve; do
+        KILL_AFTER=60 piece "accept-$name" 520 python3 -m benchmarks.checks.acceptance --part "$name" \
+            --out "$out/accept-$name" --gpus "$gpus" --cache "$cache/acceptance"
+    done
+elif [ "$part" = 1 ]; then
     # Cosmos-Predict2-2B one step at 93x704x1280: 1 GPU, ring-2 on copy engines, cfg-2
     piece cosmos2b-step 200 "${step[@]}" --model cosmos-predict2-2b-video2world --video "$cosmos_video" \
         --strategies ring --all-to-all "$transport" --backends "$backend" --warmup 1 --iters 1 \
@@ -153,7 +143,6 @@ if [ "$part" = 1 ]; then
     # so H200s; FLUX2_MODEL=flux2-klein-9b fits H100s): 1 GPU against ulysses-2
     piece flux2-generation 300 "${generation[@]}" --model "${FLUX2_MODEL:-flux2-dev}" --strategies ulysses \
         --backends "$fast" --runs 1 --warmup-steps 1 --engine-cache "$cache" --out "$out/flux2-generation.json"
-    [ -n "$app" ] && wait "$app"
 elif [ "$part" = 2 ]; then
     # FLUX.1-dev one step, 1024² and 2048²: 1 GPU, allgather-2 on copy engines, diffusers-native Ulysses-2
     # (docs/benchmarks.md "2x H100 on the current code"; the goal: <= 66 ms at 1024²)

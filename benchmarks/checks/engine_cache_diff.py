@@ -4,7 +4,7 @@ artifacts torch saved (FX graphs, autotuning results, ...), artifact by artifact
     python -m benchmarks.checks.engine_cache_diff CACHE_A CACHE_B --out diff.json
 
 Made to find why an image served from a cache that `build` filled differs from one served after compiling
-at the first request (benchmarks/checks/app_on_gpus.py): another key means other inputs; the same key with
+at the first request (benchmarks/checks/acceptance.py): another key means other inputs; the same key with
 other generated code (an inductor graph's source) means the two compiles made other kernels; the same code
 with other Triton configurations chosen at run time (the `*.best_config` files inductor keeps in its kernel
 cache, <cache>/inductor: not part of the artifacts) means autotuning by timing picked differently, which
