@@ -165,12 +165,34 @@ class OptionsError(ValueError):
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The RunOptions of a command line built with add_model_arguments and add_parallel_arguments."""
     try:
-        return RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
-                          all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
-                          rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache, tp=args.tp or 1,
-                          split_vae=args.split_vae, loras=lora_files(args))
+        options = RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
+                             all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
+                             rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache, tp=args.tp or 1,
+                             split_vae=args.split_vae, loras=lora_files(args))
     except ValueError as error:
         raise OptionsError(str(error)) from None
+    check_graphs_have_gpus(args.backend, args.device)
+    return options
+
+
+def check_graphs_have_gpus(backend: str | None, device: str | None) -> None:
+    """OptionsError for a --backend with CUDA graphs (+cudagraph, +blockgraph) on a run whose ranks are CPUs (--device
+    cpu, or no GPU here), before any rank starts: a rank would otherwise fail building its engine."""
+    from engines.options import EngineOptions
+
+    if not backend:
+        return
+    engine = EngineOptions.parse(backend)
+    if not (engine.cuda_graph or engine.block_graphs):
+        return
+    if device is None:
+        from app.memory_plan import visible_gpus
+
+        device = "cuda" if visible_gpus() else "cpu"
+    if not str(device).startswith("cuda"):
+        plain = backend.replace("+cudagraph", "").replace("+blockgraph", "")
+        raise OptionsError(f"--backend {backend}: CUDA graphs need GPUs, and this run's ranks are CPUs; use "
+                           f"--backend {plain} (or run it on GPUs)")
 
 
 def lora_files(args: argparse.Namespace) -> tuple[LoraFile, ...]:

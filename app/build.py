@@ -23,7 +23,8 @@ from app.arguments import (add_model_arguments, add_parallel_arguments, add_repl
                            request_fields, run_options)
 
 DEFAULT_BACKEND = "inductor-blocks"
-"""What `build --device cpu` compiles when no --backend is given (on GPUs: what serve runs there)."""
+"""What `build` compiles on CPUs (--device cpu, or a machine without a GPU) when no --backend is given (on GPUs:
+what serve runs there)."""
 
 
 class BuildError(ValueError):
@@ -50,8 +51,12 @@ def check_build(args: argparse.Namespace):
 
     if args.ranks < 1:
         raise BuildError(f"--ranks must be >= 1, got {args.ranks}")
-    backend = args.backend or (DEFAULT_BACKEND if args.device == "cpu" else
-                               default_backend("cuda", cache=args.cache is not None))
+    device = args.device
+    if device is None:
+        from app.memory_plan import visible_gpus
+
+        device = "cuda" if visible_gpus() else "cpu"
+    backend = args.backend or (DEFAULT_BACKEND if device == "cpu" else default_backend("cuda", cache=args.cache is not None))
     try:
         options = EngineOptions.parse(backend)
     except ValueError as error:

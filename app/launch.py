@@ -77,33 +77,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_nproc() -> int:
     """The number of visible GPUs, or DEFAULT_CPU_RANKS where there is none."""
+    from app.memory_plan import visible_gpus
+
     return visible_gpus() or DEFAULT_CPU_RANKS
-
-
-def visible_gpus() -> int:
-    """How many GPUs the ranks will see: the driver's count (nvidia-smi, narrowed by CUDA_VISIBLE_DEVICES) where
-    torch is a CUDA build, else torch's own answer. Read without importing torch where nvidia-smi answers: the
-    import takes seconds, and every one of them comes before the first rank starts."""
-    from app.memory_plan import visible_gpu_free_bytes
-
-    if _torch_is_cpu_build():
-        return 0
-    free = visible_gpu_free_bytes()
-    if free is not None:
-        return len(free)
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _torch_is_cpu_build() -> bool:
-    """Whether the installed torch is a CPU-only build (its version's local part, e.g. 2.13.0+cpu)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch").endswith("+cpu")
-    except PackageNotFoundError:
-        return True
 
 
 def free_port() -> int:
@@ -270,6 +246,8 @@ def hand_over_exit_status(status: int) -> int:
 
 
 def _cuda_visible() -> bool:
+    from app.memory_plan import visible_gpus
+
     return visible_gpus() > 0
 
 

@@ -74,3 +74,23 @@ def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch, tmp_p
         assert isinstance(engine, Engine)
         engine._graphs["a captured shape"] = object()  # what a +cudagraph engine holds after a request
     assert seen == [{"image": {}}]
+
+
+def test_cuda_graphs_on_cpus_are_refused_before_any_rank_starts():
+    """A backend with CUDA graphs where the ranks are CPUs is a usage error (it was a rank's traceback), and `build`
+    without --backend on a machine without a GPU compiles what CPU ranks run."""
+    import pytest
+
+    from app.arguments import OptionsError, check_graphs_have_gpus
+    from app.build import check_build
+    from app.cli import build_parser
+
+    for backend in ("inductor-blocks+cudagraph", "inductor-blocks+blockgraph", "inductor+cudagraph"):
+        with pytest.raises(OptionsError, match="CUDA graphs need GPUs"):
+            check_graphs_have_gpus(backend, "cpu")
+        with pytest.raises(OptionsError, match="use --backend inductor"):
+            check_graphs_have_gpus(backend, None)  # this machine has no GPU
+        check_graphs_have_gpus(backend, "cuda")
+    check_graphs_have_gpus("inductor-blocks", "cpu")
+    args = build_parser().parse_args(["build", "--model", "tiny-flux", "--size", "64x64"])
+    assert check_build(args)[3].label == "inductor-blocks"
