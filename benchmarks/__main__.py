@@ -1,7 +1,6 @@
 """`python -m benchmarks`: the bench command (benchmarks.cli), also run by `ulysses-studio bench`."""
 
-import sys
-
+from app.cli import exit_with
 from benchmarks.cli import main
 
-sys.exit(main())
+exit_with(main())

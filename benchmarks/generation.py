@@ -573,4 +573,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from app.cli import exit_with
+
     main()
+    exit_with(0)  # at once, as the app's commands end: the ranks' teardown is done and bounded (engines.distributed)
