@@ -27,9 +27,6 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun_main
-
 from app.stopping import remove_stale_folders, temporary_folder
 
 LOGS_PREFIX = "ulysses-studio-torchrun"
@@ -54,6 +51,11 @@ def remove_ended_logs() -> None:
 
 
 def _torchrun(argv: list[str]) -> int:
+    # torch here, not at the module's top: the launcher imports this module for remove_ended_logs once its ranks have
+    # ended, and torch's import (1.5 s on a 2-core CPU) would come between their last output and its exit.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
     try:
         torchrun_main(argv)
     except SystemExit as exit:

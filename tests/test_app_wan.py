@@ -104,7 +104,10 @@ def test_two_ranks_cfg_parallel_equal_one_rank(folder: Path, one_rank_video: Pat
                      "a red circle", "--seed", "3", "--cfg-parallel", "--out", str(out))
     assert result.returncode == 0, result.stderr
     difference = np.abs(frames_of(out) - frames_of(one_rank_video))
-    assert difference.max() <= 2, f"max pixel difference {difference.max()}"  # measured 0
+    # The branches run as two batches of one instead of one of two (float32 sums in another order), and H.264 is
+    # between: measured 0 when this test was written, up to 4 (a few pixels) with imageio-ffmpeg 0.8.1.
+    assert difference.max() <= 4 and difference.mean() <= 0.1, (
+        f"pixel difference: max {difference.max()}, mean {difference.mean():.3f}")
 
 
 def test_two_experts_with_a_lora_two_ranks_equal_one_rank(folder: Path, a14b_folder: Path, tmp_path: Path) -> None:
