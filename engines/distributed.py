@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -200,12 +201,12 @@ def shutdown(ctx: ParallelContext, timeout: float = TEARDOWN_SECONDS) -> bool:
         finished = _bounded(dist.destroy_process_group, timeout)
         if not finished:
             print(f"warning: rank {ctx.global_rank}: the process group's teardown did not finish within "
-                  f"{timeout:.0f} s; this rank ends without it", file=sys.stderr, flush=True)
+                  f"{timeout:g} s; this rank ends without it", file=sys.stderr, flush=True)
     stopping.join()
     return finished
 
 
-def _bounded(fn, timeout: float) -> bool:
+def _bounded(fn: Callable[[], object], timeout: float) -> bool:
     """Run `fn()` on a daemon thread for at most `timeout` seconds; whether it returned (an error it raises is
     printed: a teardown's failure must not hide the command's result)."""
     errors: list[BaseException] = []

@@ -141,3 +141,26 @@ def test_stop_compile_workers_kills_a_pool_that_does_not_stop(monkeypatch) -> No
     finally:
         stuck.process.kill()
         stuck.process.wait()
+
+
+def test_a_teardown_that_cannot_finish_is_bounded_and_says_so(monkeypatch, capsys) -> None:
+    """engines.distributed.shutdown: a process group whose destruction never returns (NCCL with a graph still
+    holding its kernels) is given up after the timeout, with a warning naming the rank, and shutdown returns False."""
+    import threading
+
+    import torch.distributed as dist
+
+    from engines import distributed
+
+    never = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: never.wait(60))
+    ctx = distributed.ParallelContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), group=None,
+                                      control_group=None)
+    started = time.monotonic()
+    try:
+        assert distributed.shutdown(ctx, timeout=0.5) is False
+    finally:
+        never.set()
+    assert time.monotonic() - started < 5
+    assert "rank 1: the process group's teardown did not finish within 0.5 s" in capsys.readouterr().err
