@@ -56,8 +56,12 @@ def test_type_a_prompt_click_generate_and_see_the_image(tmp_path):
                 page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
                 # Plain words first; the start-up calibration is no request; the technical part is smaller.
                 status = page.locator("#status")
-                assert status.inner_text().startswith("tiny-flux (image) on 1 CPU process, full precision (float32) · "
-                                                      "no request yet\nidle\n1 rank · plan none (1 rank)")
+                # read between two of the page's refreshes: while one is pending, Gradio shows its timer ("0.1s") first
+                text = page.wait_for_function(
+                    "() => { const text = document.querySelector('#status')?.innerText ?? '';"
+                    " return text.startsWith('tiny-flux (image)') ? text : null; }", timeout=30_000).json_value()
+                assert text.startswith("tiny-flux (image) on 1 CPU process, full precision (float32) · "
+                                       "no request yet\nidle\n1 rank · plan none (1 rank)"), text
                 assert status.locator("small").inner_text().startswith("1 rank · plan none (1 rank) · backend cpu")
                 page.locator("#image-prompt textarea").fill("a red circle on a blue background")
                 page.locator("#image-generate").click()
