@@ -579,7 +579,7 @@ def part_serve(run: Run) -> None:
             row.figures["stop_s"] = round(time.monotonic() - stopped, 2)
             row.check(row.status == expect_status, f"exit status {row.status}, expected {expect_status}")
             row.check(row.exit_s <= EXIT_SECONDS, f"ended {row.exit_s:.1f} s after its last output")
-        except Exception as error:  # noqa: BLE001 - recorded; the next session runs
+        except Exception as error:  # noqa: BLE001 - recorded; the next server runs
             row.check(False, f"{type(error).__name__}: {error}")
         finally:
             if command.process.poll() is None:
