@@ -25,7 +25,7 @@ starts warm. Every row is one command (or one server's session) run in its own p
   image made twice, every line written); `build` into an empty cache and a generate on it.
 
 Each row records: pass or fail with its reasons; seconds from launch to its result; seconds from its last line
-of output to its exit (at most EXIT_SECONDS); processes of its session still alive; temporary folders it left
+of output to its exit (at most EXIT_SECONDS); processes it started still alive; temporary folders it left
 (ulysses-studio-*, torchelastic_*, gradio uploads); GPU memory still in use after it (against before it).
 DIR/rows.jsonl gets one line per row as it ends (a part cut short keeps its rows), DIR/logs/ each command's
 output, time-stamped. Exits 1 if a row failed.
