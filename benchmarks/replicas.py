@@ -50,7 +50,8 @@ def write_random_checkpoint(name: str, folder: Path) -> None:
     write_config_folder(arch, partial)
     pipeline = build_pipeline(arch, partial, device=torch.device("cuda"), with_encoders=True)
     for component in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-        module = getattr(pipeline, component, None)
+        # a pipeline that runs diffusers' own prompt encoding (Wan) keeps its encoder in that pipeline
+        module = getattr(pipeline, component, None) or getattr(getattr(pipeline, "_diffusers", None), component, None)
         if module is not None:
             module.save_pretrained(partial / component, max_shard_size="5GB")
     for part in ("scheduler", "tokenizer", "tokenizer_2", "text_tokenizer", "model_index.json"):

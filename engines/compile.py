@@ -282,6 +282,24 @@ def stop_compile_workers(grace_s: float = 10.0) -> None:
             stopping.join(grace_s)
 
 
+RECOMPILE_LIMIT = 512
+"""Graphs dynamo may keep for one function (a block class's forward): one per input signature of every engine of the
+process. Engines are static-shape by design (a graph, and a CUDA graph, per shape), and a rank's engines share their
+blocks' code: a server keeps one engine per layout (all ranks, smaller groups) and calls it at every served size,
+frame count and guidance batch, each a graph of its own. Dynamo's default of 8 is a guard against a function that
+recompiles by mistake; with fullgraph=True, reaching it fails the call. On 2x H200 (torch 2.11) a `serve` of
+tiny-cosmos with `--replicas auto` hit it at its ninth graph: the calibration of its second layout failed, then a
+request, on rank 0 alone, and the job ended."""
+
+
+def allow_a_graph_per_signature() -> None:
+    """Raise dynamo's per-function and per-process recompile limits to RECOMPILE_LIMIT (never lowering them)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
+
+
 def _inductor_compile(module: nn.Module, options: EngineOptions) -> Callable[..., Any]:
     """torch.compile with inductor, fullgraph and static shapes (with overlap: OVERLAP_INDUCTOR_OPTIONS; with
     block_graphs: inductor's CUDA graphs, "reduce-overhead")."""
@@ -324,6 +342,8 @@ def prepare_engine(
     cache = EngineCache(Path(cache_dir).expanduser()) if cache_dir is not None else None
     engine = Engine(module=transformer, options=options, cache=cache, rank=rank)
     backend = options.backend
+    if backend != "eager":
+        allow_a_graph_per_signature()
     if backend == "eager":
         engine._forward = transformer
     elif options.scope == "whole":

@@ -164,3 +164,52 @@ def test_a_teardown_that_cannot_finish_is_bounded_and_says_so(monkeypatch, capsy
         never.set()
     assert time.monotonic() - started < 5
     assert "rank 1: the process group's teardown did not finish within 0.5 s" in capsys.readouterr().err
+
+
+class _Blocks(torch.nn.Module):
+    """A model of repeated blocks, as the engines see a transformer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0].weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0].weight.dtype
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return (x,)
+
+
+def test_an_engine_builds_a_graph_for_every_signature_past_dynamos_default_limit(monkeypatch) -> None:
+    """Static-shape engines make a graph per signature, and all of a process's engines share their blocks' code:
+    past dynamo's default of 8 graphs a function, a fullgraph compile fails the call (a server's ninth signature on
+    GPUs). Dynamo's own eager backend stands in for inductor here: the limit is dynamo's, and it compiles in
+    milliseconds."""
+    from engines import compile as engines_compile
+    from engines.options import EngineOptions
+
+    monkeypatch.setattr(engines_compile, "_inductor_compile",
+                        lambda module, options: torch.compile(module, fullgraph=True, dynamic=False, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # dynamo's default, restored after
+    torch._dynamo.reset()
+    reference = _Blocks()
+    models = [_Blocks() for _ in range(2)]  # two layouts' models (a server with --replicas auto): one block class
+    for model in models:
+        model.load_state_dict(reference.state_dict())
+    engines = [engines_compile.prepare_engine(model, EngineOptions.parse("inductor-blocks"), repeated_blocks=("blocks",))
+               for model in models]
+    for rows in range(1, 11):  # ten signatures
+        for engine in engines:
+            x = torch.randn(rows, 4)
+            torch.testing.assert_close(engine(x=x)[0], reference(x)[0])
+    assert all(len(engine.builds) == 10 for engine in engines)
+    for engine in engines:
+        engine.release()
+    torch._dynamo.reset()

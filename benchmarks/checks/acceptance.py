@@ -29,6 +29,13 @@ of output to its exit (at most EXIT_SECONDS); processes it started still alive; 
 (ulysses-studio-*, torchelastic_*, gradio uploads); GPU memory still in use after it (against before it).
 DIR/rows.jsonl gets one line per row as it ends (a part cut short keeps its rows), DIR/logs/ each command's
 output, time-stamped. Exits 1 if a row failed.
+
+On a 4-GPU host two parts (or two sets of --rows) run side by side, each on two GPUs with a temporary folder and an
+engine cache of its own (the leftover checks look at the temporary folder and at the part's GPUs only):
+
+    CUDA_VISIBLE_DEVICES=0,1 TMPDIR=/tmp/a python -m benchmarks.checks.acceptance --part generate --rows ... \
+        --out /tmp/acc/a --cache /tmp/acc/a-engines &
+    CUDA_VISIBLE_DEVICES=2,3 TMPDIR=/tmp/b python -m benchmarks.checks.acceptance --part batch --out /tmp/acc/b ...
 """
 
 from __future__ import annotations
@@ -208,9 +215,12 @@ def _cmdline(pid: int) -> str | None:
 
 
 def gpu_memory_mib() -> list[int]:
-    """Memory in use on each visible GPU (nvidia-smi), [] without one."""
+    """Memory in use on each visible GPU (nvidia-smi, narrowed by CUDA_VISIBLE_DEVICES: two parts may run side by
+    side on one host, each on its own GPUs), [] without one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              *([f"--id={visible}"] if visible else [])],
                              capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
@@ -468,13 +478,14 @@ def tiny_folder(run: Run, model: str) -> Path:
 
 
 def random_folder(run: Run, model: str) -> Path:
-    """`model`'s published architecture with random weights, written once (benchmarks.replicas)."""
-    from benchmarks.replicas import write_random_checkpoint
-
+    """`model`'s published architecture with random weights, written once (benchmarks.replicas), by a process of its
+    own: the weights are made on a GPU, and this process holds no GPU memory while it checks what the rows leave."""
     folder = run.models / model
     if not folder.exists():
         started = time.monotonic()
-        write_random_checkpoint(model, folder)
+        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                        "from benchmarks.replicas import write_random_checkpoint; "
+                        "write_random_checkpoint(sys.argv[1], Path(sys.argv[2]))", model, str(folder)], check=True)
         print(f"wrote {model}'s random checkpoint in {time.monotonic() - started:.0f} s", flush=True)
     return folder
 
