@@ -341,7 +341,8 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
     from starlette.testclient import TestClient
 
     from app.access import LoginFailures
-    from app.api_server import api_app, serving_health
+    from app.api_server import Probes, api_app, serving_health, serving_readiness
+    from app.metrics import ServerMetrics
     from app.openai_api import api_access
     from pipelines.requests import make_request
 
@@ -349,9 +350,10 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
     dead: list[int] = []
     runtime = SimpleNamespace(models={"image": model}, service=SimpleNamespace(dead_ranks=lambda wait: list(dead)),
                               world_size=2, backend="gloo, cpu", describe=lambda *times: "flux2-dev on 2 ranks")
-    stop = threading.Event()
-    app = api_app(runtime, server, api_access([KEY], False, LoginFailures()), 10_000_000,
-                  serving_health(runtime, server.jobs, stop))
+    stop, warm = threading.Event(), threading.Event()
+    health = serving_health(runtime, server.jobs, stop)
+    probes = Probes(health=health, ready=serving_readiness(health, warm), metrics=ServerMetrics({}))
+    app = api_app(runtime, server, api_access([KEY], False, LoginFailures()), 10_000_000, probes)
     http = TestClient(app, base_url="http://testserver", headers={"Authorization": f"Bearer {KEY}"})
     request = make_request(model.spec, model.limits, prompt="a red circle", width=64, height=48, steps=8, seed=1)
     server.jobs.submit("image", request, estimate=2.5)
@@ -367,11 +369,19 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
         "group": "ranks 0-1"} and running["seconds"] >= 0
     assert waiting == {"model": "flux2-dev", "size": "32x32", "frames": 1, "steps": 4, "estimate_seconds": None}
     assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok"}  # no key needed
-    assert http.post("/status").status_code == 404 and http.post("/status").json()["error"]["code"] == "unknown_url"
+    response = http.get("/ready", headers={"Authorization": ""})
+    assert response.status_code == 503 and response.json()["status"] == "warming_up"
+    warm.set()  # the start-up calibration has ended
+    assert http.get("/ready", headers={"Authorization": ""}).json() == {"status": "ready"}
+    response = http.post("/status")
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+    assert response.headers["allow"] == "GET, HEAD, OPTIONS"
 
     stop.set()  # Ctrl-C or SIGTERM: the queue closes next
     response = http.get("/health")
     assert response.status_code == 503 and response.json()["status"] == "shutting_down"
+    response = http.get("/ready")
+    assert response.status_code == 503 and response.json()["status"] == "draining"
     dead.append(1)
     response = http.get("/health")
     assert response.status_code == 503 and response.json() == {
