@@ -134,7 +134,10 @@ def probe(path: str | Path) -> MediaInfo:
         try:
             with PIL.Image.open(path) as image:
                 width, height = image.size
-        except (OSError, ValueError, PIL.Image.DecompressionBombError) as error:
+        except PIL.Image.DecompressionBombError:  # PIL refuses to open an image over twice its MAX_IMAGE_PIXELS
+            raise MediaError(f"input image {path.name} is over {2 * PIL.Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels; "
+                             f"the limit is {INPUT_LIMITS.image_pixels / 1e6:.0f} megapixels") from None
+        except (OSError, ValueError) as error:
             raise MediaError(f"input file {path.name} is not an image this server can read "
                              f"({type(error).__name__})") from None
         return MediaInfo(width=width, height=height, video=False)

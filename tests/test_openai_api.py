@@ -1,7 +1,9 @@
 """The OpenAI-compatible API (app.openai_api), driven by the official `openai` package.
 
 Most tests share one `launch --nproc 2 serve --no-ui --api-key-file ... --max-queue 2` server (2 gloo CPU
-ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.api_server).
+ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.api_server),
+with a webhook receiver on 127.0.0.1 (`--webhook-url`) and its log in JSON (`--log-format json`); its start is
+watched from GET /ready.
 The API beside the UI, on Gradio's server, is driven by tests/test_app_serve.py. The image edits, the upload
 limit, the API that is off beside UI logins, the key lockout, and /status and /health as the queue and the
 ranks change run in-process: the routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import signal
 import subprocess
@@ -41,22 +44,69 @@ MAX_QUEUE = 2
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
 
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+
+
+class WebhookReceiver:
+    """An HTTP server on 127.0.0.1 that keeps each POST (body, headers) and answers the first try of every event
+    with 500, so that the server must try again."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        received = self.received = []
+        tries: dict[str, int] = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                event_id = self.headers["webhook-id"]
+                tries[event_id] = tries.get(event_id, 0) + 1
+                if tries[event_id] > 1:
+                    received.append((body, {name.lower(): value for name, value in self.headers.items()},
+                                     tries[event_id]))
+                self.send_response(500 if tries[event_id] == 1 else 200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/hooks"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
-    keys = root / "keys.txt"
+    keys, secret = root / "keys.txt", root / "webhook-secret.txt"
     keys.write_text(f"# one key a line\n{KEY}\n")
+    secret.write_text(f"{WEBHOOK_SECRET}\n")
+    receiver = WebhookReceiver()
     port = free_port()
     # Python names every module each process imports (on stderr), so that a test can see that none was Gradio.
     app = AppProcess("launch", "--nproc", "2", "serve", "--no-ui", "--port", str(port), "--out", str(root / "out"),
-                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE), env={"PYTHONPROFILEIMPORTTIME": "1"})
+                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE), "--webhook-url", receiver.url,
+                     "--webhook-secret-file", str(secret), "--log-format", "json", env={"PYTHONPROFILEIMPORTTIME": "1"})
     try:
-        app.wait_for("serving on", START_SECONDS)
         app.url = f"http://127.0.0.1:{port}/"
+        app.ready_seen = []  # GET /ready's answers until the server said it serves (its start-up calibration ended)
+        deadline = time.monotonic() + START_SECONDS
+        while not any("serving on" in line for line in list(app.lines)):
+            assert app.process.poll() is None and time.monotonic() < deadline, app.output
+            try:
+                response = httpx.get(f"{app.url}ready", timeout=5)
+                app.ready_seen.append((response.status_code, response.json()["status"]))
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.05)
         app.out = root / "out"
+        app.webhooks = receiver
         yield app
     finally:
         app.stop()
+        receiver.http.shutdown()
 
 
 def api(server, key: str = KEY) -> openai.OpenAI:
@@ -202,6 +252,80 @@ def test_deleting_a_running_video_frees_the_server_within_two_steps(server):
     assert time.monotonic() - started < 10
 
 
+def test_ready_said_503_while_the_server_warmed_up_then_says_200(server):
+    seen = server.ready_seen
+    assert seen and seen[0] == (503, "warming_up") and set(seen) <= {(503, "warming_up"), (200, "ready")}, seen
+    response = httpx.get(f"{server.url}ready")
+    assert response.status_code == 200 and response.json() == {"status": "ready"}
+
+
+def test_video_ends_reach_the_webhook_signed_as_openai_signs_them(server):
+    """video.completed and video.failed, each retried once (the receiver refuses every first try), verified by the
+    SDK's webhooks.unwrap; the request id the client sent comes back, and the JSON log names it."""
+    client = api(server)
+    raw = client.videos.with_raw_response.create(prompt="a red square moving right on a white background",
+                                                 size="64x64", extra_body={"frames": 5, "steps": 1},
+                                                 extra_headers={"X-Request-Id": "hook-test-1"})
+    assert raw.headers["x-request-id"] == "hook-test-1"
+    done = client.videos.poll(raw.parse().id)
+    assert done.status == "completed"
+    doomed = client.videos.create(prompt="a long one", size="64x64", extra_body={"frames": 5, "steps": 300})
+    client.videos.delete(doomed.id)  # its job fails: stopped at its next step, or dropped at its turn
+
+    verifier = openai.OpenAI(api_key="unused", webhook_secret=WEBHOOK_SECRET)
+    events: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while not {done.id, doomed.id} <= set(events):  # the module's earlier videos have theirs too
+        assert time.monotonic() < deadline, events
+        time.sleep(0.05)
+        for body, headers, tries in list(server.webhooks.received):
+            event = verifier.webhooks.unwrap(body, headers)
+            assert tries == 2 and headers["webhook-id"] == event.id and event.object == "event"
+            events[event.data.id] = event.type
+    assert (events[done.id], events[doomed.id]) == ("video.completed", "video.failed")
+    body, headers, _ = server.webhooks.received[0]
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        openai.OpenAI(api_key="unused", webhook_secret="whsec_" + base64.b64encode(b"another" * 5).decode()
+                      ).webhooks.unwrap(body, headers)
+
+    logged = [json.loads(line) for line in server.lines if line.startswith("{")]
+    mine = [line for line in logged if line.get("request_id") == "hook-test-1"]
+    assert {"path": "/v1/videos", "method": "POST", "status": 200} in [
+        {key: line.get(key) for key in ("path", "method", "status")} for line in mine], mine
+    assert any(line.get("video_id") == done.id and line["message"].endswith("completed") for line in mine), mine
+    made = httpx.get(f"{server.url}v1/models", headers={"Authorization": f"Bearer {KEY}"}).headers["x-request-id"]
+    assert re.fullmatch(r"req_[0-9a-f]{32}", made)  # none given: one made
+
+
+def test_metrics_say_what_ran_in_prometheus_text(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert httpx.get(f"{server.url}metrics").status_code == 401  # behind the key, as /status is
+    response = httpx.get(f"{server.url}metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
+
+    def value(name: str, **labels: str) -> float:
+        return sum(sample.value for sample in samples
+                   if sample.name == f"ulysses_studio:{name}" and labels.items() <= sample.labels.items())
+
+    status = httpx.get(f"{server.url}status", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert value("num_requests_running") == len(status["running"]) == 0
+    assert value("num_requests_waiting") == len(status["waiting"]) == 0
+    assert value("groups") == 1 and value("busy_groups") == 0
+    for model in ("tiny-flux", "tiny-cosmos"):
+        finished = value("request_success_total", model_name=model)
+        assert finished >= 2 and value("e2e_request_latency_seconds_count", model_name=model) >= finished
+        assert value("request_queue_time_seconds_count", model_name=model) >= finished
+        for stage in ("encode", "decode", "write"):
+            assert value("stage_seconds_count", model_name=model, stage=stage) >= 1, (model, stage)
+        assert value("stage_seconds_count", model_name=model, stage="step") >= finished
+    assert value("request_failure_total", model_name="tiny-cosmos") >= 1  # the deleted videos
+    memory = {sample.labels["rank"]: sample.value for sample in samples
+              if sample.name == "ulysses_studio:rank_memory_bytes" and sample.labels["device"] == "cpu"}
+    assert set(memory) == {"0", "1"} and all(used > 100e6 for used in memory.values()), memory
+
+
 def test_ctrl_c_stops_the_api_alone_cleanly(server):
     """The module's last test of the server: it stops it."""
     server.process.send_signal(signal.SIGINT)
@@ -283,15 +407,18 @@ def local(tmp_path):
     thread = threading.Thread(target=ranks, daemon=True)
     thread.start()
 
-    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None):
+    def http(keys=None, logins=False, max_upload_bytes=10_000_000, failures=None) -> TestClient:
         failures = failures or LoginFailures()
         app = Starlette(routes=api_routes(runtime, server, api_access(keys, logins, failures), max_upload_bytes))
-        http = TestClient(app, base_url="http://testserver")
-        return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+        return TestClient(app, base_url="http://testserver")
+
+    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None):
+        return openai.OpenAI(base_url="http://testserver/v1", api_key=key, max_retries=0,
+                             http_client=http(keys, logins, max_upload_bytes, failures))
 
     reference = tmp_path / "reference.png"
     Image.new("RGB", (112, 80), (30, 30, 200)).save(reference)
-    yield type("Local", (), {"client": staticmethod(client), "seen": seen, "server": server,
+    yield type("Local", (), {"client": staticmethod(client), "http": staticmethod(http), "seen": seen, "server": server,
                              "reference": reference, "tmp": tmp_path})()
     stop.set()
     thread.join()
@@ -323,6 +450,56 @@ def test_the_api_is_off_beside_ui_logins_without_keys(local):
     with pytest.raises(openai.PermissionDeniedError, match="--api-key-file"):
         local.client(logins=True).models.list()
     assert local.client(keys=None, logins=False).models.list().data[0].id == "flux2-dev"  # no login at all: open
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG file's start that claims `width` x `height` (header-only readers open it; its pixels are absent)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def test_an_input_over_the_megapixel_limit_is_refused_naming_its_field_and_the_limit(local):
+    for width, height, said in ((8000, 8000, "is 8000x8000 (64 megapixels)"), (20000, 20000, "is over 179 megapixels")):
+        with pytest.raises(openai.BadRequestError) as error:
+            local.client().images.edit(image=("big.png", png_header(width, height), "image/png"), prompt="x")
+        message = error.value.body["message"]
+        assert error.value.param == "image" and message == f"input image big.png {said}; the limit is 50 megapixels"
+    assert not any(local.server.uploads.folder.iterdir())
+
+
+def test_api_paths_and_methods_answer_in_openai_shape(local):
+    http = local.http()
+    response = http.options("/v1/models")  # a CORS-less preflight, or a client asking what a path takes
+    assert response.status_code == 204 and response.headers["allow"] == "GET, HEAD, OPTIONS"
+    response = http.put("/v1/models")
+    assert response.status_code == 405 and response.headers["allow"] == "GET, HEAD, OPTIONS"
+    assert response.json()["error"] == {"message": "/v1/models takes GET, HEAD, OPTIONS, not PUT",
+                                        "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+    response = http.get("/v1/no/such/thing?x=1", headers={"host": "[::1]"})  # a host whose URL ends in "]"
+    assert response.status_code == 404 and response.json()["error"]["message"] == (
+        "no endpoint GET /v1/no/such/thing here (docs/openai-api.md lists them)")
+
+
+def test_bodies_that_cannot_be_read_say_why(local):
+    http = local.http()
+    cut = (b'--XX\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na red circle\r\n--XX\r\n'
+           b'Content-Disposition: form-data; name="size"\r\n\r\n64x64')  # no closing --XX--
+    response = http.post("/v1/images/generations", content=cut,
+                         headers={"content-type": "multipart/form-data; boundary=XX"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == (
+        "the multipart form ends before its closing boundary (the body was cut short)")
+    whole = cut + b"\r\n--XX--\r\n"
+    assert http.post("/v1/images/generations", content=whole, headers={
+        "content-type": "multipart/form-data; boundary=XX"}).status_code == 200  # the same form, whole
+    response = http.post("/v1/images/generations", content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == (
+        "the body's JSON is nested too deeply (a request's fields are one object of plain values)")
 
 
 def test_failed_keys_lock_the_address_out_as_failed_logins_do(local):
