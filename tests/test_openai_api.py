@@ -188,6 +188,17 @@ def test_bad_requests_name_their_field(server):
     assert error.value.param == "model"
 
 
+def test_a_decompression_bomb_as_a_video_input_is_refused_before_any_rank_decodes_it(server):
+    bomb = io.BytesIO()
+    Image.new("1", (7000, 7000), 1).save(bomb, format="PNG")  # 49 megapixels (147 MB as RGB) in a 19 kB file
+    with pytest.raises(openai.BadRequestError, match=r"input image bomb.png is 7000x7000 \(49 megapixels\) from a "
+                                                     r"file of 19 kB: \d+ times its size once decoded, a "
+                                                     r"decompression bomb") as error:
+        api(server).videos.create(prompt="a red square", size="64x64", extra_body={"frames": 5, "steps": 1},
+                                  input_reference=("bomb.png", bomb.getvalue(), "image/png"))
+    assert error.value.param == "input_reference"
+
+
 def test_a_wrong_key_is_refused(server):
     with pytest.raises(openai.AuthenticationError, match="valid API key"):
         api(server, "not-the-key").models.list()
