@@ -5,9 +5,9 @@ ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, wit
 with a webhook receiver on 127.0.0.1 (`--webhook-url`) and its log in JSON (`--log-format json`); its start is
 watched from GET /ready.
 The API beside the UI, on Gradio's server, is driven by tests/test_app_serve.py. The image edits, the upload
-limit, the API that is off beside UI logins, the key lockout, and /status and /health as the queue and the
-ranks change run in-process: the routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2
-model's limits, no weights).
+limit, the API that is off beside UI logins, the key lockout, /status, /health and /ready as the queue and the
+ranks change, unknown paths and methods, unreadable bodies, and the metrics of a job's end run in-process: the
+routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2 model's limits, no weights).
 """
 
 from __future__ import annotations
@@ -575,3 +575,45 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
     assert response.status_code == 503 and response.json() == {
         "status": "lost", "message": "the server lost rank 1 and is ending"}
     assert http.get("/status").json()["status"] == "lost"
+
+
+def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
+    """The queue tells the metrics of every job's end (app.jobs.JobQueue's on_end): a finished one's stages,
+    step-cache hits and ranks' memory, a cancelled one as a failure; the write is counted as the file is written."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.jobs import JobQueue
+    from app.lockstep import Generation
+    from app.metrics import ServerMetrics
+    from app.stage_times import StageSeconds
+    from pipelines.requests import make_request
+
+    model, _ = flux2_server(tmp_path)
+    metrics = ServerMetrics({"image": "flux2-dev"})
+    jobs = JobQueue(4, on_end=metrics.job_ended)
+    metrics.watch(jobs, lambda: 2)
+    request = make_request(model.spec, model.limits, prompt="a red circle", width=64, height=48, steps=8, seed=1)
+    kept, dropped = jobs.submit("image", request), jobs.submit("image", request)
+    dropped.cancel("the client went away")
+    jobs.take(timeout=0).start("ranks 0-1", "ulysses-2", 2)
+    kept.finish(Generation(result=None, model="image", request=request, seconds=1.0, step_seconds=0.1,
+                           computed_steps=3, rank_memory={0: ("cuda", 5_000), 1: ("cuda", 6_000)},
+                           stages=StageSeconds(encode=0.2, steps=(0.1,) * 8, decode=0.3)))
+    assert jobs.take(timeout=0) is None  # the cancelled one is failed as its turn comes
+    metrics.written("flux2-dev", 0.05)
+
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(metrics.text().decode()) for sample in family.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(f"ulysses_studio:{name}", tuple(sorted(labels.items())))]
+
+    flux = {"model_name": "flux2-dev"}
+    assert value("request_success_total", **flux) == 1 and value("request_failure_total", **flux) == 1
+    assert value("e2e_request_latency_seconds_count", **flux) == 2 and value("request_queue_time_seconds_count", **flux) == 1
+    assert [value("stage_seconds_count", **flux, stage=stage) for stage in ("encode", "step", "decode", "write")] == [
+        1, 8, 1, 1]
+    assert value("stage_seconds_sum", **flux, stage="step") == pytest.approx(0.8)
+    assert value("step_cache_hits_total", **flux) == 5 and value("step_cache_steps_total", **flux) == 8
+    assert value("rank_memory_bytes", rank="1", device="cuda") == 6_000
+    assert value("groups") == 2 and value("busy_groups") == 0 and value("num_requests_waiting") == 0
