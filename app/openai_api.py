@@ -12,8 +12,8 @@ A request takes the UI's path (app.submit): make_request checks it, the time lim
 waits in the one queue (server.jobs) beside the UI's requests, and its result is written with its
 settings into the results folder. The settings come back in the response (`settings`). Every error is
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so the SDK raises its own classes:
-400 a bad request (param names the field), 401 a wrong key, 403 the API is off, 404 unknown, 409 a
-video not ready, 413 an upload over --max-upload-mb, 429 the queue full (or an address locked out
+400 a bad request (param names the field), 401 a wrong key, 403 the API is off, 404 unknown, 405 a method
+the path does not take (OPTIONS: 204, with Allow), 409 a video not ready, 413 an upload over --max-upload-mb, 429 the queue full (or an address locked out
 after failed keys), 500 a failed generation, 503 a lost rank or a server shutting down. Only a full
 queue is worth retrying: every other error tells the SDK not to (x-should-retry: false).
 
@@ -21,6 +21,9 @@ Keys: with --api-key-file, every /v1 request but a signed file URL needs `Author
 a wrong key is a failed login of its address (app.access). With UI logins but no keys the API is off
 (403): a login protects the UI, and an open API beside it would bypass it. With neither, the API is
 open, as the UI is. Field mapping, and what is ignored or refused: docs/openai-api.md.
+
+With --webhook-url, a video job's end is posted as OpenAI's video.completed or video.failed event (app.webhooks),
+tagged with the id of the request that created it (app.request_ids).
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from app.access import LoginFailures
-from app.request_ids import current_request_id, log
 from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed, Started, Step
 from app.lockstep import Generation
 from app.outputs import RESULT_NAME, settings_of
+from app.request_ids import current_request_id, log
 from app.runtime import Runtime, ServedModel
 from app.submit import Server, Submitted, public_message, random_seed, submit, write
 from app.webhooks import Webhooks
