@@ -97,6 +97,15 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class TextFormatter(logging.Formatter):
+    """A record as one line: time, level, [request id or -], message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = (f"{self.formatTime(record)} {record.levelname} [{getattr(record, 'request_id', None) or '-'}] "
+                f"{record.getMessage()}")
+        return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
+
+
 class JsonFormatter(logging.Formatter):
     """A record as one JSON object: time (epoch seconds), level, logger, message, request_id, and its fields."""
 
@@ -115,10 +124,7 @@ def setup_logging(log_format: str) -> None:
         raise ValueError(f"--log-format takes {' or '.join(LOG_FORMATS)}, not {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(RequestIdFilter())
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(request_id)s] %(message)s"))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
