@@ -41,6 +41,8 @@ ATTEMPTS = 6
 FIRST_RETRY_SECONDS = 1.0
 TIMEOUT_SECONDS = 10.0
 """How long one attempt may take (connection and answer)."""
+CLOSE_SECONDS = 1.0
+"""How long closing waits for an attempt under way (the thread is a daemon: the server's end never waits longer)."""
 SECRET_PREFIX = "whsec_"
 MIN_SECRET_BYTES = 24
 """Shortest secret taken (Standard Webhooks: 24 to 64 bytes)."""
@@ -128,7 +130,7 @@ class Webhooks:
             self._closed = True
             self._changed.notify_all()
         if self._thread.is_alive():
-            self._thread.join(timeout=TIMEOUT_SECONDS + 1)
+            self._thread.join(timeout=CLOSE_SECONDS)
 
     def _queue(self, delivery: _Delivery, when: float) -> None:
         with self._changed:
