@@ -6,8 +6,9 @@ with a webhook receiver on 127.0.0.1 (`--webhook-url`) and its log in JSON (`--l
 watched from GET /ready.
 The API beside the UI, on Gradio's server, is driven by tests/test_app_serve.py. The image edits, the upload
 limit, the API that is off beside UI logins, the key lockout, /status, /health and /ready as the queue and the
-ranks change, unknown paths and methods, unreadable bodies, and the metrics of a job's end run in-process: the
-routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2 model's limits, no weights).
+ranks change, unknown paths and methods, unreadable bodies, the metrics of a job's end and the webhooks' retries
+run in-process: the routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2 model's limits, no
+weights).
 """
 
 from __future__ import annotations
@@ -48,24 +49,28 @@ WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 
 
 class WebhookReceiver:
-    """An HTTP server on 127.0.0.1 that keeps each POST (body, headers) and answers the first try of every event
-    with 500, so that the server must try again."""
+    """An HTTP server on 127.0.0.1 that keeps each POST it takes (body, headers, tries) and answers the first
+    `refuse` tries of every event with 500 (so that the sender must try again), each after `delay` seconds;
+    `times` has each event's tries' times."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: int = 1, delay: float = 0.0) -> None:
         import http.server
 
         received = self.received = []
+        times = self.times = {}
         tries: dict[str, int] = {}
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 event_id = self.headers["webhook-id"]
+                times.setdefault(event_id, []).append(time.monotonic())
+                time.sleep(delay)
                 tries[event_id] = tries.get(event_id, 0) + 1
-                if tries[event_id] > 1:
+                if tries[event_id] > refuse:
                     received.append((body, {name.lower(): value for name, value in self.headers.items()},
                                      tries[event_id]))
-                self.send_response(500 if tries[event_id] == 1 else 200)
+                self.send_response(500 if tries[event_id] <= refuse else 200)
                 self.send_header("content-length", "0")
                 self.end_headers()
 
@@ -617,3 +622,27 @@ def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
     assert value("step_cache_hits_total", **flux) == 5 and value("step_cache_steps_total", **flux) == 8
     assert value("rank_memory_bytes", rank="1", device="cuda") == 6_000
     assert value("groups") == 2 and value("busy_groups") == 0 and value("num_requests_waiting") == 0
+
+
+def test_webhooks_are_sent_without_waiting_and_retried_with_growing_delays():
+    from app.webhooks import Webhooks
+
+    receiver = WebhookReceiver(refuse=2, delay=0.1)  # a slow receiver that refuses every event's first two tries
+    webhooks = Webhooks(receiver.url, WEBHOOK_SECRET, attempts=3, first_retry_seconds=0.1)
+    webhooks.start()
+    try:
+        started = time.monotonic()
+        sent = [webhooks.send("video.completed", {"id": f"video_{index}"}) for index in range(3)]
+        assert time.monotonic() - started < 0.05  # queued: the caller (the queue, a client's request) never waits
+        deadline = time.monotonic() + 20
+        while len(receiver.received) < 3:
+            assert time.monotonic() < deadline, receiver.times
+            time.sleep(0.02)
+    finally:
+        webhooks.close()
+        receiver.http.shutdown()
+    verifier = openai.OpenAI(api_key="unused", webhook_secret=WEBHOOK_SECRET)
+    assert sorted(verifier.webhooks.unwrap(body, headers).id for body, headers, _ in receiver.received) == sorted(sent)
+    for event_id in sent:
+        first, second, third = receiver.times[event_id]
+        assert second - first >= 0.1 + 0.1 and third - second >= 0.1 + 0.2  # its answer's delay, then 0.1 s, 0.2 s
