@@ -1,17 +1,22 @@
 """`serve --no-ui`: the OpenAI-compatible API alone on rank 0, served by uvicorn and Starlette; Gradio is never
-imported.
+imported. And the routes both servers add to the API's: probes, status and metrics (server_routes).
 
 The server is the UI's otherwise (app.serve: one queue, the groups, the limits, the keys, the results folder,
 Ctrl-C and SIGTERM, a lost rank), for teams that put it behind their own tools. Besides the API's routes
-(app.openai_api, under /v1) it answers
+(app.openai_api, under /v1), both servers answer
 
-    GET /health   200 {"status": "ok"} while the ranks serve; 503 {"status": "shutting_down" or "lost",
-                  "message": ...} once the server stops or rank 0 sees a rank's process gone. No key asked:
-                  it is for load balancers and probes, and tells nothing about the requests.
+    GET /health   200 {"status": "ok"} while the ranks serve (warming up included); 503 {"status": "shutting_down"
+                  or "lost", "message": ...} once the server stops or rank 0 sees a rank's process gone. No key
+                  asked: it is for load balancers and probes, and tells nothing about the requests.
+    GET /ready    200 {"status": "ready"} while the server takes requests; 503 {"status": "warming_up" or
+                  "draining", "message": ...} before its start-up calibration has ended, and once it stops (or has
+                  lost a rank). No key asked.
     GET /status   what the UI's status line says, as JSON: the server (models, ranks, plan, backend, the last
                   request's stage times) and the requests running and waiting; a key asked with --api-key-file.
+    GET /metrics  Prometheus' text format (app.metrics); a key asked as for /status, unless --open-metrics.
 
-and a 404 in the API's error shape at any other path. Failed keys count in the same LoginFailures, behind the
+and (without the UI) a 404 in the API's error shape at any other path, a 405 for a method a path does not take.
+Every response carries an X-Request-Id (app.request_ids). Failed keys count in the same LoginFailures, behind the
 same LoginThrottle, as in the UI's server; uvicorn believes X-Forwarded-For from the --trusted-proxy peers
 alone, reading $FORWARDED_ALLOW_IPS (app.access.trust_forwarded_headers) as it does under Gradio.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import uvicorn
@@ -28,22 +34,37 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from app.access import LoginThrottle
 from app.jobs import JobQueue
-from app.openai_api import ApiAccess, api_endpoint, api_routes, unknown_path
+from app.metrics import CONTENT_TYPE, ServerMetrics
+from app.openai_api import ANY_METHOD, ApiAccess, api_endpoint, api_routes, unmatched
+from app.request_ids import RequestIds
 from app.runtime import Runtime
 from app.submit import Server, public_message, server_line
+from app.webhooks import Webhooks
 
 CLOSE_SECONDS = 5.0
 """How long closing waits for the requests still answering (their jobs have failed by then) before cutting them."""
-ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 START_SECONDS = 10.0
 """How long uvicorn may take to start serving on its thread."""
 
 Health = Callable[[], tuple[str, "str | None"]]
-"""("ok", None) while the ranks serve; else ("shutting_down" or "lost", why)."""
+"""("ok", None) while the ranks serve; else ("shutting_down" or "lost", why). Readiness alike: ("ready", None), or
+("warming_up" or "draining", why)."""
+WARMING_UP = "the server is warming up (measuring its time estimates); it takes requests in a moment"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probes:
+    """What GET /health, /ready and /metrics read."""
+
+    health: Health
+    ready: Health
+    metrics: ServerMetrics
+    open_metrics: bool = False
+    """/metrics without a key (--open-metrics)."""
 
 
 def serving_health(runtime: Runtime, jobs: JobQueue, stop: threading.Event) -> Health:
@@ -59,6 +80,21 @@ def serving_health(runtime: Runtime, jobs: JobQueue, stop: threading.Event) -> H
         return "ok", None
 
     return health
+
+
+def serving_readiness(health: Health, warm: threading.Event) -> Health:
+    """The server's readiness as GET /ready tells it: "draining" once `health` is not ok, "warming_up" until `warm`
+    is set (the start-up calibration has ended), else "ready"."""
+
+    def ready() -> tuple[str, str | None]:
+        state, message = health()
+        if state != "ok":
+            return "draining", message
+        if not warm.is_set():
+            return "warming_up", WARMING_UP
+        return "ready", None
+
+    return ready
 
 
 def server_status(runtime: Runtime, server: Server, health: str) -> dict[str, Any]:
@@ -78,24 +114,43 @@ def server_status(runtime: Runtime, server: Server, health: str) -> dict[str, An
     }
 
 
-def api_app(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int, health: Health) -> Starlette:
-    """The API-only app: the /v1 routes, /health, /status, and a 404 in the API's shape for anything else."""
+def server_routes(runtime: Runtime, server: Server, access: ApiAccess, probes: Probes) -> list[BaseRoute]:
+    """GET /health, /ready, /status and /metrics: the same on both servers (with the UI, beside Gradio's routes)."""
 
-    async def health_endpoint(request: Request) -> Response:
-        state, message = health()
-        body = {"status": state} if message is None else {"status": state, "message": public_message(message)}
-        return JSONResponse(body, status_code=200 if state == "ok" else 503)
+    def probe(check: Health, good: str) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            state, message = check()
+            body = {"status": state} if message is None else {"status": state, "message": public_message(message)}
+            return JSONResponse(body, status_code=200 if state == good else 503)
+
+        return endpoint
 
     async def status_endpoint(request: Request) -> Response:
-        return JSONResponse(server_status(runtime, server, health()[0]))
+        return JSONResponse(server_status(runtime, server, probes.health()[0]))
 
-    routes = [
-        *api_routes(runtime, server, access, max_upload_bytes),
-        Route("/health", health_endpoint, methods=["GET"]),
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(probes.metrics.text(), media_type=CONTENT_TYPE)
+
+    return [
+        Route("/health", probe(probes.health, "ok"), methods=["GET"]),
+        Route("/ready", probe(probes.ready, "ready"), methods=["GET"]),
         Route("/status", api_endpoint(status_endpoint, access), methods=["GET"]),
-        Route("/{path:path}", api_endpoint(unknown_path, None), methods=ANY_METHOD),  # a method no route takes too
+        Route("/metrics", api_endpoint(metrics_endpoint, None if probes.open_metrics else access), methods=["GET"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(LoginThrottle, failures=access.failures)])
+
+
+def server_middleware(access: ApiAccess) -> list[Middleware]:
+    """Both servers' middleware, outermost first: request ids, then the failed-login throttle."""
+    return [Middleware(RequestIds), Middleware(LoginThrottle, failures=access.failures)]
+
+
+def api_app(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int, probes: Probes,
+            webhooks: Webhooks | None = None) -> Starlette:
+    """The API-only app: the /v1 routes, the server's routes, and OpenAI's error shape at any other path."""
+    routes = [*api_routes(runtime, server, access, max_upload_bytes, webhooks),
+              *server_routes(runtime, server, access, probes)]
+    fallback = Route("/{path:path}", api_endpoint(unmatched(routes), None), methods=ANY_METHOD)
+    return Starlette(routes=[*routes, fallback], middleware=server_middleware(access))
 
 
 def display_url(host: str, port: int) -> str:

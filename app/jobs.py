@@ -65,11 +65,13 @@ class Job:
     """One submitted request and the stream of what happens to it."""
 
     def __init__(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None,
-                 estimate: float | None = None) -> None:
+                 estimate: float | None = None, on_end: JobCallback | None = None) -> None:
         self.model = model
         self.request = request
         self.estimate = estimate
         """Seconds the server's cost model expects it to hold the ranks (None: no estimate yet)."""
+        self.submitted_at = time.monotonic()
+        """time.monotonic() when it was queued (its queue time and latency are measured from it)."""
         self.started_at: float | None = None
         """time.monotonic() when its turn came."""
         self.started_time: float | None = None
@@ -90,6 +92,8 @@ class Job:
         self._ended = False
         self._when_done = when_done
         """Called once the job has finished or failed (e.g. to delete the upload it used)."""
+        self._on_end = on_end
+        """Its queue's listener (JobQueue's on_end), told how every job ends."""
 
     def cancel(self, reason: str) -> None:
         """Drop the job: at its turn if it waits, at the next step on every rank if it runs."""
@@ -151,11 +155,17 @@ class Job:
         self.ended_time = time.time()
         self._ended = True
         callback, self._when_done = self._when_done, None
-        if callback is not None:
-            try:
+        listener, self._on_end = self._on_end, None
+        try:
+            if callback is not None:
                 callback()
-            except Exception:  # noqa: BLE001 - a clean-up that failed must not keep the job's client waiting
-                traceback.print_exc()
+        except Exception:  # noqa: BLE001 - a clean-up that failed must not keep the job's client waiting
+            traceback.print_exc()
+        try:
+            if listener is not None:
+                listener(self, event.generation if isinstance(event, Finished) else event.message)
+        except Exception:  # noqa: BLE001 - nor may a listener that failed
+            traceback.print_exc()
         self._events.put(event)
 
     def next_event(self, timeout: float) -> Started | Step | Finished | Failed | None:
@@ -169,8 +179,11 @@ class Job:
 class JobQueue:
     """First come, first served, at most `max_waiting` waiting; closing it fails everything still waiting."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, on_end: JobCallback | None = None) -> None:
         self.max_waiting = max_waiting
+        self.on_end = on_end
+        """Told how each of its jobs ends (in the thread that ends it; app.metrics counts them): the one place to
+        watch every job's end, whether it ran, failed, was cancelled or never got its turn."""
         self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -184,7 +197,7 @@ class JobQueue:
                estimate: float | None = None) -> Job:
         """Queue a validated request (`when_done`, `estimate`: see Job); raises ServiceClosed once the server is
         stopping, ServiceBusy when `max_waiting` requests already wait."""
-        job = Job(model, request, when_done, estimate)
+        job = Job(model, request, when_done, estimate, self.on_end)
         with self._lock:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)

@@ -25,6 +25,7 @@ followers' wait never hits the process group's timeout.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import socket
 import threading
@@ -32,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -101,6 +103,9 @@ class Generation:
     """Steps whose transformer blocks all ran (the others reused the step cache's); None without --cache."""
     stages: StageSeconds | None = None
     """Seconds of encode, each step and decode (the file's write is its writer's to add)."""
+    rank_memory: Mapping[int, tuple[str, int]] | None = None
+    """Each rank of the group that ran it (global rank) -> (device, bytes): on a GPU the peak memory allocated during
+    the request, on a CPU the process's resident memory at its end (rank_memory_bytes)."""
 
 
 class _StepClock:
@@ -137,6 +142,20 @@ def _short(error: BaseException) -> str:
     """describe(error) without gloo's source location and advice, which hide the one fact that matters."""
     text = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", describe(error))
     return text.split(". This is typically")[0]
+
+
+def rank_memory_bytes(device: torch.device) -> tuple[str, int]:
+    """This rank's memory after a request, as ("cuda", the peak bytes allocated on its GPU since the last call) or
+    ("cpu", the process's resident bytes now: a CPU rank's tensors live there)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return "cuda", int(peak)
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):  # not Linux
+        return "cpu", 0
+    return "cpu", pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _to_cpu(value: Any) -> Any:
@@ -321,10 +340,12 @@ class LockstepService:
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
                 failure = f"rank {self.ctx.global_rank} (decoding): {describe(error)}"
-        if self.ctx.is_distributed:
-            reports: list[str | None] = [None] * self.ctx.world_size
-            self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
-            failure = next((r for r in reports if r), None)
+        memory = {self.ctx.global_rank: rank_memory_bytes(self.ctx.device)}
+        if self.ctx.is_distributed:  # each rank's outcome, and its memory for the metrics (app.metrics)
+            reports: list[tuple[str | None, dict[int, tuple[str, int]]] | None] = [None] * self.ctx.world_size
+            self._collective(dist.all_gather_object, reports, (failure, memory), group=self.ctx.control_group)
+            failure = next((report[0] for report in reports if report[0]), None)
+            memory = {rank: used for report in reports for rank, used in report[1].items()}
         if failure is not None:
             raise JobFailed(failure)
         if not self.ctx.is_main:
@@ -333,7 +354,7 @@ class LockstepService:
         steps = clock.seconds()
         return Generation(result=result, model=message.model, request=request,
                           seconds=finished - started, step_seconds=step_seconds,
-                          computed_steps=pipeline.computed_steps(),
+                          computed_steps=pipeline.computed_steps(), rank_memory=memory,
                           stages=StageSeconds(encode=encode_seconds, steps=steps, decode=finished - decode_started))
 
     def _agree(self, failure: str | None, cancelled: str | None = None) -> None:

@@ -12,8 +12,8 @@ A request takes the UI's path (app.submit): make_request checks it, the time lim
 waits in the one queue (server.jobs) beside the UI's requests, and its result is written with its
 settings into the results folder. The settings come back in the response (`settings`). Every error is
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so the SDK raises its own classes:
-400 a bad request (param names the field), 401 a wrong key, 403 the API is off, 404 unknown, 409 a
-video not ready, 413 an upload over --max-upload-mb, 429 the queue full (or an address locked out
+400 a bad request (param names the field), 401 a wrong key, 403 the API is off, 404 unknown, 405 a method
+the path does not take (OPTIONS: 204, with Allow), 409 a video not ready, 413 an upload over --max-upload-mb, 429 the queue full (or an address locked out
 after failed keys), 500 a failed generation, 503 a lost rank or a server shutting down. Only a full
 queue is worth retrying: every other error tells the SDK not to (x-should-retry: false).
 
@@ -21,6 +21,9 @@ Keys: with --api-key-file, every /v1 request but a signed file URL needs `Author
 a wrong key is a failed login of its address (app.access). With UI logins but no keys the API is off
 (403): a login protects the UI, and an open API beside it would bypass it. With neither, the API is
 open, as the UI is. Field mapping, and what is ignored or refused: docs/openai-api.md.
+
+With --webhook-url, a video job's end is posted as OpenAI's video.completed or video.failed event (app.webhooks),
+tagged with the id of the request that created it (app.request_ids).
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ from app.access import LoginFailures
 from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed, Started, Step
 from app.lockstep import Generation
 from app.outputs import RESULT_NAME, settings_of
+from app.request_ids import current_request_id, log
 from app.runtime import Runtime, ServedModel
 from app.submit import Server, Submitted, public_message, random_seed, submit, write
+from app.webhooks import Webhooks
 from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
 
 PREFIX = "/v1"
@@ -74,7 +79,7 @@ VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames
 FIELD_PARAMS = {"height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
                 "fps": "fps", "steps": "steps", "guidance_2": "guidance_2", "guidance": "guidance", "seed": "seed",
                 "prompt": "prompt", "step_cache": "step_cache", "input file": "image", "reference image": "image",
-                "model": "image", "lora": "lora", "LoRA": "lora"}
+                "input image": "image", "input video": "image", "model": "image", "lora": "lora", "LoRA": "lora"}
 """The first words of make_request's problems -> the API field each names (the input: 'image' or
 'input_reference', set per endpoint)."""
 
@@ -83,14 +88,18 @@ class ApiError(Exception):
     """An error a client gets in OpenAI's shape; `retry`: whether the SDK may try again (a full queue)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry: bool = False, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, retry: bool = False, headers: dict[str, str] | None = None,
+                 names_no_file: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = {**(headers or {}), "x-should-retry": "true" if retry else "false"}
+        self.names_no_file = names_no_file
+        """The message names no server file (e.g. it quotes the client's URL path): it is sent as it is, where
+        other messages have their absolute paths cut to their last part (public_message)."""
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": public_message(self.message), "type": self.type, "param": self.param,
-                          "code": self.code}}
+        message = self.message if self.names_no_file else public_message(self.message)
+        body = {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -224,24 +233,40 @@ class FileLinks:
         return hmac.compare_digest(self.signature(name), signature)
 
 
-def _limited(request: Request, max_bytes: int) -> Request:
-    """`request`, whose body is refused (413) once more than `max_bytes` of it arrive, whatever it claims."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise _too_large(max_bytes)
-    received = 0
-    receive = request.receive
+TAIL_BYTES = 256
+"""How much of a body's end _LimitedBody keeps: room for a multipart form's closing boundary (70 characters at most)."""
 
-    async def counted() -> dict[str, Any]:
-        nonlocal received
-        message = await receive()
+
+class _LimitedBody:
+    """A request's body, refused (413) once more than `max_bytes` of it arrive, whatever the request claims; its last
+    TAIL_BYTES are kept (`tail`)."""
+
+    def __init__(self, request: Request, max_bytes: int) -> None:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_bytes:
+            raise _too_large(max_bytes)
+        self._receive = request.receive
+        self._max_bytes = max_bytes
+        self._received = 0
+        self.tail = b""
+        self.request = Request(request.scope, self.receive)
+        """The request, reading its body through this."""
+
+    async def receive(self) -> dict[str, Any]:
+        message = await self._receive()
         if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > max_bytes:
-                raise _too_large(max_bytes)
+            chunk = message.get("body", b"")
+            self._received += len(chunk)
+            if self._received > self._max_bytes:
+                raise _too_large(self._max_bytes)
+            self.tail = (self.tail + chunk)[-TAIL_BYTES:]
         return message
 
-    return Request(request.scope, counted)
+
+def _ends_with_boundary(body: _LimitedBody, content_type: str) -> bool:
+    """Whether `body`, read to its end, ends with its multipart form's closing boundary."""
+    match = re.search(r'boundary="?([^";]+)"?', content_type)
+    return match is not None and body.tail.rstrip(b"\r\n").endswith(f"--{match[1]}--".encode("latin-1"))
 
 
 def _too_large(max_bytes: int) -> ApiError:
@@ -251,10 +276,15 @@ def _too_large(max_bytes: int) -> ApiError:
 
 async def _fields(request: Request, max_bytes: int) -> tuple[dict[str, Any], dict[str, list[UploadFile]]]:
     """A request's fields and files, from a JSON object or a multipart form."""
-    limited = _limited(request, max_bytes)
+    received = _LimitedBody(request, max_bytes)
+    limited = received.request
     try:
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             form = await limited.form(max_files=8, max_fields=64, max_part_size=FIELD_BYTES)
+            if not _ends_with_boundary(received, request.headers["content-type"]):
+                # python-multipart takes a cut form as complete, without its last, unfinished part
+                await form.close()
+                raise bad("the multipart form ends before its closing boundary (the body was cut short)")
             fields: dict[str, Any] = {}
             files: dict[str, list[UploadFile]] = {}
             for name, value in form.multi_items():
@@ -267,6 +297,9 @@ async def _fields(request: Request, max_bytes: int) -> tuple[dict[str, Any], dic
             body = await limited.json()
         except ValueError:
             raise bad("the body is not JSON (send a JSON object, or a multipart form)") from None
+        except RecursionError:  # json's decoder recurses once per level of nesting
+            raise bad("the body's JSON is nested too deeply (a request's fields are one object of plain "
+                      "values)") from None
     except ClientDisconnect:
         raise ApiError(400, "the client went away") from None
     except ApiError:
@@ -419,16 +452,34 @@ def api_endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiA
     return endpoint
 
 
-async def unknown_path(request: Request) -> Response:
-    """A path no route of this server answers: 404 in OpenAI's shape (under /v1, and everywhere with --no-ui)."""
-    # the whole URL: a bare path would read as a server path to public_message, and be cut to its last part
-    raise ApiError(404, f"no endpoint {request.method} {request.url.replace(query='')} here (docs/openai-api.md "
-                   "lists them)",
-                   type="not_found_error", code="unknown_url")
+ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
-def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int) -> list[BaseRoute]:
-    """The /v1 routes for `runtime`'s models, sharing `server` (queue, time limit, results, uploads) with the UI."""
+def unmatched(routes: list[BaseRoute]) -> Callable[[Request], Awaitable[Response]]:
+    """What answers a request that none of `routes` took (under /v1, and everywhere with --no-ui), in OpenAI's
+    shape: a path no route has, 404; a path some route has, OPTIONS 204 and any other method 405, with the
+    methods it takes in `Allow`."""
+
+    async def endpoint(request: Request) -> Response:
+        path = request.url.path
+        allowed = {method for route in routes if isinstance(route, Route) and route.methods
+                   and route.path_regex.match(path) for method in route.methods}
+        if not allowed:
+            raise ApiError(404, f"no endpoint {request.method} {path} here (docs/openai-api.md lists them)",
+                           type="not_found_error", code="unknown_url", names_no_file=True)
+        allow = ", ".join(sorted(allowed | {"OPTIONS"}))
+        if request.method == "OPTIONS":
+            return Response(status_code=204, headers={"allow": allow})
+        raise ApiError(405, f"{path} takes {allow}, not {request.method}", type="invalid_request_error",
+                       code="method_not_allowed", headers={"allow": allow}, names_no_file=True)
+
+    return endpoint
+
+
+def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int,
+               webhooks: Webhooks | None = None) -> list[BaseRoute]:
+    """The /v1 routes for `runtime`'s models, sharing `server` (queue, time limit, results, uploads) with the UI;
+    `webhooks`: where a video job's end is told (video.completed, video.failed)."""
     max_bytes = max_upload_bytes + FIELD_BYTES
     links = FileLinks()
     videos = VideoJobs()
@@ -577,6 +628,11 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
                                                    "message": public_message(error.message)}
         except Exception as error:  # noqa: BLE001 - a write that failed: the job's client hears it
             video.status, video.error = "failed", {"code": "write_failed", "message": public_message(str(error))}
+        # This task was started by the request that created the video: its id is still the current request id.
+        log.info("video %s %s%s", video.id, video.status, f": {video.error['message']}" if video.error else "",
+                 extra={"video_id": video.id})
+        if webhooks is not None:
+            webhooks.send(f"video.{video.status}", {"id": video.id}, current_request_id())
 
     async def retrieve_video(request: Request) -> Response:
         return JSONResponse(videos.get(request.path_params["video_id"]).to_dict(),
@@ -617,7 +673,7 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
               keyed: bool = True) -> Route:
         return Route(f"{PREFIX}{path}", api_endpoint(handler, access if keyed else None), methods=methods)
 
-    return [
+    routes = [
         route("/models", models, ["GET"]),
         route("/images/generations", generations, ["POST"]),
         route("/images/edits", edits, ["POST"]),
@@ -626,9 +682,9 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         route("/videos/{video_id}", delete_video, ["DELETE"]),
         route("/videos/{video_id}/content", video_content, ["GET"]),
         route("/files/{name}", result_file, ["GET"], keyed=False),  # the signature is the key
-        # Anything else under /v1 is this API's to answer (Gradio's routes never see it).
-        route("/{path:path}", unknown_path, ["GET", "POST", "PUT", "PATCH", "DELETE"], keyed=False),
     ]
+    # Anything else under /v1 is this API's to answer, whatever its method (Gradio's routes never see it).
+    return [*routes, route("/{path:path}", unmatched(routes), ANY_METHOD, keyed=False)]
 
 
 def _frames_of(seconds: Any, fps: int, multiple: int) -> int:

@@ -15,6 +15,9 @@ The same port serves an OpenAI-compatible image and video API under /v1 (app.ope
 UI's queue and limits; with --api-key-file it asks for one of its keys, failed keys counting as failed
 logins; with a UI login but no keys it is off. `--no-ui` serves that API alone, with GET /status and
 GET /health, on uvicorn without Gradio (app.api_server), for teams putting the server behind their own tools.
+Both servers answer GET /health, /ready, /status and /metrics (app.api_server.server_routes, app.metrics), tag
+every request with an X-Request-Id (app.request_ids), and with --webhook-url tell a URL of each API video job's end
+(app.webhooks). The HTTP server starts before the start-up calibration: /ready says 503 until it has ended.
 """
 
 from __future__ import annotations
@@ -24,26 +27,30 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from app.access import (AUTH_ENV, AuthError, LoginFailures, LoginThrottle, parse_trusted_proxies, read_api_keys,
+from app.access import (AUTH_ENV, AuthError, LoginFailures, parse_trusted_proxies, read_api_keys,
                         read_logins, trust_forwarded_headers)
 from app.arguments import add_parallel_arguments, add_replicas_argument, run_options, served_lora_limits
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
 from app.outputs import OutputError, ResultsCap, check_writer
+from app.request_ids import LOG_FORMATS, setup_logging
 from app.stopping import stop_on_signals, temporary_folder
+from app.webhooks import WebhookError, check_webhook_url, read_webhook_secret
 from pipelines.registry import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, ModelNotFoundError, ModelSpec, resolve_model
 from pipelines.requests import read_limits
 
 if TYPE_CHECKING:
+    from app.api_server import Probes
     from app.openai_api import ApiAccess
     from app.runtime import Runtime
-    from app.stopping import StopRequest
     from app.submit import Server
+    from app.webhooks import Webhooks
 
 
 CLIENT_GRACE_SECONDS = 1.0
@@ -68,6 +75,8 @@ class ServePlan:
     """Addresses and networks whose X-Forwarded-For names the client (app.access); none by default."""
     api_keys: list[str] | None = None
     """The API's bearer keys (--api-key-file), rank 0's only; None: no key asked."""
+    webhook_secret: str | None = None
+    """The webhooks' signing secret (--webhook-secret-file), rank 0's only."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +107,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeat it or separate with commas): its X-Forwarded-For header names the client that "
                              "failed logins count against; from any other address the header is ignored "
                              "(default: none)")
+    parser.add_argument("--open-metrics", action="store_true",
+                        help="serve GET /metrics without a key (default: it asks for an --api-key-file key as /status "
+                             "does, and is off where the API is)")
+    parser.add_argument("--webhook-url", default=None, metavar="URL",
+                        help="post OpenAI-style webhook events (video.completed, video.failed) of the API's video jobs "
+                             "to URL, signed with --webhook-secret-file's secret; retried with backoff")
+    parser.add_argument("--webhook-secret-file", default=None, metavar="FILE",
+                        help="the webhooks' signing secret: FILE has one line, whsec_ and base64 (as OpenAI's)")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="the server's log on stderr (a line per API request with its X-Request-Id, video job "
+                             "ends, webhook deliveries): text (default) or json (one object a line)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="folder for the results (default: a new temporary folder, removed when the server ends)")
     parser.add_argument("--keep-results", default=None, metavar="N|SIZE",
@@ -158,15 +178,20 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
         trusted_proxies = parse_trusted_proxies(args.trusted_proxy)
     except AuthError as error:
         raise ServeError(str(error)) from None
-    logins = api_keys = None
-    if int(os.environ.get("RANK", "0")) == 0:  # logins and keys are rank 0's business alone
+    if (args.webhook_url is None) != (args.webhook_secret_file is None):
+        raise ServeError("--webhook-url and --webhook-secret-file go together: events are always signed")
+    logins = api_keys = webhook_secret = None
+    if int(os.environ.get("RANK", "0")) == 0:  # logins, keys and secrets are rank 0's business alone
         try:
             logins = read_logins(args.auth, args.auth_file)
             api_keys = read_api_keys(args.api_key_file) if args.api_key_file else None
-        except AuthError as error:
+            if args.webhook_url is not None:
+                check_webhook_url(args.webhook_url)
+                webhook_secret = read_webhook_secret(args.webhook_secret_file)
+        except (AuthError, WebhookError) as error:
             raise ServeError(str(error)) from None
     return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies,
-                     api_keys=api_keys)
+                     api_keys=api_keys, webhook_secret=webhook_secret)
 
 
 def _check_no_ui(args: argparse.Namespace) -> None:
@@ -231,6 +256,7 @@ def _calibrate(runtime, budget) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C (rank 0 runs the UI, or the API alone, and the queue; other ranks follow)."""
     plan = serve_plan(args)
+    setup_logging(args.log_format)
     if not args.no_ui:
         # Gradio's usage analytics would try the network on every start; this runs offline.
         os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -248,8 +274,10 @@ def run_serve(args: argparse.Namespace) -> int:
         uploads_dir = temporary_folder(UPLOADS_PREFIX, parent=os.environ.get("GRADIO_TEMP_DIR"))
         if not args.no_ui:
             os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
+        from app.api_server import Probes, serving_health, serving_readiness
         from app.budget import RequestBudget, counted_work
         from app.jobs import JobQueue, serve_jobs
+        from app.metrics import ServerMetrics
         from app.openai_api import api_access
         from app.outputs import ResultsFolder
         from app.submit import Server
@@ -262,11 +290,22 @@ def run_serve(args: argparse.Namespace) -> int:
         budget = RequestBudget(args.max_request_seconds or None,
                                {key: counted_work(WorkCounter(model.spec, model.folder, model.limits), model.spec.name)
                                 for key, model in runtime.models.items()}, layouts=len(runtime.layouts))
-        if budget.max_seconds is not None:
-            _calibrate(runtime, budget)
-        server = Server(jobs=JobQueue(args.max_queue), budget=budget,
-                        results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir))
+        metrics = ServerMetrics({key: model.spec.name for key, model in runtime.models.items()})
+        server = Server(jobs=JobQueue(args.max_queue, on_end=metrics.job_ended), budget=budget,
+                        results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir), metrics=metrics)
         jobs = server.jobs
+        metrics.watch(jobs, lambda: runtime.layouts[runtime.active].replicas)
+        warm = threading.Event()
+        """Set once the start-up calibration has ended: GET /ready says 503 until then."""
+        health = serving_health(runtime, jobs, stop)
+        probes = Probes(health=health, ready=serving_readiness(health, warm), metrics=metrics,
+                        open_metrics=args.open_metrics)
+        webhooks = None
+        if args.webhook_url is not None:
+            from app.webhooks import Webhooks
+
+            webhooks = Webhooks(args.webhook_url, plan.webhook_secret)
+            webhooks.start()
 
         def remove_files() -> None:
             shutil.rmtree(uploads_dir, ignore_errors=True)
@@ -295,11 +334,14 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             try:
                 if args.no_ui:
-                    close, where = _start_api(args, runtime, server, access, stop)
+                    close, where = _start_api(args, runtime, server, access, probes, webhooks)
                 else:
-                    close, where = _start_ui(args, plan, runtime, server, access, out_dir)
+                    close, where = _start_ui(args, plan, runtime, server, access, out_dir, probes, webhooks)
             except OSError as error:
                 raise ServeError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+            if budget.max_seconds is not None:  # requests that come meanwhile wait in the queue; /ready says 503
+                _calibrate(runtime, budget)
+            warm.set()
             print(f"serving on {where} · {runtime.describe()} · results in {out_dir} · Ctrl-C stops", file=sys.stderr,
                   flush=True)
             serve_jobs(runtime, jobs, stop, budget)
@@ -310,33 +352,36 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             jobs.close("the server is shutting down")
             close()
+            if webhooks is not None:
+                webhooks.close()
             remove_files()
     print("stopped", file=sys.stderr)
     return 0
 
 
 def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, server: Server, access: ApiAccess,
-              out_dir: Path) -> tuple[Callable[[], None], str]:
+              out_dir: Path, probes: Probes, webhooks: Webhooks | None) -> tuple[Callable[[], None], str]:
     """Start Gradio's server with the UI and the API (on its thread); returns its close and where it serves."""
     # Results are served from their folder as they are: Gradio copies any other file it returns into its cache
     # (one copy per result, for the server's life, whatever --keep-results removes).
     import gradio as gr
-    from starlette.middleware import Middleware
 
+    from app.api_server import server_middleware, server_routes
     from app.openai_api import PREFIX, api_routes
     from app.ui import build_ui
 
     gr.set_static_paths([out_dir])
     demo = build_ui(runtime, server)
-    # The API's routes come first in the app, so that none of Gradio's answers under /v1.
-    routes = api_routes(runtime, server, access, int(args.max_upload_mb * 1e6))
+    # The API's routes come first in the app, so that none of Gradio's answers under /v1; then the server's own.
+    routes = [*api_routes(runtime, server, access, int(args.max_upload_mb * 1e6), webhooks),
+              *server_routes(runtime, server, access, probes)]
     try:
         _, local_url, share_url = demo.launch(
             server_name=args.host, server_port=args.port, share=args.share,
             auth=[tuple(login) for login in plan.logins] if plan.logins else None,
             prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
             quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
-            app_kwargs={"middleware": [Middleware(LoginThrottle, failures=access.failures)], "routes": routes},
+            app_kwargs={"middleware": server_middleware(access), "routes": routes},
         )
     except OSError:
         demo.close()
@@ -346,15 +391,16 @@ def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, serve
     return demo.close, where
 
 
-def _start_api(args: argparse.Namespace, runtime: Runtime, server: Server, access: ApiAccess, stop: StopRequest
-               ) -> tuple[Callable[[], None], str]:
+def _start_api(args: argparse.Namespace, runtime: Runtime, server: Server, access: ApiAccess, probes: Probes,
+               webhooks: Webhooks | None) -> tuple[Callable[[], None], str]:
     """Start uvicorn with the API alone (on its thread; Gradio never imported); returns its close and where it
     serves."""
-    from app.api_server import ApiServer, api_app, display_url, serving_health
+    from app.api_server import ApiServer, api_app, display_url
     from app.openai_api import PREFIX
 
-    app = api_app(runtime, server, access, int(args.max_upload_mb * 1e6), serving_health(runtime, server.jobs, stop))
+    app = api_app(runtime, server, access, int(args.max_upload_mb * 1e6), probes, webhooks)
     front = ApiServer(app, args.host, args.port)
     front.start()
     url = display_url(args.host, args.port)
-    return front.close, f"{url}{PREFIX} (the OpenAI-compatible API alone, no UI; also {url}/status and {url}/health)"
+    return front.close, (f"{url}{PREFIX} (the OpenAI-compatible API alone, no UI; also {url}/status, {url}/health, "
+                         f"{url}/ready and {url}/metrics)")

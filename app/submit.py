@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.budget import RequestBudget
 from app.jobs import Job, JobQueue
@@ -27,6 +27,9 @@ from app.runtime import Runtime, ServedModel
 from app.stage_times import LastRequest, RequestTimes
 from app.uploads import Uploads
 from pipelines.requests import GenerationRequest, make_request
+
+if TYPE_CHECKING:
+    from app.metrics import ServerMetrics
 
 RANDOM_SEED_LIMIT = 2**32
 """A seed the server picks is below this."""
@@ -43,6 +46,8 @@ class Server:
     recent: RecentResults = field(default_factory=RecentResults)
     last_request: LastRequest = field(default_factory=LastRequest)
     """The times of the last result written (its write included): the status line's."""
+    metrics: ServerMetrics | None = None
+    """Where each result's write time is counted (GET /metrics); the rest is counted as jobs end (app.metrics)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ async def write(model: ServedModel, server: Server, submitted: Submitted, genera
     if generation.stages is not None:
         stages = generation.stages.with_write(time.perf_counter() - write_started)
         settings["stages"] = stages.to_dict()
+        if server.metrics is not None:
+            server.metrics.written(model.spec.name, stages.write)
     computed = None if generation.computed_steps is None else (generation.computed_steps, request.steps)
     server.last_request.set(RequestTimes(step_seconds=generation.step_seconds, stages=stages, computed_steps=computed))
     if owner is not None:

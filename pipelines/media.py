@@ -2,7 +2,7 @@
 checked, memory-bounded reading of a request's input image or video.
 
 An input file is probed (its header only: size, duration) and held to INPUT_LIMITS before it is
-decoded, and then decoded frame by frame: only the frames a request uses are kept, each resized to
+decoded (a large image that would expand far past its file's size, a decompression bomb, is refused), and then decoded frame by frame: only the frames a request uses are kept, each resized to
 the request's size as it arrives, and a video is entered near its end (ffmpeg's -sseof) because
 video-to-world uses its last frames. A 20-second 1080p clip so costs the memory of a few small
 frames, not of 600 full ones.
@@ -31,6 +31,12 @@ class InputLimits:
 
     image_pixels: int = 50_000_000
     """An image's width x height (a 50-megapixel photo; PIL's own bomb check stops at 179 million)."""
+    bomb_pixels: int = 8_000_000
+    """Above this width x height, an image may not expand past `bomb_expansion` times its file once decoded."""
+    bomb_expansion: int = 200
+    """How many times its file's bytes a large image's decoded RGB pixels may take: a photo takes about 10 (JPEG)
+    or 2-4 (PNG), a screenshot under 100; a decompression bomb (a small file of one colour that decodes to tens of
+    megapixels, hundreds of MB on a rank) thousands."""
     video_side: int = 4096
     """A video's width and height each (4K)."""
     video_seconds: float = 300.0
@@ -134,7 +140,10 @@ def probe(path: str | Path) -> MediaInfo:
         try:
             with PIL.Image.open(path) as image:
                 width, height = image.size
-        except (OSError, ValueError, PIL.Image.DecompressionBombError) as error:
+        except PIL.Image.DecompressionBombError:  # PIL refuses to open an image over twice its MAX_IMAGE_PIXELS
+            raise MediaError(f"input image {path.name} is over {2 * PIL.Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels; "
+                             f"the limit is {INPUT_LIMITS.image_pixels / 1e6:.0f} megapixels") from None
+        except (OSError, ValueError) as error:
             raise MediaError(f"input file {path.name} is not an image this server can read "
                              f"({type(error).__name__})") from None
         return MediaInfo(width=width, height=height, video=False)
@@ -157,9 +166,16 @@ def check_input(path: str | Path, limits: InputLimits = INPUT_LIMITS) -> MediaIn
     """probe(path), or MediaError saying which limit it is over (checked before anything is decoded)."""
     info = probe(path)
     name = Path(path).name
-    if not info.video and info.width * info.height > limits.image_pixels:
-        raise MediaError(f"input image {name} is {info.width}x{info.height} ({info.width * info.height / 1e6:.0f} "
+    pixels = info.width * info.height
+    if not info.video and pixels > limits.image_pixels:
+        raise MediaError(f"input image {name} is {info.width}x{info.height} ({pixels / 1e6:.0f} "
                          f"megapixels); the limit is {limits.image_pixels / 1e6:.0f} megapixels")
+    expansion = 3 * pixels / max(Path(path).stat().st_size, 1)
+    if not info.video and pixels > limits.bomb_pixels and expansion > limits.bomb_expansion:
+        raise MediaError(f"input image {name} is {info.width}x{info.height} ({pixels / 1e6:.0f} megapixels) from a "
+                         f"file of {Path(path).stat().st_size / 1e3:.0f} kB: {expansion:.0f} times its size once "
+                         f"decoded, a decompression bomb; above {limits.bomb_pixels / 1e6:.0f} megapixels an image may "
+                         f"expand {limits.bomb_expansion} times at most")
     if info.video and max(info.width, info.height) > limits.video_side:
         raise MediaError(f"input video {name} is {info.width}x{info.height}; the limit is {limits.video_side} "
                          f"pixels a side")

@@ -295,6 +295,40 @@ def test_status_line_names_model_ranks_plan_and_backend(server):
         assert part in status
 
 
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_metrics_count_the_running_and_waiting_requests_as_status_does(server):
+    """10 API video jobs at once on the UI's server: GET /metrics (Prometheus text) and GET /status agree; the
+    server's own routes answer beside Gradio's, X-Request-Id is echoed and logged, OPTIONS on an API path is
+    answered."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    api = openai.OpenAI(base_url=f"{server.url}v1", api_key="none", max_retries=0, timeout=120)
+    videos = [api.videos.create(prompt="a red square moving right", size="64x64", extra_headers={
+        "X-Request-Id": f"ten-videos-{seed}"}, extra_body={"frames": 5, "steps": 200, "seed": seed}) for seed in range(10)]
+    try:
+        for _ in range(20):  # read both between two requests' ends: the two /status around /metrics agree
+            before = httpx.get(f"{server.url}status").json()
+            metrics = httpx.get(f"{server.url}metrics", headers={"X-Request-Id": "metrics-1"})
+            after = httpx.get(f"{server.url}status").json()
+            counts = (len(before["running"]), len(before["waiting"]))
+            if counts == (len(after["running"]), len(after["waiting"])):
+                break
+        assert metrics.headers["x-request-id"] == "metrics-1" and sum(counts) >= 9, counts
+        values = {sample.name: sample.value for family in text_string_to_metric_families(metrics.text)
+                  for sample in family.samples if not sample.labels}
+        assert (values["ulysses_studio:num_requests_running"], values["ulysses_studio:num_requests_waiting"]) == counts
+        assert values["ulysses_studio:busy_groups"] == counts[0] and values["ulysses_studio:groups"] == 1
+    finally:
+        for video in videos:
+            api.videos.delete(video.id)
+    assert httpx.get(f"{server.url}ready").json() == {"status": "ready"}
+    assert " INFO [ten-videos-9] POST /v1/videos 200 " in server.wait_for("[ten-videos-9]", 5)  # the server's log
+    response = httpx.options(f"{server.url}v1/models")
+    assert response.status_code == 204 and response.headers["allow"] == "GET, HEAD, OPTIONS"
+
+
 def test_ctrl_c_stops_every_rank_cleanly():
     port = free_port()
     app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))

@@ -1,17 +1,21 @@
 """The OpenAI-compatible API (app.openai_api), driven by the official `openai` package.
 
 Most tests share one `launch --nproc 2 serve --no-ui --api-key-file ... --max-queue 2` server (2 gloo CPU
-ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.api_server).
+ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.api_server),
+with a webhook receiver on 127.0.0.1 (`--webhook-url`) and its log in JSON (`--log-format json`); its start is
+watched from GET /ready.
 The API beside the UI, on Gradio's server, is driven by tests/test_app_serve.py. The image edits, the upload
-limit, the API that is off beside UI logins, the key lockout, and /status and /health as the queue and the
-ranks change run in-process: the routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2
-model's limits, no weights).
+limit, the API that is off beside UI logins, the key lockout, /status, /health and /ready as the queue and the
+ranks change, unknown paths and methods, unreadable bodies, the metrics of a job's end and the webhooks' retries
+run in-process: the routes on Starlette's test client, with a stand-in for the ranks (a FLUX.2 model's limits, no
+weights).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import signal
 import subprocess
@@ -41,22 +45,73 @@ MAX_QUEUE = 2
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
 
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+
+
+class WebhookReceiver:
+    """An HTTP server on 127.0.0.1 that keeps each POST it takes (body, headers, tries) and answers the first
+    `refuse` tries of every event with 500 (so that the sender must try again), each after `delay` seconds;
+    `times` has each event's tries' times."""
+
+    def __init__(self, refuse: int = 1, delay: float = 0.0) -> None:
+        import http.server
+
+        received = self.received = []
+        times = self.times = {}
+        tries: dict[str, int] = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                event_id = self.headers["webhook-id"]
+                times.setdefault(event_id, []).append(time.monotonic())
+                time.sleep(delay)
+                tries[event_id] = tries.get(event_id, 0) + 1
+                if tries[event_id] > refuse:
+                    received.append((body, {name.lower(): value for name, value in self.headers.items()},
+                                     tries[event_id]))
+                self.send_response(500 if tries[event_id] <= refuse else 200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/hooks"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
-    keys = root / "keys.txt"
+    keys, secret = root / "keys.txt", root / "webhook-secret.txt"
     keys.write_text(f"# one key a line\n{KEY}\n")
+    secret.write_text(f"{WEBHOOK_SECRET}\n")
+    receiver = WebhookReceiver()
     port = free_port()
     # Python names every module each process imports (on stderr), so that a test can see that none was Gradio.
     app = AppProcess("launch", "--nproc", "2", "serve", "--no-ui", "--port", str(port), "--out", str(root / "out"),
-                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE), env={"PYTHONPROFILEIMPORTTIME": "1"})
+                     "--api-key-file", str(keys), "--max-queue", str(MAX_QUEUE), "--webhook-url", receiver.url,
+                     "--webhook-secret-file", str(secret), "--log-format", "json", env={"PYTHONPROFILEIMPORTTIME": "1"})
     try:
-        app.wait_for("serving on", START_SECONDS)
         app.url = f"http://127.0.0.1:{port}/"
+        app.ready_seen = []  # GET /ready's answers until the server said it serves (its start-up calibration ended)
+        deadline = time.monotonic() + START_SECONDS
+        while not any("serving on" in line for line in list(app.lines)):
+            assert app.process.poll() is None and time.monotonic() < deadline, app.output
+            try:
+                response = httpx.get(f"{app.url}ready", timeout=5)
+                app.ready_seen.append((response.status_code, response.json()["status"]))
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.05)
         app.out = root / "out"
+        app.webhooks = receiver
         yield app
     finally:
         app.stop()
+        receiver.http.shutdown()
 
 
 def api(server, key: str = KEY) -> openai.OpenAI:
@@ -138,6 +193,17 @@ def test_bad_requests_name_their_field(server):
     assert error.value.param == "model"
 
 
+def test_a_decompression_bomb_as_a_video_input_is_refused_before_any_rank_decodes_it(server):
+    bomb = io.BytesIO()
+    Image.new("1", (7000, 7000), 1).save(bomb, format="PNG")  # 49 megapixels (147 MB as RGB) in a 19 kB file
+    with pytest.raises(openai.BadRequestError, match=r"input image bomb.png is 7000x7000 \(49 megapixels\) from a "
+                                                     r"file of 19 kB: \d+ times its size once decoded, a "
+                                                     r"decompression bomb") as error:
+        api(server).videos.create(prompt="a red square", size="64x64", extra_body={"frames": 5, "steps": 1},
+                                  input_reference=("bomb.png", bomb.getvalue(), "image/png"))
+    assert error.value.param == "input_reference"
+
+
 def test_a_wrong_key_is_refused(server):
     with pytest.raises(openai.AuthenticationError, match="valid API key"):
         api(server, "not-the-key").models.list()
@@ -200,6 +266,80 @@ def test_deleting_a_running_video_frees_the_server_within_two_steps(server):
     started = time.monotonic()
     client.images.generate(prompt="next", size="64x64", extra_body={"steps": 2})
     assert time.monotonic() - started < 10
+
+
+def test_ready_said_503_while_the_server_warmed_up_then_says_200(server):
+    seen = server.ready_seen
+    assert seen and seen[0] == (503, "warming_up") and set(seen) <= {(503, "warming_up"), (200, "ready")}, seen
+    response = httpx.get(f"{server.url}ready")
+    assert response.status_code == 200 and response.json() == {"status": "ready"}
+
+
+def test_video_ends_reach_the_webhook_signed_as_openai_signs_them(server):
+    """video.completed and video.failed, each retried once (the receiver refuses every first try), verified by the
+    SDK's webhooks.unwrap; the request id the client sent comes back, and the JSON log names it."""
+    client = api(server)
+    raw = client.videos.with_raw_response.create(prompt="a red square moving right on a white background",
+                                                 size="64x64", extra_body={"frames": 5, "steps": 1},
+                                                 extra_headers={"X-Request-Id": "hook-test-1"})
+    assert raw.headers["x-request-id"] == "hook-test-1"
+    done = client.videos.poll(raw.parse().id)
+    assert done.status == "completed"
+    doomed = client.videos.create(prompt="a long one", size="64x64", extra_body={"frames": 5, "steps": 300})
+    client.videos.delete(doomed.id)  # its job fails: stopped at its next step, or dropped at its turn
+
+    verifier = openai.OpenAI(api_key="unused", webhook_secret=WEBHOOK_SECRET)
+    events: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while not {done.id, doomed.id} <= set(events):  # the module's earlier videos have theirs too
+        assert time.monotonic() < deadline, events
+        time.sleep(0.05)
+        for body, headers, tries in list(server.webhooks.received):
+            event = verifier.webhooks.unwrap(body, headers)
+            assert tries == 2 and headers["webhook-id"] == event.id and event.object == "event"
+            events[event.data.id] = event.type
+    assert (events[done.id], events[doomed.id]) == ("video.completed", "video.failed")
+    body, headers, _ = server.webhooks.received[0]
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        openai.OpenAI(api_key="unused", webhook_secret="whsec_" + base64.b64encode(b"another" * 5).decode()
+                      ).webhooks.unwrap(body, headers)
+
+    logged = [json.loads(line) for line in server.lines if line.startswith("{")]
+    mine = [line for line in logged if line.get("request_id") == "hook-test-1"]
+    assert {"path": "/v1/videos", "method": "POST", "status": 200} in [
+        {key: line.get(key) for key in ("path", "method", "status")} for line in mine], mine
+    assert any(line.get("video_id") == done.id and line["message"].endswith("completed") for line in mine), mine
+    made = httpx.get(f"{server.url}v1/models", headers={"Authorization": f"Bearer {KEY}"}).headers["x-request-id"]
+    assert re.fullmatch(r"req_[0-9a-f]{32}", made)  # none given: one made
+
+
+def test_metrics_say_what_ran_in_prometheus_text(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert httpx.get(f"{server.url}metrics").status_code == 401  # behind the key, as /status is
+    response = httpx.get(f"{server.url}metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = [sample for family in text_string_to_metric_families(response.text) for sample in family.samples]
+
+    def value(name: str, **labels: str) -> float:
+        return sum(sample.value for sample in samples
+                   if sample.name == f"ulysses_studio:{name}" and labels.items() <= sample.labels.items())
+
+    status = httpx.get(f"{server.url}status", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert value("num_requests_running") == len(status["running"]) == 0
+    assert value("num_requests_waiting") == len(status["waiting"]) == 0
+    assert value("groups") == 1 and value("busy_groups") == 0
+    for model in ("tiny-flux", "tiny-cosmos"):
+        finished = value("request_success_total", model_name=model)
+        assert finished >= 2 and value("e2e_request_latency_seconds_count", model_name=model) >= finished
+        assert value("request_queue_time_seconds_count", model_name=model) >= finished
+        for stage in ("encode", "decode", "write"):
+            assert value("stage_seconds_count", model_name=model, stage=stage) >= 1, (model, stage)
+        assert value("stage_seconds_count", model_name=model, stage="step") >= finished
+    assert value("request_failure_total", model_name="tiny-cosmos") >= 1  # the deleted videos
+    memory = {sample.labels["rank"]: sample.value for sample in samples
+              if sample.name == "ulysses_studio:rank_memory_bytes" and sample.labels["device"] == "cpu"}
+    assert set(memory) == {"0", "1"} and all(used > 100e6 for used in memory.values()), memory
 
 
 def test_ctrl_c_stops_the_api_alone_cleanly(server):
@@ -283,15 +423,18 @@ def local(tmp_path):
     thread = threading.Thread(target=ranks, daemon=True)
     thread.start()
 
-    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None):
+    def http(keys=None, logins=False, max_upload_bytes=10_000_000, failures=None) -> TestClient:
         failures = failures or LoginFailures()
         app = Starlette(routes=api_routes(runtime, server, api_access(keys, logins, failures), max_upload_bytes))
-        http = TestClient(app, base_url="http://testserver")
-        return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+        return TestClient(app, base_url="http://testserver")
+
+    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None):
+        return openai.OpenAI(base_url="http://testserver/v1", api_key=key, max_retries=0,
+                             http_client=http(keys, logins, max_upload_bytes, failures))
 
     reference = tmp_path / "reference.png"
     Image.new("RGB", (112, 80), (30, 30, 200)).save(reference)
-    yield type("Local", (), {"client": staticmethod(client), "seen": seen, "server": server,
+    yield type("Local", (), {"client": staticmethod(client), "http": staticmethod(http), "seen": seen, "server": server,
                              "reference": reference, "tmp": tmp_path})()
     stop.set()
     thread.join()
@@ -325,6 +468,56 @@ def test_the_api_is_off_beside_ui_logins_without_keys(local):
     assert local.client(keys=None, logins=False).models.list().data[0].id == "flux2-dev"  # no login at all: open
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG file's start that claims `width` x `height` (header-only readers open it; its pixels are absent)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
+
+
+def test_an_input_over_the_megapixel_limit_is_refused_naming_its_field_and_the_limit(local):
+    for width, height, said in ((8000, 8000, "is 8000x8000 (64 megapixels)"), (20000, 20000, "is over 179 megapixels")):
+        with pytest.raises(openai.BadRequestError) as error:
+            local.client().images.edit(image=("big.png", png_header(width, height), "image/png"), prompt="x")
+        message = error.value.body["message"]
+        assert error.value.param == "image" and message == f"input image big.png {said}; the limit is 50 megapixels"
+    assert not any(local.server.uploads.folder.iterdir())
+
+
+def test_api_paths_and_methods_answer_in_openai_shape(local):
+    http = local.http()
+    response = http.options("/v1/models")  # a CORS-less preflight, or a client asking what a path takes
+    assert response.status_code == 204 and response.headers["allow"] == "GET, HEAD, OPTIONS"
+    response = http.put("/v1/models")
+    assert response.status_code == 405 and response.headers["allow"] == "GET, HEAD, OPTIONS"
+    assert response.json()["error"] == {"message": "/v1/models takes GET, HEAD, OPTIONS, not PUT",
+                                        "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+    response = http.get("/v1/no/such/thing?x=1", headers={"host": "[::1]"})  # a host whose URL ends in "]"
+    assert response.status_code == 404 and response.json()["error"]["message"] == (
+        "no endpoint GET /v1/no/such/thing here (docs/openai-api.md lists them)")
+
+
+def test_bodies_that_cannot_be_read_say_why(local):
+    http = local.http()
+    cut = (b'--XX\r\nContent-Disposition: form-data; name="prompt"\r\n\r\na red circle\r\n--XX\r\n'
+           b'Content-Disposition: form-data; name="size"\r\n\r\n64x64')  # no closing --XX--
+    response = http.post("/v1/images/generations", content=cut,
+                         headers={"content-type": "multipart/form-data; boundary=XX"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == (
+        "the multipart form ends before its closing boundary (the body was cut short)")
+    whole = cut + b"\r\n--XX--\r\n"
+    assert http.post("/v1/images/generations", content=whole, headers={
+        "content-type": "multipart/form-data; boundary=XX"}).status_code == 200  # the same form, whole
+    response = http.post("/v1/images/generations", content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == (
+        "the body's JSON is nested too deeply (a request's fields are one object of plain values)")
+
+
 def test_failed_keys_lock_the_address_out_as_failed_logins_do(local):
     from app.access import FREE_FAILURES, LoginFailures
 
@@ -341,7 +534,8 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
     from starlette.testclient import TestClient
 
     from app.access import LoginFailures
-    from app.api_server import api_app, serving_health
+    from app.api_server import Probes, api_app, serving_health, serving_readiness
+    from app.metrics import ServerMetrics
     from app.openai_api import api_access
     from pipelines.requests import make_request
 
@@ -349,9 +543,10 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
     dead: list[int] = []
     runtime = SimpleNamespace(models={"image": model}, service=SimpleNamespace(dead_ranks=lambda wait: list(dead)),
                               world_size=2, backend="gloo, cpu", describe=lambda *times: "flux2-dev on 2 ranks")
-    stop = threading.Event()
-    app = api_app(runtime, server, api_access([KEY], False, LoginFailures()), 10_000_000,
-                  serving_health(runtime, server.jobs, stop))
+    stop, warm = threading.Event(), threading.Event()
+    health = serving_health(runtime, server.jobs, stop)
+    probes = Probes(health=health, ready=serving_readiness(health, warm), metrics=ServerMetrics({}))
+    app = api_app(runtime, server, api_access([KEY], False, LoginFailures()), 10_000_000, probes)
     http = TestClient(app, base_url="http://testserver", headers={"Authorization": f"Bearer {KEY}"})
     request = make_request(model.spec, model.limits, prompt="a red circle", width=64, height=48, steps=8, seed=1)
     server.jobs.submit("image", request, estimate=2.5)
@@ -367,13 +562,87 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
         "group": "ranks 0-1"} and running["seconds"] >= 0
     assert waiting == {"model": "flux2-dev", "size": "32x32", "frames": 1, "steps": 4, "estimate_seconds": None}
     assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok"}  # no key needed
-    assert http.post("/status").status_code == 404 and http.post("/status").json()["error"]["code"] == "unknown_url"
+    response = http.get("/ready", headers={"Authorization": ""})
+    assert response.status_code == 503 and response.json()["status"] == "warming_up"
+    warm.set()  # the start-up calibration has ended
+    assert http.get("/ready", headers={"Authorization": ""}).json() == {"status": "ready"}
+    response = http.post("/status")
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+    assert response.headers["allow"] == "GET, HEAD, OPTIONS"
 
     stop.set()  # Ctrl-C or SIGTERM: the queue closes next
     response = http.get("/health")
     assert response.status_code == 503 and response.json()["status"] == "shutting_down"
+    response = http.get("/ready")
+    assert response.status_code == 503 and response.json()["status"] == "draining"
     dead.append(1)
     response = http.get("/health")
     assert response.status_code == 503 and response.json() == {
         "status": "lost", "message": "the server lost rank 1 and is ending"}
     assert http.get("/status").json()["status"] == "lost"
+
+
+def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
+    """The queue tells the metrics of every job's end (app.jobs.JobQueue's on_end): a finished one's stages,
+    step-cache hits and ranks' memory, a cancelled one as a failure; the write is counted as the file is written."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.jobs import JobQueue
+    from app.lockstep import Generation
+    from app.metrics import ServerMetrics
+    from app.stage_times import StageSeconds
+    from pipelines.requests import make_request
+
+    model, _ = flux2_server(tmp_path)
+    metrics = ServerMetrics({"image": "flux2-dev"})
+    jobs = JobQueue(4, on_end=metrics.job_ended)
+    metrics.watch(jobs, lambda: 2)
+    request = make_request(model.spec, model.limits, prompt="a red circle", width=64, height=48, steps=8, seed=1)
+    kept, dropped = jobs.submit("image", request), jobs.submit("image", request)
+    dropped.cancel("the client went away")
+    jobs.take(timeout=0).start("ranks 0-1", "ulysses-2", 2)
+    kept.finish(Generation(result=None, model="image", request=request, seconds=1.0, step_seconds=0.1,
+                           computed_steps=3, rank_memory={0: ("cuda", 5_000), 1: ("cuda", 6_000)},
+                           stages=StageSeconds(encode=0.2, steps=(0.1,) * 8, decode=0.3)))
+    assert jobs.take(timeout=0) is None  # the cancelled one is failed as its turn comes
+    metrics.written("flux2-dev", 0.05)
+
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(metrics.text().decode()) for sample in family.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(f"ulysses_studio:{name}", tuple(sorted(labels.items())))]
+
+    flux = {"model_name": "flux2-dev"}
+    assert value("request_success_total", **flux) == 1 and value("request_failure_total", **flux) == 1
+    assert value("e2e_request_latency_seconds_count", **flux) == 2 and value("request_queue_time_seconds_count", **flux) == 1
+    assert [value("stage_seconds_count", **flux, stage=stage) for stage in ("encode", "step", "decode", "write")] == [
+        1, 8, 1, 1]
+    assert value("stage_seconds_sum", **flux, stage="step") == pytest.approx(0.8)
+    assert value("step_cache_hits_total", **flux) == 5 and value("step_cache_steps_total", **flux) == 8
+    assert value("rank_memory_bytes", rank="1", device="cuda") == 6_000
+    assert value("groups") == 2 and value("busy_groups") == 0 and value("num_requests_waiting") == 0
+
+
+def test_webhooks_are_sent_without_waiting_and_retried_with_growing_delays():
+    from app.webhooks import Webhooks
+
+    receiver = WebhookReceiver(refuse=2, delay=0.1)  # a slow receiver that refuses every event's first two tries
+    webhooks = Webhooks(receiver.url, WEBHOOK_SECRET, attempts=3, first_retry_seconds=0.1)
+    webhooks.start()
+    try:
+        started = time.monotonic()
+        sent = [webhooks.send("video.completed", {"id": f"video_{index}"}) for index in range(3)]
+        assert time.monotonic() - started < 0.05  # queued: the caller (the queue, a client's request) never waits
+        deadline = time.monotonic() + 20
+        while len(receiver.received) < 3:
+            assert time.monotonic() < deadline, receiver.times
+            time.sleep(0.02)
+    finally:
+        webhooks.close()
+        receiver.http.shutdown()
+    verifier = openai.OpenAI(api_key="unused", webhook_secret=WEBHOOK_SECRET)
+    assert sorted(verifier.webhooks.unwrap(body, headers).id for body, headers, _ in receiver.received) == sorted(sent)
+    for event_id in sent:
+        first, second, third = receiver.times[event_id]
+        assert second - first >= 0.1 + 0.1 and third - second >= 0.1 + 0.2  # its answer's delay, then 0.1 s, 0.2 s
