@@ -48,9 +48,11 @@ point beside the engine cache (engines.options.run_environment); this module set
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -262,24 +264,49 @@ def drop_graph_trees() -> None:
         module.reset_cudagraph_trees()
 
 
-def stop_compile_workers(grace_s: float = 10.0) -> None:
-    """Shut inductor's compile-worker pools down now, killing a pool's worker process that is still there after
-    `grace_s`; a no-op where nothing was compiled.
+def stop_compile_workers(wait_s: float = 2.0) -> None:
+    """Kill inductor's compile-worker pools now, each pool's process and its workers (SIGKILL), waiting at most
+    `wait_s` for them to be gone; a no-op where nothing was compiled. For a process that is ending: nothing is left
+    to compile, and asking a pool to stop waits for its workers.
 
-    torch 2.11's pool can outlive a cold start's compiles, and its shutdown, which the interpreter runs at exit,
-    then waits 300 s for a process that does not end (pytorch/pytorch#162199, fixed in later torch). Measured on
-    2x H200 (torch 2.11): a cold `generate` of tiny-flux wrote its image 41 s after launch, and its ranks were
-    still in that shutdown 39 s later. engines.distributed.shutdown calls this when a process tears down; the
-    exit's own shutdown then finds the pools stopped."""
+    A pool's own shutdown waits for every worker, and workers still starting (each imports torch) take seconds:
+    measured on 4x H200 (torch 2.11), a cold 1-GPU `generate --cache` ended 4.4 s after its video, against 0.3 s on
+    the same command warm. torch 2.11's pool can also never end after a cold start (pytorch/pytorch#162199): a cold
+    `generate` of tiny-flux on 2x H200 was still in that shutdown 39 s after its image. engines.distributed.shutdown
+    calls this when a process tears down; the interpreter's exit then finds the pools stopped."""
     module = sys.modules.get("torch._inductor.async_compile")
     for pool in list(getattr(module, "_pool_set", ())):
-        stopping = threading.Thread(target=pool.shutdown, name="stop-compile-workers", daemon=True)
-        stopping.start()
-        stopping.join(grace_s)
         process = getattr(pool, "process", None)  # inductor's SubprocPool: the process its workers run under
-        if stopping.is_alive() and process is not None:
-            process.kill()
-            stopping.join(grace_s)
+        if process is None:  # a plain executor (the fork start method): its workers are this process's children
+            pool.shutdown(wait=False, cancel_futures=True)
+            continue
+        pool.running = False  # its reading thread then ends without a warning, and its own shutdown does nothing
+        workers = _children(process.pid)
+        for pid in (process.pid, *workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+        deadline = time.monotonic() + wait_s
+        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc; [] elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, waiting to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 RECOMPILE_LIMIT = 512
