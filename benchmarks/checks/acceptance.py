@@ -12,11 +12,12 @@ random-weight checkpoints (--models DIR, default /tmp/acceptance-models), so tha
 starts warm. Every row is one command (or one server's session) run in its own process session:
 
 - generate: the embedded models (tiny-flux, tiny-cosmos) on 1 GPU and on N, then on N with each lever (--cache,
-  --fp8, --lora, --tp, --cfg-parallel, copy-engine transport, several at once); every other family's tiny
-  random checkpoint (the records' bench.tiny_checkpoint); FLUX.1-dev's architecture with random weights,
-  1024², 28 steps, cold and warm (the warm one's launch-to-image time is the first-image figure), with
-  --fp8 --cache; Wan 2.1 1.3B's with random weights (a video). Where N ranks compute what one does, the row
-  compares the pixels with the 1-GPU row (mean and largest difference, of 255 levels).
+  --fp8, --lora, --tp, --cfg-parallel, copy-engine transport, several at once); every other
+  family's tiny random checkpoint (the records' bench.tiny_checkpoint); FLUX.1-dev's architecture with random
+  weights, 1024², 28 steps, cold and warm (the warm one's launch-to-image time is the first-image figure), with
+  --fp8 --cache, --tp N and a random LoRA; Wan 2.1 1.3B's with random weights (a video), plain, with --fp8 --cache
+  and --tp N; the bench command; two `launch --nnodes 2` on one host, one GPU each. Where N ranks compute what
+  one does, the row compares the pixels with the 1-GPU row (mean and largest difference, of 255 levels).
 - serve: `launch serve` (tiny-flux and tiny-cosmos) through gradio_client (status, an image twice, a video)
   and `launch serve --no-ui` through the official openai client (images.generate, images.edit on a FLUX.2
   Klein checkpoint, videos create / poll / content / delete); Ctrl-C ends each; then a server whose rank 1 is
@@ -387,6 +388,8 @@ class Run:
             if wrote:
                 row.figures["request"] = wrote.group(0).partition("(")[2].rstrip(")")
 
+        if not self.wanted(name):  # a row not asked for keeps its file: another row's reference
+            return None
         out.unlink(missing_ok=True)
         return self.one_shot(name, self.launch(nproc, "generate", *model_args, "--out", str(out), "--engine-cache",
                                                str(self.cache)), result=r"^wrote ", timeout=timeout, check=check)
@@ -417,6 +420,11 @@ def part_generate(run: Run) -> None:
         run.generate(f"flux-dev-{n}-gpus-warm", n, real, files / "flux-dev-warm.png", timeout=240)
         run.generate(f"flux-dev-{n}-gpus-fp8-cache", n, [*real, "--fp8", "--cache", "fbcache"],
                      files / "flux-dev-fp8.png", timeout=420)
+        run.generate(f"flux-dev-{n}-gpus-tp", n, [*real, "--tp", str(n)], files / "flux-dev-tp.png", timeout=420)
+        if run.wanted(f"flux-dev-{n}-gpus-lora"):
+            lora = random_lora(run, "flux-dev")
+            run.generate(f"flux-dev-{n}-gpus-lora", n, [*real, "--lora", f"random={lora}"], files / "flux-dev-lora.png",
+                         timeout=420)
     run.generate("tiny-flux-1-gpu-lora", 1, [*flux, "--lora", LORA], one["flux-lora"])
     levers = {"fp8-cache-lora": (["--fp8", "--cache", "fbcache", "--lora", LORA], one["flux-lora"], APPROXIMATE_TOLERANCE),
               "tp": (["--tp", str(n)], one["flux"], PARALLEL_TOLERANCE),
@@ -444,11 +452,20 @@ def part_generate(run: Run) -> None:
         suffix = ".mp4" if "--frames" in args else ".png"
         run.generate(f"{name}-{n}-gpus-cache", n, ["--model", model, "--model-path", str(folder), *args,
                                                    "--cache", "fbcache"], files / f"{name}{suffix}")
-    if run.wanted(f"wan2.1-1.3b-{n}-gpus"):
-        folder = random_folder(run, "wan2.1-t2v-1.3b")
-        run.generate(f"wan2.1-1.3b-{n}-gpus", n, ["--model", "wan2.1-t2v-1.3b", "--model-path", str(folder), "--prompt",
-                                                  "a red circle", "--frames", "33", "--size", "832x480", "--steps", "10"],
-                     files / "wan.mp4", timeout=420, frames=33)
+    wan_rows = {f"wan2.1-1.3b-{n}-gpus": [], f"wan2.1-1.3b-{n}-gpus-fp8-cache": ["--fp8", "--cache", "fbcache"],
+                f"wan2.1-1.3b-{n}-gpus-tp": ["--tp", str(n)]}
+    for name, extra in wan_rows.items():
+        if run.wanted(name):
+            folder = random_folder(run, "wan2.1-t2v-1.3b")
+            run.generate(name, n, ["--model", "wan2.1-t2v-1.3b", "--model-path", str(folder), "--prompt", "a red circle",
+                                   "--frames", "33", "--size", "832x480", "--steps", "10", *extra],
+                         files / f"{name}.mp4", timeout=420, frames=33)
+    if run.wanted("bench"):  # the bench command, as the README types it, on the GPUs' default engine
+        backends = "eager,inductor-blocks+cudagraph" if gpu_memory_mib() else "eager"
+        run.one_shot("bench", run.app("bench", "--ranks", str(n), "--out", str(run.out / "bench"), "--", "--tiny",
+                                      "--model", "flux-dev", "--backends", backends), result=None, timeout=420)
+    if run.wanted("tiny-flux-2-hosts"):
+        two_hosts(run, flux, files / "flux-2-hosts.png", reference=one["flux"])
 
 
 TINY_FAMILIES = [
@@ -460,6 +477,80 @@ TINY_FAMILIES = [
     ("cosmos3-nano", "cosmos3-nano", ["--frames", "9", "--size", "96x64", "--steps", "4", "--prompt", "a red circle"]),
 ]
 """Every family without an embedded model: a name, the model whose tiny random checkpoint it runs, a request."""
+
+
+def two_hosts(run: Run, model_args: list[str], out: Path, reference: Path) -> None:
+    """`launch --nnodes 2` twice on this host, one GPU each (CUDA_VISIBLE_DEVICES), meeting at one rendezvous, as two
+    hosts would: host 0 writes the image; both end within EXIT_SECONDS of their last output."""
+    from app.launch import free_port
+
+    row = Row(part=run.args.part, name="tiny-flux-2-hosts")
+    before_temp, before_gpu = temp_entries(), gpu_memory_mib()
+    endpoint = f"127.0.0.1:{free_port()}"
+    out.unlink(missing_ok=True)
+    hosts = []
+    for node in range(2):
+        argv = run.app("launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
+                       "generate", *model_args, "--out", str(out), "--engine-cache", str(run.cache))
+        env = {**run.env, "CUDA_VISIBLE_DEVICES": _visible_gpus()[node]} if _visible_gpus() else run.env
+        row.command = " ".join(argv[2:])
+        hosts.append(Command(argv, run.logs / f"{row.name}-host{node}.log", env=env))
+    try:
+        row.result_s = hosts[0].wait_for(r"^wrote ", 300)
+        row.check(row.result_s is not None, "host 0 wrote no image within 300 s")
+        ends = []
+        for node, host in enumerate(hosts):
+            status, exit_s = host.finish(60)
+            ends.append(host.started + (host.lines[-1][0] if host.lines else 0.0) + exit_s)
+            row.check(status == 0, f"host {node} ended with status {status}")
+        # a follower host prints little and then waits for the job: each host's end counts from the job's last output
+        last_output = max(host.started + host.lines[-1][0] for host in hosts if host.lines)
+        row.exit_s = max(end - last_output for end in ends)
+        row.check(row.exit_s <= EXIT_SECONDS, f"a host ended {row.exit_s:.1f} s after the job's last output")
+        check_media(row, out)
+        compare(row, out, reference, PARALLEL_TOLERANCE)
+    except Exception as error:  # noqa: BLE001 - one row's failure is recorded, the next row runs
+        row.check(False, f"{type(error).__name__}: {error}")
+    finally:
+        for host in hosts:
+            if host.process.poll() is None:
+                host.kill()
+        run.settle(row, _Both(hosts), before_temp, before_gpu)
+    run.record(row)
+
+
+class _Both:
+    """Several commands, seen as one by Run.settle."""
+
+    def __init__(self, commands: list[Command]) -> None:
+        self.commands = commands
+        self.seen = {pid: line for command in commands for pid, line in command.seen.items()}
+
+    def left_alive(self) -> list[int]:
+        return [pid for command in self.commands for pid in command.left_alive()]
+
+    def kill(self) -> None:
+        for command in self.commands:
+            command.kill()
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (or by index); [] without one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        return visible.split(",")
+    return [str(index) for index in range(len(gpu_memory_mib()))]
+
+
+def random_lora(run: Run, model: str) -> Path:
+    """A random rank-16 LoRA of `model`'s transformer (benchmarks.step.write_random_lora), written once."""
+    path = run.models / f"{model}-lora-16.safetensors"
+    if not path.exists():
+        from benchmarks.inputs import bench_model
+        from benchmarks.step import write_random_lora
+
+        write_random_lora(bench_model(model), 16, path)
+    return path
 
 
 def tiny_folder(run: Run, model: str) -> Path:
@@ -601,7 +692,9 @@ def part_serve(run: Run) -> None:
     def through_gradio(row: Row, command: Command, url: str) -> None:
         from gradio_client import Client
 
-        client = Client(url + "/", verbose=False)
+        # the client downloads results into a folder of this run's: by default it is $TMPDIR/gradio, which would
+        # count against the server as a temporary folder left behind
+        client = Client(url + "/", verbose=False, download_files=str(files / "gradio-client"))
         image = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
         started = time.monotonic()
         _, first, _, _, _ = client.predict(*image, api_name="/generate_image")
