@@ -74,7 +74,7 @@ IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_forma
 IMAGE_IGNORED = {"quality", "style", "moderation", "output_compression", "user", "safety_identifier",
                  "partial_images", "input_fidelity"}
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames", "fps"}
-FIELD_PARAMS = {"height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
+FIELD_PARAMS = {"n=": "n", "height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
                 "fps": "fps", "steps": "steps", "guidance_2": "guidance_2", "guidance": "guidance", "seed": "seed",
                 "prompt": "prompt", "step_cache": "step_cache", "input file": "image", "reference image": "image",
                 "model": "image", "lora": "lora", "LoRA": "lora"}
