@@ -109,8 +109,9 @@ def test_the_file_survives_a_kill_9_in_the_middle_of_writes_and_loses_no_row_wri
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     store = JobStore(path)
-    assert store.get(f"video_{written}").status == "in_progress"  # every row its writer was told is written
-    assert len(store.recover()) == 0 and store.get("video_0").error["message"] == INTERRUPTED
+    assert all(store.get(f"video_{n}").status == "in_progress" for n in range(written + 1))  # every row it was told of
+    assert len(store.recover()) <= 1  # the one it may have added without its move yet
+    assert store.get("video_0").error["message"] == store.get(f"video_{written}").error["message"] == INTERRUPTED
 
 
 def test_owners_take_turns_and_each_holds_at_most_its_share_of_the_queue():

@@ -496,3 +496,55 @@ def test_owners_take_turns_one_owners_20_jobs_hold_back_no_other_owners_one(loca
                for client, ids in ((many, queued), (one, [single])) for video_id in ids}
     order = sorted(started, key=started.get)
     assert order.index(single) == 1, order  # after the job that ran first, before the many's second
+
+
+def test_a_restart_keeps_completed_jobs_runs_queued_ones_and_fails_the_running_one(tmp_path):
+    """One small server (one process, the API alone, no time limit: no calibration) killed with kill -9 while a job
+    runs and another waits, then started again on the same results folder: its job store."""
+    from app.job_store import INTERRUPTED
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY}\n{OTHER}\n")
+
+    def start() -> AppProcess:
+        port = free_port()
+        app = AppProcess("serve", "--no-ui", "--port", str(port), "--out", str(tmp_path / "out"), "--api-key-file",
+                         str(keys), "--max-request-seconds", "0")
+        app.url = f"http://127.0.0.1:{port}/"
+        app.wait_for("serving on", START_SECONDS)
+        return app
+
+    first = start()
+    try:
+        client = api(first)
+        done = client.videos.create_and_poll(prompt="kept", size="64x64", extra_body={"frames": 5, "steps": 2,
+                                                                                      "seed": 3})
+        url = client.images.generate(prompt="shared", size="64x64", response_format="url",
+                                     extra_body={"steps": 1}).data[0].url
+        running = client.videos.create(prompt="cut short", size="64x64", extra_body={"frames": 5, "steps": 500})
+        queued = client.videos.create(prompt="waits", size="64x64", extra_body={"frames": 5, "steps": 2, "seed": 8})
+        deadline = time.monotonic() + 60
+        while client.videos.retrieve(running.id).progress < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        first.stop()  # kill -9, the whole process group
+    second = start()
+    try:
+        client = api(second)
+        kept = client.videos.retrieve(done.id)
+        assert kept.status == "completed" and kept.settings["seed"] == 3
+        client.videos.download_content(done.id).write_to_file(tmp_path / "kept.mp4")
+        assert read_mp4_settings(tmp_path / "kept.mp4")["seed"] == 3
+        cut = client.videos.retrieve(running.id)
+        assert cut.status == "failed" and cut.error.message == INTERRUPTED and cut.error.code == "interrupted"
+        assert finished(client, queued.id).status == "completed"
+        client.videos.download_content(queued.id).write_to_file(tmp_path / "queued.mp4")
+        assert read_mp4_settings(tmp_path / "queued.mp4")["seed"] == 8
+        assert httpx.get(url.replace(first.url, second.url)).status_code == 200  # a signed URL outlives a restart
+        with pytest.raises(openai.NotFoundError):
+            api(second, OTHER).videos.retrieve(done.id)
+        assert [video.id for video in client.videos.list(order="asc")] == [done.id, running.id, queued.id]
+    finally:
+        second.process.send_signal(signal.SIGINT)
+        assert second.process.wait(timeout=30) == 0 and "Traceback" not in second.final_output()
