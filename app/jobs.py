@@ -33,6 +33,8 @@ POLL_SECONDS = 0.2
 """How often the main loop looks at the other groups' threads as they end."""
 RETRY_SECONDS = 10.0
 """What a refused client is told to wait where no running job has an estimate yet."""
+PROGRESS_SECONDS = 0.5
+"""The most often a running job's row is told its progress (its first step is always told)."""
 MAX_OWNERS = 10_000
 """Owners whose last turn the queue remembers (the least recently served are forgotten beyond it)."""
 IDLE_SECONDS = 0.1
@@ -105,6 +107,8 @@ class Job:
         self.cancelled_after = 0
         """steps_done when cancel was called: how late the ranks stopped is measured from it."""
         self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
+        self._progress_told = 0.0
+        """time.monotonic() when its row last heard of its progress."""
         self._ended = False
         self._when_done = when_done
         """Called once the job has finished or failed (e.g. to delete the upload it used)."""
@@ -148,9 +152,10 @@ class Job:
         return state
 
     def step(self, done: int, total: int) -> None:
-        before = min(99, 100 * self.steps_done // max(total, 1))
         self.steps_done = done
-        if min(99, 100 * done // max(total, 1)) != before:
+        now = time.monotonic()
+        if now - self._progress_told >= PROGRESS_SECONDS:  # a row's write is synced to disk: not at every step
+            self._progress_told = now
             self.changed(progress=min(99, 100 * done // max(total, 1)))
         self._events.put(Step(done, total))
 

@@ -351,8 +351,7 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             jobs.close("the server is shutting down")
             close()
-            housekeeping.set()
-            store.close()
+            housekeeping.set()  # the store stays open: handlers may still write the rows of jobs that ended
             remove_files()
     print("stopped", file=sys.stderr)
     return 0
