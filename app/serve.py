@@ -9,7 +9,12 @@ A shared server holds each client to limits an operator may change: the denoisin
 request (--max-request-seconds), the requests waiting (--max-queue), the size of an upload
 (--max-upload-mb), the results kept in a chosen --out (--keep-results), and, with a login, failed
 login attempts (app.access), counted per client address: a proxy's X-Forwarded-For is believed only from
-a --trusted-proxy. Uploads and a temporary results folder go when the server ends.
+a --trusted-proxy; and per owner (API key or login): its waiting requests (--max-queue-per-owner, owners taking
+turns), uploads and results kept. Uploads and a temporary results folder go when the server ends; unused uploads
+within a minute (app.submit.keep_house).
+
+Every request is a row of the job store in the results folder (app.job_store): a start reads it back, failing the
+job a stop interrupted and queueing again the ones that waited (app.submit.requeue).
 
 The same port serves an OpenAI-compatible image and video API under /v1 (app.openai_api), sharing the
 UI's queue and limits; with --api-key-file it asks for one of its keys, failed keys counting as failed

@@ -204,3 +204,19 @@ def test_results_cap_takes_an_age_and_api_keys_may_be_marked_admin(tmp_path):
     keys.write_text("user-key-0123456789abcdef root\n")
     with pytest.raises(AuthError, match="line 1 .*followed by the word admin"):
         read_api_keys(keys)
+
+
+def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_in_their_rows(tmp_path):
+    from app.submit import submit
+    from tests.test_openai_api import flux2_server
+
+    model, _, server = flux2_server(tmp_path)
+    running, waiting = (asyncio.run(submit(model, server, owner="key:a", prompt=prompt, width=32, height=32))
+                        for prompt in ("runs", "waits"))
+    server.jobs.take(timeout=0).start()
+    running.job.fail("the server is shutting down: Ctrl-C")  # as the ranks drop it
+    server.jobs.close("the server is shutting down")
+    assert server.store.get(running.id).error == {
+        "code": "interrupted", "message": f"{INTERRUPTED} (the server is shutting down: Ctrl-C)"}
+    assert server.store.get(waiting.id).status == "queued"  # the next start runs it
+    assert [job.id for job in server.store.recover()] == [waiting.id]
