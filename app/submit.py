@@ -27,7 +27,7 @@ from typing import Any, Callable
 from app.budget import LIMIT_OPTION, RequestBudget, duration
 from app.job_store import INTERRUPTED, JobRow, JobStore
 from app.jobs import Failed, Finished, Job, JobQueue
-from app.lockstep import Generation
+from app.lockstep import STOPPED, Generation
 from app.outputs import RecentResults, ResultsFolder, settings_of
 from app.runtime import Runtime, ServedModel
 from app.stage_times import LastRequest, RequestTimes
@@ -174,7 +174,7 @@ def record(store: JobStore, job_id: str, **changes: Any) -> None:
     a job the server's stop ended is "interrupted" (what its row says once the server is back)."""
     if isinstance(changes.get("error"), str):
         message = public_message(changes["error"])
-        if failure_code(message) == "server_unavailable":
+        if failure_code(message) == "server_unavailable" or message.startswith(STOPPED):
             changes["error"] = {"code": "interrupted", "message": f"{INTERRUPTED} ({message})"}
         else:
             changes["error"] = {"code": "generation_failed", "message": message}
@@ -231,8 +231,10 @@ def keep_results(server: Server, keep: Path | None = None) -> list[JobRow]:
     return evicted
 
 
-def finish_later(model: ServedModel, server: Server, submitted: Submitted) -> threading.Thread:
-    """Wait for a job nobody waits on in a thread of its own, and write its result (its row says how it went)."""
+def finish_later(model: ServedModel, server: Server, submitted: Submitted, owner: str | None = None
+                 ) -> threading.Thread:
+    """Wait for a job nobody waits on in a thread of its own, and write its result (its row says how it went);
+    `owner`: whose UI gallery it joins (write's)."""
 
     def finish() -> None:
         while True:
@@ -241,7 +243,7 @@ def finish_later(model: ServedModel, server: Server, submitted: Submitted) -> th
                 return
             if isinstance(event, Finished):
                 try:
-                    asyncio.run(write(model, server, submitted, event.generation))
+                    asyncio.run(write(model, server, submitted, event.generation, owner))
                 except Exception as error:  # noqa: BLE001 - its row says so (write); the server goes on
                     print(f"{submitted.id}: its result could not be written: {error}", file=sys.stderr, flush=True)
                 return
@@ -270,7 +272,7 @@ def requeue(runtime: Runtime, server: Server) -> list[Submitted]:
             except Exception as error:  # noqa: BLE001 - RequestError, ServiceBusy: the job's row says why
                 why = f"it could not be queued again after the server's restart: {error}"
             else:
-                finish_later(model, server, submitted)
+                finish_later(model, server, submitted, row.owner)  # a UI owner finds it in the tab's gallery
                 queued.append(submitted)
                 continue
         record(server.store, row.id, status="failed", completed_at=time.time(), error=why)

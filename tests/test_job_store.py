@@ -220,3 +220,10 @@ def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_i
         "code": "interrupted", "message": f"{INTERRUPTED} (the server is shutting down: Ctrl-C)"}
     assert server.store.get(waiting.id).status == "queued"  # the next start runs it
     assert [job.id for job in server.store.recover()] == [waiting.id]
+    from app.lockstep import STOPPED
+
+    from app.submit import record
+
+    stopped = server.store.add(row(status="in_progress"))
+    record(server.store, stopped.id, status="failed", error=STOPPED)  # Ctrl-C while it ran: the ranks' word for it
+    assert server.store.get(stopped.id).error == {"code": "interrupted", "message": f"{INTERRUPTED} ({STOPPED})"}
