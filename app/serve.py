@@ -287,7 +287,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from app.openai_api import api_access
         from app.outputs import ResultsFolder
         from app.job_store import STORE_NAME, JobStore
-        from app.submit import Quotas, Server, keep_house, requeue
+        from app.submit import Quotas, Server, keep_house, requeue, restore_galleries
         from app.uploads import Uploads
 
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
@@ -308,6 +308,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir), store=store,
                         quotas=quotas)
         jobs = server.jobs
+        restore_galleries(runtime, server)
         requeued = requeue(runtime, server)
         if requeued:
             print(f"queued again after the restart: {len(requeued)} job{'s' * (len(requeued) > 1)}", file=sys.stderr,

@@ -279,6 +279,25 @@ def requeue(runtime: Runtime, server: Server) -> list[Submitted]:
     return queued
 
 
+UI_OWNERS = ("user:", "browser:")
+"""The owners a UI page has (app.ui.Owners): a login's user, or a browser's id."""
+
+
+def restore_galleries(runtime: Runtime, server: Server, most: int = 2000) -> int:
+    """At start-up: the UI owners' completed results (of the newest `most` jobs of each media) back into their tabs'
+    galleries, as before the restart; returns how many."""
+    keys = {model.spec.name: model.key for model in runtime.models.values()}
+    rows = [row for kind in ("image", "video") for row in server.store.page(None, kind, limit=most)[0]
+            if row.status == "completed" and row.files and row.model in keys and row.owner.startswith(UI_OWNERS)]
+    restored = 0
+    for row in sorted(rows, key=lambda row: row.completed_at or 0.0):  # oldest first: a gallery shows the newest first
+        path = server.results.folder / row.files[0]
+        if path.is_file():
+            server.recent.add(keys[row.model], row.owner, path, row.settings or {})
+            restored += 1
+    return restored
+
+
 def keep_house(server: Server) -> None:
     """The server's periodic clean-up: unused uploads (Uploads.sweep), expired results and their rows."""
     server.uploads.sweep()

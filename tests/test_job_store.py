@@ -227,3 +227,21 @@ def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_i
     stopped = server.store.add(row(status="in_progress"))
     record(server.store, stopped.id, status="failed", error=STOPPED)  # Ctrl-C while it ran: the ranks' word for it
     assert server.store.get(stopped.id).error == {"code": "interrupted", "message": f"{INTERRUPTED} ({STOPPED})"}
+
+
+def test_a_start_puts_the_ui_owners_results_back_in_their_galleries(tmp_path):
+    from types import SimpleNamespace
+
+    from app.submit import restore_galleries
+    from tests.test_openai_api import flux2_server
+
+    model, video, server = flux2_server(tmp_path)
+    for n, owner in enumerate(("user:ann", "user:ann", "browser:abc", "key:api")):
+        name = f"image-20261128-120000-{n:032x}-seed{n}.png"
+        (server.results.folder / name).write_bytes(b"png")
+        job = server.store.add(JobRow(id=f"image_{n}", owner=owner, kind="image", model="flux2-dev", request={}))
+        server.store.change(job.id, status="completed", completed_at=float(n), files={name: 3}, settings={"seed": n})
+    runtime = SimpleNamespace(models={"image": model, "video": video})
+    assert restore_galleries(runtime, server) == 3  # an API key's results are no gallery's
+    assert [result.settings["seed"] for result in server.recent.of("image", "user:ann")] == [1, 0]  # newest first
+    assert [result.settings["seed"] for result in server.recent.of("image", "browser:abc")] == [2]
