@@ -160,6 +160,8 @@ def queue_row(model: ServedModel, server: Server, row: JobRow, request: Generati
             server.uploads.release(upload)
         raise
     server.live[row.id] = job
+    if job.ended:  # it ended before it was listed: done() found nothing to drop
+        server.live.pop(row.id, None)
     return Submitted(job, request, estimate, row.id)
 
 
