@@ -102,6 +102,9 @@ async def submit(model: ServedModel, server: Server, *, owner: str = "anyone", c
     if fields.get("lora") is None:  # a served request that names no LoRA gets none (generate and batch: every --lora)
         fields["lora"] = ()
     try:
+        if upload and server.uploads.holds(upload) and not Path(upload).is_file():
+            raise RequestError(f"input file {Path(upload).name} is no longer on the server: an upload that no request "
+                               "uses goes within a minute; upload it again")
         request = await asyncio.to_thread(make_request, model.spec, model.limits, **fields)
         estimate = await asyncio.to_thread(server.budget.check, model.key, request)  # counts FLOPs: off the loop
         limit = server.budget.max_seconds

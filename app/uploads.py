@@ -51,7 +51,8 @@ class Uploads:
             del self._users[path]
             path.unlink(missing_ok=True)
             folder = path.parent
-            if folder != self.folder and folder.is_relative_to(self.folder) and not any(folder.iterdir()):
+            if (folder != self.folder and folder.is_relative_to(self.folder) and folder.is_dir()
+                    and not any(folder.iterdir())):
                 folder.rmdir()  # Gradio's per-upload folder
 
     def sweep(self, max_age: float = UNUSED_SECONDS, now: float | None = None) -> list[Path]:

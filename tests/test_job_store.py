@@ -15,6 +15,7 @@ import pytest
 
 from app.job_store import INTERRUPTED, JobRow, JobStore
 from app.jobs import JobQueue, ServiceBusy
+from pipelines.requests import RequestError
 from tests.helpers import REPO
 
 
@@ -168,6 +169,8 @@ def test_quotas_refuse_an_owner_over_its_uploads_or_results_before_any_job(tmp_p
         asyncio.run(submit(model, server, owner="key:other", prompt="x", width=32, height=32, condition=str(big)))
     assert not big.exists()  # a refused request's upload goes at once
     assert server.store.page("key:other", "image")[0] == [] and server.jobs.waiting() == 0
+    with pytest.raises(RequestError, match="^input file big.png is no longer on the server: an upload that no "):
+        asyncio.run(submit(model, server, owner="key:other", prompt="x", width=32, height=32, condition=str(big)))
     asyncio.run(submit(model, server, owner="key:other", prompt="x", width=32, height=32))
     assert server.jobs.waiting() == 1 and server.store.page("key:other", "image")[0][0].status == "queued"
 
