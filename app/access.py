@@ -72,21 +72,28 @@ def read_auth_file(path: str | Path) -> list[tuple[str, str]]:
     return logins
 
 
-def read_api_keys(path: str | Path) -> list[str]:
-    """The API keys of `--api-key-file`: one key a line; blank lines and lines starting with # are skipped."""
+def read_api_keys(path: str | Path) -> tuple[list[str], list[str]]:
+    """The API keys of `--api-key-file` and those of them marked admin: one key a line, `KEY` or `KEY admin` (an
+    admin key sees every owner's jobs); blank lines and lines starting with # are skipped."""
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
     except OSError as error:
         raise AuthError(f"cannot read --api-key-file {path}: {error.strerror or error}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys, admins = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, *marks = line.split()
+        if len(key) < MIN_API_KEY_CHARS or marks not in ([], ["admin"]):
+            raise AuthError(f"line {number} of --api-key-file {path}: a key is at least {MIN_API_KEY_CHARS} "
+                            "characters without spaces, alone on its line or followed by the word admin")
+        keys.append(key)
+        if marks:
+            admins.append(key)
     if not keys:
         raise AuthError(f"--api-key-file {path} has no key")
-    if short := [number for number, line in enumerate(lines, 1) if line.strip() and not line.lstrip().startswith("#")
-                 and (len(line.strip()) < MIN_API_KEY_CHARS or any(ch.isspace() for ch in line.strip()))]:
-        raise AuthError(f"line {short[0]} of --api-key-file {path}: a key is at least {MIN_API_KEY_CHARS} characters "
-                        "without spaces")
-    return keys
+    return keys, admins
 
 
 def read_logins(auth: str | None, auth_file: str | None, environ: dict[str, str] | None = None, *,

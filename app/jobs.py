@@ -1,11 +1,15 @@
 """Rank 0's request queue: UI handlers submit jobs, the main thread runs them one at a time.
 
 Concurrent users are queued, never interleaved: the lockstep service runs one request on all ranks
-at a time, in arrival order. Each job carries its own event stream (Started when its turn comes, step
-progress, then a result or a failure) back to the handler that submitted it. A handler whose client
+at a time. Owners take turns: the next job is the oldest of the owner served longest ago (an owner
+never served first), so one client's many queued jobs do not hold back another's single one; one
+owner's jobs run in their order. Each job carries its own event stream (Started when its turn comes, step
+progress, then a result or a failure) back to the handler that submitted it, and tells its store row of each
+move (Job.changed). A handler whose client
 cancelled or left cancels its job: a waiting job is dropped when its turn comes, a running one is
 stopped by every rank at the next step. The queue holds at most `max_waiting` wanted jobs besides the
-running one (a cancelled one waiting for its turn holds no place); more are refused (ServiceBusy), so that a
+running one (a cancelled one waiting for its turn holds no place), and at most `per_owner` of one owner's;
+more are refused (ServiceBusy, with the seconds until a place should free), so that a
 flood of requests gets an answer at once rather than hours of waiting.
 """
 
@@ -27,6 +31,12 @@ from pipelines.requests import GenerationRequest
 
 POLL_SECONDS = 0.2
 """How often the main loop looks at the other groups' threads as they end."""
+RETRY_SECONDS = 10.0
+"""What a refused client is told to wait where no running job has an estimate yet."""
+PROGRESS_SECONDS = 0.5
+"""The most often a running job's row is told its progress (its first step is always told)."""
+MAX_OWNERS = 10_000
+"""Owners whose last turn the queue remembers (the least recently served are forgotten beyond it)."""
 IDLE_SECONDS = 0.1
 """The longest an idle group waits before it looks again at its heartbeat clock, the stop flag and the other groups
 (a job that arrives wakes it at once: JobQueue.wait_for_job)."""
@@ -37,7 +47,12 @@ class ServiceClosed(RuntimeError):
 
 
 class ServiceBusy(RuntimeError):
-    """The queue is full; the message says so, and what the limit is."""
+    """The queue is full (or the owner's share of it); the message says so, and what the limit is.
+    `retry_after`: the seconds until a place should free, by the running jobs' estimates."""
+
+    def __init__(self, message: str, retry_after: float = RETRY_SECONDS) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -65,9 +80,14 @@ class Job:
     """One submitted request and the stream of what happens to it."""
 
     def __init__(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None,
-                 estimate: float | None = None, on_end: JobCallback | None = None) -> None:
+                 estimate: float | None = None, on_end: JobCallback | None = None, *, owner: str = "",
+                 changed: Callable[..., None] | None = None) -> None:
         self.model = model
         self.request = request
+        self.owner = owner
+        """Who asked for it (app.job_store.JobRow.owner): the queue's turns are per owner."""
+        self.changed = changed or (lambda **changes: None)
+        """Called with its row's changes as it moves (status, progress, times, error): app.submit's record."""
         self.estimate = estimate
         """Seconds the server's cost model expects it to hold the ranks (None: no estimate yet)."""
         self.submitted_at = time.monotonic()
@@ -89,6 +109,8 @@ class Job:
         self.cancelled_after = 0
         """steps_done when cancel was called: how late the ranks stopped is measured from it."""
         self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
+        self._progress_told = 0.0
+        """time.monotonic() when its row last heard of its progress."""
         self._ended = False
         self._when_done = when_done
         """Called once the job has finished or failed (e.g. to delete the upload it used)."""
@@ -105,6 +127,7 @@ class Job:
         self.group, self.plan, self.ranks = group, plan, ranks
         self.started_at = time.monotonic()
         self.started_time = time.time()
+        self.changed(status="in_progress", started_at=self.started_time, progress=0)
         self._events.put(Started())
 
     def describe(self, name: str, now: float | None = None) -> str:
@@ -134,12 +157,20 @@ class Job:
 
     def step(self, done: int, total: int) -> None:
         self.steps_done = done
+        now = time.monotonic()
+        if now - self._progress_told >= PROGRESS_SECONDS:  # a row's write is synced to disk: not at every step
+            self._progress_told = now
+            self.changed(progress=min(99, 100 * done // max(total, 1)))
         self._events.put(Step(done, total))
 
     def finish(self, generation: Generation) -> None:
         self._end(Finished(generation))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, record: bool = True) -> None:
+        """End the job with `message`; `record`: tell its row (a queue that closes does not: its waiting jobs stay
+        queued in the store, for the next start to run)."""
+        if record and not self._ended:
+            self.changed(status="failed", completed_at=time.time(), error=message)
         self._end(Failed(message))
 
     @property
@@ -177,14 +208,17 @@ class Job:
 
 
 class JobQueue:
-    """First come, first served, at most `max_waiting` waiting; closing it fails everything still waiting."""
+    """Owners in turn, each owner's jobs in order; at most `max_waiting` waiting, `per_owner` of one owner's (None:
+    no limit of its own); closing it fails everything still waiting."""
 
-    def __init__(self, max_waiting: int, on_end: JobCallback | None = None) -> None:
+    def __init__(self, max_waiting: int, per_owner: int | None = None, on_end: JobCallback | None = None) -> None:
         self.max_waiting = max_waiting
+        self.per_owner = per_owner
         self.on_end = on_end
         """Told how each of its jobs ends (in the thread that ends it; app.metrics counts them): the one place to
         watch every job's end, whether it ran, failed, was cancelled or never got its turn."""
-        self._queue: queue.Queue[Job] = queue.Queue()
+        self._waiting: list[Job] = []
+        """In arrival order (cancelled ones included until their turn)."""
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         """Notified as a job is queued or the queue closes: wakes the idle groups (wait_for_job)."""
@@ -192,36 +226,68 @@ class JobQueue:
         self._taken: list[Job] = []
         """Jobs taken by a group (the ended ones are dropped as more are taken): what runs, and what a
         SIGTERM that finds the main thread stuck must fail (app.serve's abandon)."""
+        self._turns: dict[str, int] = {}
+        """Owner -> the number of the take that last served it (the least recent first; dropped beyond MAX_OWNERS)."""
+        self._takes = 0
 
     def submit(self, model: str, request: GenerationRequest, when_done: Callable[[], None] | None = None,
-               estimate: float | None = None) -> Job:
-        """Queue a validated request (`when_done`, `estimate`: see Job); raises ServiceClosed once the server is
-        stopping, ServiceBusy when `max_waiting` requests already wait."""
-        job = Job(model, request, when_done, estimate, self.on_end)
+               estimate: float | None = None, *, owner: str = "", changed: Callable[..., None] | None = None) -> Job:
+        """Queue a validated request (`when_done`, `estimate`, `owner`, `changed`: see Job); raises ServiceClosed
+        once the server is stopping, ServiceBusy when `max_waiting` requests, or `per_owner` of `owner`'s, wait."""
+        job = Job(model, request, when_done, estimate, self.on_end, owner=owner, changed=changed)
         with self._lock:
             if self._closed_because is not None:
                 raise ServiceClosed(self._closed_because)
-            with self._queue.mutex:  # cancelled jobs wait for their turn to be dropped: they hold no place
-                wanted = sum(1 for waiting in self._queue.queue if waiting.cancelled is None)
-            if wanted >= self.max_waiting:
-                raise ServiceBusy(f"the server is busy: its queue is full ({wanted} waiting, "
-                                  f"--max-queue {self.max_waiting}); try again in a while")
-            self._queue.put(job)
+            wanted = [waiting for waiting in self._waiting if waiting.cancelled is None]
+            if len(wanted) >= self.max_waiting:
+                raise ServiceBusy(f"the server is busy: its queue is full ({len(wanted)} waiting, "
+                                  f"--max-queue {self.max_waiting}); try again in a while", self._retry_after())
+            mine = sum(1 for waiting in wanted if waiting.owner == owner)
+            if self.per_owner is not None and mine >= self.per_owner:
+                raise ServiceBusy(f"you have {mine} requests waiting, this server's most for one client "
+                                  f"(--max-queue-per-owner {self.per_owner}); try again once one has started",
+                                  self._retry_after())
+            self._waiting.append(job)
             self._arrived.notify_all()
         return job
+
+    def _retry_after(self) -> float:
+        """Seconds until the first running job should end, by its estimate (RETRY_SECONDS where none has one)."""
+        now = time.monotonic()
+        left = [max(0.0, job.estimate - (now - job.started_at)) for job in self._taken
+                if not job.ended and job.estimate is not None and job.started_at is not None]
+        return max(1.0, min(left)) if left else RETRY_SECONDS
 
     def wait_for_job(self, timeout: float) -> None:
         """Return once a job waits or the queue is closed, or after `timeout` seconds (an idle group's wait)."""
         with self._arrived:
-            if self._queue.empty() and self._closed_because is None:
+            if not self._waiting and self._closed_because is None:
                 self._arrived.wait(timeout)
 
+    def _in_turn(self) -> list[Job]:
+        """The wanted waiting jobs in the order they would be taken: the owner served least recently first (one
+        never served before all), each owner's jobs in arrival order. Under the lock."""
+        lines: dict[str, list[Job]] = {}
+        for job in self._waiting:
+            if job.cancelled is None:
+                lines.setdefault(job.owner, []).append(job)
+        turns = dict(self._turns)
+        first = {owner: self._waiting.index(jobs[0]) for owner, jobs in lines.items()}
+        order = []
+        while lines:
+            owner = min(lines, key=lambda name: (turns.get(name, -1), first[name]))
+            order.append(lines[owner].pop(0))
+            turns[owner] = self._takes + len(order)
+            if lines[owner]:
+                first[owner] = self._waiting.index(lines[owner][0])
+            else:
+                del lines[owner]
+        return order
+
     def snapshot(self) -> tuple[list[Job], list[Job]]:
-        """The running jobs and the jobs still wanted that wait, in order (for the status line)."""
-        with self._lock, self._queue.mutex:  # a consistent copy; queue.Queue keeps its line in a deque
-            waiting = [job for job in self._queue.queue if job.cancelled is None]
-            running = [job for job in self._taken if not job.ended]
-        return running, waiting
+        """The running jobs and the jobs still wanted that wait, in the order of their turns (for the status line)."""
+        with self._lock:
+            return [job for job in self._taken if not job.ended], self._in_turn()
 
     def take(self, timeout: float, on_take: Callable[[], None] | None = None) -> Job | None:
         """The next job that is still wanted (now a running one), or None if none arrives within `timeout`
@@ -230,28 +296,35 @@ class JobQueue:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    job = None
-                if job is not None and job.cancelled is None:
+                dropped = [job for job in self._waiting if job.cancelled is not None]
+                self._waiting = [job for job in self._waiting if job.cancelled is None]
+                job = self._in_turn()[0] if self._waiting else None
+                if job is not None:
+                    self._waiting.remove(job)
+                    self._takes += 1
+                    self._turns.pop(job.owner, None)
+                    self._turns[job.owner] = self._takes
+                    while len(self._turns) > MAX_OWNERS:
+                        del self._turns[next(iter(self._turns))]
                     self._taken.append(job)
                     self._taken = [taken for taken in self._taken if not taken.ended]
                     if on_take is not None:
                         on_take()
-                    return job
-                if job is None:
+                elif not dropped:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or self._closed_because is not None:
                         return None
                     self._arrived.wait(remaining)
                     continue
-            job.fail(job.cancelled)
+            for cancelled in dropped:
+                cancelled.fail(cancelled.cancelled)
+            if job is not None:
+                return job
 
     def waiting(self) -> int:
         """How many jobs wait (cancelled ones included until their turn comes)."""
         with self._lock:
-            return self._queue.qsize()
+            return len(self._waiting)
 
     def running(self) -> list[Job]:
         """The jobs taken and not yet ended, oldest first."""
@@ -265,15 +338,13 @@ class JobQueue:
             return self._closed_because
 
     def close(self, reason: str) -> None:
-        """Refuse new jobs and fail the waiting ones with `reason`."""
+        """Refuse new jobs and fail the waiting ones with `reason` (their rows stay queued: see Job.fail)."""
         with self._lock:
             self._closed_because = reason
+            waiting, self._waiting = self._waiting, []
             self._arrived.notify_all()
-        while True:
-            try:
-                self._queue.get_nowait().fail(reason)
-            except queue.Empty:
-                return
+        for job in waiting:
+            job.fail(reason, record=False)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ from app.stopping import process_running
 from engines.distributed import ParallelContext
 from pipelines.requests import GenerationRequest
 
+STOPPED = "stopped (interrupt or SIGTERM)"
+"""Why a request ends when the server is stopped (Ctrl-C, SIGTERM) while it runs."""
 HEARTBEAT_SECONDS = 5.0
 DEAD_RANK_WAIT_SECONDS = 0.3
 """How long a rank whose collective failed looks for the dead peer's process before giving up naming it."""
@@ -364,7 +366,7 @@ class LockstepService:
             if failure is not None:
                 raise JobFailed(failure)
             if self.stop_event.is_set():
-                raise JobCancelled("stopped (interrupt or SIGTERM)")
+                raise JobCancelled(STOPPED)
             if cancelled is not None:
                 raise JobCancelled(cancelled)
             return
@@ -385,7 +387,7 @@ class LockstepService:
             raise JobFailed("; ".join(dict.fromkeys(r for r in reports if r)))
         if stop_wanted:
             self.stop_event.set()
-            raise JobCancelled("stopped (interrupt or SIGTERM)")
+            raise JobCancelled(STOPPED)
         if cancel_wanted:
             raise JobCancelled(cancelled or "cancelled on rank 0")
 

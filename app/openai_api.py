@@ -6,16 +6,22 @@
     GET    /v1/models                the served models, with their media
     POST   /v1/videos                a video job (OpenAI's video shape); GET /v1/videos/{id} its status and
                                      progress, GET /v1/videos/{id}/content its MP4, DELETE stops and forgets it
-    GET    /v1/files/{name}?sig=...  a result by the signed URL of response_format "url"
+    GET    /v1/videos                the caller's video jobs (after, limit, order), newest first
+    GET    /v1/files/{name}?expires=T&sig=...  a result by the signed URL of response_format "url", until T
 
 A request takes the UI's path (app.submit): make_request checks it, the time limit estimates it, it
 waits in the one queue (server.jobs) beside the UI's requests, and its result is written with its
 settings into the results folder. The settings come back in the response (`settings`). Every error is
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, so the SDK raises its own classes:
-400 a bad request (param names the field), 401 a wrong key, 403 the API is off, 404 unknown, 405 a method
-the path does not take (OPTIONS: 204, with Allow), 409 a video not ready, 413 an upload over --max-upload-mb, 429 the queue full (or an address locked out
-after failed keys), 500 a failed generation, 503 a lost rank or a server shutting down. Only a full
-queue is worth retrying: every other error tells the SDK not to (x-should-retry: false).
+400 a bad request (param names the field), 401 a wrong key, 403 the API is off (or a signed URL past its time),
+404 unknown or another owner's, 405 a method the path does not take (OPTIONS: 204, with Allow), 409 a video not
+ready, 413 an upload over --max-upload-mb, 429 the queue full (with Retry-After from the running jobs' estimates),
+an owner's quota used up, or an address locked out after failed keys, 500 a failed generation, 503 a lost rank or a
+server shutting down. Only a full queue is worth retrying: every other error tells the SDK not to
+(x-should-retry: false).
+
+Jobs are rows of the job store (app.job_store): a video job outlives a restart, and every job and file belongs to
+the key that made it (Caller); another key gets 404 for it, an admin key (`KEY admin` in the key file) sees all.
 
 Keys: with --api-key-file, every /v1 request but a signed file URL needs `Authorization: Bearer KEY`;
 a wrong key is a failed login of its address (app.access). With UI logins but no keys the API is off
@@ -33,11 +39,10 @@ import base64
 import binascii
 import hashlib
 import hmac
+import math
 import re
-import secrets
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -53,16 +58,15 @@ from app.lockstep import Generation
 from app.outputs import RESULT_NAME, settings_of
 from app.request_ids import current_request_id, log
 from app.runtime import Runtime, ServedModel
-from app.submit import Server, Submitted, public_message, random_seed, submit, write
+from app.job_store import JobRow
+from app.submit import (OverQuota, Server, Submitted, failure_code, finish_later, public_message, random_seed,
+                        submit, write)
 from app.webhooks import Webhooks
 from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
 
 PREFIX = "/v1"
 MAX_IMAGES = 10
 """Most images one request may ask for (n), as OpenAI's own limit."""
-MAX_VIDEOS_KEPT = 256
-"""Video jobs whose ids the server remembers; beyond it the oldest ended ones are forgotten (their files stay
-in the results folder, under its cap)."""
 EVENT_POLL_SECONDS = 0.05
 POLL_AFTER_MS = 500
 """How often the SDK's videos.poll asks for a job's status (it reads the openai-poll-after-ms header)."""
@@ -76,7 +80,7 @@ IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_forma
 IMAGE_IGNORED = {"quality", "style", "moderation", "output_compression", "user", "safety_identifier",
                  "partial_images", "input_fidelity"}
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames", "fps"}
-FIELD_PARAMS = {"height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
+FIELD_PARAMS = {"n=": "n", "height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
                 "fps": "fps", "steps": "steps", "guidance_2": "guidance_2", "guidance": "guidance", "seed": "seed",
                 "prompt": "prompt", "step_cache": "step_cache", "input file": "image", "reference image": "image",
                 "input image": "image", "input video": "image", "model": "image", "lora": "lora", "LoRA": "lora"}
@@ -111,7 +115,10 @@ def refused(error: Exception, input_param: str = "image", frames_param: str = "f
     """The ApiError for what submit raises: a bad request (400, naming its field), a full queue (429), a
     server that stops (503)."""
     if isinstance(error, ServiceBusy):
-        return ApiError(429, str(error), type="rate_limit_error", code="queue_full", retry=True)
+        return ApiError(429, str(error), type="rate_limit_error", code="queue_full", retry=True,
+                        headers={"retry-after": str(math.ceil(error.retry_after))})
+    if isinstance(error, OverQuota):
+        return ApiError(429, str(error), type="rate_limit_error", code="quota_exceeded")
     if isinstance(error, ServiceClosed):
         return ApiError(503, str(error), type="server_error", code="server_shutting_down")
     problem = error.problems[0] if isinstance(error, RequestError) else str(error)
@@ -120,20 +127,43 @@ def refused(error: Exception, input_param: str = "image", frames_param: str = "f
     return bad(str(error), param)
 
 
+OPEN_OWNER = "anyone"
+"""The owner of every job of an API that asks for no key: its clients are one."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the owner its jobs and files get (app.job_store.JobRow.owner); an admin sees everyone's."""
+
+    owner: str
+    admin: bool = False
+
+    def may_see(self, owner: str) -> bool:
+        return self.admin or owner == self.owner
+
+
+def key_owner(key: str) -> str:
+    """The owner of an API key's jobs: a hash of it (the key itself is never stored)."""
+    return f"key:{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+
+
 @dataclass(kw_only=True)
 class ApiAccess:
-    """Who may use the API: nobody (`off` says why), the holders of `keys`, or (no keys) everyone."""
+    """Who may use the API: nobody (`off` says why), the holders of `keys` (those of `admins` see every owner's
+    jobs), or (no keys) everyone, as one owner."""
 
     keys: list[str] | None
     failures: LoginFailures
     off: str | None = None
+    admins: list[str] = field(default_factory=list)
 
-    def check(self, request: Request) -> None:
-        """ApiError unless `request` may use the API; a wrong key counts as a failed login of its address."""
+    def check(self, request: Request) -> Caller:
+        """Who sent `request`; ApiError unless it may use the API (a wrong key counts as a failed login of its
+        address)."""
         if self.off is not None:
             raise ApiError(403, self.off, type="permission_error", code="api_off")
         if self.keys is None:
-            return
+            return Caller(OPEN_OWNER)
         address = request.client.host if request.client else "unknown"
         wait = self.failures.lockout(address)
         if wait > 0:
@@ -143,94 +173,69 @@ class ApiAccess:
                            headers={"retry-after": str(seconds)})
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         given_bytes = given.strip().encode()
-        valid = False
+        found = None
         for key in self.keys:  # every key compared, in constant time each
-            valid |= hmac.compare_digest(given_bytes, key.encode())
-        if scheme.lower() != "bearer" or not valid:
+            if hmac.compare_digest(given_bytes, key.encode()):
+                found = key
+        if scheme.lower() != "bearer" or found is None:
             self.failures.failed(address)
             raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY; the server's --api-key-file)",
                            type="authentication_error", code="invalid_api_key")
         self.failures.succeeded(address)
+        return Caller(key_owner(found), admin=found in self.admins)
 
 
-def api_access(keys: list[str] | None, logins: bool, failures: LoginFailures) -> ApiAccess:
-    """Keys when given; else off where the UI asks for a login (an open API would bypass it); else open."""
+def api_access(keys: list[str] | None, logins: bool, failures: LoginFailures, admins: list[str] | None = None
+               ) -> ApiAccess:
+    """Keys when given (`admins` among them see every owner's jobs); else off where the UI asks for a login (an open
+    API would bypass it); else open."""
     off = None
     if keys is None and logins:
         off = ("this server's API is off: its UI asks for a login, and the API needs keys for that "
                "(start the server with --api-key-file FILE)")
-    return ApiAccess(keys=keys, failures=failures, off=off)
+    return ApiAccess(keys=keys, failures=failures, off=off, admins=list(admins or []))
 
 
-@dataclass
-class VideoJob:
-    """A video job of POST /v1/videos, as GET /v1/videos/{id} reports it."""
-
-    id: str
-    model: ServedModel
-    submitted: Submitted
-    created_at: int
-    settings: dict[str, Any]
-    status: str = "queued"
-    progress: int = 0
-    completed_at: int | None = None
-    path: Path | None = None
-    error: dict[str, str] | None = None
-    follower: asyncio.Task | None = field(default=None, repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        request = self.submitted.request
-        return {
-            "id": self.id, "object": "video", "model": self.model.spec.name, "status": self.status,
-            "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
-            "expires_at": None, "prompt": request.prompt, "seconds": f"{(request.frames - 1) / request.fps:g}",
-            "size": f"{request.width}x{request.height}", "remixed_from_video_id": None, "error": self.error,
-            "settings": self.settings,
-        }
-
-
-class VideoJobs:
-    """The video jobs the server remembers, by id: the latest MAX_VIDEOS_KEPT, ended ones forgotten first."""
-
-    def __init__(self, keep: int = MAX_VIDEOS_KEPT) -> None:
-        self._keep = keep
-        self._jobs: OrderedDict[str, VideoJob] = OrderedDict()
-
-    def add(self, video: VideoJob) -> None:
-        self._jobs[video.id] = video
-        while len(self._jobs) > self._keep:
-            ended = next((key for key, job in self._jobs.items() if job.status in ("completed", "failed")), None)
-            forgotten = self._jobs.pop(ended if ended is not None else next(iter(self._jobs)))
-            forgotten.submitted.job.cancel("forgotten: the server keeps the latest video jobs alone")
-
-    def get(self, video_id: str) -> VideoJob:
-        video = self._jobs.get(video_id)
-        if video is None:
-            raise ApiError(404, f"no video {video_id!r} (unknown, deleted, or forgotten: the server keeps the "
-                           f"latest {self._keep})", type="not_found_error", param="video_id", code="not_found")
-        return video
-
-    def pop(self, video_id: str) -> VideoJob:
-        video = self.get(video_id)
-        del self._jobs[video_id]
-        return video
+def video_object(row: JobRow) -> dict[str, Any]:
+    """A video job's row as OpenAI's video object, with this server's `settings`."""
+    request = row.request
+    return {
+        "id": row.id, "object": "video", "model": row.model, "status": row.status, "progress": row.progress,
+        "created_at": int(row.created_at), "completed_at": None if row.completed_at is None else int(row.completed_at),
+        "expires_at": None if row.expires_at is None else int(row.expires_at), "prompt": request["prompt"],
+        "seconds": f"{(request['frames'] - 1) / request['fps']:g}", "size": f"{request['width']}x{request['height']}",
+        "remixed_from_video_id": None, "error": row.error, "settings": row.settings,
+    }
 
 
 class FileLinks:
-    """URLs of result files that need no key: /v1/files/NAME?sig=HMAC(NAME), with a secret of this server's life."""
+    """URLs of result files that need no key, the way to share one: /v1/files/NAME?expires=T&sig=HMAC(NAME, T),
+    with the store's secret (so that a URL outlives a restart), working until T (epoch seconds)."""
 
-    def __init__(self) -> None:
-        self._secret = secrets.token_bytes(32)
+    def __init__(self, secret: bytes, seconds: float) -> None:
+        self._secret = secret
+        self.seconds = seconds
 
-    def signature(self, name: str) -> str:
-        return hmac.new(self._secret, name.encode(), hashlib.sha256).hexdigest()
+    def signature(self, name: str, expires: int) -> str:
+        return hmac.new(self._secret, f"{name}:{expires}".encode(), hashlib.sha256).hexdigest()
 
-    def url(self, request: Request, path: Path) -> str:
+    def url(self, request: Request, path: Path, not_after: float | None = None, now: float | None = None) -> str:
+        """A URL of `path` for the next `seconds` (or until `not_after`, its job's expiry, where sooner)."""
+        expires = int((time.time() if now is None else now) + self.seconds)
+        if not_after is not None:
+            expires = min(expires, int(not_after))
         base = str(request.base_url).rstrip("/")
-        return f"{base}{PREFIX}/files/{path.name}?sig={self.signature(path.name)}"
+        return f"{base}{PREFIX}/files/{path.name}?expires={expires}&sig={self.signature(path.name, expires)}"
 
-    def valid(self, name: str, signature: str) -> bool:
-        return hmac.compare_digest(self.signature(name), signature)
+    def check(self, name: str, expires: str, signature: str, now: float | None = None) -> None:
+        """ApiError unless the URL's signature is right (404) and its time has not passed (403)."""
+        valid = expires.isdigit() and hmac.compare_digest(self.signature(name, int(expires)), signature)
+        if not valid:
+            raise ApiError(404, "no such file", type="not_found_error", code="not_found")
+        if int(expires) < (time.time() if now is None else now):
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(expires)))
+            raise ApiError(403, f"this link expired at {when}: ask its owner for a new one", type="permission_error",
+                           code="url_expired")
 
 
 TAIL_BYTES = 256
@@ -432,19 +437,20 @@ async def _follow(job: Job, on_step: Callable[[int, int], None] | None = None,
 
 def _failed(message: str) -> ApiError:
     # app.jobs and app.serve say "the server lost a rank ..." / "the server is shutting down": nothing to retry here
-    if message.startswith("the server"):
+    if failure_code(message) == "server_unavailable":
         return ApiError(503, message, type="server_error", code="server_unavailable")
     return ApiError(500, message, type="server_error", code="generation_failed")
 
 
 def api_endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiAccess | None
                  ) -> Callable[[Request], Awaitable[Response]]:
-    """`handler` behind the key check (None: no check), its ApiErrors answered in OpenAI's shape."""
+    """`handler` behind the key check (None: no check; else the Caller in request.state.caller), its ApiErrors
+    answered in OpenAI's shape."""
 
     async def endpoint(request: Request) -> Response:
         try:
             if access is not None:
-                access.check(request)
+                request.state.caller = access.check(request)
             return await handler(request)
         except ApiError as error:
             return error.response()
@@ -481,9 +487,33 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
     """The /v1 routes for `runtime`'s models, sharing `server` (queue, time limit, results, uploads) with the UI;
     `webhooks`: where a video job's end is told (video.completed, video.failed)."""
     max_bytes = max_upload_bytes + FIELD_BYTES
-    links = FileLinks()
-    videos = VideoJobs()
+    links = FileLinks(server.store.secret(), server.quotas.url_seconds)
     created = int(time.time())
+
+    video_requests: dict[str, str | None] = {}
+    """A video job's id -> the id of the request that created it, which its end's log line and webhook carry."""
+
+    def video_ended(row: JobRow) -> None:
+        """The store's listener: a video job that completed (its MP4 written) or failed is logged, and told to the
+        webhook (in the thread that ended it; Webhooks.send only queues the event)."""
+        if row.kind != "video" or row.status not in ("completed", "failed"):
+            return
+        request_id = video_requests.pop(row.id, None)
+        reason = f": {row.error['message']}" if row.error else ""
+        log.info("video %s %s%s", row.id, row.status, reason, extra={"video_id": row.id, "request_id": request_id})
+        if webhooks is not None:
+            webhooks.send(f"video.{row.status}", {"id": row.id}, request_id)
+
+    server.store.subscribe(video_ended)
+
+    def video_of(request: Request) -> JobRow:
+        """The caller's video job of the path's id: 404 for an unknown one and for another owner's alike."""
+        video_id = request.path_params["video_id"]
+        row = server.store.get(video_id)
+        if row is None or row.kind != "video" or not request.state.caller.may_see(row.owner):
+            raise ApiError(404, f"no video {video_id!r} (unknown, deleted, expired, or not yours)",
+                           type="not_found_error", param="video_id", code="not_found")
+        return row
 
     async def models(request: Request) -> Response:
         data = [{"id": model.spec.name, "object": "model", "created": created, "owned_by": "ulysses-studio",
@@ -501,6 +531,11 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         count = 1 if fields.get("n") in (None, "") else _whole("n", fields["n"])
         if not 1 <= count <= MAX_IMAGES:
             raise bad(f"n must be between 1 and {MAX_IMAGES}, got {count}", "n")
+        room = min(server.jobs.max_waiting, server.jobs.per_owner or server.jobs.max_waiting)
+        if count > room:
+            raise bad(f"n={count} is more images than this server queues for one client ({room}: --max-queue "
+                      f"{server.jobs.max_waiting}, --max-queue-per-owner {server.jobs.per_owner}): ask for at most "
+                      f"{room}", "n")
         response_format = fields.get("response_format") or "b64_json"
         if response_format not in ("b64_json", "url"):
             raise bad(f"response_format must be 'b64_json' or 'url', got {response_format!r}", "response_format")
@@ -518,9 +553,10 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         try:
             for index in range(count):
                 ours["seed"] = seed + index
-                submitted.append(await submit(model, server, prompt=fields.get("prompt"), width=width, height=height,
+                submitted.append(await submit(model, server, owner=request.state.caller.owner, copies=count,
+                                              prompt=fields.get("prompt"), width=width, height=height,
                                               condition=None if condition is None else str(condition), **ours))
-        except (RequestError, ServiceBusy, ServiceClosed) as error:
+        except (RequestError, ServiceBusy, ServiceClosed, OverQuota) as error:
             for queued in submitted:
                 queued.job.cancel("another image of its request was refused")
             raise refused(error) from None
@@ -531,7 +567,7 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
                 path, settings = await write(model, server, queued, generation)
                 item: dict[str, Any] = {"revised_prompt": None, "settings": settings}
                 if response_format == "url":
-                    item["url"] = links.url(request, path)
+                    item["url"] = links.url(request, path, server.store.get(queued.id).expires_at)
                 else:
                     item["b64_json"] = base64.b64encode(await asyncio.to_thread(path.read_bytes)).decode()
                 data.append(item)
@@ -600,70 +636,76 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         if path is not None:
             server.uploads.use(path)
         try:
-            submitted = await submit(model, server, prompt=fields.get("prompt"), width=width, height=height,
-                                     frames=frames, fps=fps, condition=None if path is None else str(path),
+            submitted = await submit(model, server, owner=request.state.caller.owner, prompt=fields.get("prompt"),
+                                     width=width, height=height, frames=frames, fps=fps,
+                                     condition=None if path is None else str(path),
                                      **{**_our_fields(fields), "seed": seed})
-        except (RequestError, ServiceBusy, ServiceClosed) as error:
+        except (RequestError, ServiceBusy, ServiceClosed, OverQuota) as error:
             raise refused(error, "input_reference", "seconds" if "seconds" in fields else "frames") from None
         finally:
             if path is not None:
                 await asyncio.to_thread(server.uploads.release, path)
-        video = VideoJob(id=f"video_{uuid.uuid4().hex}", model=model, submitted=submitted,
-                         created_at=int(time.time()), settings=settings_of(submitted.request, model.spec))
-        video.follower = asyncio.create_task(_run_video(video))
-        videos.add(video)
-        return JSONResponse(video.to_dict())
+        video_requests[submitted.id] = current_request_id()
+        finish_later(model, server, submitted)
+        return JSONResponse(video_object(await asyncio.to_thread(server.store.get, submitted.id)))
 
-    async def _run_video(video: VideoJob) -> None:
-        def on_step(done: int, total: int) -> None:
-            video.status = "in_progress"
-            video.progress = min(99, int(100 * done / max(total, 1)))
-
-        try:
-            generation = await _follow(video.submitted.job, on_step)
-            video.path, video.settings = await write(video.model, server, video.submitted, generation)
-            video.status, video.progress, video.completed_at = "completed", 100, int(time.time())
-        except ApiError as error:
-            video.status, video.error = "failed", {"code": error.code or "generation_failed",
-                                                   "message": public_message(error.message)}
-        except Exception as error:  # noqa: BLE001 - a write that failed: the job's client hears it
-            video.status, video.error = "failed", {"code": "write_failed", "message": public_message(str(error))}
-        # This task was started by the request that created the video: its id is still the current request id.
-        log.info("video %s %s%s", video.id, video.status, f": {video.error['message']}" if video.error else "",
-                 extra={"video_id": video.id})
-        if webhooks is not None:
-            webhooks.send(f"video.{video.status}", {"id": video.id}, current_request_id())
+    async def list_videos(request: Request) -> Response:
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        limit = _whole("limit", query.get("limit", "20"))
+        if not 1 <= limit <= 100:
+            raise bad(f"limit must be between 1 and 100, got {limit}", "limit")
+        caller = request.state.caller
+        after = query.get("after") or None
+        if after is not None:
+            row = server.store.get(after)
+            if row is None or row.kind != "video" or not caller.may_see(row.owner):
+                raise bad(f"after: no video {after!r} of yours", "after")
+        rows, more = await asyncio.to_thread(server.store.page, None if caller.admin else caller.owner, "video",
+                                             after=after, limit=limit, order=order)
+        data = [video_object(row) for row in rows]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": more})
 
     async def retrieve_video(request: Request) -> Response:
-        return JSONResponse(videos.get(request.path_params["video_id"]).to_dict(),
-                            headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+        return JSONResponse(video_object(video_of(request)), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
 
     async def video_content(request: Request) -> Response:
-        video = videos.get(request.path_params["video_id"])
+        video = video_of(request)
         variant = request.query_params.get("variant", "video")
         if variant != "video":
             raise ApiError(400, f"variant {variant!r}: this server keeps the MP4 alone ('video')", param="variant",
                            code="unsupported_value")
         if video.status != "completed":
-            raise ApiError(409, f"video {video.id} is {video.status}" + (f": {video.error['message']}" if video.error
-                           else ": its MP4 is not ready yet"), code="video_not_ready")
-        if video.path is None or not video.path.is_file():
+            message = video.error["message"] if video.error else "its MP4 is not ready yet"
+            raise ApiError(409, f"video {video.id} is {video.status}: {message}", code="video_not_ready")
+        path = server.results.folder / video.files[0] if video.files else None
+        if path is None or not path.is_file():
             raise ApiError(404, f"video {video.id}'s file was removed (the server keeps its latest results: "
                            "--keep-results)", type="not_found_error", code="not_found")
-        return FileResponse(video.path, media_type="video/mp4")
+        return FileResponse(path, media_type="video/mp4")
 
     async def delete_video(request: Request) -> Response:
-        video = videos.pop(request.path_params["video_id"])
-        video.submitted.job.cancel("deleted by the client")
-        if video.path is not None:
-            await asyncio.to_thread(video.path.unlink, missing_ok=True)
+        video = video_of(request)
+        job = server.live.get(video.id)
+        if job is not None:
+            job.cancel("deleted by the client")
+        if video.status in ("queued", "in_progress"):  # it ends unfinished: its row says so (a video.failed event)
+            await asyncio.to_thread(server.store.change, video.id, status="failed", completed_at=time.time(),
+                                    error={"code": "cancelled", "message": "deleted by its owner before it ended"})
+        await asyncio.to_thread(server.store.delete, video.id)
+        for name in video.files:
+            await asyncio.to_thread((server.results.folder / name).unlink, missing_ok=True)
         return JSONResponse({"id": video.id, "object": "video.deleted", "deleted": True})
 
     async def result_file(request: Request) -> Response:
         name = request.path_params["name"]
-        path = server.results.folder / name
-        if not (RESULT_NAME.fullmatch(name) and links.valid(name, request.query_params.get("sig", ""))):
+        if not RESULT_NAME.fullmatch(name):
             raise ApiError(404, "no such file", type="not_found_error", code="not_found")
+        links.check(name, request.query_params.get("expires", ""), request.query_params.get("sig", ""))
+        path = server.results.folder / name
         if not path.is_file():
             raise ApiError(404, f"{name} was removed (the server keeps its latest results: --keep-results)",
                            type="not_found_error", code="not_found")
@@ -678,6 +720,7 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         route("/images/generations", generations, ["POST"]),
         route("/images/edits", edits, ["POST"]),
         route("/videos", create_video, ["POST"]),
+        route("/videos", list_videos, ["GET"]),
         route("/videos/{video_id}", retrieve_video, ["GET"]),
         route("/videos/{video_id}", delete_video, ["DELETE"]),
         route("/videos/{video_id}/content", video_content, ["GET"]),

@@ -93,36 +93,49 @@ class Result:
 
 @dataclass(frozen=True)
 class ResultsCap:
-    """The most result files a server keeps in its results folder: a number of files or of bytes."""
+    """What a server keeps in its results folder: at most a number of files, of bytes, or an age (with its jobs'
+    rows: app.job_store); any of them, together."""
 
     files: int | None = None
     bytes: int | None = None
+    seconds: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> ResultsCap:
-        """'500' -> 500 files; '2GB', '500MB', '1.5G' -> bytes (1 GB = 10^9 bytes)."""
-        match = re.fullmatch(r"(\d+)|(\d+(?:\.\d+)?)\s*([kmgt])b?", text.strip().lower())
-        if match is None:
-            raise ValueError(f"expected a number of files (e.g. 500) or a size (e.g. 2GB), got {text!r}")
-        if match[1]:
-            cap = cls(files=int(match[1]))
-        else:
-            cap = cls(bytes=int(float(match[2]) * 1000 ** ("kmgt".index(match[3]) + 1)))
-        if (cap.files or cap.bytes or 0) < 1:
-            raise ValueError(f"a results cap keeps at least one file, got {text!r}")
-        return cap
+        """'500' -> 500 files; '2GB', '500MB', '1.5G' -> bytes (1 GB = 10^9 bytes); '24h', '7d' -> an age;
+        several, comma-separated ('2GB,7d'): each holds."""
+        caps: dict[str, float] = {}
+        for part in text.split(","):
+            match = re.fullmatch(r"(\d+)|(\d+(?:\.\d+)?)\s*([kmgt])b?|(\d+(?:\.\d+)?)\s*([hd])", part.strip().lower())
+            if match is None:
+                raise ValueError(f"expected a number of files (e.g. 500), a size (e.g. 2GB) or an age (e.g. 24h, "
+                                 f"7d), got {part.strip()!r}")
+            if match[1]:
+                caps["files"] = int(match[1])
+            elif match[2]:
+                caps["bytes"] = int(float(match[2]) * 1000 ** ("kmgt".index(match[3]) + 1))
+            else:
+                caps["seconds"] = float(match[4]) * (3600 if match[5] == "h" else 86400)
+            if min(caps.values()) <= 0 or caps.get("files", 1) < 1 or caps.get("bytes", 1) < 1:
+                raise ValueError(f"a results cap keeps at least one file, got {text!r}")
+        return cls(**caps)
 
     def __str__(self) -> str:
-        return f"{self.files} files" if self.files is not None else f"{self.bytes / 1e6:g} MB"
+        parts = [f"{self.files} files" if self.files is not None else "",
+                 f"{self.bytes / 1e6:g} MB" if self.bytes is not None else "",
+                 f"{self.seconds / 3600:g} h" if self.seconds is not None else ""]
+        return ", ".join(part for part in parts if part)
 
 
-RESULT_NAME = re.compile(r"[a-z]+-\d{8}-\d{6}-[0-9a-f]{6}-seed\d+\.(?:png|mp4)")
-"""How ResultsFolder names its files (what its cap may remove: nothing else in the folder)."""
+RESULT_NAME = re.compile(r"[a-z]+-\d{8}-\d{6}-(?:[0-9a-f]{32}|[0-9a-f]{6})-seed\d+\.(?:png|mp4)")
+"""How ResultsFolder names its files (what its cap may remove: nothing else in the folder); a name's 32 hex
+digits are its secret where the UI serves files without a login (older servers wrote 6)."""
 
 
 class ResultsFolder:
-    """Where a server writes its results, named `<media>-<date>-<time>-<id>-seed<seed>.<ext>`; with a cap,
-    the oldest of those (by modification time) go once there are more than the cap allows."""
+    """Where a server writes its results, named `<media>-<date>-<time>-<id>-seed<seed>.<ext>` (id: 32 random hex
+    digits); with a cap, the oldest of those (by modification time) go once there are more than the cap allows,
+    or once they are older than its age."""
 
     def __init__(self, folder: Path, cap: ResultsCap | None = None) -> None:
         self.folder = folder
@@ -131,17 +144,17 @@ class ResultsFolder:
 
     def write(self, result: Any, request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None,
               ran_on: dict[str, str] | None = None) -> Path:
-        """Write a result under a new name (write_result), then hold the folder to its cap."""
-        name = f"{spec.media}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}-seed{request.seed}"
-        path = write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec, computed_steps,
+        """Write a result under a new name (write_result); the caller then holds the folder to its cap (prune)."""
+        name = f"{spec.media}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex}-seed{request.seed}"
+        return write_result(result, self.folder / f"{name}{EXTENSIONS[spec.media]}", request, spec, computed_steps,
                             ran_on)
-        self.prune(keep=path)
-        return path
 
-    def prune(self, keep: Path | None = None) -> list[Path]:
-        """Remove the oldest results beyond the cap (never `keep`, the newest); returns what went."""
+    def prune(self, keep: Path | None = None, now: float | None = None) -> list[Path]:
+        """Remove the oldest results beyond the cap, and those past its age (never `keep`, the newest); returns what
+        went."""
         if self.cap is None:
             return []
+        now = time.time() if now is None else now
         with self._lock:
             results = []
             for path in self.folder.iterdir():
@@ -150,10 +163,11 @@ class ResultsFolder:
                     results.append((stat.st_mtime, stat.st_size, path))
             results.sort(reverse=True)  # newest first
             removed, count, size = [], 0, 0
-            for _, bytes_, path in results:
+            for mtime, bytes_, path in results:
                 count, size = count + 1, size + bytes_
                 over = ((self.cap.files is not None and count > self.cap.files)
-                        or (self.cap.bytes is not None and size > self.cap.bytes))
+                        or (self.cap.bytes is not None and size > self.cap.bytes)
+                        or (self.cap.seconds is not None and now - mtime > self.cap.seconds))
                 if over and path != keep:
                     path.unlink(missing_ok=True)
                     removed.append(path)

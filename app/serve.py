@@ -9,7 +9,12 @@ A shared server holds each client to limits an operator may change: the denoisin
 request (--max-request-seconds), the requests waiting (--max-queue), the size of an upload
 (--max-upload-mb), the results kept in a chosen --out (--keep-results), and, with a login, failed
 login attempts (app.access), counted per client address: a proxy's X-Forwarded-For is believed only from
-a --trusted-proxy. Uploads and a temporary results folder go when the server ends.
+a --trusted-proxy; and per owner (API key or login): its waiting requests (--max-queue-per-owner, owners taking
+turns), uploads and results kept. Uploads and a temporary results folder go when the server ends; unused uploads
+within a minute (app.submit.keep_house).
+
+Every request is a row of the job store in the results folder (app.job_store): a start reads it back, failing the
+job a stop interrupted and queueing again the ones that waited (app.submit.requeue).
 
 The same port serves an OpenAI-compatible image and video API under /v1 (app.openai_api), sharing the
 UI's queue and limits; with --api-key-file it asks for one of its keys, failed keys counting as failed
@@ -29,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -55,6 +61,12 @@ if TYPE_CHECKING:
 
 CLIENT_GRACE_SECONDS = 1.0
 DEFAULT_MAX_QUEUE = 32
+DEFAULT_MAX_QUEUE_PER_OWNER = 16
+DEFAULT_MAX_UPLOAD_MB_PER_OWNER = 500.0
+DEFAULT_MAX_RESULTS_MB_PER_OWNER = 10_000.0
+DEFAULT_SIGNED_URL_SECONDS = 3600.0
+HOUSEKEEPING_SECONDS = 5.0
+"""How often the server deletes unused uploads and expired results (app.submit.keep_house)."""
 DEFAULT_MAX_UPLOAD_MB = 100.0
 UPLOADS_PREFIX = "ulysses-studio-uploads"
 
@@ -75,6 +87,8 @@ class ServePlan:
     """Addresses and networks whose X-Forwarded-For names the client (app.access); none by default."""
     api_keys: list[str] | None = None
     """The API's bearer keys (--api-key-file), rank 0's only; None: no key asked."""
+    admin_keys: list[str] | None = None
+    """Those of api_keys marked admin (`KEY admin`): they see every owner's jobs."""
     webhook_secret: str | None = None
     """The webhooks' signing secret (--webhook-secret-file), rank 0's only."""
 
@@ -100,8 +114,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask for this login (shows the password in the process list: prefer --auth-file)")
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
                         help="ask the OpenAI-compatible API (/v1) for a key: FILE has one key a line (16 characters "
-                             "or more); a wrong key counts as a failed login. Without it the API is open where the "
-                             "UI is, and off where the UI asks for a login")
+                             "or more), followed by the word admin for a key that sees every key's jobs; each key "
+                             "sees its own alone; a wrong key counts as a failed login. Without it the API is open "
+                             "where the UI is, and off where the UI asks for a login")
     parser.add_argument("--trusted-proxy", action="append", default=None, metavar="ADDR",
                         help="a reverse proxy in front of this server (IP address or network, e.g. 10.0.0.0/24; "
                              "repeat it or separate with commas): its X-Forwarded-For header names the client that "
@@ -120,9 +135,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "ends, webhook deliveries): text (default) or json (one object a line)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="folder for the results (default: a new temporary folder, removed when the server ends)")
-    parser.add_argument("--keep-results", default=None, metavar="N|SIZE",
-                        help="keep at most N result files (e.g. 500) or SIZE of them (e.g. 2GB) in the results "
-                             "folder, removing the oldest (default: keep all)")
+    parser.add_argument("--keep-results", default=None, metavar="N|SIZE|AGE",
+                        help="keep at most N result files (e.g. 500), SIZE of them (e.g. 2GB) or each for AGE (e.g. "
+                             "24h, 7d) in the results folder, removing the oldest with their jobs; several, comma-"
+                             "separated (e.g. 2GB,7d) (default: keep all)")
     parser.add_argument("--max-request-seconds", type=float, default=DEFAULT_MAX_REQUEST_SECONDS, metavar="S",
                         help="the most denoising time one request may take: longer ones are refused up front by an "
                              "estimate from the server's measured step times, or stopped once they pass it "
@@ -131,6 +147,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests that may wait for their turn; more are refused (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--max-upload-mb", type=float, default=DEFAULT_MAX_UPLOAD_MB, metavar="MB",
                         help=f"largest file a client may upload (default {DEFAULT_MAX_UPLOAD_MB:g})")
+    parser.add_argument("--max-queue-per-owner", type=int, default=DEFAULT_MAX_QUEUE_PER_OWNER, metavar="N",
+                        help="requests of one owner (API key or login) that may wait; owners take turns "
+                             f"(default {DEFAULT_MAX_QUEUE_PER_OWNER})")
+    parser.add_argument("--max-upload-mb-per-owner", type=float, default=DEFAULT_MAX_UPLOAD_MB_PER_OWNER,
+                        metavar="MB", help="uploads one owner's waiting and running requests may hold together "
+                                           f"(default {DEFAULT_MAX_UPLOAD_MB_PER_OWNER:g})")
+    parser.add_argument("--max-results-mb-per-owner", type=float, default=DEFAULT_MAX_RESULTS_MB_PER_OWNER,
+                        metavar="MB", help="results one owner may keep on the server; past it their requests are "
+                                           f"refused (default {DEFAULT_MAX_RESULTS_MB_PER_OWNER:g}; 0: no limit)")
+    parser.add_argument("--signed-url-seconds", type=float, default=DEFAULT_SIGNED_URL_SECONDS, metavar="S",
+                        help="how long a signed URL of a result works (response_format url; the way to share a "
+                             f"result) (default {DEFAULT_SIGNED_URL_SECONDS:g})")
     add_replicas_argument(parser)
     add_parallel_arguments(parser)
 
@@ -168,6 +196,10 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
         _check_no_ui(args)
     if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
         raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
+    if (args.max_queue_per_owner < 1 or args.max_upload_mb_per_owner <= 0 or args.max_results_mb_per_owner < 0
+            or args.signed_url_seconds <= 0):
+        raise ServeError("--max-queue-per-owner must be at least 1, --max-upload-mb-per-owner and "
+                         "--signed-url-seconds above 0, --max-results-mb-per-owner at least 0")
     keep_results = None
     if args.keep_results is not None:
         try:
@@ -180,18 +212,19 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
         raise ServeError(str(error)) from None
     if (args.webhook_url is None) != (args.webhook_secret_file is None):
         raise ServeError("--webhook-url and --webhook-secret-file go together: events are always signed")
-    logins = api_keys = webhook_secret = None
+    logins = api_keys = admin_keys = webhook_secret = None
     if int(os.environ.get("RANK", "0")) == 0:  # logins, keys and secrets are rank 0's business alone
         try:
             logins = read_logins(args.auth, args.auth_file)
-            api_keys = read_api_keys(args.api_key_file) if args.api_key_file else None
+            if args.api_key_file:
+                api_keys, admin_keys = read_api_keys(args.api_key_file)
             if args.webhook_url is not None:
                 check_webhook_url(args.webhook_url)
                 webhook_secret = read_webhook_secret(args.webhook_secret_file)
         except (AuthError, WebhookError) as error:
             raise ServeError(str(error)) from None
     return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies,
-                     api_keys=api_keys, webhook_secret=webhook_secret)
+                     api_keys=api_keys, admin_keys=admin_keys, webhook_secret=webhook_secret)
 
 
 def _check_no_ui(args: argparse.Namespace) -> None:
@@ -280,7 +313,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from app.metrics import ServerMetrics
         from app.openai_api import api_access
         from app.outputs import ResultsFolder
-        from app.submit import Server
+        from app.job_store import STORE_NAME, JobStore
+        from app.submit import Quotas, Server, keep_house, requeue, restore_galleries
         from app.uploads import Uploads
 
         out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
@@ -290,9 +324,15 @@ def run_serve(args: argparse.Namespace) -> int:
         budget = RequestBudget(args.max_request_seconds or None,
                                {key: counted_work(WorkCounter(model.spec, model.folder, model.limits), model.spec.name)
                                 for key, model in runtime.models.items()}, layouts=len(runtime.layouts))
+        store = JobStore(out_dir / STORE_NAME)
+        mb = 1e6
+        quotas = Quotas(upload_bytes=int(args.max_upload_mb_per_owner * mb),
+                        result_bytes=int(args.max_results_mb_per_owner * mb) or None,
+                        url_seconds=args.signed_url_seconds)
         metrics = ServerMetrics({key: model.spec.name for key, model in runtime.models.items()})
-        server = Server(jobs=JobQueue(args.max_queue, on_end=metrics.job_ended), budget=budget,
-                        results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir), metrics=metrics)
+        server = Server(jobs=JobQueue(args.max_queue, args.max_queue_per_owner, on_end=metrics.job_ended),
+                        budget=budget, results=ResultsFolder(out_dir, plan.keep_results), uploads=Uploads(uploads_dir),
+                        store=store, quotas=quotas, metrics=metrics)
         jobs = server.jobs
         metrics.watch(jobs, lambda: runtime.layouts[runtime.active].replicas)
         warm = threading.Event()
@@ -306,6 +346,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
             webhooks = Webhooks(args.webhook_url, plan.webhook_secret)
             webhooks.start()
+        restore_galleries(runtime, server)
+        requeued = requeue(runtime, server)
+        if requeued:
+            print(f"queued again after the restart: {len(requeued)} job{'s' * (len(requeued) > 1)}", file=sys.stderr,
+                  flush=True)
+        housekeeping = _every(HOUSEKEEPING_SECONDS, lambda: keep_house(server))
 
         def remove_files() -> None:
             shutil.rmtree(uploads_dir, ignore_errors=True)
@@ -328,7 +374,7 @@ def run_serve(args: argparse.Namespace) -> int:
         stop.abandon = abandon
         # Failed API keys and failed UI logins count together.
         failures = LoginFailures()
-        access = api_access(plan.api_keys, bool(plan.logins), failures)
+        access = api_access(plan.api_keys, bool(plan.logins), failures, plan.admin_keys)
         trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as it starts, just below
         close: Callable[[], None] = lambda: None
         try:
@@ -352,11 +398,27 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             jobs.close("the server is shutting down")
             close()
+            housekeeping.set()  # the store stays open: handlers may still write the rows of jobs that ended
             if webhooks is not None:
                 webhooks.close()
             remove_files()
     print("stopped", file=sys.stderr)
     return 0
+
+
+def _every(seconds: float, work: Callable[[], None]) -> threading.Event:
+    """Run `work` every `seconds` on a thread of its own until the event returned is set (its errors are printed)."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(seconds):
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - a clean-up that failed once may work next time; the server goes on
+                traceback.print_exc()
+
+    threading.Thread(target=loop, name="housekeeping", daemon=True).start()
+    return done
 
 
 def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, server: Server, access: ApiAccess,
@@ -365,10 +427,11 @@ def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, serve
     # Results are served from their folder as they are: Gradio copies any other file it returns into its cache
     # (one copy per result, for the server's life, whatever --keep-results removes).
     import gradio as gr
+    from starlette.middleware import Middleware
 
     from app.api_server import server_middleware, server_routes
     from app.openai_api import PREFIX, api_routes
-    from app.ui import build_ui
+    from app.ui import OwnResults, build_ui
 
     gr.set_static_paths([out_dir])
     demo = build_ui(runtime, server)
@@ -381,7 +444,8 @@ def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, serve
             auth=[tuple(login) for login in plan.logins] if plan.logins else None,
             prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
             quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
-            app_kwargs={"middleware": server_middleware(access), "routes": routes},
+            app_kwargs={"middleware": [*server_middleware(access), Middleware(OwnResults, store=server.store)],
+                        "routes": routes},
         )
     except OSError:
         demo.close()

@@ -9,6 +9,8 @@ job: every rank drops it at the next step. Error messages name files by their na
 "Random seed" repeats a result); a second, private, event then refreshes the tab's recent-results
 gallery, where clicking an item puts its settings back into the inputs. A gallery shows its owner's results
 alone (Owners): with logins, the user's (from any browser); without, the browser's (a reload shows them again).
+With logins, Gradio's file routes serve a result to its owner alone (OwnResults): anyone else gets 404; without
+logins a result's name, with its 32 random hex digits, is its only secret.
 The status line, refreshed every STATUS_SECONDS and at once when a request is accepted, says in plain words what
 runs the models and the last client request's times, what runs now (model, size, step k/n or decoding, time) and
 what waits, then, smaller, the technical details (ranks, plan, backend).
@@ -28,17 +30,23 @@ import time
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
+from pathlib import Path
+from urllib.parse import unquote
+
 import gradio as gr
 from gradio.context import LocalContext
+from starlette.requests import Request as StarletteRequest
+from starlette.responses import PlainTextResponse
 
 from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
 from app.lockstep import Generation
-from app.outputs import RecentResults
+from app.job_store import JobStore
+from app.outputs import RESULT_NAME, RecentResults
 from app.runtime import Runtime, ServedModel
-from app.submit import Server, public_message, random_seed, server_line, submit, write
+from app.submit import OverQuota, Server, public_message, random_seed, server_line, submit, write
 from pipelines.requests import RequestError
 
-__all__ = ["Owners", "Server", "build_ui", "public_message", "queue_status"]
+__all__ = ["OwnResults", "Owners", "Server", "build_ui", "public_message", "queue_status"]
 
 EVENT_POLL_SECONDS = 0.05
 """How often a waiting handler looks at its job's events and at its client."""
@@ -157,6 +165,31 @@ class Owners:
         with self._lock:
             browser = self._browsers.get(session.session_hash)
         return f"browser:{browser}" if browser else f"session:{session.session_hash}"
+
+
+class OwnResults:
+    """ASGI middleware before Gradio's routes: where the UI asks for logins, a result file (its name is a result's,
+    app.outputs.RESULT_NAME) goes through Gradio's file routes (/gradio_api/file=..., and /file=...) to the login
+    whose job made it alone (app.job_store); anyone else, and any file of no job, gets 404."""
+
+    def __init__(self, app: Any, *, store: JobStore) -> None:
+        self.app = app
+        self.store = store
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and "/file=" in scope["path"]:
+            gradio_app = scope.get("app")
+            name = Path(unquote(scope["path"].partition("/file=")[2])).name
+            if getattr(gradio_app, "auth", None) and RESULT_NAME.fullmatch(name):
+                cookies = StarletteRequest(scope).cookies
+                token = (cookies.get(f"access-token-{gradio_app.cookie_id}")
+                         or cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
+                user = gradio_app.tokens.get(token) if token else None
+                owner = await asyncio.to_thread(self.store.owner_of_file, name)
+                if user is None or owner != f"user:{user}":
+                    await PlainTextResponse("Not Found", status_code=404)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def _seed_inputs(prefix: str) -> tuple[gr.Number, gr.Checkbox]:
@@ -436,8 +469,8 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     if random:
         fields["seed"] = random_seed()
     try:
-        submitted = await submit(model, server, **fields)
-    except (RequestError, ServiceClosed, ServiceBusy) as error:
+        submitted = await submit(model, server, owner=owner or "anyone", **fields)
+    except (RequestError, ServiceClosed, ServiceBusy, OverQuota) as error:
         raise gr.Error(public_message(str(error)), print_exception=False) from None
     try:
         yield gr.skip(), gr.skip(), gr.skip(), status(), gr.skip()

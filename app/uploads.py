@@ -3,7 +3,9 @@
 The server points Gradio's cache (GRADIO_TEMP_DIR) at a folder of its own (app.stopping's
 temporary_folder) and removes it on exit, so nothing a client sent outlives the server; an upload a
 request used is deleted as soon as that request ends. Gradio stores uploads by content (the same
-bytes land on the same path), so an upload is counted while requests use it and goes with the last.
+bytes land on the same path), so an upload is counted while requests use it and goes with the last. An upload
+no request uses goes once it is UNUSED_SECONDS old (sweep, run by the server's housekeeping every few seconds):
+Gradio's own sweep of its cache is hourly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+UNUSED_SECONDS = 50.0
+"""Age past which an upload no request uses is deleted (sweep): within a minute, with the housekeeping's period."""
 ORPHAN_SECONDS = 2.0
 """Age past which an empty temporary file at the top of the upload folder is an orphan (see remove_orphans)."""
 
@@ -47,8 +51,30 @@ class Uploads:
             del self._users[path]
             path.unlink(missing_ok=True)
             folder = path.parent
-            if folder != self.folder and folder.is_relative_to(self.folder) and not any(folder.iterdir()):
+            if (folder != self.folder and folder.is_relative_to(self.folder) and folder.is_dir()
+                    and not any(folder.iterdir())):
                 folder.rmdir()  # Gradio's per-upload folder
+
+    def sweep(self, max_age: float = UNUSED_SECONDS, now: float | None = None) -> list[Path]:
+        """Delete the uploads older than `max_age` seconds that no request uses, and the folders they leave empty;
+        returns the files deleted."""
+        now = time.time() if now is None else now
+        removed = []
+        with self._lock:
+            for path in sorted(self.folder.rglob("*"), key=lambda found: len(found.parts), reverse=True):
+                try:
+                    stat = path.lstat()
+                except OSError:
+                    continue
+                if now - stat.st_mtime <= max_age or path.resolve() in self._users:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    if not any(path.iterdir()):
+                        path.rmdir()
+                else:
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+        return removed
 
     def remove_orphans(self, now: float | None = None) -> list[Path]:
         """Delete the empty temporary files Gradio leaves at the top of its folder (returns them).

@@ -464,6 +464,18 @@ def test_the_results_folder_keeps_its_cap(server):
     assert not [path for path in server.uploads.rglob("*") if path.is_file()]
 
 
+def test_a_ui_result_is_a_row_of_its_login_whose_file_route_serves_it_to_her(server):
+    from app.job_store import JobStore
+
+    _client(server).predict(*_image("mine", 30, steps=1, size=64), api_name="/generate_image")
+    newest = max(server.results.glob("image-*.png"), key=lambda path: path.stat().st_mtime)
+    assert JobStore(server.results / "jobs.sqlite3").owner_of_file(newest.name) == "user:ann"
+    with httpx.Client(base_url=server.url) as http:
+        assert http.get(f"gradio_api/file={newest}").status_code == 404  # no login: no owner
+        assert http.post("login", data={"username": "ann", "password": PASSWORD}).status_code == 200
+        assert http.get(f"gradio_api/file={newest}").content == newest.read_bytes()
+
+
 def test_repeated_failed_logins_are_slowed(server):
     def login(http: httpx.Client, password: str) -> int:
         return http.post("login", data={"username": "ann", "password": password}).status_code

@@ -190,3 +190,41 @@ def test_the_status_lines_plain_words_for_gpus_plans_and_precisions():
     assert sharing("none (1 rank)") == "" and sharing("cfg-2") == "the guided and unguided passes side by side"
     assert precision("nccl, cuda, bfloat16 + fp8, inductor-blocks") == "half precision (bfloat16) with FP8 weights"
     assert precision("gloo, cpu, float32, eager, split VAE (video)") == "full precision (float32)"
+
+
+def test_with_logins_a_result_file_goes_to_its_owners_login_alone(tmp_path):
+    """Gradio's own file routes and logins, in-process, behind OwnResults: another login, and a file of no job, get
+    404 (a result's name alone is no key)."""
+    import gradio as gr
+    import httpx
+    from starlette.middleware import Middleware
+
+    from app.job_store import JobRow, JobStore
+    from app.ui import OwnResults
+    from tests.helpers import free_port
+
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    names = {owner: f"image-20261128-120000-{owner[0] * 32}-seed1.png" for owner in ("ann", "bob")}
+    for owner, name in names.items():
+        (tmp_path / name).write_bytes(b"png of " + owner.encode())
+        job = store.add(JobRow(id=f"image_{owner}", owner=f"user:{owner}", kind="image", model="m", request={}))
+        store.change(job.id, status="completed", files={name: 10})
+    stray = tmp_path / f"image-20261128-120000-{'c' * 32}-seed1.png"
+    stray.write_bytes(b"no job's")
+    with gr.Blocks() as demo:
+        gr.Markdown("results")
+    port = free_port()
+    demo.launch(server_port=port, prevent_thread_lock=True, auth=[("ann", "pw-ann"), ("bob", "pw-bob")],
+                allowed_paths=[str(tmp_path)], quiet=True, ssr_mode=False,
+                app_kwargs={"middleware": [Middleware(OwnResults, store=store)]})
+    try:
+        for user in ("ann", "bob"):
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}/") as http:
+                assert http.post("login", data={"username": user, "password": f"pw-{user}"}).status_code == 200
+                for owner, name in names.items():
+                    answer = http.get(f"gradio_api/file={tmp_path / name}")
+                    assert answer.status_code == (200 if owner == user else 404), (user, owner)
+                    assert owner != user or answer.content == b"png of " + user.encode()
+                assert http.get(f"gradio_api/file={stray}").status_code == 404
+    finally:
+        demo.close()

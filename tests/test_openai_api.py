@@ -211,10 +211,12 @@ def test_a_wrong_key_is_refused(server):
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
 
 
-def test_a_full_queue_is_refused_and_the_server_goes_on(server):
-    with pytest.raises(openai.RateLimitError, match="queue is full"):
+def test_n_beyond_the_queue_is_refused_on_n_and_the_server_goes_on(server):
+    with pytest.raises(openai.BadRequestError, match=r"n=5 is more images than this server queues for one client "
+                                                     r"\(2: --max-queue 2") as error:
         api(server).images.generate(prompt="many", n=MAX_QUEUE + 3, size="64x64", extra_body={"steps": 30})
-    started = time.monotonic()  # the images of the refused request that had been queued are dropped
+    assert error.value.param == "n"
+    started = time.monotonic()  # nothing of the refused request was queued
     api(server).images.generate(prompt="a red circle", size="64x64", extra_body={"steps": 2})
     assert time.monotonic() - started < 10
 
@@ -373,30 +375,43 @@ def test_no_ui_refuses_a_command_line_that_needs_the_ui_before_starting_ranks(tm
 # In-process: the routes on Starlette's test client, a stand-in for the ranks.
 
 
-def flux2_server(tmp_path: Path):
-    """A FLUX.2 model's limits (a reference image allowed; no weights) and a Server of 4 places in `tmp_path`."""
+def flux2_server(tmp_path: Path, quotas=None, max_seconds: float | None = None):
+    """A FLUX.2 model's limits (a reference image allowed; no weights), tiny-cosmos' for videos, and a Server of 24
+    places (20 an owner), its job store in `tmp_path`; with `max_seconds`, a time limit, each model's cost model fed
+    one measurement: a step 1 s, a decode 0.1 s."""
     from app.budget import RequestBudget
+    from app.job_store import JobStore
     from app.jobs import JobQueue
     from app.outputs import ResultsFolder
     from app.runtime import ServedModel
-    from app.submit import Server
+    from app.submit import Quotas, Server
     from app.uploads import Uploads
     from pipelines.registry import get_spec
-    from pipelines.requests import MediaLimits
+    from pipelines.requests import MediaLimits, make_request
     from pipelines.work import Work
 
     (tmp_path / "uploads").mkdir()
     (tmp_path / "out").mkdir()
     model = ServedModel(spec=get_spec("flux2-dev"), folder=tmp_path,
                         limits=MediaLimits(size_multiple=16, max_height=4096, max_width=4096, reference_image=True))
-    server = Server(jobs=JobQueue(4), budget=RequestBudget(None, {"image": lambda request: Work(1.0, 1.0)}),
-                    results=ResultsFolder(tmp_path / "out"), uploads=Uploads(tmp_path / "uploads"))
-    return model, server
+    video = ServedModel(spec=get_spec("tiny-cosmos"), folder=tmp_path,
+                        limits=MediaLimits(size_multiple=16, max_height=1024, max_width=1024, frame_multiple=4,
+                                           max_frames=121))
+    budget = RequestBudget(max_seconds, {"image": lambda request: Work(1.0, 1.0), "video": lambda request: Work(1.0, 1.0)})
+    if max_seconds is not None:
+        for served in (model, video):
+            budget.record(served.key, make_request(served.spec, served.limits, prompt="x", width=32, height=32),
+                          1.0, 0.1)
+    server = Server(jobs=JobQueue(24, per_owner=20), budget=budget, results=ResultsFolder(tmp_path / "out"),
+                    uploads=Uploads(tmp_path / "uploads"), store=JobStore(tmp_path / "out" / "jobs.sqlite3"),
+                    quotas=quotas or Quotas())
+    return model, video, server
 
 
 @pytest.fixture
 def local(tmp_path):
-    """An API for a FLUX.2 model (a reference image allowed) whose jobs a thread finishes as the ranks would."""
+    """An API for a FLUX.2 model (a reference image allowed) and tiny-cosmos, whose jobs a thread finishes as the
+    ranks would (none while `hold` is set), under a time limit of 100 s (a step is estimated at 1 s)."""
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
 
@@ -404,38 +419,44 @@ def local(tmp_path):
     from app.lockstep import Generation
     from app.openai_api import api_access, api_routes
 
-    model, server = flux2_server(tmp_path)
-    runtime = type("Runtime", (), {"models": {"image": model}})()
+    model, video, server = flux2_server(tmp_path, max_seconds=100.0)
+    runtime = type("Runtime", (), {"models": {"image": model, "video": video}})()
     seen: list = []
-    stop = threading.Event()
+    stop, hold = threading.Event(), threading.Event()
 
     def ranks() -> None:
         while not stop.is_set():
-            job = server.jobs.take(timeout=0.05)
+            job = None if hold.is_set() else server.jobs.take(timeout=0.05)
             if job is None:
+                time.sleep(0.01)
                 continue
             seen.append((job.request, Path(job.request.condition).is_file() if job.request.condition else None))
             job.start()
             job.step(1, 1)
-            image = Image.new("RGB", (job.request.width, job.request.height), (200, 30, 30))
-            job.finish(Generation(result=image, model="image", request=job.request, seconds=0.1, step_seconds=0.1))
+            request = job.request
+            if request.frames > 1:
+                result = np.full((request.frames, request.height, request.width, 3), 128, np.uint8)
+            else:
+                result = Image.new("RGB", (request.width, request.height), (200, 30, 30))
+            job.finish(Generation(result=result, model=job.model, request=request, seconds=0.1, step_seconds=0.1))
 
     thread = threading.Thread(target=ranks, daemon=True)
     thread.start()
 
-    def http(keys=None, logins=False, max_upload_bytes=10_000_000, failures=None) -> TestClient:
+    def http(keys=None, logins=False, max_upload_bytes=10_000_000, failures=None, admins=None, headers=None):
         failures = failures or LoginFailures()
-        app = Starlette(routes=api_routes(runtime, server, api_access(keys, logins, failures), max_upload_bytes))
-        return TestClient(app, base_url="http://testserver")
+        access = api_access(keys, logins, failures, admins)
+        app = Starlette(routes=api_routes(runtime, server, access, max_upload_bytes))
+        return TestClient(app, base_url="http://testserver", headers=headers)
 
-    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None):
+    def client(keys=None, logins=False, max_upload_bytes=10_000_000, key=KEY, failures=None, admins=None):
         return openai.OpenAI(base_url="http://testserver/v1", api_key=key, max_retries=0,
-                             http_client=http(keys, logins, max_upload_bytes, failures))
+                             http_client=http(keys, logins, max_upload_bytes, failures, admins))
 
     reference = tmp_path / "reference.png"
     Image.new("RGB", (112, 80), (30, 30, 200)).save(reference)
-    yield type("Local", (), {"client": staticmethod(client), "http": staticmethod(http), "seen": seen, "server": server,
-                             "reference": reference, "tmp": tmp_path})()
+    yield SimpleNamespace(client=client, http=http, seen=seen, server=server, reference=reference, tmp=tmp_path,
+                          hold=hold)
     stop.set()
     thread.join()
 
@@ -539,7 +560,7 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
     from app.openai_api import api_access
     from pipelines.requests import make_request
 
-    model, server = flux2_server(tmp_path)
+    model, _, server = flux2_server(tmp_path)
     dead: list[int] = []
     runtime = SimpleNamespace(models={"image": model}, service=SimpleNamespace(dead_ranks=lambda wait: list(dead)),
                               world_size=2, backend="gloo, cpu", describe=lambda *times: "flux2-dev on 2 ranks")
@@ -593,7 +614,7 @@ def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
     from app.stage_times import StageSeconds
     from pipelines.requests import make_request
 
-    model, _ = flux2_server(tmp_path)
+    model, _, _ = flux2_server(tmp_path)
     metrics = ServerMetrics({"image": "flux2-dev"})
     jobs = JobQueue(4, on_end=metrics.job_ended)
     metrics.watch(jobs, lambda: 2)
@@ -646,3 +667,148 @@ def test_webhooks_are_sent_without_waiting_and_retried_with_growing_delays():
     for event_id in sent:
         first, second, third = receiver.times[event_id]
         assert second - first >= 0.1 + 0.1 and third - second >= 0.1 + 0.2  # its answer's delay, then 0.1 s, 0.2 s
+OTHER, ADMIN = "other-key-0123456789abcdef", "admin-key-0123456789abcdef"
+
+
+def finished(client: openai.OpenAI, video_id: str):
+    deadline = time.monotonic() + 30
+    video = client.videos.retrieve(video_id)
+    while video.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, video
+        time.sleep(0.02)
+        video = client.videos.retrieve(video_id)
+    return video
+
+
+def test_each_key_sees_its_own_jobs_and_files_alone_an_admin_all(local):
+    keys = dict(keys=[KEY, OTHER, ADMIN], admins=[ADMIN])
+    mine, other, admin = (local.client(key=key, **keys) for key in (KEY, OTHER, ADMIN))
+    video = finished(mine, mine.videos.create(prompt="mine", model="tiny-cosmos", size="64x64",
+                                              extra_body={"frames": 5, "steps": 2}).id)
+    assert video.status == "completed" and video.expires_at is None  # no --keep-results age: kept
+    for call in (other.videos.retrieve, other.videos.download_content, other.videos.delete):
+        with pytest.raises(openai.NotFoundError, match="not yours"):
+            call(video.id)
+    assert [listed.id for listed in other.videos.list()] == []
+    assert [listed.id for listed in mine.videos.list()] == [video.id]
+    assert [listed.id for listed in admin.videos.list()] == [video.id]
+    assert admin.videos.retrieve(video.id).status == "completed"
+    assert mine.videos.download_content(video.id).read()[4:8] == b"ftyp"  # an MP4
+    assert local.server.store.get(video.id).owner != local.server.store.get(video.id).owner.replace("key:", "")
+
+    url = mine.images.generate(prompt="shared", size="32x32", response_format="url").data[0].url
+    anyone = local.http()  # no key: the signature is the key
+    assert anyone.get(url).status_code == 200
+    assert anyone.get(url.replace("sig=", "sig=0")).status_code == 404
+    expires = int(re.search(r"expires=(\d+)", url)[1])
+    assert time.time() + 3500 < expires <= time.time() + 3600  # an hour by default
+    from app.openai_api import FileLinks
+
+    name = url.rpartition("/")[2].partition("?")[0]
+    old = FileLinks(local.server.store.secret(), 60).url(anyone, local.server.results.folder / name,
+                                                          now=time.time() - 61)
+    answer = anyone.get(old.replace("http://testserver", ""))
+    assert answer.status_code == 403 and answer.json()["error"]["code"] == "url_expired", answer.text
+    assert mine.videos.delete(video.id).deleted and not any(local.server.results.folder.glob("*.mp4"))
+
+
+def test_the_video_list_pages_after_an_id_in_either_order(local):
+    client = local.client(keys=[KEY])
+    made = [client.videos.create(prompt=f"clip {n}", size="64x64", extra_body={"frames": 5, "steps": 1}).id
+            for n in range(3)]
+    first = client.videos.list(limit=2)
+    assert [video.id for video in first.data] == made[:0:-1] and first.has_more
+    assert [video.id for video in client.videos.list(limit=2)] == made[::-1]  # the SDK pages on by itself
+    assert [video.id for video in client.videos.list(order="asc", after=made[0]).data] == made[1:]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.videos.list(limit=500)
+    assert error.value.param == "limit"
+
+
+def test_n_is_refused_beyond_the_queue_and_the_time_limit_and_a_full_queue_says_when_to_retry(local):
+    client = local.client(keys=[KEY, OTHER])
+    # a step is estimated at 1 s and a decode at 0.1 s: 4 images of 30 steps take 120 s, over the 100-s limit
+    with pytest.raises(openai.BadRequestError, match=r"n=4 images would take about 2 min together") as error:
+        client.images.generate(prompt="long ones", n=4, size="32x32", extra_body={"steps": 30})
+    assert error.value.param == "n" and not local.seen
+    assert len(client.images.generate(prompt="three", n=3, size="32x32", extra_body={"steps": 30}).data) == 3
+
+    local.hold.set()  # the ranks take nothing (once a take begun before ends): the queue fills
+    time.sleep(0.2)
+    for _ in range(20):
+        client.videos.create(prompt="wait", size="64x64", extra_body={"frames": 5, "steps": 1})
+    with pytest.raises(openai.RateLimitError, match="you have 20 requests waiting") as error:
+        client.videos.create(prompt="one more", size="64x64", extra_body={"frames": 5, "steps": 1})
+    other = local.client(keys=[KEY, OTHER], key=OTHER)
+    for _ in range(4):
+        other.videos.create(prompt="mine", size="64x64", extra_body={"frames": 5, "steps": 1})
+    with pytest.raises(openai.RateLimitError, match="its queue is full") as error:
+        other.videos.create(prompt="full", size="64x64", extra_body={"frames": 5, "steps": 1})
+    assert error.value.response.headers["retry-after"] == "10"  # nothing runs, so no estimate: the default
+    assert error.value.response.headers["x-should-retry"] == "true"
+
+
+def test_owners_take_turns_one_owners_20_jobs_hold_back_no_other_owners_one(local):
+    many, one = local.client(keys=[KEY, OTHER]), local.client(keys=[KEY, OTHER], key=OTHER)
+    local.hold.set()
+    time.sleep(0.2)
+    queued = [many.videos.create(prompt=f"many {n}", size="64x64", extra_body={"frames": 5, "steps": 1}).id
+              for n in range(20)]
+    single = one.videos.create(prompt="one", size="64x64", extra_body={"frames": 5, "steps": 1}).id
+    local.hold.clear()
+    started = {video_id: local.server.store.get(finished(client, video_id).id).started_at
+               for client, ids in ((many, queued), (one, [single])) for video_id in ids}
+    order = sorted(started, key=started.get)
+    assert order.index(single) == 1, order  # after the job that ran first, before the many's second
+
+
+def test_a_restart_keeps_completed_jobs_runs_queued_ones_and_fails_the_running_one(tmp_path):
+    """One small server (one process, the API alone, no time limit: no calibration) killed with kill -9 while a job
+    runs and another waits, then started again on the same results folder: its job store."""
+    from app.job_store import INTERRUPTED
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY}\n{OTHER}\n")
+
+    def start() -> AppProcess:
+        port = free_port()
+        app = AppProcess("serve", "--no-ui", "--port", str(port), "--out", str(tmp_path / "out"), "--api-key-file",
+                         str(keys), "--max-request-seconds", "0")
+        app.url = f"http://127.0.0.1:{port}/"
+        app.wait_for("serving on", START_SECONDS)
+        return app
+
+    first = start()
+    try:
+        client = api(first)
+        done = client.videos.create_and_poll(prompt="kept", size="64x64", extra_body={"frames": 5, "steps": 2,
+                                                                                      "seed": 3})
+        url = client.images.generate(prompt="shared", size="64x64", response_format="url",
+                                     extra_body={"steps": 1}).data[0].url
+        running = client.videos.create(prompt="cut short", size="64x64", extra_body={"frames": 5, "steps": 500})
+        queued = client.videos.create(prompt="waits", size="64x64", extra_body={"frames": 5, "steps": 2, "seed": 8})
+        deadline = time.monotonic() + 60
+        while client.videos.retrieve(running.id).progress < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        first.stop()  # kill -9, the whole process group
+    second = start()
+    try:
+        client = api(second)
+        kept = client.videos.retrieve(done.id)
+        assert kept.status == "completed" and kept.settings["seed"] == 3
+        client.videos.download_content(done.id).write_to_file(tmp_path / "kept.mp4")
+        assert read_mp4_settings(tmp_path / "kept.mp4")["seed"] == 3
+        cut = client.videos.retrieve(running.id)
+        assert cut.status == "failed" and cut.error.message == INTERRUPTED and cut.error.code == "interrupted"
+        assert finished(client, queued.id).status == "completed"
+        client.videos.download_content(queued.id).write_to_file(tmp_path / "queued.mp4")
+        assert read_mp4_settings(tmp_path / "queued.mp4")["seed"] == 8
+        assert httpx.get(url.replace(first.url, second.url)).status_code == 200  # a signed URL outlives a restart
+        with pytest.raises(openai.NotFoundError):
+            api(second, OTHER).videos.retrieve(done.id)
+        assert [video.id for video in client.videos.list(order="asc")] == [done.id, running.id, queued.id]
+    finally:
+        second.process.send_signal(signal.SIGINT)
+        assert second.process.wait(timeout=30) == 0 and "Traceback" not in second.final_output()

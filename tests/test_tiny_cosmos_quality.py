@@ -37,8 +37,8 @@ def one_process_videos() -> list[np.ndarray]:
 BARS = {"colour": 0.8, "shape": 0.6, "motion": 0.9}
 
 
-def _check_scores(videos: list[np.ndarray]) -> None:
-    scores = judge_videos(videos, PROMPTS)
+def _check_scores(videos: list[np.ndarray], prompts: list[str] = PROMPTS) -> None:
+    scores = judge_videos(videos, prompts)
     table = "\n".join(f"{prompt!r}: saw {seen}" for prompt, seen in scores.seen)
     measured = ", ".join(f"{name} {getattr(scores, name):.0%} (need {bar:.0%})" for name, bar in BARS.items())
     assert all(getattr(scores, name) >= bar for name, bar in BARS.items()), f"{measured}\n{table}"
@@ -49,17 +49,22 @@ def test_tiny_cosmos_draws_the_asked_colour_shape_and_motion(one_process_videos)
     _check_scores(one_process_videos)
 
 
+FP8_CACHE_PROMPTS = PROMPTS[:10]
+"""The fp8-and-cache check's prompts: its 35 steps a video make it the suite's longest test, so it draws half the
+held-out prompts (on these 10: colour, shape and motion 100%, 36% of the steps skipped, 2026-11-28)."""
+
+
 def test_tiny_cosmos_keeps_its_bars_with_fp8_and_the_step_cache():
     """--fp8 and --cache fbcache together (engines/fp8.py, engines/step_cache.py), at Cosmos-Predict2's 35 steps (at
     the registry's 8 the cache skips none): the same bars as every step in float32, and steps skipped."""
     steps = get_spec("cosmos-predict2-2b-video2world").steps
     computed: list[int] = []
-    videos = generate("tiny-cosmos", default_folder(get_spec("tiny-cosmos")), PROMPTS, fp8=True, cache="fbcache",
-                      computed=computed, steps=steps)
-    skipped = 1 - sum(computed) / (steps * len(PROMPTS))
+    videos = generate("tiny-cosmos", default_folder(get_spec("tiny-cosmos")), FP8_CACHE_PROMPTS, fp8=True,
+                      cache="fbcache", computed=computed, steps=steps)
+    skipped = 1 - sum(computed) / (steps * len(FP8_CACHE_PROMPTS))
     print(f"fp8 and step cache: {skipped:.0%} of the steps skipped")
     assert skipped >= 0.2, f"the step cache skipped only {skipped:.0%} of the steps"
-    _check_scores(videos)
+    _check_scores(videos, FP8_CACHE_PROMPTS)
 
 
 FIRST_FRAME_OFF_PALETTE = 0.008
