@@ -29,8 +29,7 @@ diffusers layout of q/k/v at the attention call, "BHSD" the layout of the SDPA k
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,8 +44,7 @@ from engines.collectives import (
     start_ring_shift,
 )
 from engines.mesh import ParallelMesh
-from engines.options import ATTENTION_PRECISIONS
-from engines.quantized_attention import quantized_attention_with_lse
+from engines.quantized_attention import precision_in_effect, quantized_attention_with_lse
 from engines.sharding import ShardLayout
 
 Runs = tuple[tuple[int, int], ...]
@@ -56,57 +54,6 @@ list) given `after`: the pending exchange that its projections are to follow (co
 or None when nothing travels yet."""
 ExtraKV = tuple[torch.Tensor, torch.Tensor] | None
 """Replicated keys and values (BSHD, with the K/V heads), placed before the sharded keys."""
-
-
-_precision = "full"
-"""The attention precision in effect (one of ATTENTION_PRECISIONS): set by attention_precision, read by the
-kernels' calls below (_attention, attention_with_lse) and by diffusers' native attention while it is set."""
-
-
-@contextmanager
-def attention_precision(precision: str) -> Iterator[None]:
-    """Within: every attention kernel call at `precision` ("full", "fp8" or "int8"; engines.quantized_attention):
-    each strategy's here, and diffusers' native attention, which serves a model whose plan splits no sequence
-    (one rank, --cfg-parallel or --tp alone). Under torch.compile the value is guarded on: a change recompiles."""
-    global _precision
-    if precision not in ATTENTION_PRECISIONS:
-        raise ValueError(f"unknown attention precision {precision!r}; choose one of {', '.join(ATTENTION_PRECISIONS)}")
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-
-    backends = _AttentionBackendRegistry._backends
-    native = backends[AttentionBackendName.NATIVE]
-    before = _precision
-    _precision = precision
-    if precision != "full":
-        backends[AttentionBackendName.NATIVE] = _quantized_native(native)
-    try:
-        yield
-    finally:
-        _precision = before
-        backends[AttentionBackendName.NATIVE] = native
-
-
-def precision_signature() -> str:
-    """What the attention precision in effect adds to an engine's input signature (engines.compile): nothing at
-    full precision, else its name, so that a CUDA graph captured at one precision is never replayed at another."""
-    return "" if _precision == "full" else f" attention={_precision}"
-
-
-def _quantized_native(native: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """diffusers' native attention backend (BSHD) with its plain calls (no mask, causality, dropout, scale, LSE or
-    diffusers' own context parallelism) at the precision in effect; the others as before."""
-
-    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-               return_lse: bool = False, _parallel_config: Any = None) -> torch.Tensor:
-        plain = attn_mask is None and not dropout_p and not is_causal and scale is None and not return_lse
-        if not plain or _parallel_config is not None or _precision == "full":
-            return native(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, _parallel_config=_parallel_config)
-        out = quantized_attention_with_lse(*(t.transpose(1, 2) for t in (query, key, value)), _precision)[0]
-        return out.transpose(1, 2)
-
-    return attend
 
 
 def split_attention(mesh: ParallelMesh) -> SplitAttention:
@@ -404,8 +351,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, ex
     K/V may have fewer heads than q (grouped-query attention)."""
     k = _real_keys(k, runs, None if extra is None else extra[0])
     v = _real_keys(v, runs, None if extra is None else extra[1])
-    if _precision != "full":
-        return quantized_attention_with_lse(q, k, v, _precision)[0]
+    precision = precision_in_effect()
+    if precision != "full":
+        return quantized_attention_with_lse(q, k, v, precision)[0]
     if k.shape[1] == q.shape[1]:
         return F.scaled_dot_product_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -418,10 +366,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     ran one FLUX ring-2 rank's attention in 0.27 ms where flash took 0.48; docs/bench/
     2026-11-22-h200x2-flux-ring-attention.json), flash (CPU; other CUDA fp16/bf16), memory-efficient
     (CUDA fp32); a plain float32 implementation elsewhere. With a quantized attention precision in effect
-    (attention_precision), engines.quantized_attention's.
+    (engines.quantized_attention.attention_precision), that module's.
     """
-    if _precision != "full":
-        return quantized_attention_with_lse(q, k, v, _precision)
+    precision = precision_in_effect()
+    if precision != "full":
+        return quantized_attention_with_lse(q, k, v, precision)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
         return out, lse.float()

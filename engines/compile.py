@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from engines.attention import precision_signature
+from engines.quantized_attention import precision_signature
 from engines.cache import EngineCache, input_signature
 from engines.options import EngineOptions
 

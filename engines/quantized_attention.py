@@ -27,7 +27,13 @@ The queries are processed in QUERY_CHUNK rows at a time: an N x N score matrix i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
+
+from engines.options import ATTENTION_PRECISIONS
 
 Q_BLOCK = 128
 """Tokens of Q sharing one quantization scale (SageAttention's BLKQ)."""
@@ -42,6 +48,62 @@ P_SCALE = FP8_MAX
 """fp8's P·V: P (in [0, 1]) is multiplied by this before rounding to e4m3."""
 SCALE_FLOOR = 1e-12
 """A block of zeros (padding) gets this maximum, not 0, so its scale divides nothing by zero."""
+
+
+_precision = "full"
+"""The attention precision in effect (one of ATTENTION_PRECISIONS): set by attention_precision, read by
+engines.attention's kernel calls (_attention, attention_with_lse) and by diffusers' native attention."""
+
+
+@contextmanager
+def attention_precision(precision: str) -> Iterator[None]:
+    """Within: every attention kernel call at `precision` ("full", "fp8" or "int8"): each strategy's
+    (engines.attention), and diffusers' native attention, which serves a model whose plan splits no sequence
+    (one rank, --cfg-parallel or --tp alone). Under torch.compile the value is guarded on: a change recompiles."""
+    global _precision
+    if precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"unknown attention precision {precision!r}; choose one of {', '.join(ATTENTION_PRECISIONS)}")
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    backends = _AttentionBackendRegistry._backends
+    native = backends[AttentionBackendName.NATIVE]
+    before = _precision
+    _precision = precision
+    if precision != "full":
+        backends[AttentionBackendName.NATIVE] = _quantized_native(native)
+    try:
+        yield
+    finally:
+        _precision = before
+        backends[AttentionBackendName.NATIVE] = native
+
+
+def precision_in_effect() -> str:
+    """The attention precision in effect: "full" outside attention_precision."""
+    return _precision
+
+
+def precision_signature() -> str:
+    """What the attention precision in effect adds to an engine's input signature (engines.compile): nothing at
+    full precision, else its name, so that a CUDA graph captured at one precision is never replayed at another."""
+    return "" if _precision == "full" else f" attention={_precision}"
+
+
+def _quantized_native(native: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """diffusers' native attention backend (BSHD) with its plain calls (no mask, causality, dropout, scale, LSE or
+    diffusers' own context parallelism) at the precision in effect; the others as before."""
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+               return_lse: bool = False, _parallel_config: Any = None) -> torch.Tensor:
+        plain = attn_mask is None and not dropout_p and not is_causal and scale is None and not return_lse
+        if not plain or _parallel_config is not None or _precision == "full":
+            return native(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                          scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, _parallel_config=_parallel_config)
+        out = quantized_attention_with_lse(*(t.transpose(1, 2) for t in (query, key, value)), _precision)[0]
+        return out.transpose(1, 2)
+
+    return attend
 
 
 def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

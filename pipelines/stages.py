@@ -138,7 +138,7 @@ class StagedPipeline:
         precision = self.attention_precision if request.quantized_attention else "full"
         if cache is None and precision == "full":
             return nullcontext()
-        from engines.attention import attention_precision
+        from engines.quantized_attention import attention_precision
         from engines.options import attention_precision_at
 
         stack = ExitStack()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.attention import attention_precision, attention_with_lse, merge_attention
-from engines.quantized_attention import QUERY_CHUNK, quantized_attention_with_lse
+from engines.attention import attention_with_lse, merge_attention
+from engines.quantized_attention import QUERY_CHUNK, attention_precision, quantized_attention_with_lse
 from tests.helpers import flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_flux
 
 BOUNDS = {"int8": (0.02, 0.015), "fp8": (0.08, 0.045)}
@@ -79,6 +79,17 @@ def test_precision_is_scoped() -> None:
     with pytest.raises(ValueError, match="unknown attention precision"):
         with attention_precision("int4"):
             pass
+
+
+def test_compiled_call_follows_precision() -> None:
+    """torch.compile guards on the precision in effect: a change recompiles, never replays the other's graph."""
+    q, k, v = _inputs(50)
+    compiled = torch.compile(lambda q, k, v: attention_with_lse(q, k, v)[0], backend="eager", fullgraph=True)
+    full = compiled(q, k, v)
+    with attention_precision("int8"):
+        quantized = compiled(q, k, v)
+    assert torch.equal(full, attention_with_lse(q, k, v)[0])
+    assert torch.equal(quantized, quantized_attention_with_lse(q, k, v, "int8")[0])
 
 
 # N ranks against one process, both at the same quantized precision, against the kernel's own error there
