@@ -138,3 +138,56 @@ def test_ranks_equal_one_process(tmp_path: Path) -> None:
         for r in results:
             assert r["own"] > 0, r  # the model's own attention was quantized too
             assert r["err"] <= r["own"], f"{r['precision']} {r['plan']} on rank {rank}: {r['err']:.3g} > {r['own']:.3g}"
+
+
+def test_first_and_last_steps_run_full_precision() -> None:
+    from engines.options import FULL_PRECISION_EDGE_STEPS, attention_precision_at
+
+    assert FULL_PRECISION_EDGE_STEPS == 1
+    assert [attention_precision_at("int8", i, 8) for i in range(8)] == ["full"] + ["int8"] * 6 + ["full"]
+    assert [attention_precision_at("full", i, 4) for i in range(4)] == ["full"] * 4
+
+
+def test_each_step_and_request_choose_the_precision() -> None:
+    """A pipeline's step context (StagedPipeline.cache_step) sets the step's precision; a request may ask for full."""
+    from engines.quantized_attention import precision_in_effect
+    from pipelines.registry import default_folder, get_spec
+    from pipelines.requests import RequestError, make_request, read_limits
+    from pipelines.stages import StagedPipeline
+
+    spec = get_spec("tiny-flux")
+    limits = read_limits(spec, default_folder(spec))
+    pipe = StagedPipeline()
+    pipe.attention_precision = "int8"
+    seen = {}
+    for choice in (True, False, "false"):
+        request = make_request(spec, limits, prompt="a red circle", steps=4, quantized_attention=choice)
+        steps = []
+        for index in range(4):
+            with pipe.cache_step(request, index, 4):
+                steps.append(precision_in_effect())
+        seen[choice] = steps
+        assert precision_in_effect() == "full"
+    assert seen == {True: ["full", "int8", "int8", "full"], False: ["full"] * 4, "false": ["full"] * 4}
+    assert "quantized_attention" not in make_request(spec, limits, prompt="a").to_dict()
+    assert make_request(spec, limits, prompt="a", quantized_attention=False).to_dict()["quantized_attention"] is False
+    with pytest.raises(RequestError, match="quantized_attention must be true or false"):
+        make_request(spec, limits, prompt="a", quantized_attention="sometimes")
+
+
+def test_run_option_and_cli() -> None:
+    from app.arguments import run_options
+    from app.cli import build_parser
+    from engines.options import RunOptions
+
+    assert RunOptions().attention_precision == "full"
+    with pytest.raises(ValueError, match="unknown --attention-precision 'int4'"):
+        RunOptions(attention_precision="int4")
+    for command in ("generate", "serve", "batch", "build"):
+        args = build_parser().parse_args([command, "--attention-precision", "int8", *_required(command)])
+        assert run_options(args).attention_precision == "int8", command
+
+
+def _required(command: str) -> list[str]:
+    """What `command` needs besides its options."""
+    return {"generate": ["--prompt", "a", "--out", "a.png"], "batch": ["prompts.txt", "--out", "out"]}.get(command, [])
