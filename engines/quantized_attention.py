@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from engines.options import ATTENTION_PRECISIONS
+from engines.quantized_attention_triton import int8_attention, int8_attention_available
 
 Q_BLOCK = 128
 """Tokens of Q sharing one quantization scale (SageAttention's BLKQ)."""
@@ -120,6 +121,10 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     mean = kf.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     kf = kf - mean
     correction = (qf @ mean.transpose(-1, -2)).squeeze(-1) * scale  # (B, H, Sq): the LSE's missing part
+    if precision == "int8" and int8_attention_available(q):
+        out, lse = int8_attention(*_int8_blocks(qf, Q_BLOCK), *_int8_blocks(kf, K_BLOCK), vf.half(),
+                                  Q_BLOCK, K_BLOCK)
+        return out.to(q.dtype), lse + correction
     if precision == "int8":
         v_values = vf.half().float()
     else:
@@ -141,6 +146,13 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         lses.append((row_max + torch.log(row_sum)).squeeze(-1))
     out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2) + correction
     return out.to(q.dtype), lse
+
+
+def _int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32, B H S D) as INT8 values (int8) and one scale per `block` tokens (B H blocks): the Triton
+    kernel's inputs (engines.quantized_attention_triton)."""
+    stored, scale = quantize_blocks(x, block, "int8")
+    return stored.to(torch.int8), scale[:, :, ::block, 0]
 
 
 def quantize_blocks(x: torch.Tensor, block: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
