@@ -222,6 +222,19 @@ def test_each_step_and_request_choose_the_precision() -> None:
         make_request(spec, limits, prompt="a", quantized_attention="sometimes")
 
 
+def test_a_batch_line_may_ask_for_full_precision(tmp_path: Path) -> None:
+    from app.prompt_files import PromptLine, read_prompt_file, request_fields
+    from pipelines.registry import default_folder, get_spec
+    from pipelines.requests import make_request, read_limits
+
+    spec = get_spec("tiny-flux")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a red circle", "quantized_attention": false}\n')
+    (line,) = read_prompt_file(tmp_path / "prompts.jsonl")
+    assert isinstance(line, PromptLine), line
+    request = make_request(spec, read_limits(spec, default_folder(spec)), **request_fields(line, {}, tmp_path))
+    assert request.quantized_attention is False
+
+
 def test_run_option_and_cli() -> None:
     from app.arguments import run_options
     from app.cli import build_parser
