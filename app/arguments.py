@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engines.options import (
+    ATTENTION_PRECISIONS,
     DEFAULT_RANK_TIMEOUT,
     DEFAULT_STRATEGY,
     DEFAULT_TRANSPORT,
@@ -114,6 +115,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              f"THRESHOLD (default {CACHES['fbcache']:g}) since the last computed step reuses the "
                              "other blocks' result; all ranks decide together, the first and last steps always "
                              "run (docs/faster.md)")
+    parser.add_argument("--attention-precision", default="full", choices=ATTENTION_PRECISIONS,
+                        help="faster, approximate: the transformer's attention kernels quantized, int8 (SageAttention's "
+                             "method: K smoothed by its mean, INT8 Q·Kᵀ, FP16 P·V) or fp8 (e4m3 Q, K, V), each with "
+                             "per-block scales, on every strategy; the first and last steps stay at full precision; a "
+                             "request may ask for full precision (quantized_attention false); default full "
+                             "(docs/faster.md)")
     parser.add_argument("--split-vae", default="auto", choices=SPLIT_VAE,
                         help="with several ranks, on: split the VAE decode over them (each decodes a band of rows, "
                              "rank 0 gathers them; the same image within one 8-bit level; every rank holds the VAE), "
@@ -168,7 +175,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         options = RunOptions(device=args.device, strategy=args.strategy, cfg_parallel=args.cfg_parallel,
                              all_to_all=args.all_to_all, backend=args.backend, engine_cache=args.engine_cache,
                              rank_timeout=args.rank_timeout, fp8=args.fp8, cache=args.cache, tp=args.tp or 1,
-                             split_vae=args.split_vae, loras=lora_files(args))
+                             split_vae=args.split_vae, loras=lora_files(args),
+                             attention_precision=args.attention_precision)
     except ValueError as error:
         raise OptionsError(str(error)) from None
     check_graphs_have_gpus(args.backend, args.device)

@@ -73,7 +73,8 @@ POLL_AFTER_MS = 500
 FIELD_BYTES = 1_000_000
 """Room for a request's fields besides its upload (a prompt is at most 4000 characters)."""
 
-OUR_FIELDS = {"seed", "steps", "guidance", "guidance_2", "negative_prompt", "step_cache", "lora"}
+OUR_FIELDS = {"seed", "steps", "guidance", "guidance_2", "negative_prompt", "step_cache", "quantized_attention",
+              "lora"}
 """This server's own request fields (the SDK's extra_body); lora: the model's --lora names used, with scales
 ({"style": 0.8} or "style:0.8,detail"), default none."""
 IMAGE_FIELDS = {"prompt", "model", "n", "size", "response_format", "output_format", "background", "stream"}
@@ -82,7 +83,8 @@ IMAGE_IGNORED = {"quality", "style", "moderation", "output_compression", "user",
 VIDEO_FIELDS = {"prompt", "model", "seconds", "size", "input_reference", "frames", "fps"}
 FIELD_PARAMS = {"n=": "n", "height": "size", "width": "size", "negative prompt": "negative_prompt", "frames": "frames",
                 "fps": "fps", "steps": "steps", "guidance_2": "guidance_2", "guidance": "guidance", "seed": "seed",
-                "prompt": "prompt", "step_cache": "step_cache", "input file": "image", "reference image": "image",
+                "prompt": "prompt", "step_cache": "step_cache",
+                "quantized_attention": "quantized_attention", "input file": "image", "reference image": "image",
                 "input image": "image", "input video": "image", "model": "image", "lora": "lora", "LoRA": "lora"}
 """The first words of make_request's problems -> the API field each names (the input: 'image' or
 'input_reference', set per endpoint)."""

@@ -22,7 +22,7 @@ from pipelines.requests import RequestError
 
 SUFFIXES = (".txt", ".jsonl", ".csv")
 FIELDS = ("prompt", "negative_prompt", "seed", "size", "width", "height", "steps", "guidance", "guidance_2", "frames",
-          "fps", "input", "name", "step_cache", "lora")
+          "fps", "input", "name", "step_cache", "quantized_attention", "lora")
 MAX_NAME_CHARS = 100
 PROMPT_NAME_CHARS = 40
 """The most characters of its prompt's words in an unnamed line's output file name."""

@@ -380,6 +380,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             else:
                 wrap_one_rank(pipes, ctx)
             engine_label = build_engines(pipes, ctx, options)
+            for pipeline in pipes:
+                pipeline.attention_precision = options.attention_precision
             if options.cache is not None:
                 install_step_caches(pipes, ctx, options)
             service = LockstepService(ctx, served_pipelines, stop=stop, rank_timeout=options.rank_timeout,
@@ -389,7 +391,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         if options.cache is not None:
             engine_label += f", cache {options.step_cache.label}"
         backend = f"{'nccl' if world.device.type == 'cuda' else 'gloo'}, " if world.is_distributed else ""
-        precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "")
+        precision = str(dtype).removeprefix("torch.") + (" + fp8" if options.fp8 else "") + (
+            f" + {options.attention_precision} attention" if options.attention_precision != "full" else "")
         backend += f"{world.device.type}, {precision}, {engine_label}" + (
             f", split VAE ({', '.join(split_media)})" if split_media else "")
 

@@ -44,6 +44,7 @@ from engines.collectives import (
     start_ring_shift,
 )
 from engines.mesh import ParallelMesh
+from engines.quantized_attention import precision_in_effect, quantized_attention_with_lse
 from engines.sharding import ShardLayout
 
 Runs = tuple[tuple[int, int], ...]
@@ -350,6 +351,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, ex
     K/V may have fewer heads than q (grouped-query attention)."""
     k = _real_keys(k, runs, None if extra is None else extra[0])
     v = _real_keys(v, runs, None if extra is None else extra[1])
+    precision = precision_in_effect()
+    if precision != "full":
+        return quantized_attention_with_lse(q, k, v, precision)[0]
     if k.shape[1] == q.shape[1]:
         return F.scaled_dot_product_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -361,8 +365,12 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     Uses the SDPA kernels that return the LSE: cuDNN (CUDA fp16/bf16, head dim <= 128: on H200 it
     ran one FLUX ring-2 rank's attention in 0.27 ms where flash took 0.48; docs/bench/
     2026-11-22-h200x2-flux-ring-attention.json), flash (CPU; other CUDA fp16/bf16), memory-efficient
-    (CUDA fp32); a plain float32 implementation elsewhere.
+    (CUDA fp32); a plain float32 implementation elsewhere. With a quantized attention precision in effect
+    (engines.quantized_attention.attention_precision), that module's.
     """
+    precision = precision_in_effect()
+    if precision != "full":
+        return quantized_attention_with_lse(q, k, v, precision)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
         return out, lse.float()

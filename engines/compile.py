@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from engines.quantized_attention import precision_signature
 from engines.cache import EngineCache, input_signature
 from engines.options import EngineOptions
 
@@ -178,7 +179,7 @@ class Engine:
         return self.module.device
 
     def __call__(self, **kwargs: Any) -> Any:
-        signature = input_signature(kwargs)
+        signature = input_signature(kwargs) + precision_signature()
         if signature not in self.builds:
             return self._build(signature, kwargs)
         with torch.no_grad():

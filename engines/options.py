@@ -222,6 +222,25 @@ class CacheOptions:
             raise
 
 
+ATTENTION_PRECISIONS = ("full", "fp8", "int8")
+"""--attention-precision choices (engines/quantized_attention.py): full = the run's dtype; int8 = SageAttention's
+method (K smoothed by its mean, INT8 Q·Kᵀ with per-block scales, FP16 P·V); fp8 = e4m3 Q, K, V with per-block
+scales (K smoothed too)."""
+
+FULL_PRECISION_EDGE_STEPS = 1
+"""With a quantized attention precision, the first and the last this many denoising steps still run full
+precision: the first steps lay out the whole image from noise, the last ones set its finest detail, and xDiT
+warns that FP8 attention alone can leave artifacts there (it keeps those steps in higher precision). One each
+keeps 26 of a 28-step run's steps quantized, 6 of an 8-step one's."""
+
+
+def attention_precision_at(precision: str, index: int, total: int) -> str:
+    """The attention precision of denoising step `index` of `total` in a run of `precision`: full precision on
+    the first and last FULL_PRECISION_EDGE_STEPS steps, `precision` on the others."""
+    edge = index < FULL_PRECISION_EDGE_STEPS or index >= total - FULL_PRECISION_EDGE_STEPS
+    return "full" if edge else precision
+
+
 SPLIT_VAE = ("auto", "on", "off")
 """--split-vae choices (RunOptions.split_vae)."""
 
@@ -332,8 +351,15 @@ class RunOptions:
     the VAE and runs it. "auto": "on" for video models, "off" for image models (splits_vae)."""
     loras: tuple[LoraFile, ...] = ()
     """LoRA files every transformer carries (engines/lora.py), chosen and weighted per request."""
+    attention_precision: str = "full"
+    """One of ATTENTION_PRECISIONS: the transformer's attention kernels at full precision, or quantized ("fp8",
+    "int8": faster on GPUs, approximate) on every step but the first and last FULL_PRECISION_EDGE_STEPS; a
+    request may ask for full precision (GenerationRequest.quantized_attention)."""
 
     def __post_init__(self) -> None:
+        if self.attention_precision not in ATTENTION_PRECISIONS:
+            raise ValueError(f"unknown --attention-precision {self.attention_precision!r}; choose one of "
+                             f"{', '.join(ATTENTION_PRECISIONS)}")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ValueError(f"--tp must be a positive integer, got {self.tp!r}")
         if self.split_vae not in SPLIT_VAE:

@@ -103,12 +103,18 @@ class GenerationRequest:
     step. No effect without one."""
     lora: tuple[tuple[str, float], ...] = ()
     """The run's loaded LoRAs this request uses and their scales (engines/lora.py); () none."""
+    quantized_attention: bool = True
+    """In a run with a quantized attention precision (--attention-precision fp8 or int8): use it (faster,
+    approximate); False runs every step's attention at full precision. No effect without one."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields (settings, metadata, manifests); guidance_2 only where a model has a second expert."""
+        """The fields (settings, metadata, manifests); guidance_2 only where a model has a second expert,
+        quantized_attention only where the request turned it off."""
         fields = asdict(self)
         if fields["guidance_2"] is None:
             del fields["guidance_2"]
+        if fields["quantized_attention"]:
+            del fields["quantized_attention"]
         return fields
 
     def with_seed(self, seed: int) -> GenerationRequest:
@@ -339,6 +345,15 @@ class _Problems:
             return None
 
 
+def _as_switch(problems: _Problems, name: str, value: Any) -> bool:
+    """A request's true/false field (`value`; "true"/"false" from CSV prompt files), or its problem noted."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        problems.messages.append(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def visible(text: str) -> str:
     """`text` without white space and without control, format (zero-width) and other invisible characters
     (Unicode categories C*): what is left is what a person can see."""
@@ -514,11 +529,8 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
                             "1 for an image model" if spec.media == "image" else _frames_allowed(limits))
     fps = problems.check(_as_int, "fps", given.get("fps", spec.fps), "1 to 240")
     condition = given.get("condition")
-    step_cache = given.get("step_cache", True)
-    if isinstance(step_cache, str) and step_cache.strip().lower() in ("true", "false"):  # CSV prompt files
-        step_cache = step_cache.strip().lower() == "true"
-    if not isinstance(step_cache, bool):
-        problems.messages.append(f"step_cache must be true or false, got {step_cache!r}")
+    step_cache = _as_switch(problems, "step_cache", given.get("step_cache", True))
+    quantized_attention = _as_switch(problems, "quantized_attention", given.get("quantized_attention", True))
     if spec.media == "image":
         if frames is not None and frames != 1:
             problems.messages.append(f"model '{spec.name}' makes images; frames must be 1, got {frames}")
@@ -551,5 +563,5 @@ def make_request(spec: ModelSpec, limits: MediaLimits, **fields: Any) -> Generat
     return GenerationRequest(
         prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, steps=steps,
         guidance=guidance, guidance_2=guidance_2, seed=seed, frames=frames, fps=fps, condition=condition,
-        step_cache=step_cache, lora=lora,
+        step_cache=step_cache, lora=lora, quantized_attention=quantized_attention,
     )

@@ -13,7 +13,7 @@ that a repeated prompt is not encoded again.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Hashable, TypeVar
 
@@ -46,6 +46,8 @@ class StagedPipeline:
     """Rank 0's recent text encodings (use_prompt_cache), or None: every request encodes its prompt."""
     loras: list[Any] = []
     """The LoRAs each transformer carries (engines.lora.LoraSet, use_loras; in transformer_names' order), or none."""
+    attention_precision: str = "full"
+    """The run's --attention-precision (engines.options.ATTENTION_PRECISIONS), applied by cache_step per step."""
 
     def _hold(self, *, spec: ModelSpec, folder: Path, transformer: Any, scheduler: Any, vae: Any, device: Any) -> None:
         """Keep what every pipeline keeps of its parts (a family's __init__ calls it first): the spec and folder,
@@ -129,11 +131,21 @@ class StagedPipeline:
     def cache_step(self, request: GenerationRequest, index: int, total: int,
                    name: str = "transformer") -> AbstractContextManager:
         """Around denoising step `index` of `total` of transformer `name` (its own count: an expert's steps are its
-        share of the loop): the step cache's step, if there is one."""
+        share of the loop): the step cache's step, if there is one, and the step's attention precision
+        (engines.options.attention_precision_at: the run's, full on the first and last steps or where the
+        request asks for full precision)."""
         cache = self.step_caches.get(name)
-        if cache is None:
+        precision = self.attention_precision if request.quantized_attention else "full"
+        if cache is None and precision == "full":
             return nullcontext()
-        return cache.step(index, total, skip=request.step_cache)
+        from engines.quantized_attention import attention_precision
+        from engines.options import attention_precision_at
+
+        stack = ExitStack()
+        stack.enter_context(attention_precision(attention_precision_at(precision, index, total)))
+        if cache is not None:
+            stack.enter_context(cache.step(index, total, skip=request.step_cache))
+        return stack
 
     def predict_guided(self, calls: list[dict[str, Any]]) -> list[Any]:
         """The model's `sample` for each call of one step's guidance (keyword arguments of the transformer,

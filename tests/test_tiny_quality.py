@@ -53,6 +53,21 @@ def test_tiny_flux_keeps_its_scores_with_fp8(one_process_images):
         f"fp8: colour {fp8_colour:.0%} shape {fp8_shape:.0%}; float32: colour {colour:.0%} shape {shape:.0%}\n{table}")
 
 
+QUANTIZED_PROMPTS = PROMPTS[:6]
+"""--attention-precision int8 draws these; each image within MAX_MEAN_LEVELS of the full-precision one's."""
+MAX_MEAN_LEVELS = 3.0
+
+
+def test_tiny_flux_int8_attention_draws_what_full_precision_draws(one_process_images):
+    """--attention-precision int8 (engines/quantized_attention.py; first and last steps full): each image's mean
+    difference from the float32 one within 3 levels of 255."""
+    images = generate("tiny-flux", default_folder(get_spec("tiny-flux")), QUANTIZED_PROMPTS,
+                      attention_precision="int8")
+    levels = [np.abs(got.astype(float) - want.astype(float)).mean() for got, want in zip(images, one_process_images)]
+    assert max(levels) > 0, "int8 attention changed no pixel: it did not run"
+    assert max(levels) <= MAX_MEAN_LEVELS, f"mean levels off per image: {levels}"
+
+
 @pytest.fixture(scope="module")
 def every_step_28() -> tuple[float, float]:
     """The held-out colour and shape scores at FLUX.1-dev's 28 steps, every step computed (float32)."""

@@ -32,7 +32,8 @@ class Scores:
 def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device: str = "cpu",
              fp8: bool = False, cache: str | None = None, steps: int | None = None,
              computed: list[int] | None = None, loras: tuple = (),
-             lora: tuple[tuple[str, float], ...] | None = None) -> list[np.ndarray]:
+             lora: tuple[tuple[str, float], ...] | None = None,
+             attention_precision: str = "full") -> list[np.ndarray]:
     """What model `name` (a registry name) in `folder` makes for each of `prompts` (the prompt text first
     in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3].
 
@@ -44,9 +45,12 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
         loras: LoRA files (engines.options.LoraFile) loaded as `--lora NAME=PATH[:SCALE]` loads them
             (StagedPipeline.use_loras, engines/lora.py); `lora`: the (name, scale) pairs every request chooses
             (GenerationRequest.lora; None: every loaded one at its file's scale, as a request that names none).
+        attention_precision: as `--attention-precision` runs it (engines/quantized_attention.py; the first and
+            last steps at full precision).
     """
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
+    pipe.attention_precision = attention_precision
     if fp8:
         from engines.fp8 import quantize_fp8
 
