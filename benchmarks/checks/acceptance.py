@@ -488,11 +488,11 @@ def two_hosts(run: Run, model_args: list[str], out: Path, reference: Path) -> No
     before_temp, before_gpu = temp_entries(), gpu_memory_mib()
     endpoint = f"127.0.0.1:{free_port()}"
     out.unlink(missing_ok=True)
-    hosts = []
+    hosts, gpus = [], _visible_gpus()
     for node in range(2):
         argv = run.app("launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
                        "generate", *model_args, "--out", str(out), "--engine-cache", str(run.cache))
-        env = {**run.env, "CUDA_VISIBLE_DEVICES": _visible_gpus()[node]} if _visible_gpus() else run.env
+        env = {**run.env, "CUDA_VISIBLE_DEVICES": gpus[node]} if gpus else run.env
         row.command = " ".join(argv[2:])
         hosts.append(Command(argv, run.logs / f"{row.name}-host{node}.log", env=env))
     try:
