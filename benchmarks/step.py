@@ -15,6 +15,7 @@ for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled
     python -m benchmarks.step --model flux-dev                    # 1 GPU only
     torchrun --nproc-per-node 1 -m benchmarks.step --strategies "" --peers xdit   # xDiT on 1 GPU
     torchrun --nproc-per-node 2 -m benchmarks.step --no-diffusers --lora-rank 64 --fp8 parallel --out lora.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --no-diffusers --attention-precision int8 --fp8 --out qattn.json
     torchrun --nproc-per-node 2 -m benchmarks.step --tiny         # CPU, gloo, tiny configs
 
 Weights are random bf16 (no download); timings are of the forward only: CUDA events around
@@ -30,6 +31,10 @@ LoRA: "unfused" as the app runs one (engines/lora.py: a diffusers/PEFT file read
 with the seconds LoraSet.select takes to switch it on and off (switch_s, switch_off_s); then "fused", merged into
 the weights (merge_lora_terms), with the seconds one merge and one unmerge of the whole transformer take (merge_s,
 unmerge_s). Every row names its LoRA mode ("lora": none, unfused or fused) and rank.
+
+--attention-precision int8|fp8 (measure_attention_precision): the same 1 GPU and plans with every attention quantized
+(engines/quantized_attention.py), after the bf16 rows and again after the FP8 ones; each row carries its output's
+relative error against full precision on the same weights (rel_error_attention).
 
 --tp N (measure_tp): after every other row, each block's weights split over N ranks, for the plans of N (the one
 tp plan on N ranks), every backend; with --fp8, then the same rows with the split linears made FP8 in place, modes
@@ -396,12 +401,20 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # xDiT's process groups) and are the likeliest to fail.
     for name in args.peers if bf16 else []:
         measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
+    # 4b. --attention-precision: the same weights with quantized attention (engines/quantized_attention.py), 1 GPU
+    # and each plan of step 2, every backend; each row carries the relative error of its eager output (1 GPU)
+    if args.attention_precision and bf16:
+        measure_attention_precision(spec, model, shapes, inputs, backends, ctx, record, args.attention_precision,
+                                    modes=modes, adapter=adapter)
     # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU (unless
     # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
-    # eager output against the bf16 eager one.
+    # eager output against the bf16 eager one. With --attention-precision, then the same with quantized attention.
     if args.fp8:
         measure_fp8(spec, model, shapes, inputs, backends, ctx, record, unfused=args.fp8_unfused,
                     single=args.fp8 == "all", modes=modes, adapter=adapter, linear=args.fp8_linear)
+        if args.attention_precision:
+            measure_attention_precision(spec, model, shapes, inputs, backends, ctx, record, args.attention_precision,
+                                        modes=modes, adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
         if args.lora_rank:  # the LoRA on the FP8 model, as the app attaches it (after quantizing)
             measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
                          adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
@@ -534,6 +547,33 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
         gc.collect()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def measure_attention_precision(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape],
+                                inputs: dict[str, dict[str, Any]], backends: list[EngineOptions], ctx: ParallelContext,
+                                record: Callable[..., None], precision: str, *, modes: list[tuple[ParallelPlan, str]],
+                                adapter: Any, single: bool = True, suffix: str = "") -> None:
+    """Rows of `model` as it is (bf16, or FP8 linears: `suffix`) with every attention at `precision` (engines.
+    quantized_attention.attention_precision, as the app's steps between the first and last run it), modes
+    "...{suffix} attention {precision}"; each carries the relative error of one eager 1-GPU call's output against
+    the same model's at full precision (rel_error_attention)."""
+    from engines.quantized_attention import attention_precision
+
+    errors: dict[str, float] = {}
+    if ctx.is_main:
+        one_gpu = single_process_forward(spec, model, ctx.device)
+        for s in shapes:
+            full = first_output(one_gpu, inputs[s.label]).float()
+            with attention_precision(precision):
+                out = first_output(one_gpu, inputs[s.label]).float()
+            errors[s.label] = float((out - full).norm() / full.norm())
+        one_gpu.restore()
+    with attention_precision(precision):
+        one_gpu = single_process_forward(spec, model, ctx.device) if ctx.is_main and single else None
+        record_everywhere(model, shapes, backends, ctx, record, mode=f"{suffix} attention {precision}",
+                          one_gpu=one_gpu, single=single, modes=modes, adapter=adapter,
+                          extra={s.label: {"attention": precision, "rel_error_attention": errors.get(s.label)}
+                                 for s in shapes})
 
 
 def build_split(spec: BenchModel, *, tp: int, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0
@@ -876,6 +916,10 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
     p.add_argument("--cached-step", action="store_true",
                    help="after the 1-GPU rows and after each plan's, time them again on a step that a step cache "
                         "skips (--cache: engines/step_cache.py), with each backend that keeps the block loop in Python")
+    p.add_argument("--attention-precision", default=None, choices=("int8", "fp8"),
+                   help="after the bf16 rows (and after the FP8 ones, with --fp8), the same 1 GPU and plans with "
+                        "every attention at this precision (engines/quantized_attention.py), modes \"... attention "
+                        "int8\", each with its output's relative error against full precision")
     p.add_argument("--tp", type=int, default=1,
                    help="after every other row, split each block's weights over this many ranks (tensor "
                         "parallelism, engines/tensor_parallel.py; the rest of the ranks split the sequence by "

@@ -98,9 +98,10 @@ def fp8_linear_names(model: nn.Module, repeated_blocks: Iterable[str]) -> list[s
 
 def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
     """Fuse the q/k/v projections of every attention in the repeated blocks that supports it (diffusers'
-    fuse_projections: to_qkv, and to_added_qkv for the text stream) and drop the separate ones, which
-    nothing calls once fused and which would hold a second copy of the weights (so this is not undone);
-    returns how many attentions were fused."""
+    fuse_projections: to_qkv, and to_added_qkv for the text stream; a cross-attention's to_kv and to_added_kv,
+    its query projection kept, Wan's) and drop the separate ones a fused projection replaces, which nothing calls
+    once fused and which would hold a second copy of the weights (so this is not undone); returns how many
+    attentions were fused."""
     from diffusers.models.attention import AttentionModuleMixin
 
     prefixes = tuple(f"{name}." for name in repeated_blocks)
@@ -109,10 +110,18 @@ def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[st
                   and module._supports_qkv_fusion and not module.fused_projections]
     for attn in attentions:
         attn.fuse_projections()
-        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-            if getattr(attn, name, None) is not None:
-                delattr(attn, name)
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if getattr(attn, fused, None) is not None:
+                for name in parts:
+                    if getattr(attn, name, None) is not None:
+                        delattr(attn, name)
     return len(attentions)
+
+
+FUSED_PROJECTIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+                     "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+                     "to_added_kv": ("add_k_proj", "add_v_proj")}
+"""A fused projection of diffusers' fuse_projections -> the separate ones it replaces."""
 
 
 FP8_LINEARS = ("scaled-mm", "torchao")

@@ -15,6 +15,11 @@ in float32), so that ring attention merges partial results of it unchanged (merg
   subtracted every P is in [0, 1]; SageAttention2 scales P so). Smoothing is the measured choice: on random
   q, k, v with a K offset of 3 standard deviations (S 300, D 64), unsmoothed FP8 was 9.4% off (relative norm)
   with LSE errors up to 0.29, smoothed 5.1% and 0.027.
+  On Hopper GPUs with FlashAttention-3's forward installed (the registry's fa3-fwd build, `pip install
+  fa3-fwd`), its FP8 kernel runs it instead: the same smoothing, one scale per batch and head (its descales'
+  granularity), P·V in FP8 inside the kernel. Measured on one H200 (docs/faster.md): 5.3-5.5% off on such
+  inputs at FLUX's and Wan's shapes, as this reference is, and 1.57x bf16 attention at Wan 2.1 14B's 75,600
+  tokens (compiled, quantization included); at FLUX's 4,608, 0.57x.
 
 Q·Kᵀ of INT8 values is computed in float32 here: each product is at most 127² and a head of D <= 1040
 sums to less than 2²⁴, so every partial sum is an integer float32 holds exactly: the same numbers as an
@@ -27,6 +32,7 @@ The queries are processed in QUERY_CHUNK rows at a time: an N x N score matrix i
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,10 +42,15 @@ import torch
 from engines.options import ATTENTION_PRECISIONS
 from engines.quantized_attention_triton import int8_attention, int8_attention_available
 
+FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
+"""Head dims FlashAttention-3's FP8 forward is built for (fa3-fwd)."""
+
 Q_BLOCK = 128
 """Tokens of Q sharing one quantization scale (SageAttention's BLKQ)."""
 K_BLOCK = 64
 """Tokens of K (and of V, fp8) sharing one quantization scale (SageAttention's BLKK)."""
+PV_FP8 = False
+"""int8 on GPUs: P·V in FP8 with one scale per channel of V (SageAttention2's), else in FP16 (SageAttention's)."""
 QUERY_CHUNK = 1024
 """Query rows whose scores are held at once (a multiple of Q_BLOCK, so chunks do not split a scale's block)."""
 INT8_MAX = 127.0
@@ -54,6 +65,9 @@ SCALE_FLOOR = 1e-12
 _precision = "full"
 """The attention precision in effect (one of ATTENTION_PRECISIONS): set by attention_precision, read by
 engines.attention's kernel calls (_attention, attention_with_lse) and by diffusers' native attention."""
+_fa3_forward: Callable[..., Any] | None = None
+"""FlashAttention-3's forward op where it runs here (fa3-fwd installed, the current GPU a Hopper one): found by
+attention_precision, outside any compiled code, so that a traced call reads a plain value."""
 
 
 @contextmanager
@@ -61,22 +75,38 @@ def attention_precision(precision: str) -> Iterator[None]:
     """Within: every attention kernel call at `precision` ("full", "fp8" or "int8"): each strategy's
     (engines.attention), and diffusers' native attention, which serves a model whose plan splits no sequence
     (one rank, --cfg-parallel or --tp alone). Under torch.compile the value is guarded on: a change recompiles."""
-    global _precision
+    global _precision, _fa3_forward
     if precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"unknown attention precision {precision!r}; choose one of {', '.join(ATTENTION_PRECISIONS)}")
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-
-    backends = _AttentionBackendRegistry._backends
-    native = backends[AttentionBackendName.NATIVE]
+    if precision == "fp8" and _fa3_forward is None:
+        _fa3_forward = fa3_forward()
+    # diffusers' dispatcher, where a model was made with it (a model's module imports it)
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    backends = dispatch._AttentionBackendRegistry._backends if dispatch is not None else {}
+    name = dispatch.AttentionBackendName.NATIVE if dispatch is not None else None
+    native = backends.get(name)
     before = _precision
     _precision = precision
-    if precision != "full":
-        backends[AttentionBackendName.NATIVE] = _quantized_native(native)
+    if precision != "full" and native is not None:
+        backends[name] = _quantized_native(native)
     try:
         yield
     finally:
         _precision = before
-        backends[AttentionBackendName.NATIVE] = native
+        if native is not None:
+            backends[name] = native
+
+
+def fa3_forward() -> Callable[..., Any] | None:
+    """FlashAttention-3's forward op (fa3-fwd's `_flash_attn_forward`) if it is installed and the current CUDA
+    device is a Hopper GPU (compute capability 9.0, the only one it is built for); else None."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    try:
+        from fa3_fwd_interface import _flash_attn_forward
+    except ImportError:
+        return None
+    return _flash_attn_forward
 
 
 def precision_in_effect() -> str:
@@ -121,10 +151,17 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     mean = kf.mean(dim=2, keepdim=True)  # (B, H, 1, D)
     kf = kf - mean
     correction = (qf @ mean.transpose(-1, -2)).squeeze(-1) * scale  # (B, H, Sq): the LSE's missing part
+    if precision == "fp8" and _fa3_forward is not None and q.is_cuda and q.shape[-1] in FA3_HEAD_DIMS:
+        return _fa3_fp8(_fa3_forward, qf, kf, vf, correction, q.dtype)
     if precision == "int8" and int8_attention_available(q):
-        out, lse = int8_attention(*_int8_blocks(qf, Q_BLOCK), *_int8_blocks(kf, K_BLOCK), vf.half(),
-                                  Q_BLOCK, K_BLOCK)
-        return out.to(q.dtype), lse + correction
+        if PV_FP8:
+            v_scale = vf.abs().amax(dim=2).clamp_min(SCALE_FLOOR) / FP8_MAX  # (B, H, D)
+            v_in = (vf / v_scale[:, :, None]).to(torch.float8_e4m3fn)
+        else:
+            v_scale, v_in = None, v.half()
+        out, lse = int8_attention(*_int8_blocks(qf, Q_BLOCK), *_int8_blocks(kf, K_BLOCK), v_in,
+                                  Q_BLOCK, K_BLOCK, q.dtype, v_scale)
+        return out, lse + correction
     if precision == "int8":
         v_values = vf.half().float()
     else:
@@ -148,11 +185,28 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out.to(q.dtype), lse
 
 
+def _fa3_fp8(forward: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, correction: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-3's FP8 forward of float32 BHSD q, smoothed k and v, each in e4m3 with one scale per batch and
+    head (its descales); output in `dtype` (it writes bf16) and the LSE with the smoothing's `correction` added."""
+    stored, descales = [], []
+    for x in (q, k, v):
+        top = x.abs().amax(dim=(2, 3)).clamp_min(SCALE_FLOOR) / FP8_MAX  # (B, H)
+        stored.append((x / top[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2))  # BSHD, as it takes
+        descales.append(top)
+    out, lse = forward(*stored, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])[:2]
+    return out.transpose(1, 2).to(dtype), lse + correction
+
+
 def _int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (float32, B H S D) as INT8 values (int8) and one scale per `block` tokens (B H blocks): the Triton
-    kernel's inputs (engines.quantized_attention_triton)."""
-    stored, scale = quantize_blocks(x, block, "int8")
-    return stored.to(torch.int8), scale[:, :, ::block, 0]
+    kernel's inputs (engines.quantized_attention_triton); the values and scales of quantize_blocks."""
+    B, H, S, D = x.shape
+    blocks = -(-S // block)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, blocks * block - S)).reshape(B, H, blocks, block * D)
+    scale = padded.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) / INT8_MAX
+    stored = (padded / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return stored.reshape(B, H, blocks * block, D)[:, :, :S], scale[..., 0]
 
 
 def quantize_blocks(x: torch.Tensor, block: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,7 @@ import json, os, sys
 import torch
 from engines.attention import attention_with_lse
 from engines.quantized_attention import quantized_attention_with_lse
+import engines.quantized_attention_triton as kernel
 from engines.quantized_attention_triton import int8_attention_available
 results = []
 for tokens, kv_tokens, head_dim in ((77, 77, 64), (300, 130, 32)):
@@ -86,10 +87,10 @@ for tokens, kv_tokens, head_dim in ((77, 77, 64), (300, 130, 32)):
     k = torch.randn(1, 2, kv_tokens, head_dim) + 3 * torch.randn(1, 2, 1, head_dim)
     interpreted = int8_attention_available(q)
     out, lse = quantized_attention_with_lse(q, k, v, "int8")
-    os.environ["TRITON_INTERPRET"] = "0"  # CPU tensors then take the reference
+    kernel.INTERPRETED = False  # CPU tensors then take the reference
     reference, reference_lse = quantized_attention_with_lse(q, k, v, "int8")
     float_out, float_lse = attention_with_lse(q, k, v)
-    os.environ["TRITON_INTERPRET"] = "1"
+    kernel.INTERPRETED = True
     results.append(dict(interpreted=interpreted, out=(out - reference).abs().max().item(),
                         lse=(lse - reference_lse).abs().max().item(),
                         error=((out - float_out).norm() / float_out.norm()).item(),
@@ -115,6 +116,28 @@ def test_triton_kernel_equals_the_reference() -> None:
         assert r["interpreted"], r
         assert r["out"] <= 1e-3 and r["lse"] <= 1e-5, r
         assert r["error"] <= BOUNDS["int8"][0] and r["lse_error"] <= BOUNDS["int8"][1], r
+
+
+def test_flashattention3_fp8_call() -> None:
+    """The FlashAttention-3 FP8 path's own work (engines.quantized_attention._fa3_fp8: smoothing, a scale per batch
+    and head, BSHD e4m3 inputs with their descales, the output's layout and the LSE's correction), through a
+    stand-in for its CUDA kernel that computes exactly what the kernel's contract says (attention of the descaled
+    e4m3 values, bf16 output, natural-log LSE): within fp8's bounds of float attention."""
+    import engines.quantized_attention as quantized
+
+    def kernel(q, k, v, *, q_descale, k_descale, v_descale):  # BSHD e4m3; descales (B, H)
+        values = [t.float().transpose(1, 2) * s[:, :, None, None] for t, s in ((q, q_descale), (k, k_descale),
+                                                                               (v, v_descale))]
+        out, lse = attention_with_lse(*values)
+        return out.transpose(1, 2).bfloat16(), lse, None, None
+
+    q, k, v = _inputs(300, kv_tokens=200)
+    ref, ref_lse = attention_with_lse(q, k, v)
+    correction = (q @ k.mean(2, keepdim=True).transpose(-1, -2)).squeeze(-1) * 64 ** -0.5
+    out, lse = quantized._fa3_fp8(kernel, q, k - k.mean(2, keepdim=True), v, correction, torch.float32)
+    error, lse_error = _errors(out, lse, ref, ref_lse)
+    assert out.dtype == torch.float32 and error <= BOUNDS["fp8"][0] and lse_error <= BOUNDS["fp8"][1], (error, lse_error)
+    assert error > 1e-3
 
 
 def test_precision_is_scoped() -> None:

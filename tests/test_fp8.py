@@ -145,6 +145,30 @@ def test_flux2_double_stream_projections_are_fused() -> None:
     assert _quantizations_per_block(fused, kwargs, compiled=False) == [8, 2]
 
 
+def test_wan_cross_attention_keeps_its_query_projection() -> None:
+    """Wan's cross-attention fuses K and V alone (to_kv): its query projection stays, and the fused model gives the
+    unfused one's output; its self-attention fuses all three (to_qkv)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from engines.fp8 import fuse_shared_input_projections
+    from tests.helpers import randomize
+    from tests.test_engines_generic import WAN_TINY, wan_inputs
+
+    torch.manual_seed(0)
+    unfused = randomize(WanTransformer3DModel(**WAN_TINY))
+    fused = randomize(WanTransformer3DModel(**WAN_TINY))
+    fused.load_state_dict(unfused.state_dict())
+    assert fuse_shared_input_projections(fused, ("blocks",)) == 2 * len(fused.blocks)
+    cross, self_attention = fused.blocks[0].attn2, fused.blocks[0].attn1
+    assert hasattr(cross, "to_q") and hasattr(cross, "to_kv") and not hasattr(cross, "to_k")
+    assert hasattr(self_attention, "to_qkv") and not hasattr(self_attention, "to_q")
+    kwargs = wan_inputs(False)
+    with torch.no_grad():
+        expected, got = unfused(**kwargs)[0], fused(**kwargs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def _request(name: str = "tiny-flux"):
     spec, path = resolve_model(name, None)
     return spec, path, make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=3, steps=3, height=64,
