@@ -79,7 +79,7 @@ def _kernel():
         q = tl.load(q_ptr + q_base + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < Sq, other=0)
         q_scale = tl.load(q_scale_ptr + head * q_blocks + block) * sm_scale
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_M,), tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         kv_base = head * Sk * HEAD_DIM
         for start in range(0, Sk, BLOCK_N):
@@ -92,13 +92,13 @@ def _kernel():
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
+            row_sum = row_sum * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_base + cols[:, None] * HEAD_DIM + dims[None, :], mask=inside[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
             m = m_new
-        out = acc / l[:, None]
+        out = acc / row_sum[:, None]
         tl.store(out_ptr + q_base + rows[:, None] * HEAD_DIM + dims[None, :], out, mask=rows[:, None] < Sq)
-        tl.store(lse_ptr + head * Sq + rows, m + tl.log(l), mask=rows < Sq)
+        tl.store(lse_ptr + head * Sq + rows, m + tl.log(row_sum), mask=rows < Sq)
 
     _compiled = int8_attention_kernel
     return _compiled
