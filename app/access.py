@@ -29,9 +29,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 AUTH_ENV = "ULYSSES_STUDIO_AUTH"
 FREE_FAILURES = 5

@@ -26,8 +26,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette

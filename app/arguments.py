@@ -8,11 +8,11 @@ from pathlib import Path
 
 from engines.options import (
     ATTENTION_PRECISIONS,
+    CACHES,
     DEFAULT_RANK_TIMEOUT,
     DEFAULT_STRATEGY,
     DEFAULT_TRANSPORT,
     ENGINE_CACHE_ENV,
-    CACHES,
     SPLIT_VAE,
     STRATEGIES,
     TRANSPORTS,
@@ -24,6 +24,7 @@ from engines.options import (
 )
 from pipelines.registry import MODELS, MODELS_ENV
 from pipelines.requests import MediaLimits, RequestError
+
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -116,8 +117,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "other blocks' result; all ranks decide together, the first and last steps always "
                              "run (docs/faster.md)")
     parser.add_argument("--attention-precision", default="full", choices=ATTENTION_PRECISIONS,
-                        help="faster, approximate: the transformer's attention kernels quantized, int8 (SageAttention's "
-                             "method: K smoothed by its mean, INT8 Q·Kᵀ, FP16 P·V) or fp8 (e4m3 Q, K, V), each with "
+                        help="faster, approximate: the transformer's attention kernels quantized, int8 "
+                             "(SageAttention's method: K smoothed by its mean, INT8 Q·Kᵀ, FP16 P·V) or fp8 (e4m3 Q, K, "
+                             "V), each with "
                              "per-block scales, on every strategy; the first and last steps stay at full precision; a "
                              "request may ask for full precision (quantized_attention false); default full "
                              "(docs/faster.md)")
@@ -128,9 +130,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, backend_default: 
                              "it; auto (default): on for video models, off for image models, whose decode measured "
                              "no faster split")
     parser.add_argument("--lora", action="append", default=[], type=lora_label, metavar="NAME=PATH[:SCALE]",
-                        help="load a LoRA adapter (repeatable): a .safetensors file in any format diffusers reads for the "
-                             "model (diffusers/PEFT, kohya, BFL, XLabs; Wan 2.2 A14B: HIGH,LOW, a file per expert), "
-                             "checked against the model before any rank "
+                        help="load a LoRA adapter (repeatable): a .safetensors file in any format diffusers reads for "
+                             "the model (diffusers/PEFT, kohya, BFL, XLabs; Wan 2.2 A14B: HIGH,LOW, a file per "
+                             "expert), checked against the model before any rank "
                              "starts (serve: each served model gets the files that fit it; a file that fits none is "
                              "refused). Every LoRA stays loaded; each request chooses which ones and their scales. "
                              "generate and batch: a request that names none (no batch `lora` field) uses every --lora "

@@ -2,11 +2,11 @@
 
 Rank 0 reads and validates the file line by line (a bad line is reported with its number; the rest
 go on), skips what the manifest says is already done, and queues the rest; each group of ranks (one, or
---replicas of them, app.groups) takes the next line as it frees up, with a progress bar. Each file is written under a temporary name and renamed when complete, then
-listed in DIR/manifest.jsonl with the seconds of each stage (encode, every step, decode, write). Files
-are written by a writer thread while the ranks generate the next line (an MP4 takes seconds to encode);
-the run waits for the last writes before it ends, interrupted or not. Exit status: 0 when every line is
-done, 1 when some line was bad or failed (the others are still written), 130 when interrupted.
+--replicas of them, app.groups) takes the next line as it frees up, with a progress bar. Each file is written under a
+temporary name and renamed when complete, then listed in DIR/manifest.jsonl with the seconds of each stage (encode,
+every step, decode, write). Files are written by a writer thread while the ranks generate the next line (an MP4 takes
+seconds to encode); the run waits for the last writes before it ends, interrupted or not. Exit status: 0 when every line
+is done, 1 when some line was bad or failed (the others are still written), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, add_request_arguments,
-                           lora_limits, request_fields, run_options)
+from app.arguments import (
+    add_model_arguments,
+    add_parallel_arguments,
+    add_replicas_argument,
+    add_request_arguments,
+    lora_limits,
+    request_fields,
+    run_options,
+)
 from app.outputs import EXTENSIONS, check_writer, settings_of
 from app.prompt_files import FIELDS, SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.prompt_files import request_fields as line_fields
@@ -61,8 +68,9 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", metavar="PROMPTS",
                         help=f"prompt file: {', '.join(SUFFIXES)}. A .txt holds one prompt a line; each .jsonl "
                              f"object or .csv column may set {', '.join(FIELDS)} (prompt is required; size is "
-                             "WxH; input is a conditioning image or video (a reference image for FLUX.2), relative to the prompt file; name is "
-                             "the output file's name; lora is the --lora names it uses with their scales, e.g. style:0.8,detail). "
+                             "WxH; input is a conditioning image or video (a reference image for FLUX.2), relative "
+                             "to the prompt file; name is the output file's name; lora is the --lora names it uses "
+                             "with their scales, e.g. style:0.8,detail). "
                              "The command line's settings apply where a line sets none")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
     add_model_arguments(parser)

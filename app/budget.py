@@ -30,8 +30,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from pipelines.requests import GenerationRequest
 
@@ -239,7 +240,7 @@ def counted_work(count: WorkCount, name: str) -> WorkCount:
         if not failed:
             try:
                 return count(request)
-            except Exception as error:  # noqa: BLE001 - an estimate is worth having without its FLOPs
+            except Exception as error:  # an estimate is worth having without its FLOPs
                 failed.append(str(error))
                 print(f"warning: cannot count {name}'s FLOPs ({error}); its time estimates scale with pixels",
                       file=sys.stderr, flush=True)

@@ -19,8 +19,14 @@ import subprocess
 import sys
 import time
 
-from app.arguments import (add_model_arguments, add_parallel_arguments, add_replicas_argument, lora_limits,
-                           request_fields, run_options)
+from app.arguments import (
+    add_model_arguments,
+    add_parallel_arguments,
+    add_replicas_argument,
+    lora_limits,
+    request_fields,
+    run_options,
+)
 
 DEFAULT_BACKEND = "inductor-blocks"
 """What `build` compiles on CPUs (--device cpu, or a machine without a GPU) when no --backend is given (on GPUs:
@@ -56,7 +62,8 @@ def check_build(args: argparse.Namespace):
         from app.memory_plan import visible_gpus
 
         device = "cuda" if visible_gpus() else "cpu"
-    backend = args.backend or (DEFAULT_BACKEND if device == "cpu" else default_backend("cuda", cache=args.cache is not None))
+    backend = args.backend or (DEFAULT_BACKEND if device == "cpu"
+                               else default_backend("cuda", cache=args.cache is not None))
     try:
         options = EngineOptions.parse(backend)
     except ValueError as error:

@@ -19,18 +19,24 @@ import os
 import subprocess
 import sys
 
-from app.arguments import (OptionsError, add_model_arguments, add_parallel_arguments, add_request_arguments, parse_size,
-                           run_options)
+from app import serve as serve_module
+from app.arguments import (
+    OptionsError,
+    add_model_arguments,
+    add_parallel_arguments,
+    add_request_arguments,
+    parse_size,
+    run_options,
+)
 from app.batch import BatchError, add_batch_arguments, check_batch, run_batch
 from app.build import BuildError, add_build_arguments, run_build
 from app.failures import JobFailed, RankLost, StartupError
 from app.generate import check_generate, run_generate
 from app.launch import LaunchError, add_launch_arguments, hand_over_exit_status, run_launch
 from app.outputs import OutputError
-from engines.options import engine_cache_dir, run_environment, set_environment
-from app import serve as serve_module
 from app.serve import ServeError, add_serve_arguments, check_serve, run_serve
 from app.stopping import end_process
+from engines.options import engine_cache_dir, run_environment, set_environment
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 

@@ -124,7 +124,8 @@ class Layout:
         if self.replicas == 1:
             return f"all {size} ranks" if self.named else ""
         first, last = replica * size, (replica + 1) * size - 1
-        return f"group {replica + 1} of {self.replicas} ({f'rank {first}' if first == last else f'ranks {first}-{last}'})"
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        return f"group {replica + 1} of {self.replicas} ({ranks})"
 
     def describe(self) -> str:
         """E.g. "ulysses-2, all-to-all gloo in 2 groups of 2"."""
@@ -152,7 +153,7 @@ def _receive_into(channel: Channel, inbox: queue.Queue, who: str) -> None:
     while True:
         try:
             message = channel.receive()
-        except Exception as error:  # noqa: BLE001 - gloo raises when the other side is gone
+        except Exception as error:  # gloo raises when the other side is gone
             inbox.put(Lost(f"{who} is gone ({describe(error).split('. This is typically')[0]})"))
             return
         inbox.put(message)
@@ -236,7 +237,7 @@ class RemoteGroup:
         self._released = True
         try:
             self._down.send(Stop())
-        except Exception:  # noqa: BLE001 - a leader that is gone needs no release
+        except Exception:  # a leader that is gone needs no release
             return
         self._receiver.join(timeout=timeout)
 
@@ -254,8 +255,9 @@ class RemoteGroup:
     def _send(self, message: Any) -> None:
         try:
             self._down.send(message)
-        except Exception as error:  # noqa: BLE001 - the leader is gone
-            raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) is gone ({describe(error)})") from error
+        except Exception as error:  # the leader is gone
+            raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) is gone "
+                           f"({describe(error)})") from error
 
 
 def lead(service: LockstepService, link: Link) -> Stop | HandOver:
@@ -312,7 +314,7 @@ def lead(service: LockstepService, link: Link) -> Stop | HandOver:
         except JobFailed as error:
             _tell(link, Done(job, failure=str(error)))
             continue
-        except Exception as error:  # noqa: BLE001 - anything else is this group's failure, not the run's
+        except Exception as error:  # anything else is this group's failure, not the run's
             traceback.print_exc()
             _tell(link, Done(job, failure=f"rank {rank}: {describe(error)}"))
             continue
@@ -329,5 +331,5 @@ def _next(inbox: queue.Queue) -> Any:
 def _tell(link: Link, message: Any) -> None:
     try:
         link.up.send(message)
-    except Exception as error:  # noqa: BLE001 - rank 0 is gone: this leader ends at its next receive
+    except Exception as error:  # rank 0 is gone: this leader ends at its next receive
         print(f"could not tell rank 0: {describe(error)}", file=sys.stderr, flush=True)

@@ -19,9 +19,10 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 STORE_NAME = "jobs.sqlite3"
 """The store's file name in the results folder."""

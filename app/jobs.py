@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from app.budget import RequestBudget, RequestClock, duration
 from app.failures import JobCancelled, JobFailed, RankLost
@@ -190,12 +191,12 @@ class Job:
         try:
             if callback is not None:
                 callback()
-        except Exception:  # noqa: BLE001 - a clean-up that failed must not keep the job's client waiting
+        except Exception:  # a clean-up that failed must not keep the job's client waiting
             traceback.print_exc()
         try:
             if listener is not None:
                 listener(self, event.generation if isinstance(event, Finished) else event.message)
-        except Exception:  # noqa: BLE001 - nor may a listener that failed
+        except Exception:  # nor may a listener that failed
             traceback.print_exc()
         self._events.put(event)
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import signal
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -59,7 +59,8 @@ class LaunchError(ValueError):
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help=f"ranks to start (default: the visible GPUs, or {DEFAULT_CPU_RANKS} CPU ranks without one)")
+                        help=f"ranks to start (default: the visible GPUs, or {DEFAULT_CPU_RANKS} CPU ranks "
+                             "without one)")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="memory per GPU to plan for, in GiB (default: the least free memory of the visible GPUs; "
                              "none on a machine without one): without --tp, the command runs with the smallest tp "
@@ -216,7 +217,8 @@ def plan_memory(checked: object, tp: int | None, nproc: int, gpu_memory_gib: flo
             return []
         plan = choose_tp(models, nproc=nproc, gpu_bytes=gpu_bytes, requested=tp, groups=groups, fp8=fp8)
     except ValueError as error:
-        raise LaunchError(f"--tp {tp}: {error}" if tp and not isinstance(error, MemoryPlanError) else str(error)) from None
+        raise LaunchError(f"--tp {tp}: {error}" if tp and not isinstance(error, MemoryPlanError)
+                          else str(error)) from None
     print(f"launch: {plan.describe()}" + ("" if tp else " (the smallest tp that fits)"), file=sys.stderr, flush=True)
     return [] if tp else ["--tp", str(plan.tp)]
 

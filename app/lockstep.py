@@ -18,8 +18,8 @@ request (JobFailed) and the service goes on. Rank 0 alone decides a cancellation
 drops the request at the next agreement point (JobCancelled) and the service goes on, as it does
 after a failure; a stop (Ctrl-C, SIGTERM) ends the service instead. A rank that cannot be reached
 within `rank_timeout` seconds, or whose connection closes (it died), is RankLost: the run ends,
-because a collective left half done cannot be taken back. While idle, rank 0 sends a heartbeat every HEARTBEAT_SECONDS so that the
-followers' wait never hits the process group's timeout.
+because a collective left half done cannot be taken back. While idle, rank 0 sends a heartbeat every HEARTBEAT_SECONDS
+so that the followers' wait never hits the process group's timeout.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -165,7 +166,8 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.cpu()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _to_cpu(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return dataclasses.replace(value, **{f.name: _to_cpu(getattr(value, f.name))
+                                             for f in dataclasses.fields(value)})
     return value
 
 
@@ -283,7 +285,7 @@ class LockstepService:
                 encoded = pipeline.encode(request)
                 if self.ctx.is_distributed:
                     encoded = _to_cpu(encoded)
-            except Exception as error:  # noqa: BLE001 - any failure drops the request on every rank
+            except Exception as error:  # any failure drops the request on every rank
                 traceback.print_exc()
                 failure = f"rank 0 (encoding): {_short(error)}"
             cancelled = stop_reason(0)
@@ -300,7 +302,7 @@ class LockstepService:
         failure = None
         try:
             encoded = pipeline.prepare(request, encoded)
-        except Exception as error:  # noqa: BLE001 - agreed just below
+        except Exception as error:  # agreed just below
             traceback.print_exc()
             failure = f"rank {self.ctx.global_rank} (encoding): {_short(error)}"
         self._agree(failure)
@@ -321,7 +323,7 @@ class LockstepService:
             latents = pipeline.denoise(request, encoded, step_done)
         except (JobFailed, RankLost):
             raise
-        except Exception as error:  # noqa: BLE001 - met by the others at their next agreement point
+        except Exception as error:  # met by the others at their next agreement point
             try:  # _agree always raises when given a failure: JobFailed, or RankLost
                 self._agree(f"rank {self.ctx.global_rank}: {_short(error)}")
             except JobFailed:
@@ -339,7 +341,7 @@ class LockstepService:
         if self.ctx.is_main or pipeline.decode_is_split(request):
             try:
                 result = pipeline.decode(request, latents)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 traceback.print_exc()
                 failure = f"rank {self.ctx.global_rank} (decoding): {describe(error)}"
         memory = {self.ctx.global_rank: rank_memory_bytes(self.ctx.device)}
@@ -375,7 +377,7 @@ class LockstepService:
         try:
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.rank_timeout))
-        except Exception as error:  # noqa: BLE001 - a timeout or a closed connection
+        except Exception as error:  # a timeout or a closed connection
             if "timed out" in str(error).lower():
                 reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
                 raise RankLost(f"rank {self.ctx.global_rank}: {reason}") from error
@@ -403,7 +405,7 @@ class LockstepService:
     def _collective(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
             fn(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError when a peer is gone
+        except Exception as error:  # gloo raises RuntimeError when a peer is gone
             raise self._peer_lost(_short(error)) from error
 
     def lost_message(self) -> str:

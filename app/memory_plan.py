@@ -16,8 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.memory import (BF16_BYTES, GIB, WEIGHTS_SHARE, rank0_gpu_parameters, safetensors_parameters,
-                              spec_transformer_config, transformer_bytes)
+from pipelines.memory import (
+    BF16_BYTES,
+    GIB,
+    WEIGHTS_SHARE,
+    rank0_gpu_parameters,
+    safetensors_parameters,
+    spec_transformer_config,
+    transformer_bytes,
+)
 from pipelines.registry import ModelSpec, family_of
 
 
@@ -100,7 +107,8 @@ def choose_tp(models: list[tuple[ModelSpec, Path | None]], *, nproc: int, gpu_by
     raise MemoryPlanError(
         f"{names} does not fit {nproc} GPU{'s' if nproc > 1 else ''} of {size(gpu_bytes)}: at --tp {tp} "
         f"rank 0 needs {size(need)} of weights{' (FP8 block linears)' if fp8 else ''}, more than the "
-        f"{size(budget)} ({WEIGHTS_SHARE:.0%}) they may take; use more or larger GPUs" + ("" if requested is None else " or a larger --tp"))
+        f"{size(budget)} ({WEIGHTS_SHARE:.0%}) they may take; use more or larger GPUs"
+        + ("" if requested is None else " or a larger --tp"))
 
 
 def gpu_memory() -> int | None:

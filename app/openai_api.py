@@ -43,9 +43,10 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
@@ -53,14 +54,23 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from app.access import LoginFailures
+from app.job_store import JobRow
 from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed, Started, Step
 from app.lockstep import Generation
-from app.outputs import RESULT_NAME, settings_of
+from app.outputs import RESULT_NAME
 from app.request_ids import current_request_id, log
 from app.runtime import Runtime, ServedModel
-from app.job_store import JobRow
-from app.submit import (OverQuota, Server, Submitted, failure_code, finish_later, public_message, random_seed,
-                        submit, write)
+from app.submit import (
+    OverQuota,
+    Server,
+    Submitted,
+    failure_code,
+    finish_later,
+    public_message,
+    random_seed,
+    submit,
+    write,
+)
 from app.webhooks import Webhooks
 from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
 
@@ -311,7 +321,7 @@ async def _fields(request: Request, max_bytes: int) -> tuple[dict[str, Any], dic
         raise ApiError(400, "the client went away") from None
     except ApiError:
         raise
-    except Exception as error:  # noqa: BLE001 - Starlette's multipart errors: a malformed form is the client's
+    except Exception as error:  # Starlette's multipart errors: a malformed form is the client's
         raise bad(f"the form cannot be read: {error}") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")

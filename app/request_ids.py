@@ -73,7 +73,8 @@ class RequestIds:
         async def tagged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
-                headers = [(name, value) for name, value in message.get("headers", []) if name.lower() != b"x-request-id"]
+                headers = [(name, value) for name, value in message.get("headers", [])
+                           if name.lower() != b"x-request-id"]
                 message = {**message, "headers": [*headers, (HEADER.encode(), request_id.encode())]}
             await send(message)
 

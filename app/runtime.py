@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from app.failures import RankLost, StartupError, describe
 from app.stage_times import StageSeconds
@@ -323,7 +324,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             if ctx.world_size % options.tp:
                 # Every rank sees the same world size: all of them stop here, before any collective.
                 raise StartupError(f"--tp {options.tp} splits the weights over groups of {options.tp} ranks: the "
-                                   f"number of ranks{per_group} must be a multiple of it, this run has {ctx.world_size}")
+                                   f"number of ranks{per_group} must be a multiple of it, this run has "
+                                   f"{ctx.world_size}")
             rest = ctx.world_size // options.tp
             if options.cfg_parallel and (rest < 2 or rest % 2):
                 needs = "an even number of ranks" if options.tp == 1 else f"an even number of --tp {options.tp} groups"
@@ -350,7 +352,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                                                 with_encoders=leads, with_vae=leads or key in split_keys,
                                                 tp=options.tp, tp_rank=world.rank % options.tp)
                 pipelines[spec.media] = loaded[key]
-        except Exception as error:  # noqa: BLE001 - reported by every rank together, below
+        except Exception as error:  # reported by every rank together, below
             failure = f"rank {world.rank} could not load {spec.name} from {folder}: {describe(error)}"
         rank_processes = _agree_on_startup(world, failure)
         loaded_at = process_seconds()

@@ -35,12 +35,20 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from app.access import (AUTH_ENV, AuthError, LoginFailures, parse_trusted_proxies, read_api_keys,
-                        read_logins, trust_forwarded_headers)
+from app.access import (
+    AUTH_ENV,
+    AuthError,
+    LoginFailures,
+    parse_trusted_proxies,
+    read_api_keys,
+    read_logins,
+    trust_forwarded_headers,
+)
 from app.arguments import add_parallel_arguments, add_replicas_argument, run_options, served_lora_limits
 from app.budget import DEFAULT_MAX_REQUEST_SECONDS
 from app.failures import RankLost
@@ -98,7 +106,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model to serve, image or video (default: tiny-flux and tiny-cosmos together)")
     parser.add_argument("--model-path", default=None, metavar="DIR", help="a diffusers-format folder for --model")
     parser.add_argument("--video-model", default=None, help="a second model, for the video tab")
-    parser.add_argument("--video-model-path", default=None, metavar="DIR", help="a diffusers-format folder for --video-model")
+    parser.add_argument("--video-model-path", default=None, metavar="DIR",
+                        help="a diffusers-format folder for --video-model")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for everyone)")
@@ -272,7 +281,8 @@ def _calibrate(runtime, budget) -> None:
                 return
             default = make_request(model.spec, model.limits, prompt="a calibration run", seed=0, lora=())  # as served
             limits = model.limits
-            first, candidates = calibration_requests(default, min_frames=max(limits.min_frames, 1 + limits.frame_multiple),
+            first, candidates = calibration_requests(default,
+                                                     min_frames=max(limits.min_frames, 1 + limits.frame_multiple),
                                                      max_height=limits.max_height, max_width=limits.max_width,
                                                      multiple=limits.size_multiple)
             try:
@@ -309,11 +319,11 @@ def run_serve(args: argparse.Namespace) -> int:
             os.environ["GRADIO_TEMP_DIR"] = str(uploads_dir)
         from app.api_server import Probes, serving_health, serving_readiness
         from app.budget import RequestBudget, counted_work
+        from app.job_store import STORE_NAME, JobStore
         from app.jobs import JobQueue, serve_jobs
         from app.metrics import ServerMetrics
         from app.openai_api import api_access
         from app.outputs import ResultsFolder
-        from app.job_store import STORE_NAME, JobStore
         from app.submit import Quotas, Server, keep_house, requeue, restore_galleries
         from app.uploads import Uploads
 
@@ -376,7 +386,10 @@ def run_serve(args: argparse.Namespace) -> int:
         failures = LoginFailures()
         access = api_access(plan.api_keys, bool(plan.logins), failures, plan.admin_keys)
         trust_forwarded_headers(plan.trusted_proxies, os.environ)  # read by uvicorn as it starts, just below
-        close: Callable[[], None] = lambda: None
+
+        def close() -> None:  # replaced by the server's own once one has started
+            pass
+
         try:
             try:
                 if args.no_ui:
@@ -414,7 +427,7 @@ def _every(seconds: float, work: Callable[[], None]) -> threading.Event:
         while not done.wait(seconds):
             try:
                 work()
-            except Exception:  # noqa: BLE001 - a clean-up that failed once may work next time; the server goes on
+            except Exception:  # a clean-up that failed once may work next time; the server goes on
                 traceback.print_exc()
 
     threading.Thread(target=loop, name="housekeeping", daemon=True).start()

@@ -38,7 +38,8 @@ class StageSeconds:
         total = sum(self.steps)
         mean = total / len(self.steps) if self.steps else 0.0
         parts = [f"encode {self.encode:.2f} s",
-                 f"{len(self.steps)} step{'s' if len(self.steps) != 1 else ''} {total:.2f} s ({mean * 1000:.0f} ms/step)",
+                 f"{len(self.steps)} step{'s' if len(self.steps) != 1 else ''} {total:.2f} s "
+                 f"({mean * 1000:.0f} ms/step)",
                  f"decode {self.decode:.2f} s"]
         if self.write is not None:
             parts.append(f"write {self.write:.2f} s")

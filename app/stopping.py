@@ -25,9 +25,9 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SIGTERM_GRACE_SECONDS = 1.5
@@ -106,7 +106,7 @@ def _watch(read_fd: int, stop: StopRequest, done: threading.Event, grace: float)
                 return
             try:
                 message = stop.abandon()
-            except Exception as error:  # noqa: BLE001 - the process must end all the same
+            except Exception as error:  # the process must end all the same
                 message = f"stopped by SIGTERM; telling the clients failed: {error!r}"
             end_process(message)
 

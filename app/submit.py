@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from app.budget import LIMIT_OPTION, RequestBudget, duration
 from app.job_store import INTERRUPTED, JobRow, JobStore
@@ -224,7 +224,8 @@ async def write(model: ServedModel, server: Server, submitted: Submitted, genera
     ended = time.time()
     age = server.results.cap.seconds if server.results.cap is not None else None
     row = await asyncio.to_thread(server.store.change, submitted.id, status="completed", progress=100,
-                                  settings=settings, completed_at=ended, expires_at=None if age is None else ended + age,
+                                  settings=settings, completed_at=ended,
+                                  expires_at=None if age is None else ended + age,
                                   files={path.name: path.stat().st_size})
     if row is None:  # deleted by its owner while it was written
         await asyncio.to_thread(path.unlink, missing_ok=True)
@@ -256,7 +257,7 @@ def finish_later(model: ServedModel, server: Server, submitted: Submitted, owner
             if isinstance(event, Finished):
                 try:
                     asyncio.run(write(model, server, submitted, event.generation, owner))
-                except Exception as error:  # noqa: BLE001 - its row says so (write); the server goes on
+                except Exception as error:  # its row says so (write); the server goes on
                     print(f"{submitted.id}: its result could not be written: {error}", file=sys.stderr, flush=True)
                 return
 
@@ -281,7 +282,7 @@ def requeue(runtime: Runtime, server: Server) -> list[Submitted]:
             try:
                 request = make_request(model.spec, model.limits, **row.request)
                 submitted = queue_row(model, server, row, request, server.budget.estimate(model.key, request))
-            except Exception as error:  # noqa: BLE001 - RequestError, ServiceBusy: the job's row says why
+            except Exception as error:  # RequestError, ServiceBusy: the job's row says why
                 why = f"it could not be queued again after the server's restart: {error}"
             else:
                 finish_later(model, server, submitted, row.owner)  # a UI owner finds it in the tab's gallery

@@ -66,7 +66,7 @@ def _torchrun(argv: list[str]) -> int:
     except ChildFailedError as error:
         print(error, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the same fast exit
+    except BaseException:  # reported as the interpreter would, then the same fast exit
         traceback.print_exc()
         return 1
     return 0

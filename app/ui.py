@@ -5,10 +5,10 @@ a request is checked, then the server's time limit), submit it to the JobQueue, 
 to the page (on the result only: stage, step k/n and time left), and write the result file. The
 lockstep service runs one job at a time on the main thread, in arrival order. A client that cancels
 (gradio_client's Job.cancel, Gradio's /cancel) or goes away (tab closed, process ended) cancels its
-job: every rank drops it at the next step. Error messages name files by their names alone. The seed used goes back into the Seed box (so unticking
-"Random seed" repeats a result); a second, private, event then refreshes the tab's recent-results
-gallery, where clicking an item puts its settings back into the inputs. A gallery shows its owner's results
-alone (Owners): with logins, the user's (from any browser); without, the browser's (a reload shows them again).
+job: every rank drops it at the next step. Error messages name files by their names alone. The seed used goes back into
+the Seed box (so unticking "Random seed" repeats a result); a second, private, event then refreshes the tab's
+recent-results gallery, where clicking an item puts its settings back into the inputs. A gallery shows its owner's
+results alone (Owners): with logins, the user's (from any browser); without, the browser's (a reload shows them again).
 With logins, Gradio's file routes serve a result to its owner alone (OwnResults): anyone else gets 404; without
 logins a result's name, with its 32 random hex digits, is its only secret.
 The status line, refreshed every STATUS_SECONDS and at once when a request is accepted, says in plain words what
@@ -28,9 +28,9 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable
-
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import gradio as gr
@@ -38,9 +38,9 @@ from gradio.context import LocalContext
 from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse
 
+from app.job_store import JobStore
 from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
 from app.lockstep import Generation
-from app.job_store import JobStore
 from app.outputs import RESULT_NAME, RecentResults
 from app.runtime import Runtime, ServedModel
 from app.submit import OverQuota, Server, public_message, random_seed, server_line, submit, write

@@ -17,6 +17,6 @@
   commands of under 10 minutes (PART=1 to 4), and the scaling sweep on 4 or 8 GPUs in one (GPUS=4
   PART=sweep); TINY=1 on CPU.
 - checks/: the acceptance checks that need GPUs (each file says how to run it): acceptance.py (the app's
-  own commands on GPUs, each checked for its output, its exit and what it leaves), copy_engine_vs_nccl.py (copy-engine exchanges equal
-  NCCL's, and their timing), engine_cache_diff.py (what differs between two engine caches).
+  own commands on GPUs, each checked for its output, its exit and what it leaves), copy_engine_vs_nccl.py (copy-engine
+  exchanges equal NCCL's, and their timing), engine_cache_diff.py (what differs between two engine caches).
 """

@@ -12,9 +12,10 @@ largest LSE difference where the kernel returns one), measured on the first ERRO
 Kernels: PyTorch's scaled_dot_product_attention in bf16 as it dispatches (flash) and with cuDNN's; ours
 (engines/quantized_attention.py), the whole call (smoothing and quantization included) compiled as the engines
 compile it: int8 (our Triton kernel; also alone, on inputs quantized beforehand) and fp8 (FlashAttention-3's FP8
-forward where fa3-fwd is installed on a Hopper GPU, else our PyTorch reference, on the shapes of FLUX alone); SageAttention 1.0.6's Triton kernel (`sageattn`, the registry's) and
-FlashAttention-3's forward (the registry's fa3-fwd 0.0.3 build, bf16 and FP8), where they are installed. Inputs are random: q and v standard normal, k standard normal plus a per-channel offset of 3
-standard deviations (the outlier smoothing removes), bf16.
+forward where fa3-fwd is installed on a Hopper GPU, else our PyTorch reference, on the shapes of FLUX alone);
+SageAttention 1.0.6's Triton kernel (`sageattn`, the registry's) and FlashAttention-3's forward (the registry's
+fa3-fwd 0.0.3 build, bf16 and FP8), where they are installed. Inputs are random: q and v standard normal, k
+standard normal plus a per-channel offset of 3 standard deviations (the outlier smoothing removes), bf16.
 """
 
 from __future__ import annotations

@@ -40,21 +40,27 @@ def median_ms(fn: Callable[[], object], iters: int = 20) -> float:
 
 def gemms() -> None:
     """bf16 against FP8 GEMMs on the block's shapes, and the cost of quantizing an activation eagerly."""
-    dtype, fp8 = torch.bfloat16, torch.float8_e4m3fn
     for k, n in GEMMS:
-        x, w = torch.randn(TOKENS, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype)
-        x8, w8 = x.to(fp8), w.to(fp8)
-        rows, cols, one = torch.ones(TOKENS, 1, device="cuda"), torch.ones(1, n, device="cuda"), torch.ones((), device="cuda")
-        bf16 = median_ms(lambda: x @ w.t())
-        per_row = median_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=rows, scale_b=cols, out_dtype=dtype,
-                                                     use_fast_accum=True))
-        per_tensor = median_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype,
-                                                        use_fast_accum=True))
-        quantize = median_ms(lambda: (x / (x.abs().amax(dim=1, keepdim=True).float() / 448.0)).to(fp8))
-        tflop = 2 * TOKENS * k * n / 1e12
-        print(f"GEMM {TOKENS}x{k}x{n}: bf16 {bf16:.3f} ms ({tflop / bf16 * 1e3:.0f} TF/s), fp8 row {per_row:.3f} ms "
-              f"({tflop / per_row * 1e3:.0f}), fp8 tensor {per_tensor:.3f} ms ({tflop / per_tensor * 1e3:.0f}); "
-              f"eager per-row quant of x {quantize:.3f} ms", flush=True)
+        _gemm(k, n)
+
+
+def _gemm(k: int, n: int) -> None:
+    """gemms' row for one (K, N) shape."""
+    dtype, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    x, w = torch.randn(TOKENS, k, device="cuda", dtype=dtype), torch.randn(n, k, device="cuda", dtype=dtype)
+    x8, w8 = x.to(fp8), w.to(fp8)
+    rows, cols = torch.ones(TOKENS, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    one = torch.ones((), device="cuda")
+    bf16 = median_ms(lambda: x @ w.t())
+    per_row = median_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=rows, scale_b=cols, out_dtype=dtype,
+                                                 use_fast_accum=True))
+    per_tensor = median_ms(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=dtype,
+                                                    use_fast_accum=True))
+    quantize = median_ms(lambda: (x / (x.abs().amax(dim=1, keepdim=True).float() / 448.0)).to(fp8))
+    tflop = 2 * TOKENS * k * n / 1e12
+    print(f"GEMM {TOKENS}x{k}x{n}: bf16 {bf16:.3f} ms ({tflop / bf16 * 1e3:.0f} TF/s), fp8 row {per_row:.3f} ms "
+          f"({tflop / per_row * 1e3:.0f}), fp8 tensor {per_tensor:.3f} ms ({tflop / per_tensor * 1e3:.0f}); "
+          f"eager per-row quant of x {quantize:.3f} ms", flush=True)
 
 
 def kernel_table(fn: Callable[[], object]) -> str:
@@ -94,8 +100,8 @@ def single_block() -> None:
         compiled(**inputs)
         torch.cuda.synchronize()
         print(f"fp8 single block compile {time.perf_counter() - start:.0f} s", flush=True)
-        print(f"single block compiled: bf16 {bf16_compiled:.2f} ms, fp8 per-row {median_ms(lambda: compiled(**inputs)):.2f} ms",
-              flush=True)
+        fp8_compiled = median_ms(lambda: compiled(**inputs))
+        print(f"single block compiled: bf16 {bf16_compiled:.2f} ms, fp8 per-row {fp8_compiled:.2f} ms", flush=True)
         print(kernel_table(lambda: compiled(**inputs)), flush=True)
 
 

@@ -59,15 +59,25 @@ import transformers
 from torch import nn
 
 from app.failures import JobFailed, describe
-from app.outputs import OutputError, check_writer
 from app.lockstep import LockstepService
+from app.outputs import OutputError, check_writer
 from app.runtime import build_engines, cpu_threads_per_rank, install_step_caches, parallelize_pipelines
 from benchmarks.inputs import BenchModel, benchmarkable, build_random
 from benchmarks.step import agreed_error, comma_list, engine_labels, gather_objects, mode_label, our_plans, sync
 from engines.compile import Engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
-from engines.options import SPLIT_VAE, STRATEGIES, TRANSPORTS, CacheOptions, RunOptions, default_backend, \
-    engine_cache_dir, run_environment, set_environment, splits_vae
+from engines.options import (
+    SPLIT_VAE,
+    STRATEGIES,
+    TRANSPORTS,
+    CacheOptions,
+    RunOptions,
+    default_backend,
+    engine_cache_dir,
+    run_environment,
+    set_environment,
+    splits_vae,
+)
 from engines.plan import ParallelPlan
 from engines.wrapper import ParallelTransformer
 from pipelines.factory import default_dtype
@@ -127,8 +137,9 @@ def real_components(name: str) -> Components:
     for component, (reference, config) in arch.text_encoders.items():
         cls = load(reference)
         encoders[component] = (cls, cls.config_class(**config))
-    return Components(spec=spec, transformer=BenchModel(name=name, family=family_of(spec), config=dict(arch.transformer)),
-                      vae_class=load(arch.vae_class), vae=arch.vae, text_encoders=encoders, assets=_embedded_folder(spec))
+    transformer = BenchModel(name=name, family=family_of(spec), config=dict(arch.transformer))
+    return Components(spec=spec, transformer=transformer, vae_class=load(arch.vae_class), vae=arch.vae,
+                      text_encoders=encoders, assets=_embedded_folder(spec))
 
 
 def tiny_components(name: str) -> Components:
@@ -319,9 +330,10 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
         mode_ctx = single_context(ctx) if plan is None else ctx
         pipeline = timer.pipeline
         try:
-            options = RunOptions(strategy=plan.strategy if plan else "ulysses", cfg_parallel=bool(plan and plan.cfg > 1),
-                                 all_to_all=args.all_to_all, backend=backend, engine_cache=args.engine_cache,
-                                 rank_timeout=args.rank_timeout, cache=args.cache)
+            options = RunOptions(strategy=plan.strategy if plan else "ulysses",
+                                 cfg_parallel=bool(plan and plan.cfg > 1), all_to_all=args.all_to_all,
+                                 backend=backend, engine_cache=args.engine_cache, rank_timeout=args.rank_timeout,
+                                 cache=args.cache)
             if plan is not None:
                 parallelize_pipelines([pipeline], ctx, options)
             pipeline.use_split_vae(ctx.group if plan is not None and splits_vae(args.split_vae, pipeline.spec.media)
@@ -329,7 +341,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
             build_engines([pipeline], mode_ctx, options)
             if options.cache is not None:
                 install_step_caches([pipeline], mode_ctx, options)
-        except Exception as exc:  # noqa: BLE001 - agreed below, reported in the row
+        except Exception as exc:  # agreed below, reported in the row
             error = describe(exc)
         error = agreed_error(mode_ctx, error)
         if error is None:
@@ -416,7 +428,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         peak = "/".join(f"{p:.1f}" for p in r["peak_gib"])
         lines.append(f"{r['model']:<30} {r['mode']:<16} {r['backend']:<26} {cells[0]:>8} {cells[1]:>7} {cells[2]:>8} "
-                     f"{cells[3]:>7} {cells[4]:>6} {step:>8} {speed:>8} {peak:>14}" + (f"  ERROR {r['error']}" if r["error"] else ""))
+                     f"{cells[3]:>7} {cells[4]:>6} {step:>8} {speed:>8} {peak:>14}"
+                     + (f"  ERROR {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
 
 
@@ -547,7 +560,7 @@ def main(argv: list[str] | None = None) -> None:
         devices = gather_objects(ctx, torch.cuda.get_device_name(ctx.device) if cuda else platform.processor() or "cpu")
         meta: dict[str, Any] = dict(
             command=f"{launcher} -m benchmarks.generation {' '.join(sys.argv[1:] if argv is None else argv)}",
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             world_size=ctx.world_size, devices=devices, python=platform.python_version(), torch=torch.__version__,
             cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
             diffusers=diffusers.__version__, transformers=transformers.__version__,

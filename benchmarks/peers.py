@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.distributed import ParallelContext
 from benchmarks.inputs import BenchModel
+from engines.distributed import ParallelContext
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -80,10 +80,10 @@ def unavailable_reason(peer: Peer, ctx: ParallelContext, spec: BenchModel) -> st
 def import_peer(peer: Peer) -> None:
     """Import the peer's modules that `parallelize_peer` uses (raises what the import raises)."""
     if peer.name == "xdit":
-        import xfuser.model_executor.models.transformers.transformer_flux  # noqa: F401
-        from xfuser.config import xFuserArgs  # noqa: F401
+        import xfuser.model_executor.models.transformers.transformer_flux  # noqa: F401 - the import is the check
+        from xfuser.config import xFuserArgs  # noqa: F401 - the import is the check
     else:
-        from cache_dit import ParallelismConfig, enable_cache  # noqa: F401
+        from cache_dit import ParallelismConfig, enable_cache  # noqa: F401 - the import is the check
 
 
 def shared_copy(model_class: type[nn.Module], spec: BenchModel, model: nn.Module) -> nn.Module:

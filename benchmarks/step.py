@@ -10,7 +10,8 @@ for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled
     torchrun --nproc-per-node 2 -m benchmarks.step --all-to-all nccl,copy-engine --out transports.json
     torchrun --nproc-per-node 2 -m benchmarks.step --strategies "" --no-diffusers --peers xdit --out xdit.json
     torchrun --nproc-per-node 2 -m benchmarks.step --model flux2-dev --strategies ulysses --no-cfg --tp 2 --out tp.json
-    torchrun --nproc-per-node 2 -m benchmarks.step --model cosmos3-super --video 189x720x1280 --text-tokens 300 --no-cfg --tp 2 --tp-only --fp8 parallel --backends inductor-blocks --warmup 1 --iters 2 --out super.json
+    torchrun --nproc-per-node 2 -m benchmarks.step --model cosmos3-super --video 189x720x1280 --text-tokens 300 \\
+        --no-cfg --tp 2 --tp-only --fp8 parallel --backends inductor-blocks --warmup 1 --iters 2 --out super.json
     torchrun --nproc-per-node 2 -m benchmarks.step --fp8 parallel --cached-step --backends inductor-blocks --out x.json
     python -m benchmarks.step --model flux-dev                    # 1 GPU only
     torchrun --nproc-per-node 1 -m benchmarks.step --strategies "" --peers xdit   # xDiT on 1 GPU
@@ -69,8 +70,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.inputs import BenchModel, bench_model, benchmarkable, build_random, fill_random_, parameters_on_meta, \
-    parse_shapes
+from benchmarks.inputs import (
+    BenchModel,
+    bench_model,
+    benchmarkable,
+    build_random,
+    fill_random_,
+    parameters_on_meta,
+    parse_shapes,
+)
 from benchmarks.peers import (
     PEERS,
     Peer,
@@ -86,8 +94,14 @@ from engines.compile import prepare_engine
 from engines.distributed import ParallelContext, init_parallel, shutdown
 from engines.fp8 import is_fp8
 from engines.lora import LoraDelta, LoraFile, LoraSet, attach_loras, check_lora_files, detach_loras, meta_transformer
-from engines.options import CUBLAS_WITHOUT_WORKSPACE, STRATEGIES, TRANSPORTS, EngineOptions, run_environment, \
-    set_environment
+from engines.options import (
+    CUBLAS_WITHOUT_WORKSPACE,
+    STRATEGIES,
+    TRANSPORTS,
+    EngineOptions,
+    run_environment,
+    set_environment,
+)
 from engines.parallelize import parallelize_transformer
 from engines.plan import ParallelPlan
 from engines.tensor_parallel import split_weights, take
@@ -300,7 +314,8 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                 compiling.stop()
                 if args.profile:
                     # plain file names (labels hold "+", which some file transfers refuse)
-                    slug = re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label)))
+                    slug = re.sub(r"[^A-Za-z0-9._-]", "_",
+                                  "_".join(x.replace(" ", "-") for x in (spec.name, mode, label, shape.label)))
                     profile_forward(engine, inputs[shape.label], device=device, group=group,
                                     path=args.profile / f"{slug}.rank{ctx.rank}", device_group=device_group)
             except Exception as exc:  # keep the other modes' numbers; this row says what failed
@@ -763,7 +778,7 @@ def measure_lora(spec: BenchModel, model: nn.Module, shapes: list[Shape], inputs
     rows_of("fused", dict(lora="fused", lora_rank=rank, lora_layers=loras.layers, merge_s=merge_s,
                           unmerge_s=unmerge_s), reference=unfused)
     merge_lora_terms(model, terms, sign=-1.0)
-    del terms
+    terms = None  # freed before the next model
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -794,7 +809,7 @@ def measure_peer(peer: Peer, spec: BenchModel, model: torch.nn.Module, shapes: l
             try:
                 transformer = parallelize_peer(peer, spec, model, ctx, height=first.height, width=first.width,
                                                text_tokens=first.text_tokens)
-            except Exception as exc:  # noqa: BLE001 - recorded in the rows, agreed below
+            except Exception as exc:  # recorded in the rows, agreed below
                 error = repr(exc)[:2000]
             error = agreed_error(ctx, error)
         for backend in ("eager", peer.compiled_backend):
@@ -804,7 +819,7 @@ def measure_peer(peer: Peer, spec: BenchModel, model: torch.nn.Module, shapes: l
                 if error is None:
                     try:
                         forward = compile_peer(peer, transformer)
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         forward, error = None, repr(exc)[:2000]
                     error = agreed_error(ctx, error)
             for shape in shapes:
@@ -820,7 +835,7 @@ def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
     """None if fn(*args, **kwargs) returns, else its exception's repr."""
     try:
         fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - e.g. a peer's missing dependency
+    except Exception as exc:  # e.g. a peer's missing dependency
         return repr(exc)[:2000]
     return None
 
@@ -839,13 +854,15 @@ def finish(rows: list[dict[str, Any]], device: torch.device) -> list[dict[str, A
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Compact text table of the rows."""
-    head = f"{'model':<11} {'mode':<34} {'backend':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} {'MFU':>6} {'peak GiB':>9}"
+    head = (f"{'model':<11} {'mode':<34} {'backend':<26} {'shape':<13} {'tokens':>7} {'ms':>9} {'speedup':>8} "
+            f"{'MFU':>6} {'peak GiB':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mfu = f"{r['mfu']:.0%}" if r["mfu"] else "-"
-        lines.append(f"{r['model']:<11} {r['mode']:<34} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} {r['ms']:>9.1f} "
-                     f"{speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}" + (f"  ERROR {r['error']}" if r["error"] else "")
+        lines.append(f"{r['model']:<11} {r['mode']:<34} {r['backend']:<26} {r['shape']:<13} {r['tokens']:>7} "
+                     f"{r['ms']:>9.1f} {speed:>8} {mfu:>6} {r['peak_gib']:>9.1f}"
+                     + (f"  ERROR {r['error']}" if r["error"] else "")
                      + (f"  rel. error {r['rel_error']:.4f}" if r.get("rel_error") is not None else ""))
     return "\n".join(lines)
 
@@ -910,8 +927,9 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
                         "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
     p.add_argument("--fp8-linear", default="scaled-mm", choices=("scaled-mm", "torchao"),
-                   help="with --fp8, how the FP8 linears run (engines.fp8.quantize_fp8's linear): engines.fp8.Fp8Linear "
-                        "(the app's: plain float8 weights, torch._scaled_mm called directly) or torchao's Float8Tensor "
+                   help="with --fp8, how the FP8 linears run (engines.fp8.quantize_fp8's linear): "
+                        "engines.fp8.Fp8Linear (the app's: plain float8 weights, torch._scaled_mm called directly) "
+                        "or torchao's Float8Tensor "
                         "weights (the same numbers, a tensor subclass for torch.compile to trace)")
     p.add_argument("--cached-step", action="store_true",
                    help="after the 1-GPU rows and after each plan's, time them again on a step that a step cache "

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"built {parameters / 1e9:.1f}B parameters in {built:.0f} s", flush=True)
     torch.cuda.reset_peak_memory_stats()
     model.to("cuda")
-    rows["resident"] = dict(seconds=timed_calls(model, ids, args.calls), peak_gib=torch.cuda.max_memory_allocated() / GIB)
+    rows["resident"] = dict(seconds=timed_calls(model, ids, args.calls),
+                            peak_gib=torch.cuda.max_memory_allocated() / GIB)
     print(f"resident: {rows['resident']}", flush=True)
     model.to("cpu")
     torch.cuda.empty_cache()

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict[s
         if "z_dim" in vae.config and not vae.config.is_residual:
             video = (torch.rand(1, 3, frames, height, width, generator=torch.Generator().manual_seed(1)) * 2 - 1)
             row.update(_encode_rows(vae, video.to(device, vae.dtype), args, device))
-    del vae, z
+    vae = z = None  # freed before the cache is emptied
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -119,7 +120,7 @@ def _split_rows(run: Callable[[Parts], torch.Tensor], whole: torch.Tensor, args:
         largest, means, totals, difference = [], [], [], 0.0
         for _ in range(args.runs):
             parts = Parts.local(count, device=device)
-            seconds, out = timed(lambda: run(parts), device)
+            seconds, out = timed(partial(run, parts), device)
             difference = max(difference, (out.float() - whole).abs().max().item())
             largest.append(max(parts.seconds.values()))
             means.append(sum(parts.seconds.values()) / count)
@@ -132,7 +133,8 @@ def _split_rows(run: Callable[[Parts], torch.Tensor], whole: torch.Tensor, args:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Compact text table of the rows."""
-    head = f"{'model':<32} {'shape':<14} {'whole s':>8} {'parts':>6} {'largest part s':>15} {'vs whole':>9} {'max diff':>9}"
+    head = (f"{'model':<32} {'shape':<14} {'whole s':>8} {'parts':>6} {'largest part s':>15} {'vs whole':>9} "
+            f"{'max diff':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         for stage, whole, splits in (("decode", r["whole_s"], r["splits"]),
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
     meta = dict(command=f"python -m benchmarks.vae_split {' '.join(sys.argv[1:] if argv is None else argv)}",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                 python=platform.python_version(), torch=torch.__version__, diffusers=diffusers.__version__,
                 runs=args.runs, weights="random, tiny configs" if args.tiny else "random, real architectures")

@@ -65,9 +65,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from engines.quantized_attention import precision_signature
 from engines.cache import EngineCache, input_signature
 from engines.options import EngineOptions
+from engines.quantized_attention import precision_signature
 
 OVERLAP_INDUCTOR_OPTIONS = {"reorder_for_locality": False, "reorder_for_peak_memory": False}
 """Inductor settings of EngineOptions.overlap: its scheduler then keeps the traced order of independent
@@ -97,8 +97,8 @@ def tensorrt_available() -> bool:
     if importlib.util.find_spec("torch_tensorrt") is None:
         return False
     try:
-        import torch_tensorrt  # noqa: F401
-    except Exception:  # noqa: BLE001 - the bindings install without the native libraries
+        importlib.import_module("torch_tensorrt")
+    except Exception:  # the bindings install without the native libraries
         return False
     return True
 

@@ -74,7 +74,8 @@ TRANSPORTS = ("nccl", "copy-engine")
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
 _lib.define("copy_engine_shift(Tensor x, str group_name) -> Tensor")
-_lib.define("copy_engine_gather_kv(Tensor[] keys, Tensor[] values, str group_name, int size, Tensor? keys_sent=None) -> Tensor")
+_lib.define("copy_engine_gather_kv(Tensor[] keys, Tensor[] values, str group_name, int size, "
+            "Tensor? keys_sent=None) -> Tensor")
 
 FLAGS_BYTES = 4096
 """Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0, "keys_ready[peer]" at

@@ -184,5 +184,6 @@ def parallelize_cosmos3(model: Cosmos3OmniTransformer, mesh: ParallelMesh) -> Pa
     split_over_mesh(model, cosmos3_weights, mesh)
     replaced = []
     if mesh.plan.seq_degree > 1:
-        replaced = replace_processors([layer.self_attn for layer in model.layers], Cosmos3ContextParallelProcessor(mesh))
+        replaced = replace_processors([layer.self_attn for layer in model.layers],
+                                      Cosmos3ContextParallelProcessor(mesh))
     return ParallelCosmos3(model, mesh, replaced)

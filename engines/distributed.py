@@ -214,7 +214,7 @@ def _bounded(fn: Callable[[], object], timeout: float) -> bool:
     def call() -> None:
         try:
             fn()
-        except BaseException as error:  # noqa: BLE001 - reported below, on the caller's thread
+        except BaseException as error:  # reported below, on the caller's thread
             errors.append(error)
 
     thread = threading.Thread(target=call, name="teardown", daemon=True)

@@ -33,9 +33,9 @@ from diffusers.models.transformers.transformer_flux import FluxTransformer2DMode
 from torch import nn
 
 from engines.flux_attention import FluxContextParallelProcessor
-from engines.generic import generic_adapter
 from engines.flux_blocks import OverlappedSingleBlock
 from engines.flux_modulation import SharedModulation
+from engines.generic import generic_adapter
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh

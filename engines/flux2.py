@@ -45,6 +45,7 @@ from engines.sharding import ShardLayout, check_batch, gather_batch, gather_toke
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
 
+
 class Flux2SingleProcessor:
     """Flux2ParallelSelfAttnProcessor (diffusers 0.42) with the attention call made context-parallel."""
 
@@ -144,7 +145,8 @@ class ParallelFlux2(ParallelTransformer):
         hidden_states = model.x_embedder(hidden_states)
         encoder_hidden_states = model.context_embedder(encoder_hidden_states)
         text_rotary, image_rotary = model.pos_embed(txt_ids), model.pos_embed(img_ids)
-        rotary = (torch.cat([text_rotary[0], image_rotary[0]], dim=0), torch.cat([text_rotary[1], image_rotary[1]], dim=0))
+        rotary = (torch.cat([text_rotary[0], image_rotary[0]], dim=0),
+                  torch.cat([text_rotary[1], image_rotary[1]], dim=0))
         for block in model.transformer_blocks:
             encoder_hidden_states, hidden_states = block(
                 hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb_mod_img=mod_img,

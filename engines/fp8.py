@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engines.import_noise import quiet_torchao_import  # noqa: F401 - its users import it from here too
+from engines.import_noise import quiet_torchao_import  # its users import it from here too
 
 FP8_MULTIPLE = 16
 """FP8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of this."""

@@ -9,7 +9,8 @@ Application (`attach_loras`, after tensor-parallel splitting and FP8 quantizatio
   down  A: (R x in)   the LoRAs' A matrices stacked along the rank, each zero-padded to r_max rows
   up    B: (out x R)  their B matrices side by side, each times its alpha / r, zero-padded to r_max columns
   scales s: (R,)      one tensor shared by every adapted layer: LoRA i's request scale on its r_max slots
-with R = (number of LoRAs) x r_max (3 r_max where FP8 fused q/k/v: each piece its own slots), and computes base(x) + B (s * (A x)) = base(x) + sum_i s_i B_i A_i x.
+with R = (number of LoRAs) x r_max (3 r_max where FP8 fused q/k/v: each piece its own slots), and computes
+base(x) + B (s * (A x)) = base(x) + sum_i s_i B_i A_i x.
 Every layer's shapes depend on the LoRAs loaded, never on a request: choosing LoRAs and scales writes `s` in place
 (LoraSet.select), so compiled engines see the same graph inputs and CUDA graphs replay unchanged; the engine cache
 keys their artifacts by the adapted layers and slots (lora_layout), not by the LoRAs' weights. A layer that
@@ -125,8 +126,9 @@ def read_lora(file: LoraFile, transformer: nn.Module) -> LoraWeights:
         state, alphas, metadata = _state_dict(file.path, kind)
     except LoraError:
         raise
-    except Exception as error:  # noqa: BLE001 - diffusers' converters raise anything on a foreign file
-        raise LoraError(f"LoRA {file.name}: {file.path.name} is not a LoRA diffusers reads for {kind}: {error}") from None
+    except Exception as error:  # diffusers' converters raise anything on a foreign file
+        raise LoraError(f"LoRA {file.name}: {file.path.name} is not a LoRA diffusers reads for {kind}: "
+                        f"{error}") from None
     modules = dict(transformer.named_modules())
     prefix = "transformer."
     pairs: dict[str, dict[str, torch.Tensor]] = {}

@@ -98,7 +98,7 @@ def _kernel():
         q = tl.load(q_ptr + q_base + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < Sq, other=0)
         q_scale = tl.load(q_scale_ptr + head * q_blocks + block) * scale_log2  # scores in base 2
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_M,), tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         kv_base = head * Sk * HEAD_DIM
         for start in range(0, Sk, BLOCK_N):
@@ -111,19 +111,19 @@ def _kernel():
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
+            row_sum = row_sum * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_base + cols[:, None] * HEAD_DIM + dims[None, :], mask=inside[:, None], other=0.0)
             if PV_FP8:
                 acc = acc * alpha[:, None] + tl.dot((p * 448.0).to(v.dtype), v, out_dtype=tl.float32)
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
             m = m_new
-        out = acc / l[:, None]
+        out = acc / row_sum[:, None]
         if PV_FP8:
             out = out * (tl.load(v_scale_ptr + head * HEAD_DIM + dims) / 448.0)[None, :]
         tl.store(out_ptr + q_base + rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rows[:, None] < Sq)
-        tl.store(lse_ptr + head * Sq + rows, (m + tl.log2(l)) * 0.6931471805599453, mask=rows < Sq)  # x ln 2
+        tl.store(lse_ptr + head * Sq + rows, (m + tl.log2(row_sum)) * 0.6931471805599453, mask=rows < Sq)  # x ln 2
 
     _compiled = int8_attention_kernel
     return _compiled

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from engines.collectives import all_gather
 from engines.mesh import ParallelMesh
 

@@ -13,9 +13,9 @@ cosmos_guardrail package is installed (pipelines.guardrail).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import PIL.Image
@@ -240,7 +240,8 @@ class CosmosPipeline(StagedPipeline):
         # indicator = 1 on given (conditioning) latent frames, 0 on frames to generate.
         indicator = latents.new_zeros(1, 1, num_latent_frames, 1, 1)
         indicator[:, :, : cond.num_cond_latent_frames] = 1.0
-        given = cond.conditioning_latents.to(device) if cond.conditioning_latents is not None else torch.zeros_like(latents)
+        given = (cond.conditioning_latents.to(device) if cond.conditioning_latents is not None
+                 else torch.zeros_like(latents))
         text = cond.prompt_embeds.to(device, dtype)
         if use_cfg:
             text = torch.cat([text, cond.negative_prompt_embeds.to(device, dtype)])
@@ -248,7 +249,8 @@ class CosmosPipeline(StagedPipeline):
         extra: dict = {"padding_mask": latents.new_zeros(1, 1, request.height, request.width, dtype=dtype)}
         if self.uses_condition_mask:
             extra["fps"] = request.fps
-            extra["condition_mask"] = (indicator * latents.new_ones(1, 1, *shape[2:])).to(dtype).expand(branches, -1, -1, -1, -1)
+            mask = (indicator * latents.new_ones(1, 1, *shape[2:])).to(dtype)
+            extra["condition_mask"] = mask.expand(branches, -1, -1, -1, -1)
         t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
 
         for i, t in enumerate(timesteps):

@@ -19,9 +19,10 @@ policy: used where the cosmos_guardrail package is installed, otherwise one warn
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import PIL.Image
@@ -119,7 +120,8 @@ class Cosmos3Pipeline(StagedPipeline):
                 input_vision_tokens=torch.empty(latent_shape, device="meta"), has_image_condition=bool(given),
                 mrope_offset=text["vision_start_temporal_offset"], vision_fps=float(request.fps),
                 curr=text["und_len"], device="cpu", condition_frame_indexes=given)
-            packed = {**text, **vision, "position_ids": torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], 1),
+            packed = {**text, **vision,
+                      "position_ids": torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], 1),
                       "sequence_length": text["und_len"] + vision["num_vision_tokens"]}
             passes.append({key: packed[key] for key in PASS_KEYS})
             noisy = vision["num_noisy_vision_tokens"]

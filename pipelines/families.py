@@ -6,8 +6,8 @@ Cosmos-Predict2 Video2World transformers as written by diffusers' convert_cosmos
 Nano and Super with the Wan 2.2 VAE, and FLUX.2 dev and Klein, Wan 2.1 text- and image-to-video (its CLIP
 ViT-H/14 image encoder as the I2V folder's image_encoder config has it), Wan 2.2 TI2V-5B and A14B (each expert the
 Wan 2.1 14B's architecture) and Qwen-Image (with
-Qwen2.5-VL-7B's config) as their transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images: its video name
-serves videos (5 frames and more) and its "-image" name, the same folder, one-frame images.
+Qwen2.5-VL-7B's config) as their transformer/config.json files have them. A Cosmos 3 checkpoint makes videos and images:
+its video name serves videos (5 frames and more) and its "-image" name, the same folder, one-frame images.
 """
 
 from __future__ import annotations
@@ -409,7 +409,8 @@ _QWEN_IMAGE_TRANSFORMER = dict(
 )
 _QWEN25_VL_7B = dict(  # Qwen-Image's text_encoder: Qwen2_5_VLForConditionalGeneration (text 7B, vision tower 0.7B)
     text_config=dict(model_type="qwen2_5_vl_text", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=128000,
                      rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu",
                      rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
     vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
@@ -492,7 +493,8 @@ _QWEN3_VL_4B = dict(
 
 def _flux3(flow_map: bool) -> Architecture:
     # AutoencoderKLFlux2's defaults are FLUX.2's VAE, which FLUX.3 uses (32 latent channels, 8x).
-    return Architecture(transformer={**_FLUX3_TRANSFORMER, "flow_map": flow_map}, vae_class="diffusers:AutoencoderKLFlux2",
+    return Architecture(transformer={**_FLUX3_TRANSFORMER, "flow_map": flow_map},
+                        vae_class="diffusers:AutoencoderKLFlux2",
                         vae={}, text_encoders={"text_encoder": ("transformers:Qwen3VLForConditionalGeneration",
                                                                 _QWEN3_VL_4B)})
 

@@ -172,7 +172,8 @@ class ModelFamily:
 
     @property
     def compiled_blocks(self) -> tuple[str, ...]:
-        """Every list of repeated blocks: what per-block compilation and --fp8 reach (repeated_blocks + other_blocks)."""
+        """Every list of repeated blocks: what per-block compilation and --fp8 reach
+        (repeated_blocks + other_blocks)."""
         return self.repeated_blocks + self.other_blocks
 
     def __post_init__(self) -> None:

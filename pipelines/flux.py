@@ -10,9 +10,9 @@ engines/ replaces with a context-parallel or compiled module of the same call si
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import PIL.Image

@@ -2,10 +2,10 @@
 checked, memory-bounded reading of a request's input image or video.
 
 An input file is probed (its header only: size, duration) and held to INPUT_LIMITS before it is
-decoded (a large image that would expand far past its file's size, a decompression bomb, is refused), and then decoded frame by frame: only the frames a request uses are kept, each resized to
-the request's size as it arrives, and a video is entered near its end (ffmpeg's -sseof) because
-video-to-world uses its last frames. A 20-second 1080p clip so costs the memory of a few small
-frames, not of 600 full ones.
+decoded (a large image that would expand far past its file's size, a decompression bomb, is refused), and then decoded
+frame by frame: only the frames a request uses are kept, each resized to the request's size as it arrives, and a video
+is entered near its end (ffmpeg's -sseof) because video-to-world uses its last frames. A 20-second 1080p clip so costs
+the memory of a few small frames, not of 600 full ones.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def read_mp4_settings(path: str | Path) -> dict[str, Any]:
 
     import imageio_ffmpeg
 
-    exported = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-f", "ffmetadata", "-"],
+    exported = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path),
+                               "-f", "ffmetadata", "-"],
                               capture_output=True, text=True, check=True).stdout
     for line in exported.splitlines():
         if line.startswith("comment="):

@@ -48,10 +48,10 @@ def fits_beside(module_bytes: int, free_bytes: int, total_bytes: int) -> bool:
 def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:
     """Parameters one rank keeps of the family's transformer built from `config`, split over `tp` ranks;
     ValueError when the split does not divide (heads, K/V heads or widths)."""
+    import torch
+
     from engines.plan import ParallelPlan
     from engines.tensor_parallel import rank_parameters
-
-    import torch
 
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
@@ -67,11 +67,11 @@ def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, f
     """Bytes one rank keeps of the family's transformer built from `config`, split over `tp` ranks, in bfloat16
     (BF16_BYTES a parameter); with `fp8` its FP8 layers (engines.fp8.fp8_linear_names of the rank's shares) at
     FP8_BYTES an element plus one float32 scale per output row. ValueError as transformer_parameters."""
+    import torch
+
     from engines.fp8 import fp8_linear_names
     from engines.plan import ParallelPlan
     from engines.tensor_parallel import split_weights
-
-    import torch
 
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):

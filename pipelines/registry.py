@@ -91,7 +91,8 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
         spec = get_spec(name)
         if spec.checkpoint_class != class_name:
             raise ModelNotFoundError(
-                f"{folder} holds a {class_name or 'unknown'} checkpoint, but model '{name}' is a {spec.checkpoint_class}"
+                f"{folder} holds a {class_name or 'unknown'} checkpoint, but model '{name}' is a "
+                f"{spec.checkpoint_class}"
             )
         if spec.experts != experts:
             raise ModelNotFoundError(f"{folder} holds {experts} transformer{'s' if experts > 1 else ''} (model_index."
@@ -179,7 +180,8 @@ def resolve_model(name: str | None, model_path: str | Path | None) -> tuple[Mode
     if not has_model_index(folder):
         if spec.embedded:
             raise ModelNotFoundError(
-                f"embedded model '{spec.name}' is missing from {folder}; rebuild it with: python -m training.tiny_models"
+                f"embedded model '{spec.name}' is missing from {folder}; rebuild it with: "
+                "python -m training.tiny_models"
             )
         raise ModelNotFoundError(
             f"weights for '{spec.name}' not found in {folder}: copy a diffusers-format checkout of {spec.source} "

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import unicodedata
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipelines.family import load
 from pipelines.registry import ModelSpec, family_of, read_component_config
@@ -449,7 +450,8 @@ def _check_lora(limits: MediaLimits, value: Any, model: str = "") -> tuple[tuple
 
     defaults = dict(limits.loras)
     if isinstance(value, str):
-        value = [part.strip().rsplit(":", 1) if ":" in part else part.strip() for part in value.split(",") if part.strip()]
+        value = [part.strip().rsplit(":", 1) if ":" in part else part.strip()
+                 for part in value.split(",") if part.strip()]
     items = list(value.items()) if isinstance(value, dict) else value
     if not isinstance(items, (list, tuple)):
         raise RequestError(f"lora must be names with scales such as \"style:0.8,detail\", got {value!r}")

@@ -187,7 +187,8 @@ class Band:
         return slice(self.own[0] - self.have[0], self.own[1] - self.have[0])
 
 
-def _first_bands(x: torch.Tensor, parts: Parts, halo: int) -> tuple[dict[int, torch.Tensor], dict[int, Band], list[int]]:
+def _first_bands(x: torch.Tensor, parts: Parts, halo: int
+                 ) -> tuple[dict[int, torch.Tensor], dict[int, Band], list[int]]:
     rows = x.shape[-2]
     owned = split_rows(rows, parts.count)
     tensors, bands = {}, {}
@@ -233,7 +234,8 @@ def _group_norm(norm: nn.GroupNorm, xs: dict[int, torch.Tensor], bands: dict[int
     return out
 
 
-def _each(parts: Parts, xs: dict[int, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+def _each(parts: Parts, xs: dict[int, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]
+          ) -> dict[int, torch.Tensor]:
     out = {}
     for p, x in xs.items():
         with parts.clock((p,)):

@@ -13,9 +13,10 @@ that a repeated prompt is not encoded again.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, TypeVar
 
 from pipelines.prompt_cache import PromptCache
 from pipelines.registry import ModelSpec, family_of
@@ -138,8 +139,8 @@ class StagedPipeline:
         precision = self.attention_precision if request.quantized_attention else "full"
         if cache is None and precision == "full":
             return nullcontext()
-        from engines.quantized_attention import attention_precision
         from engines.options import attention_precision_at
+        from engines.quantized_attention import attention_precision
 
         stack = ExitStack()
         stack.enter_context(attention_precision(attention_precision_at(precision, index, total)))

@@ -20,8 +20,8 @@ if _workers > 1:
 # --dist loadscope); these start first so that no long module is left to start last, beside an idle process.
 LONGEST_FIRST = ["test_app_cosmos3", "test_app_replicas", "test_engines_ring_overlap", "test_app_flux2",
                  "test_benchmarks_generation", "test_tiny_quality", "test_benchmarks_step", "test_app_serve",
-                 "test_app_rank_death", "test_engines_engine", "test_tiny_cosmos_quality", "test_app_limits", "test_fp8",
-                 "test_openai_api"]
+                 "test_app_rank_death", "test_engines_engine", "test_tiny_cosmos_quality", "test_app_limits",
+                 "test_fp8", "test_openai_api"]
 
 
 def pytest_collection_modifyitems(items):

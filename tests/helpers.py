@@ -13,6 +13,7 @@ free_port is the launcher's own (app.launch): one way to find a free port.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch.multiprocessing as mp
 
 from app.launch import free_port
 
-__all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "IMPORT_NOISE", "import_noise", "private_tmp", "torchrun_log_folders", "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port", "join_ranks",
-           "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
+__all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "IMPORT_NOISE", "import_noise", "private_tmp", "torchrun_log_folders",
+           "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port",
+           "join_ranks", "parallelize", "randomize", "spawn_ranks", "tiny_cosmos", "tiny_flux", "torchrun"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -116,10 +118,8 @@ def spawn_ranks(worker: Callable[..., None], world_size: int, *args: Any, tries:
                 raise
 
 
-def run_app(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
+def run_app(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`python -m app ARGS...` from the repository root, its output captured."""
-    import subprocess
-
     return subprocess.run([PYTHON, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -141,7 +141,8 @@ def tiny_cosmos() -> torch.nn.Module:
 
     # diffusers' own forward is the reference, so no padding-mask concat (it needs torchvision);
     # the learnable position embedding is on to test its sharding.
-    return CosmosTransformer3DModel(**{**COSMOS_TINY, "concat_padding_mask": False, "extra_pos_embed_type": "learnable"})
+    return CosmosTransformer3DModel(**{**COSMOS_TINY, "concat_padding_mask": False,
+                                       "extra_pos_embed_type": "learnable"})
 
 
 def tiny_cosmos3(**overrides: Any) -> torch.nn.Module:

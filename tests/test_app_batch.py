@@ -12,10 +12,16 @@ from pathlib import Path
 
 from PIL import Image
 
-from app.prompt_files import (BadLine, PromptLine, output_name, prompt_words, read_prompt_file, request_fields,
-                              sanitize_name)
+from app.prompt_files import (
+    BadLine,
+    PromptLine,
+    output_name,
+    prompt_words,
+    read_prompt_file,
+    request_fields,
+    sanitize_name,
+)
 from tests.helpers import REPO
-
 
 LINES = [
     '{"prompt": "a red circle", "seed": 1, "name": "red"}',
@@ -138,10 +144,12 @@ def test_batch_on_two_ranks_interrupted_and_resumed_writes_each_file_once(tmp_pa
 def test_batch_errors_are_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "app", "batch", str(tmp_path / "none.txt"), "--out", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and result.stderr.strip() == f"error: prompt file {tmp_path / 'none.txt'} does not exist"
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: prompt file {tmp_path / 'none.txt'} does not exist"
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
-    result = subprocess.run([sys.executable, "-m", "app", "batch", str(prompts), "--out", str(tmp_path), "--steps", "0"],
+    result = subprocess.run([sys.executable, "-m", "app", "batch", str(prompts), "--out", str(tmp_path),
+                             "--steps", "0"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "steps must be between 1" in result.stderr
     assert os.listdir(tmp_path) == ["p.txt"]

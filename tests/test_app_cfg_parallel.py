@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.options import RunOptions
 from pipelines.factory import load_pipeline
 from pipelines.registry import resolve_model
 from pipelines.requests import RequestError, make_request, read_limits
-from engines.options import RunOptions
 from tests.helpers import join_ranks, spawn_ranks
 
 FIELDS = dict(prompt="a blue square moving right on a white background", seed=4, steps=3, frames=9, height=48,

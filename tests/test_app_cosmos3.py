@@ -36,8 +36,8 @@ def test_generate_video_and_image(folder: Path, tmp_path: Path) -> None:
     assert len(frames) == 9 and frames[0].shape == (64, 96, 3) and fps == pytest.approx(8)
 
     image = tmp_path / "i.png"
-    result = run_app("generate", "--model", "cosmos3-nano-image", "--model-path", str(folder), "--prompt", "a red circle",
-                 "--steps", "2", "--size", "96x64", "--out", str(image))
+    result = run_app("generate", "--model", "cosmos3-nano-image", "--model-path", str(folder),
+                     "--prompt", "a red circle", "--steps", "2", "--size", "96x64", "--out", str(image))
     assert result.returncode == 0, result.stderr
     with Image.open(image) as png:
         assert png.size == (96, 64)

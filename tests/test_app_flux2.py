@@ -38,9 +38,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 def test_generate_with_a_reference_image(folders: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "edit.png"
-    result = run_app("generate", "--model", "flux2-dev", "--model-path", str(folders["dev"]), "--prompt", "a red circle",
-                 "--input", str(folders["dev"].parent / "reference.png"), "--steps", "2", "--size", "48x64",
-                 "--out", str(out))
+    result = run_app("generate", "--model", "flux2-dev", "--model-path", str(folders["dev"]),
+                     "--prompt", "a red circle", "--input", str(folders["dev"].parent / "reference.png"),
+                     "--steps", "2", "--size", "48x64", "--out", str(out))
     assert result.returncode == 0, result.stderr
     with Image.open(out) as png:
         assert png.size == (48, 64)
@@ -49,9 +49,9 @@ def test_generate_with_a_reference_image(folders: dict[str, Path], tmp_path: Pat
 
 
 def test_bad_reference_refused_before_the_ranks_start(folders: dict[str, Path], tmp_path: Path) -> None:
-    result = run_app("launch", "--nproc", "2", "generate", "--model-path", str(folders["klein"]), "--prompt", "a circle",
-                 "--input", str(folders["klein"].parent / "small.png"), "--steps", "2",
-                 "--out", str(tmp_path / "x.png"))
+    result = run_app("launch", "--nproc", "2", "generate", "--model-path", str(folders["klein"]),
+                     "--prompt", "a circle", "--input", str(folders["klein"].parent / "small.png"),
+                     "--steps", "2", "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2, result.stderr
     assert "reference image small.png is 56x40; both sides must be at least 64 pixels" in result.stderr
     assert "rank" not in result.stderr.lower()  # refused by the launcher's checks: no rank was started
@@ -83,8 +83,8 @@ def test_batch_with_a_reference_line(folders: dict[str, Path], tmp_path: Path) -
     prompts.write_text(json.dumps({"prompt": "a red circle", "input": "reference.png"}) + "\n"
                        + json.dumps({"prompt": "a blue square", "input": "small.png"}) + "\n")
     out = tmp_path / "out"
-    result = run_app("batch", str(prompts), "--model", "flux2-dev", "--model-path", str(folders["dev"]), "--out", str(out),
-                 "--size", "48x64", "--steps", "2")
+    result = run_app("batch", str(prompts), "--model", "flux2-dev", "--model-path", str(folders["dev"]),
+                     "--out", str(out), "--size", "48x64", "--steps", "2")
     assert result.returncode == 1, result.stderr  # 1: line 2 was bad, line 1 was written
     assert "prompts.jsonl:2" in result.stderr and "small.png is 56x40" in result.stderr
     entries = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]

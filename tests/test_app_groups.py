@@ -111,7 +111,8 @@ def test_groups_run_requests_side_by_side_and_keep_failures_to_themselves(tmp_pa
     assert outcomes["fail the second rank at step 2"] == f"rank {second}: RuntimeError: broken step"
     # the other group went on meanwhile, and the failing one serves the next request
     assert outcomes["still fine"].startswith("ok") and outcomes["after the failure"].startswith("ok")
-    (fail_start, fail_end, _), (fine_start, fine_end, fine_on) = spans["fail the second rank at step 2"], spans["still fine"]
+    fail_start, fail_end, _ = spans["fail the second rank at step 2"]
+    fine_start, fine_end, fine_on = spans["still fine"]
     assert fine_on != failed_on and fine_start < fail_end and fail_start < fine_end
     assert outcomes["a long one"].startswith("cancelled by the client (asked after step")
     assert result["cancelled_after"] <= 4  # stopped within 2 steps of the cancel

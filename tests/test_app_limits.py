@@ -22,13 +22,21 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from app.access import (AUTH_ENV, FORWARDED_ALLOW_IPS, FREE_FAILURES, AuthError, LoginThrottle, parse_trusted_proxies,
-                        read_logins, trust_forwarded_headers)
+from app.access import (
+    AUTH_ENV,
+    FORWARDED_ALLOW_IPS,
+    FREE_FAILURES,
+    AuthError,
+    LoginThrottle,
+    parse_trusted_proxies,
+    read_logins,
+    trust_forwarded_headers,
+)
 from app.budget import RateFit, RequestBudget, RequestClock, calibration_requests
 from app.launch import _without_option
 from app.outputs import ResultsCap, ResultsFolder
-from app.uploads import ORPHAN_SECONDS
 from app.ui import public_message
+from app.uploads import ORPHAN_SECONDS
 from pipelines.media import MediaError, check_input, read_frames
 from pipelines.registry import resolve_model
 from pipelines.requests import MediaLimits, RequestError, make_request, read_limits
@@ -140,7 +148,8 @@ def test_logins_come_from_one_source_and_a_file_or_the_environment(tmp_path, cap
     file.write_text("nopassword\n")
     with pytest.raises(AuthError, match="line 1 of --auth-file"):
         read_logins(None, str(file), {})
-    assert _without_option(["serve", "--auth", "a:b", "--port", "1", "--auth=c:d"], "--auth") == ["serve", "--port", "1"]
+    assert _without_option(["serve", "--auth", "a:b", "--port", "1", "--auth=c:d"], "--auth") == [
+        "serve", "--port", "1"]
 
 
 def test_login_throttle_locks_an_address_out_after_repeated_failures():

@@ -83,7 +83,8 @@ def test_a_rank_killed_during_a_request_ends_everything_within_5_s(attempt, tmp_
             answer = job.result(timeout=10)
         except AppError as error:
             assert re.search(r"lost a rank.*rank 1 is gone", str(error)), error
-            assert "error: the job ends: rank 0: another rank died or closed its connection: rank 1 is gone" in output, output
+            assert ("error: the job ends: rank 0: another rank died or closed its connection: rank 1 is gone"
+                    in output), output
         else:
             # The client sees progress late on a busy machine: a kill meant for just after the last step
             # can land after the answer. Then the answer is whole (its file written), and everything still

@@ -144,7 +144,8 @@ def test_image_equals_the_single_process_image(server):
     assert read_png_settings(file_path)["seed"] == 7
     assert "2 ranks" in status and "ms/step" in status
     # where the time went: encode, each step, decode, write; the server splits its video model's VAE
-    assert "split VAE (video)" in status and all(f"{stage} " in status for stage in ("encode", "3 steps", "decode", "write"))
+    assert "split VAE (video)" in status
+    assert all(f"{stage} " in status for stage in ("encode", "3 steps", "decode", "write"))
     assert len(settings["stages"]["step_s"]) == 3 and settings["stages"]["write_s"] > 0
 
     spec, folder = resolve_model("tiny-flux", None)
@@ -306,7 +307,8 @@ def test_metrics_count_the_running_and_waiting_requests_as_status_does(server):
 
     api = openai.OpenAI(base_url=f"{server.url}v1", api_key="none", max_retries=0, timeout=120)
     videos = [api.videos.create(prompt="a red square moving right", size="64x64", extra_headers={
-        "X-Request-Id": f"ten-videos-{seed}"}, extra_body={"frames": 5, "steps": 200, "seed": seed}) for seed in range(10)]
+        "X-Request-Id": f"ten-videos-{seed}"}, extra_body={"frames": 5, "steps": 200, "seed": seed})
+        for seed in range(10)]
     try:
         for _ in range(20):  # read both between two requests' ends: the two /status around /metrics agree
             before = httpx.get(f"{server.url}status").json()

@@ -96,9 +96,10 @@ def test_a_cached_generate_on_two_ranks_ends_within_3_s_of_its_image(tmp_path):
     """`launch --nproc 2 generate --cache`: the command ends within 3 s of the line that says its image is written
     (on GPUs it used to sit in the process group's teardown; here the whole path to the exit is timed)."""
     out = tmp_path / "x.png"
-    process = subprocess.Popen([sys.executable, "-m", "app", "launch", "--nproc", "2", "generate", "--model", "tiny-flux",
-                                "--prompt", "a big red circle", "--size", "64x64", "--steps", "4", "--cache",
-                                "fbcache", "--out", str(out)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "app", "launch", "--nproc", "2", "generate",
+                                "--model", "tiny-flux", "--prompt", "a big red circle", "--size", "64x64",
+                                "--steps", "4", "--cache", "fbcache", "--out", str(out)],
+                               cwd=REPO, stderr=subprocess.PIPE, text=True)
     wrote = None
     lines = []
     for line in process.stderr:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import benchmarks.generation  # noqa: F401 - imported before the timed calls, which then time the checks alone
-import benchmarks.step  # noqa: F401
+# Imported before the timed calls, which then time the checks alone.
+import benchmarks.generation
+import benchmarks.step  # noqa: F401 - imported early for the reason above
 from benchmarks.cli import main
 from benchmarks.preflight import available_memory, weights_bytes
 

@@ -15,10 +15,10 @@ import pytest
 
 from tests.helpers import PYTHON, REPO, torchrun
 
-FLUX_ARGS = ["--model", "flux-dev", "--split-vae", "on", "--steps", "2", "--height", "64", "--width", "64", "--runs", "2",
-             "--warmup-steps", "1"]
-COSMOS_ARGS = ["--model", "cosmos-predict2-2b-video2world", "--cfg", "--steps", "2", "--height", "48", "--width", "64", "--frames", "9",
-               "--runs", "1", "--warmup-steps", "1"]
+FLUX_ARGS = ["--model", "flux-dev", "--split-vae", "on", "--steps", "2", "--height", "64", "--width", "64",
+             "--runs", "2", "--warmup-steps", "1"]
+COSMOS_ARGS = ["--model", "cosmos-predict2-2b-video2world", "--cfg", "--steps", "2", "--height", "48", "--width", "64",
+               "--frames", "9", "--runs", "1", "--warmup-steps", "1"]
 
 
 def check_result(path: Path, modes: set[str], runs: int) -> list[dict]:

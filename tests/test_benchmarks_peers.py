@@ -9,9 +9,9 @@ import torch
 import torch._inductor.config as inductor_config
 from diffusers import FluxTransformer2DModel
 
-from engines.distributed import ParallelContext
 from benchmarks.inputs import BenchModel, build_random
 from benchmarks.peers import PEERS, compiler_settings_restored, shared_copy, unavailable_reason
+from engines.distributed import ParallelContext
 from pipelines.registry import get_family
 from tests.helpers import COSMOS_TINY, FLUX_TINY
 

@@ -65,7 +65,8 @@ def _decisions(tree: ast.AST) -> list[tuple[ast.AST, bool]]:
             found.extend((case.pattern, True) for case in node.cases)
         elif isinstance(node, ast.Compare):
             found.append((node, True))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass"):
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("isinstance", "issubclass")):
             found.append((node, True))
         elif isinstance(node, ast.Subscript):
             found.append((node.slice, False))

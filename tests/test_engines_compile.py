@@ -20,15 +20,22 @@ outside this layer; FLUX and Cosmos-Predict2 configs are unaffected.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from tests.helpers import cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos, tiny_flux
-from tests.test_engines_generic import QWEN_TINY, WAN_TINY, qwen_inputs, wan_inputs
 
+from tests.helpers import (
+    cosmos_inputs,
+    flux_inputs,
+    join_ranks,
+    parallelize,
+    randomize,
+    spawn_ranks,
+    tiny_cosmos,
+    tiny_flux,
+)
+from tests.test_engines_generic import QWEN_TINY, WAN_TINY, qwen_inputs, wan_inputs
 
 # (model, strategy, backend)
 CASES = [
@@ -190,7 +197,8 @@ def test_an_engine_builds_a_graph_for_every_signature_past_dynamos_default_limit
     models = [_Blocks() for _ in range(2)]  # two layouts' models (a server with --replicas auto): one block class
     for model in models:
         model.load_state_dict(reference.state_dict())
-    engines = [engines_compile.prepare_engine(model, EngineOptions.parse("inductor-blocks"), repeated_blocks=("blocks",))
+    engines = [engines_compile.prepare_engine(model, EngineOptions.parse("inductor-blocks"),
+                                              repeated_blocks=("blocks",))
                for model in models]
     for rows in range(1, 11):  # ten signatures
         for engine in engines:

@@ -37,7 +37,8 @@ def plans(world_size: int) -> list:
             ParallelPlan(strategy="allgather", ring=2, cfg=2),
         ]
     if world_size == 8:
-        out = [ParallelPlan.auto(8, heads, strategy="ulysses"), ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2, cfg=2)]
+        out = [ParallelPlan.auto(8, heads, strategy="ulysses"),
+               ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2, cfg=2)]
     return out
 
 

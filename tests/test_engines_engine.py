@@ -2,8 +2,8 @@
 
 Run 1 (cold): tiny FLUX and Cosmos, sharded over 2 ranks (ulysses), compiled per block by inductor
 into an empty cache folder (Cosmos with the +overlap reordering); outputs match eager within
-inductor's float reassociation error, and each rank writes its artifacts. Run 2 (fresh processes, same folder): the same FLUX engine finds
-them (cache hit: inductor's FX graph cache hits, no miss) and builds faster than run 1.
+inductor's float reassociation error, and each rank writes its artifacts. Run 2 (fresh processes, same folder): the same
+FLUX engine finds them (cache hit: inductor's FX graph cache hits, no miss) and builds faster than run 1.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FLUX_TINY, cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, \
-    tiny_cosmos, tiny_flux
+from tests.helpers import (
+    FLUX_TINY,
+    cosmos_inputs,
+    flux_inputs,
+    join_ranks,
+    parallelize,
+    randomize,
+    spawn_ranks,
+    tiny_cosmos,
+    tiny_flux,
+)
 
 TOLERANCE = 2e-4  # inductor vs eager in float32 (a single process shows ~7e-5 on these outputs)
 BLOCKS = {"flux": ("transformer_blocks", "single_transformer_blocks"), "cosmos": ("transformer_blocks",)}
@@ -31,10 +40,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, cache_dir: str,
     set_environment(run_environment(Path(cache_dir)))  # as the CLI does: inductor's kernels inside the cache folder
     from torch._dynamo.utils import counters
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.plan import ParallelPlan
     from engines.compile import prepare_engine
+    from engines.distributed import init_parallel, shutdown
     from engines.options import EngineOptions
+    from engines.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     results = []
@@ -136,10 +145,9 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_engine_options_validate_and_round_trip() -> None:
+    from app.arguments import backend_label
     from engines.compile import prepare_engine
     from engines.options import EngineOptions
-
-    from app.arguments import backend_label
 
     for label in ("eager", "inductor", "inductor-blocks", "inductor+cudagraph", "eager+cudagraph", "tensorrt",
                   "tensorrt-blocks", "inductor-blocks+overlap+cudagraph", "inductor-blocks+overlap"):

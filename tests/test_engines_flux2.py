@@ -56,8 +56,8 @@ def plans(world_size: int) -> list:
     if world_size == 2:
         out.append(ParallelPlan(cfg=2))
     if world_size == 4:
-        out += [ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2), ParallelPlan(strategy="ulysses", ulysses=2, cfg=2),
-                ParallelPlan(strategy="allgather", ring=2, cfg=2)]
+        out += [ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2),
+                ParallelPlan(strategy="ulysses", ulysses=2, cfg=2), ParallelPlan(strategy="allgather", ring=2, cfg=2)]
     return out
 
 
@@ -113,6 +113,7 @@ def test_restore_gives_back_diffusers_processors() -> None:
 
     model = Flux2Transformer2DModel(**FLUX2_TINY)
     before = [type(p).__name__ for p in model.attn_processors.values()]
-    ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None, control_group=None)
+    ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
+                          control_group=None)
     parallelize_flux2(model, build_mesh(ctx, ParallelPlan(), "nccl")).restore()
     assert [type(p).__name__ for p in model.attn_processors.values()] == before

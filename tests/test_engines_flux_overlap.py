@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_flux
 
+from tests.helpers import flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_flux
 
 TOLERANCE = 1e-4
 
@@ -66,11 +66,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
     join_ranks(rank, world_size, port)
     from torch._inductor.utils import run_and_get_code
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.plan import ParallelPlan
     from engines.compile import prepare_engine
-    from engines.options import EngineOptions
+    from engines.distributed import init_parallel, shutdown
     from engines.flux_blocks import OverlappedSingleBlock
+    from engines.options import EngineOptions
+    from engines.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
@@ -89,7 +89,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
             other.restore()
 
         parallel = parallelize(model, ctx, ParallelPlan.auto(world_size, 6), all_to_all=transport)
-        result["ulysses_blocks_replaced"] = all(isinstance(b, OverlappedSingleBlock) for b in model.single_transformer_blocks)
+        result["ulysses_blocks_replaced"] = all(isinstance(b, OverlappedSingleBlock)
+                                                for b in model.single_transformer_blocks)
         # the modulation projections are shared out: both ranks own some, and the norms skip theirs
         result["modulation_owners"] = sorted(set(parallel.modulation.owner))
         result["projections_skipped"] = all(not isinstance(n.linear, torch.nn.Linear) for n in norms(model))
@@ -125,7 +126,8 @@ def test_single_blocks_overlap_their_all_to_alls(tmp_path: Path, transport: str)
     spawn_ranks(_worker, 2, str(tmp_path), transport)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["ulysses_blocks_replaced"] and all(r["ring_blocks_replaced"]) and all(r["allgather_blocks_replaced"]), r
+        assert r["ulysses_blocks_replaced"], r
+        assert all(r["ring_blocks_replaced"]) and all(r["allgather_blocks_replaced"]), r
         assert r["block_kept"] and r["restored"], r
         assert r["modulation_owners"] == [0, 1] and r["projections_skipped"], r
         assert r["projections_restored"] and r["restored_err"] == 0.0, r

@@ -42,8 +42,9 @@ def plans(world_size: int) -> list:
     if world_size == 2:
         out += [ParallelPlan(cfg=2), ParallelPlan(tp=2)]
     if world_size == 4:
-        out += [ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2), ParallelPlan(strategy="ulysses", ulysses=2, cfg=2),
-                ParallelPlan(strategy="ring", ring=2, cfg=2), ParallelPlan(strategy="ulysses", ulysses=2, tp=2)]
+        out += [ParallelPlan(strategy="ulysses-ring", ulysses=2, ring=2),
+                ParallelPlan(strategy="ulysses", ulysses=2, cfg=2), ParallelPlan(strategy="ring", ring=2, cfg=2),
+                ParallelPlan(strategy="ulysses", ulysses=2, tp=2)]
     return out
 
 
@@ -73,7 +74,8 @@ def flux3_inputs(reference: bool) -> dict:
     kwargs = dict(hidden_states=torch.randn(2, h * w, 8), encoder_hidden_states=torch.randn(2, 7, 16),
                   timestep=torch.tensor([0.7, 0.7]), img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
     if reference:  # a reference image of 6 tokens at time coordinate 1
-        kwargs.update(image_cond_hidden_states=torch.randn(2, 6, 8), image_cond_ids=img_ids[:6] + torch.tensor([1.0, 0, 0, 0]))
+        kwargs.update(image_cond_hidden_states=torch.randn(2, 6, 8),
+                      image_cond_ids=img_ids[:6] + torch.tensor([1.0, 0, 0, 0]))
     return kwargs
 
 
@@ -105,13 +107,10 @@ def _count_split_attention(parallel) -> list:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from diffusers import WanTransformer3DModel
+    from diffusers import Flux3Transformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
 
     from engines.distributed import init_parallel, shutdown
-    from diffusers import Flux3Transformer2DModel, QwenImageTransformer2DModel
-
     from engines.flux3 import parallelize_flux3
-
     from engines.generic import parallelize_generic, parallelize_joint
     from engines.parallelize import parallelize_transformer
 

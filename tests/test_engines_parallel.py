@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos, tiny_flux
+from tests.helpers import (
+    cosmos_inputs,
+    flux_inputs,
+    join_ranks,
+    parallelize,
+    randomize,
+    spawn_ranks,
+    tiny_cosmos,
+    tiny_flux,
+)
 
 TOLERANCE = 1e-5
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.cosmos import resize_padding_mask
 from engines.distributed import ParallelContext
 from engines.plan import ParallelPlan
 from engines.sharding import ShardLayout
-from engines.cosmos import resize_padding_mask
 from tests.helpers import COSMOS_TINY, flux_inputs, parallelize, randomize, tiny_flux
 
 

@@ -136,7 +136,8 @@ def test_flashattention3_fp8_call() -> None:
     correction = (q @ k.mean(2, keepdim=True).transpose(-1, -2)).squeeze(-1) * 64 ** -0.5
     out, lse = quantized._fa3_fp8(kernel, q, k - k.mean(2, keepdim=True), v, correction, torch.float32)
     error, lse_error = _errors(out, lse, ref, ref_lse)
-    assert out.dtype == torch.float32 and error <= BOUNDS["fp8"][0] and lse_error <= BOUNDS["fp8"][1], (error, lse_error)
+    assert out.dtype == torch.float32
+    assert error <= BOUNDS["fp8"][0] and lse_error <= BOUNDS["fp8"][1], (error, lse_error)
     assert error > 1e-3
 
 

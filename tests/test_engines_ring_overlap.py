@@ -25,9 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import (
+    cosmos_inputs,
+    flux_inputs,
+    join_ranks,
+    parallelize,
+    randomize,
+    spawn_ranks,
+    tiny_cosmos,
+    tiny_flux,
+)
 from tests.test_engines_flux_overlap import MATMUL
 from tests.test_engines_flux_overlap import windows as matmul_windows
-from tests.helpers import cosmos_inputs, flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_cosmos, tiny_flux
 
 TOLERANCE = 1e-4
 NCCL_SHIFT = "_c10d_functional.all_to_all_single"
@@ -72,10 +81,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
     join_ranks(rank, world_size, port)
     from torch._inductor.utils import run_and_get_code
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.plan import ParallelPlan
     from engines.compile import prepare_engine
+    from engines.distributed import init_parallel, shutdown
     from engines.options import EngineOptions
+    from engines.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     results = {}
@@ -94,7 +103,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
             eager = parallel(**kwargs)[0]
             engine = prepare_engine(parallel, EngineOptions(backend="inductor", scope="blocks", overlap=True),
                                     repeated_blocks=BLOCKS[name])
-            compiled, codes = run_and_get_code(lambda: engine(**kwargs)[0])
+            output, codes = run_and_get_code(engine, **kwargs)
+            compiled = output[0]
             again = engine(**kwargs)[0]
             engine.release()
             parallel.restore()

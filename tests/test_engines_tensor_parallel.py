@@ -55,7 +55,8 @@ def tiny_model(family: str) -> torch.nn.Module:
         model = CosmosTransformer3DModel(**{**COSMOS_TINY, "num_attention_heads": 8, "concat_padding_mask": False,
                                             "extra_pos_embed_type": "learnable"})
     elif family == "flux2":
-        model = Flux2Transformer2DModel(**{**FLUX2_TINY_TRANSFORMER, "num_attention_heads": 8, "joint_attention_dim": 32})
+        model = Flux2Transformer2DModel(**{**FLUX2_TINY_TRANSFORMER, "num_attention_heads": 8,
+                                           "joint_attention_dim": 32})
     else:
         model = tiny_cosmos3()
     return randomize(model)
@@ -200,4 +201,5 @@ def test_a_model_split_for_one_degree_is_refused_for_another() -> None:
     with pytest.raises(ValueError, match="this model was split for tp 2, not 4"):
         split_weights(model, flux_weights(model, 4), tp=4, rank=1)
     with pytest.raises(RuntimeError, match="no tp group"):  # split for loading, not parallelized yet
-        model.single_transformer_blocks[0].proj_out(torch.zeros(1, 2, model.single_transformer_blocks[0].proj_out.in_features))
+        proj_out = model.single_transformer_blocks[0].proj_out
+        proj_out(torch.zeros(1, 2, proj_out.in_features))

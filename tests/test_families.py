@@ -126,8 +126,8 @@ def test_every_place_reads_the_built_in_records() -> None:
     from pipelines.registry import FAMILIES, MODELS, family_of
 
     for family in FAMILIES.values():
-        for reference in (family.transformer, family.pipeline, family.parallelize, family.tensor_parallel, family.limits,
-                          family.bench.inputs):
+        for reference in (family.transformer, family.pipeline, family.parallelize, family.tensor_parallel,
+                          family.limits, family.bench.inputs):
             assert callable(load(reference)), reference
         for reference in (family.transformer_setup, family.bench.tiny_checkpoint):  # optional functions
             assert not reference or callable(load(reference)), reference

@@ -1,6 +1,7 @@
 """--fp8 (engines/fp8.py): which layers become FP8, how many activation quantizations a block runs (fused
 projections quantize a shared input once, eager and compiled), FP8 runs at 2 and 4 gloo ranks equal to one
-FP8 process (with --tp too: tests/test_fp8_tensor_parallel.py checks the FP8 weights bit for bit), a compiled FP8 engine equal to the eager one, and FP8 in the engine cache's key.
+FP8 process (with --tp too: tests/test_fp8_tensor_parallel.py checks the FP8 weights bit for bit), a compiled FP8 engine
+equal to the eager one, and FP8 in the engine cache's key.
 
 (The embedded tiny-flux keeps its held-out scores with --fp8: tests/test_tiny_quality.py.)
 """
@@ -31,23 +32,28 @@ def _layers(cls, config: dict, blocks: tuple[str, ...]) -> tuple[set[str], set[s
         model = cls(**config)
     chosen = set(fp8_linear_names(model, blocks))
     inside = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(blocks)}
-    pattern = lambda names: {re.sub(r"\.\d+\.", ".N.", n) for n in names}  # noqa: E731
+
+    def pattern(names: set[str]) -> set[str]:
+        return {re.sub(r"\.\d+\.", ".N.", n) for n in names}
+
     return pattern(chosen), pattern(inside - chosen)
 
 
 def test_block_linears_become_fp8_and_modulation_stays() -> None:
     from diffusers import CosmosTransformer3DModel, Flux2Transformer2DModel, FluxTransformer2DModel
 
-    from pipelines.families import FLUX_DEV, FLUX2, _cosmos_predict2
+    from pipelines.families import FLUX2, FLUX_DEV, _cosmos_predict2
 
-    fp8, kept = _layers(FluxTransformer2DModel, FLUX_DEV.transformer, ("transformer_blocks", "single_transformer_blocks"))
+    fp8, kept = _layers(FluxTransformer2DModel, FLUX_DEV.transformer,
+                        ("transformer_blocks", "single_transformer_blocks"))
     assert {"transformer_blocks.N.attn.to_q", "transformer_blocks.N.ff.net.2", "single_transformer_blocks.N.proj_out",
             "single_transformer_blocks.N.proj_mlp"} <= fp8
     assert kept == {"transformer_blocks.N.norm1.linear", "transformer_blocks.N.norm1_context.linear",
                     "single_transformer_blocks.N.norm.linear"}  # AdaLN modulation
     fp8, kept = _layers(CosmosTransformer3DModel, _cosmos_predict2(num_attention_heads=16, num_layers=2).transformer,
                         ("transformer_blocks",))
-    assert {"transformer_blocks.N.attn1.to_q", "transformer_blocks.N.attn2.to_k", "transformer_blocks.N.ff.net.2"} <= fp8
+    assert {"transformer_blocks.N.attn1.to_q", "transformer_blocks.N.attn2.to_k",
+            "transformer_blocks.N.ff.net.2"} <= fp8
     assert kept and all(".norm" in name for name in kept)  # AdaLN-LoRA modulation
     dev = next(m for m in FLUX2.models if m.name == "flux2-dev").architecture.transformer
     fp8, kept = _layers(Flux2Transformer2DModel, {**dev, "num_layers": 1, "num_single_layers": 1},

@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -224,7 +223,6 @@ def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_i
     assert server.store.get(waiting.id).status == "queued"  # the next start runs it
     assert [job.id for job in server.store.recover()] == [waiting.id]
     from app.lockstep import STOPPED
-
     from app.submit import record
 
     stopped = server.store.add(row(status="in_progress"))

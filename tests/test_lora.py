@@ -1,6 +1,7 @@
 """LoRA adapters (engines/lora.py) on tiny-flux's transformer: formats, scales, diffusers' own loader as the reference,
-gloo ranks (every strategy on 2 and 4 ranks, tp 2, ulysses 2 x tp 2), the check before any rank starts, no recompilation when the choice changes (compiled
-blocks, and a compiled one-process server switching three LoRAs), and the engine cache key (LoRA layout, not weights).
+gloo ranks (every strategy on 2 and 4 ranks, tp 2, ulysses 2 x tp 2), the check before any rank starts, no recompilation
+when the choice changes (compiled blocks, and a compiled one-process server switching three LoRAs), and the engine cache
+key (LoRA layout, not weights).
 
 The LoRAs are made here: random A/B (fixed seeds, rank 4, 2 and 3) on every linear of the double-stream blocks (their
 modulation included) and the single-stream blocks' proj_out, saved in diffusers/PEFT keys, and a kohya copy written
@@ -64,8 +65,9 @@ def inputs(batch: int = 1, text: int = 5, grid: tuple[int, int] = (3, 4), seed: 
 
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory) -> dict[str, Path]:
-    from engines.lora import export_kohya
     from safetensors.torch import load_file
+
+    from engines.lora import export_kohya
 
     folder = tmp_path_factory.mktemp("loras")
     files = {"a": make_lora(folder / "a.safetensors", seed=0, rank=4), "b": make_lora(folder / "b.safetensors", 1, 2),
@@ -339,7 +341,8 @@ def test_generate_and_batch_use_the_requests_loras_and_record_them(loras, tmp_pa
     assert read_png_settings(tmp_path / "one.png")["lora"] == {"a": 0.8, "b": 1.0}  # none chosen: every --lora
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(line) for line in (
-        {"prompt": "a red circle", "name": "plain", "lora": ""}, {"prompt": "a red circle", "name": "a", "lora": "a:0.8"},
+        {"prompt": "a red circle", "name": "plain", "lora": ""},
+        {"prompt": "a red circle", "name": "a", "lora": "a:0.8"},
         {"prompt": "a red circle", "name": "bad", "lora": "c"})) + "\n")
     result = run_app("batch", str(prompts), "--out", str(tmp_path / "batch"), *common)
     assert "LoRA 'c' is not loaded in this run for tiny-flux; tiny-flux has: a, b" in result.stdout + result.stderr

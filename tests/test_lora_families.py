@@ -50,8 +50,10 @@ def make_lora(family: str, path: Path, seed: int, rank: int) -> Path:
             for layer in FAMILIES[family][3]:
                 name = f"{blocks}.{index}.{layer}"
                 linear = transformer.get_submodule(name)
-                state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, linear.in_features, generator=generator) * 0.2
-                state[f"transformer.{name}.lora_B.weight"] = torch.randn(linear.out_features, rank, generator=generator) * 0.2
+                down = torch.randn(rank, linear.in_features, generator=generator) * 0.2
+                up = torch.randn(linear.out_features, rank, generator=generator) * 0.2
+                state[f"transformer.{name}.lora_A.weight"] = down
+                state[f"transformer.{name}.lora_B.weight"] = up
     save_file(state, str(path))
     return path
 

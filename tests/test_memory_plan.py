@@ -102,7 +102,8 @@ def test_launch_picks_tp_and_refuses_what_cannot_fit() -> None:
     # --fp8: 5.1 MiB at tp 1 (its block linears in FP8), 4.3 MiB at tp 2
     assert plan_memory(checked, None, 2, 7 * MIB / 1024**3, cuda=False, fp8=True) == ["--tp", "1"]
 
-    refused = _launch("--gpu-memory", "0.004", "generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png")
+    refused = _launch("--gpu-memory", "0.004", "generate", "--model", "tiny-flux", "--prompt", "x",
+                      "--out", "/tmp/x.png")
     assert refused.returncode == 2
     assert "tiny-flux does not fit 2 GPUs of 4.1 MiB: at --tp 2 rank 0 needs 5.1 MiB" in refused.stderr
     assert "torch.distributed.run" not in refused.stderr  # refused before any rank started

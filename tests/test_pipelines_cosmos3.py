@@ -103,7 +103,8 @@ def test_bad_requests_refused_by_the_checks(folder: Path) -> None:
     assert (video_limits.size_multiple, video_limits.frame_multiple, video_limits.min_frames) == (16, 4, 5)
     with pytest.raises(RequestError, match="frames 8 is not 1 \\+ a multiple of 4.*use 5 or 9"):
         make_request(video, video_limits, prompt=PROMPT, frames=8)
-    with pytest.raises(RequestError, match=r"frames 1 is too small: at least 5 \(1 \+ a multiple of 4, from 5 to 189\)"):
+    with pytest.raises(RequestError,
+                       match=r"frames 1 is too small: at least 5 \(1 \+ a multiple of 4, from 5 to 189\)"):
         make_request(video, video_limits, prompt=PROMPT, frames=1)
     with pytest.raises(RequestError, match="height 72 is not a multiple of 16"):
         make_request(video, video_limits, prompt=PROMPT, height=72)

@@ -87,7 +87,8 @@ def _encode_cases(ctx, inputs: dict[str, str]) -> dict[str, dict]:
             whole = pipeline.encode(request)
             report[case] = dict(
                 difference=float((cond.conditioning_latents - whole.conditioning_latents).abs().max()),
-                same_on_every_rank=len(set(sums)) == 1, frames=cond.num_cond_latent_frames == whole.num_cond_latent_frames)
+                same_on_every_rank=len(set(sums)) == 1,
+                frames=cond.num_cond_latent_frames == whole.num_cond_latent_frames)
     return report
 
 
@@ -115,7 +116,8 @@ def _rank(rank: int, world_size: int, port: int, out: str, inputs: dict[str, str
             if ctx.is_main:
                 pipeline.use_split_vae(None)
                 whole = pipeline.decode(request, latents)
-                report[case] = int(np.abs(np.asarray(split).astype(np.int16) - np.asarray(whole).astype(np.int16)).max())
+                difference = np.asarray(split).astype(np.int16) - np.asarray(whole).astype(np.int16)
+                report[case] = int(np.abs(difference).max())
             elif split is not None:
                 raise RuntimeError(f"rank {rank} got the decoded media; only rank 0 should")
     encoding = _encode_cases(ctx, inputs)

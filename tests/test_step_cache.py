@@ -47,8 +47,14 @@ FIELDS = {
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str | None]:
     """Model name -> checkpoint folder (None: the embedded one): tiny random Cosmos 3, FLUX.2 and Wan checkpoints."""
-    from training.tiny_models import (cosmos3_components, flux2_components, save_cosmos3, save_flux2, save_wan,
-                                      wan_components)
+    from training.tiny_models import (
+        cosmos3_components,
+        flux2_components,
+        save_cosmos3,
+        save_flux2,
+        save_wan,
+        wan_components,
+    )
 
     root = tmp_path_factory.mktemp("cached")
     save_cosmos3(root / "cosmos3", cosmos3_components(seed=3))
@@ -171,7 +177,8 @@ class _GraphLike(torch.nn.Module):
 
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
-        self._orig_mod, self.buffers_ = block, None  # as torch.compile's wrapper names it: the cache reads its signature
+        # as torch.compile's wrapper names it: the cache reads its signature
+        self._orig_mod, self.buffers_ = block, None
 
     def forward(self, *args, **kwargs):
         out = self._orig_mod(*args, **kwargs)

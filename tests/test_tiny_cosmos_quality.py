@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.options import RunOptions
 from pipelines.registry import default_folder, get_spec
 from pipelines.requests import make_request
+from tests.helpers import join_ranks, spawn_ranks
 from training import shapes
 from training.evaluate import generate, judge_videos
-from engines.options import RunOptions
-from tests.helpers import join_ranks, spawn_ranks
 
 PROMPTS = shapes.held_out_video_prompts()[:20]
 TWO_RANK_PROMPTS = PROMPTS[:8]

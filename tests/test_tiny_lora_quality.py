@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from pipelines.registry import default_folder, get_spec
-from training import shapes
 from tests.test_tiny_quality import PROMPTS
+from training import shapes
 from training.evaluate import LORA_SUBSET as SUBSET
 from training.evaluate import generate, judge_lora, lora_files, max_difference
 from training.lora import DIFFUSERS_FILE

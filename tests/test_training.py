@@ -79,7 +79,8 @@ def test_word_dropout_leaves_words_out_of_captions_only():
     assert torch.equal(whole.cx, dropped.cx) and torch.equal(whole.shape, dropped.shape)
     assert torch.equal(whole.colour, dropped.colour) and torch.equal(whole.background, dropped.background)
     rates = {}
-    for kind, words in (("colour", shapes.COLOURS), ("shape", shapes.SHAPES), ("motion", shapes.MOTION_PHRASES.values())):
+    for kind, words in (("colour", shapes.COLOURS), ("shape", shapes.SHAPES),
+                        ("motion", shapes.MOTION_PHRASES.values())):
         # a caption's colour, shape or motion is the first such phrase (the background comes after it)
         left_out = [not any(w in c.split(" on ")[0] for w in words) for c in dropped.captions]
         rates[kind] = float(np.mean(left_out))
@@ -142,13 +143,14 @@ def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
         assert out.shape[-3:] == (64, 64, 3)
 
     # A continuation that fits the video VAE's decoder alone (in bfloat16 autocast) keeps its encoder and latent
-    # statistics, so the latents its transformer learnt stay as they were; its transformer grows a block and wider feed-forwards.
+    # statistics, so the latents its transformer learnt stay as they were; its transformer grows a block and wider
+    # feed-forwards.
     from pipelines.loading import load_parts
 
     main(["--device", "cpu", "--minutes", "0.001", "--max-steps", "2", "--small", "--batch-scale", "0.0625", "--only",
-          "cosmos", "--init", str(tmp_path), "--out", str(tmp_path / "next"), "--eval-prompts", "0", "--vae-share", "0.5",
-          "--cosmos-vae-fit", "decoder", "--cosmos-bf16", "--cosmos-word-dropout", "0.2", "--cosmos-layers", "5",
-          "--cosmos-mlp-ratio", "3"])
+          "cosmos", "--init", str(tmp_path), "--out", str(tmp_path / "next"), "--eval-prompts", "0",
+          "--vae-share", "0.5", "--cosmos-vae-fit", "decoder", "--cosmos-bf16", "--cosmos-word-dropout", "0.2",
+          "--cosmos-layers", "5", "--cosmos-mlp-ratio", "3"])
     before, after = (load_parts(folder / "tiny-cosmos", ["vae", "transformer"], dtype=torch.float32, device="cpu")
                      for folder in (tmp_path, tmp_path / "next"))
     assert (before["transformer"].config.num_layers, after["transformer"].config.num_layers) == (4, 5)

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                              "its transformer learnt, stay as they are; for runs that continue trained weights)")
     parser.add_argument("--cosmos-latent-blur", type=float, default=0.0, metavar="SIGMA",
                         help="tiny-cosmos: its VAE learns to decode latents blurred by up to SIGMA latent pixels, so "
-                             "that the shape is carried by codes over the whole object, not by its edges alone (default 0)")
+                             "that the shape is carried by codes over the whole object, not by its edges alone "
+                             "(default 0)")
     parser.add_argument("--cosmos-latent-noise", type=float, default=0.0, metavar="SIGMA",
                         help="tiny-cosmos: its VAE learns to decode latents with noise of up to SIGMA times their "
                              "spread, as a transformer's latents have (default 0)")
@@ -83,8 +84,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     parser.add_argument("--cosmos-compile", action="store_true",
                         help="tiny-cosmos: torch.compile its transformer for the training steps")
     parser.add_argument("--cosmos-layers", type=int, metavar="N",
-                        help="tiny-cosmos: transformer blocks (default 4); with --init, the loaded transformer grows to N, "
-                             "its new blocks appended as identities (training.cosmos.grow_transformer)")
+                        help="tiny-cosmos: transformer blocks (default 4); with --init, the loaded transformer "
+                             "grows to N, its new blocks appended as identities (training.cosmos.grow_transformer)")
     parser.add_argument("--cosmos-mlp-ratio", type=float, metavar="R",
                         help="tiny-cosmos: feed-forward width as a multiple of the transformer's (default 2); with "
                              "--init, each loaded feed-forward widens to R, its new units adding nothing at first")
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
                         help="64-px images and 64-px 9-frame clips, for CPU smoke runs (the saved model still "
                              "defaults to the registry's sizes)")
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts to score at the end (0: none)")
-    parser.add_argument("--examples", type=Path, help="also write examples-tiny-flux.png / examples-tiny-cosmos.png here")
+    parser.add_argument("--examples", type=Path,
+                        help="also write examples-tiny-flux.png / examples-tiny-cosmos.png here")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
     for model in models:
         seconds[f"{model}-vae"] = per_model * args.vae_share
         seconds[f"{model}-dit"] = per_model * (1 - args.vae_share)
-    launcher = f"python -m torch.distributed.run --nproc-per-node {ranks} -m training " if ranks > 1 else "python -m training "
+    launcher = (f"python -m torch.distributed.run --nproc-per-node {ranks} -m training " if ranks > 1
+                else "python -m training ")
     command = launcher + " ".join(argv if argv is not None else sys.argv[1:])
     run = {"command": command, "seed": args.seed, "torch": torch.__version__,
            "device": (f"{ranks}x " if ranks > 1 else "") + _device_name(device)}

@@ -44,8 +44,8 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
 
     `history`: the training.json runs of the weights this run started from (--init), oldest first.
     """
-    runs = [*(history or []), {**run, "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
-                               "phases": [asdict(r) for r in results]}]
+    as_json = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+    runs = [*(history or []), {**run, "settings": as_json, "phases": [asdict(r) for r in results]}]
     (folder / "training.json").write_text(json.dumps(runs, indent=2) + "\n")
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     video = name == "tiny-cosmos"
@@ -102,8 +102,8 @@ def write_card(folder: Path, name: str, parts: dict, results: list[PhaseResult],
             method += (" Random guidance input in [1, 5] (guidance-distilled in form only: the value has no "
                        "effect).")
     regenerate = ("this command:" if len(runs) == 1 else
-                  "these commands, in order\n(`--init` makes a command start from the weights the command above it wrote, "
-                  "wherever its `--out` put them):")
+                  "these commands, in order\n(`--init` makes a command start from the weights the command above it "
+                  "wrote, wherever its `--out` put them):")
     text = f"""# {name}
 
 Embedded default model of ulysses-studio: the real diffusers classes, shrunk, trained here on procedural

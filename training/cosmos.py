@@ -194,7 +194,8 @@ def _train_transformer(parts, pool, device, generator, settings, seconds, max_st
         t = sigma / (sigma + 1)
         given = torch.multinomial(torch.tensor(settings.condition_frames), batch, replacement=True,
                                   generator=generator).to(device)
-        indicator = (torch.arange(latent_frames, device=device).view(1, 1, -1, 1, 1) < given.view(-1, 1, 1, 1, 1)).float()
+        frame = torch.arange(latent_frames, device=device).view(1, 1, -1, 1, 1)
+        indicator = (frame < given.view(-1, 1, 1, 1, 1)).float()
         model_in = indicator * x0 + (1 - indicator) * ((1 - t) * x0 + t * noise)
         timestep = indicator * t_conditioning + (1 - indicator) * t  # [B, 1, T, 1, 1]
         condition_mask = indicator.expand(-1, -1, -1, *x0.shape[3:])
@@ -239,7 +240,8 @@ def grow_transformer(transformer: torch.nn.Module, layers: int, mlp_ratio: float
             target.zero_()
             target[:, : value.shape[1]].copy_(value)
         else:
-            raise RuntimeError(f"growing the transformer did not map {name}: {tuple(value.shape)} -> {tuple(target.shape)}")
+            raise RuntimeError(f"growing the transformer did not map {name}: {tuple(value.shape)} -> "
+                               f"{tuple(target.shape)}")
     with torch.no_grad():
         for block in grown.transformer_blocks[config.num_layers:]:
             for projection in (block.attn1.to_out[0], block.attn2.to_out[0], block.ff.net[2]):
@@ -250,7 +252,8 @@ def grow_transformer(transformer: torch.nn.Module, layers: int, mlp_ratio: float
 
 
 def _cosmos_sigmas(batch: int, generator: torch.Generator) -> torch.Tensor:
-    log_uniform = math.log(SIGMA_MIN) + (math.log(SIGMA_MAX) - math.log(SIGMA_MIN)) * torch.rand(batch, generator=generator)
+    log_uniform = (math.log(SIGMA_MIN)
+                   + (math.log(SIGMA_MAX) - math.log(SIGMA_MIN)) * torch.rand(batch, generator=generator))
     log_normal = (1.2 * torch.randn(batch, generator=generator)).clamp(math.log(SIGMA_MIN), math.log(SIGMA_MAX))
     pick = torch.rand(batch, generator=generator) < 0.5
     return torch.where(pick, log_uniform, log_normal).exp()

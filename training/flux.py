@@ -68,7 +68,8 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
         frozen(vae)
         scenes = shapes.image_scenes(64, generator)
         with torch.no_grad():
-            latents = vae.encode(shapes.render(scenes, settings.sizes[0], settings.sizes[0], device)[:, :, 0]).latent_dist.mode()
+            images = shapes.render(scenes, settings.sizes[0], settings.sizes[0], device)[:, :, 0]
+            latents = vae.encode(images).latent_dist.mode()
         mean, std = latent_statistics(latents, per_channel=False)
         vae.register_to_config(shift_factor=round(float(mean), 4), scaling_factor=round(float(1 / std), 4))
     print(f"[flux-vae] latent shift {vae.config.shift_factor} scale {vae.config.scaling_factor}", flush=True)
@@ -205,7 +206,8 @@ def _distill_guidance(parts, pools, device, generator, settings, seconds, max_st
             text, pooled = encode_prompts(captions)
             inputs = dict(timestep=sigma.repeat(2), guidance=guidance.repeat(2), img_ids=image_ids,
                           txt_ids=torch.zeros(text.shape[1], 3, device=device), return_dict=False)
-            both = teacher(hidden_states=noisy.repeat(2, 1, 1), encoder_hidden_states=torch.cat([text, empty_text.expand(batch, -1, -1)]),
+            both = teacher(hidden_states=noisy.repeat(2, 1, 1),
+                           encoder_hidden_states=torch.cat([text, empty_text.expand(batch, -1, -1)]),
                            pooled_projections=torch.cat([pooled, empty_pooled.expand(batch, -1)]),
                            **inputs)[0].float()
             conditional, unconditional = both.chunk(2)

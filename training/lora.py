@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -227,7 +227,8 @@ def video_scenes(batch: int, frames: int, generator: torch.Generator, *, held_ou
     half = torch.where(moving, half.expand(-1, frames), scaling)
 
     keep = ((torch.rand((batch,), generator=generator) < 0.8) | held_out).tolist()
-    dropped = (torch.rand((batch, 3), generator=generator) < word_dropout).tolist() if word_dropout else [[False] * 3] * batch
+    dropped = ((torch.rand((batch, 3), generator=generator) < word_dropout).tolist() if word_dropout
+               else [[False] * 3] * batch)
     colours, backgrounds = list(COLOURS), list(BACKGROUNDS)
     captions = []
     for i, (c, s, m, b) in enumerate(zip(colour.tolist(), shape.tolist(), motion.tolist(), background.tolist())):

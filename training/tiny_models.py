@@ -563,7 +563,8 @@ def qwen_image_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     text_encoder = tiny_qwen25_vl(width, vocab_size=64, max_positions=1024)
     z_dim = QWEN_IMAGE_TINY_TRANSFORMER["out_channels"]
     torch.manual_seed(seed + 1)
-    statistics = torch.Generator().manual_seed(seed)  # as a trained VAE has them: decode's de-normalisation is exercised
+    # as a trained VAE has them: decode's de-normalisation is exercised
+    statistics = torch.Generator().manual_seed(seed)
     vae = AutoencoderKLQwenImage(
         base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
         latents_mean=(torch.randn(z_dim, generator=statistics) * 0.5).tolist(),
@@ -619,9 +620,9 @@ QWEN_VL_PREPROCESSOR = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, patc
 
 def qwen_image_edit_components(seed: int, *, zero_cond_t: bool = False) -> dict:
     """Qwen-Image-Edit's component set, shrunk and random: qwen_image_components' VAE, transformer and scheduler
-    (zero_cond_t off, as Qwen/Qwen-Image-Edit and -2509; on, as -2511), its tokenizer with Qwen-VL's vision tokens, a Qwen2.5-VL whose
-    one-layer vision tower now sees the reference (its config's vision token ids the tokenizer's), and the
-    processor's image preprocessing (transformers' PIL Qwen2-VL image processor with Qwen2.5-VL's bounds)."""
+    (zero_cond_t off, as Qwen/Qwen-Image-Edit and -2509; on, as -2511), its tokenizer with Qwen-VL's vision tokens, a
+    Qwen2.5-VL whose one-layer vision tower now sees the reference (its config's vision token ids the tokenizer's), and
+    the processor's image preprocessing (transformers' PIL Qwen2-VL image processor with Qwen2.5-VL's bounds)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     parts = qwen_image_components(seed, zero_cond_t=zero_cond_t)
@@ -661,8 +662,8 @@ def save_qwen_image_edit(folder: Path, parts: dict, *, checkpoint: str = QWEN_ED
 
 
 FLUX3_TINY_TRANSFORMER = dict(
-    in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8, num_attention_heads=12,
-    joint_attention_dim=64, timestep_channels=32, axes_dims_rope=(2, 2, 2, 2),
+    in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
+    num_attention_heads=12, joint_attention_dim=64, timestep_channels=32, axes_dims_rope=(2, 2, 2, 2),
 )
 """FLUX.3's transformer shrunk: 12 heads (split by 2, 3 and 4 ranks) of 8 dims (rotary axes t, h, w, l of 2 each),
 two per-mode and two joint blocks; 16 input channels are the tiny VAE's 4-channel latent in 2x2 patches (the
@@ -746,7 +747,8 @@ LOAD_TIME_KEYS = ("_name_or_path", "is_local", "local_files_only")
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m training.tiny_models", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "assets", help="folder that receives tiny-flux/ and tiny-cosmos/")
+    parser.add_argument("--out", type=Path, default=REPO / "assets",
+                        help="folder that receives tiny-flux/ and tiny-cosmos/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     save_flux(args.out / "tiny-flux", flux_components(args.seed))

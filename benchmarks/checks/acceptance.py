@@ -53,9 +53,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -278,7 +279,7 @@ def check_media(row: Row, path: Path, frames: int | None = None) -> None:
         return
     try:
         data = pixels(path)
-    except Exception as error:  # noqa: BLE001 - a file that does not decode is the failure itself
+    except Exception as error:  # a file that does not decode is the failure itself
         row.check(False, f"{path.name} does not decode: {error}")
         return
     row.figures["shape"] = list(data.shape)
@@ -354,7 +355,7 @@ class Run:
             row.check(row.exit_s <= EXIT_SECONDS, f"ended {row.exit_s:.1f} s after its last output")
             if check is not None:
                 check(row, command)
-        except Exception as error:  # noqa: BLE001 - one row's failure is recorded, the next row runs
+        except Exception as error:  # one row's failure is recorded, the next row runs
             row.check(False, f"{type(error).__name__}: {error}")
         finally:
             if command.process.poll() is None:
@@ -401,8 +402,9 @@ def part_generate(run: Run) -> None:
     the other families, a real video architecture."""
     n, files = run.gpus, run.files
     flux, cosmos = ["--model", "tiny-flux", *FLUX_IMAGE], ["--model", "tiny-cosmos", *COSMOS_VIDEO]
-    one = {"flux": files / "flux-1.png", "flux-cache": files / "flux-cache-1.png", "flux-lora": files / "flux-lora-1.png",
-           "cosmos": files / "cosmos-1.mp4", "cosmos-cache": files / "cosmos-cache-1.mp4"}
+    one = {"flux": files / "flux-1.png", "flux-cache": files / "flux-cache-1.png",
+           "flux-lora": files / "flux-lora-1.png", "cosmos": files / "cosmos-1.mp4",
+           "cosmos-cache": files / "cosmos-cache-1.mp4"}
     run.generate("tiny-flux-1-gpu", 1, flux, one["flux"])
     run.generate(f"tiny-flux-{n}-gpus-cold", n, flux, files / "flux-n.png", reference=one["flux"])
     warm = run.generate(f"tiny-flux-{n}-gpus-warm", n, flux, files / "flux-n-warm.png", reference=one["flux"])
@@ -426,9 +428,11 @@ def part_generate(run: Run) -> None:
             run.generate(f"flux-dev-{n}-gpus-lora", n, [*real, "--lora", f"random={lora}"], files / "flux-dev-lora.png",
                          timeout=420)
     run.generate("tiny-flux-1-gpu-lora", 1, [*flux, "--lora", LORA], one["flux-lora"])
-    levers = {"fp8-cache-lora": (["--fp8", "--cache", "fbcache", "--lora", LORA], one["flux-lora"], APPROXIMATE_TOLERANCE),
+    levers = {"fp8-cache-lora": (["--fp8", "--cache", "fbcache", "--lora", LORA], one["flux-lora"],
+                                 APPROXIMATE_TOLERANCE),
               "tp": (["--tp", str(n)], one["flux"], PARALLEL_TOLERANCE),
-              "copy-engine": (["--strategy", "allgather", "--all-to-all", "copy-engine"], one["flux"], PARALLEL_TOLERANCE),
+              "copy-engine": (["--strategy", "allgather", "--all-to-all", "copy-engine"], one["flux"],
+                              PARALLEL_TOLERANCE),
               "lora": (["--lora", LORA], one["flux-lora"], PARALLEL_TOLERANCE),
               "fp8": (["--fp8"], one["flux"], APPROXIMATE_TOLERANCE)}
     for lever, (extra, reference, tolerance) in levers.items():
@@ -457,8 +461,9 @@ def part_generate(run: Run) -> None:
     for name, extra in wan_rows.items():
         if run.wanted(name):
             folder = random_folder(run, "wan2.1-t2v-1.3b")
-            run.generate(name, n, ["--model", "wan2.1-t2v-1.3b", "--model-path", str(folder), "--prompt", "a red circle",
-                                   "--frames", "33", "--size", "832x480", "--steps", "10", *extra],
+            run.generate(name, n, ["--model", "wan2.1-t2v-1.3b", "--model-path", str(folder),
+                                   "--prompt", "a red circle", "--frames", "33", "--size", "832x480", "--steps", "10",
+                                   *extra],
                          files / f"{name}.mp4", timeout=420, frames=33)
     if run.wanted("bench"):  # the bench command, as the README types it, on the GPUs' default engine
         backends = "eager,inductor-blocks+cudagraph" if gpu_memory_mib() else "eager"
@@ -509,7 +514,7 @@ def two_hosts(run: Run, model_args: list[str], out: Path, reference: Path) -> No
         row.check(row.exit_s <= EXIT_SECONDS, f"a host ended {row.exit_s:.1f} s after the job's last output")
         check_media(row, out)
         compare(row, out, reference, PARALLEL_TOLERANCE)
-    except Exception as error:  # noqa: BLE001 - one row's failure is recorded, the next row runs
+    except Exception as error:  # one row's failure is recorded, the next row runs
         row.check(False, f"{type(error).__name__}: {error}")
     finally:
         for host in hosts:
@@ -672,7 +677,7 @@ def part_serve(run: Run) -> None:
                     row.figures["ready"] = ready.group(0)
                 try:
                     body(row, command, url)
-                except Exception as error:  # noqa: BLE001 - recorded; the server is still stopped and timed below
+                except Exception as error:  # recorded; the server is still stopped and timed below
                     row.check(False, f"{type(error).__name__}: {error}")
             if stop:
                 command.interrupt()
@@ -681,7 +686,7 @@ def part_serve(run: Run) -> None:
             row.figures["stop_s"] = round(time.monotonic() - stopped, 2)
             row.check(row.status == expect_status, f"exit status {row.status}, expected {expect_status}")
             row.check(row.exit_s <= EXIT_SECONDS, f"ended {row.exit_s:.1f} s after its last output")
-        except Exception as error:  # noqa: BLE001 - recorded; the next server runs
+        except Exception as error:  # recorded; the next server runs
             row.check(False, f"{type(error).__name__}: {error}")
         finally:
             if command.process.poll() is None:
@@ -760,9 +765,10 @@ def part_serve(run: Run) -> None:
 
         def ask() -> None:
             try:
-                answer["video"] = client.videos.create_and_poll(prompt="a red square moving right on a white background",
-                                                                extra_body={"frames": 63, "steps": 500, "seed": 3})
-            except Exception as error:  # noqa: BLE001 - the error is what the client should get
+                answer["video"] = client.videos.create_and_poll(
+                    prompt="a red square moving right on a white background",
+                    extra_body={"frames": 63, "steps": 500, "seed": 3})
+            except Exception as error:  # the error is what the client should get
                 answer["error"] = str(error)
 
         asking = threading.Thread(target=ask, daemon=True)
@@ -807,7 +813,7 @@ def environment() -> dict[str, Any]:
     for name in ("diffusers", "transformers", "gradio", "torchao", "openai", "imageio_ffmpeg"):
         try:
             versions[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - not installed here
+        except Exception:  # not installed here
             versions[name] = None
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {"date": time.strftime("%Y-%m-%d"), "gpus": gpus, "cpus": os.cpu_count(), "versions": versions}

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.inputs import bench_model, build_random
 from benchmarks.step import gather_objects
+from engines.attention import _kv_attention, gathered_attention
 from engines.collectives import (
     all_to_all,
     finish,
@@ -34,7 +35,6 @@ from engines.collectives import (
     start_all_to_all,
     start_ring_shift,
 )
-from engines.attention import _kv_attention, gathered_attention
 from engines.copy_engine import CopyEngineTransport, start_gather_kv
 from engines.distributed import init_parallel, shutdown
 from engines.options import CUBLAS_WITHOUT_WORKSPACE, set_environment
@@ -88,7 +88,7 @@ def run_on_ranks(name: str, check_fn, out: Path | None) -> None:
                         nccl=".".join(map(str, torch.cuda.nccl.version())))
     try:
         check_fn(ctx, result)
-    except Exception:  # noqa: BLE001 - report it with the other rank's results
+    except Exception:  # report it with the other rank's results
         result["error"] = traceback.format_exc()[-3000:]
     everyone = gather_objects(ctx, result)
     for rank, r in enumerate(everyone):

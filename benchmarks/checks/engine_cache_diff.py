@@ -16,8 +16,8 @@ compile times only), anything else byte for byte (text shown up to 4000 characte
 from __future__ import annotations
 
 import argparse
-import hashlib
 import difflib
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -34,7 +34,7 @@ def artifacts(data: bytes) -> dict[str, str | bytes]:
 
         CacheArtifactManager._ensure_cache_artifacts_registered()
         entries = AppendingByteSerializer.to_list(data, deserialize_fn=_deserialize_single_cache)
-    except Exception as error:  # noqa: BLE001 - a private format that changes between torch versions
+    except Exception as error:  # a private format that changes between torch versions
         return {"<unreadable>": repr(error)}
     return {f"{kind}/{artifact.key}": artifact.content for kind, items in entries for artifact in items}
 
@@ -57,7 +57,7 @@ def computed(content: str | bytes) -> str | bytes | None:
     bytes differ between identical compiles: compile times), else the content itself."""
     try:
         loaded = pickle.loads(content)
-    except Exception:  # noqa: BLE001 - not a pickle: compared as it is
+    except Exception:  # not a pickle: compared as it is
         return content
     if type(loaded).__name__ == "AOTAutogradResult":
         return None
