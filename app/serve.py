@@ -160,8 +160,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of one owner (API key or login) that may wait; owners take turns "
                              f"(default {DEFAULT_MAX_QUEUE_PER_OWNER})")
     parser.add_argument("--max-upload-mb-per-owner", type=float, default=DEFAULT_MAX_UPLOAD_MB_PER_OWNER,
-                        metavar="MB", help="uploads one owner's waiting and running requests may hold together "
-                                           f"(default {DEFAULT_MAX_UPLOAD_MB_PER_OWNER:g})")
+                        metavar="MB", help="uploads one owner may hold: its waiting and running requests', and its UI "
+                                           "uploads no request has used yet (without logins a UI client is its "
+                                           f"address) (default {DEFAULT_MAX_UPLOAD_MB_PER_OWNER:g})")
     parser.add_argument("--max-results-mb-per-owner", type=float, default=DEFAULT_MAX_RESULTS_MB_PER_OWNER,
                         metavar="MB", help="results one owner may keep on the server; past it their requests are "
                                            f"refused (default {DEFAULT_MAX_RESULTS_MB_PER_OWNER:g}; 0: no limit)")
@@ -443,6 +444,7 @@ def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, serve
     from starlette.middleware import Middleware
 
     from app.api_server import server_middleware, server_routes
+    from app.gradio_paths import ServerPaths
     from app.openai_api import PREFIX, api_routes
     from app.ui import OwnResults, build_ui
 
@@ -457,7 +459,10 @@ def _start_ui(args: argparse.Namespace, plan: ServePlan, runtime: Runtime, serve
             auth=[tuple(login) for login in plan.logins] if plan.logins else None,
             prevent_thread_lock=True, allowed_paths=[str(out_dir)], ssr_mode=False, show_error=True,
             quiet=True, max_file_size=int(args.max_upload_mb * 1e6),
-            app_kwargs={"middleware": [*server_middleware(access), Middleware(OwnResults, store=server.store)],
+            app_kwargs={"middleware": [*server_middleware(access),
+                                       Middleware(ServerPaths, uploads=server.uploads.folder, results=out_dir,
+                                                  upload_quota=server.quotas.upload_bytes),
+                                       Middleware(OwnResults, store=server.store)],
                         "routes": routes},
         )
     except OSError:

@@ -306,6 +306,7 @@ def server(tmp_path_factory):
     environment = {AUTH_ENV: f"ann:{PASSWORD}"}
     app = AppProcess("launch", "--nproc", "2", "serve", "--port", str(port), "--max-request-seconds",
                      str(LIMIT_SECONDS), "--max-queue", "1", "--max-upload-mb", "1", "--keep-results", "3",
+                     "--max-upload-mb-per-owner", "2",
                      env=environment)
     try:
         line = app.wait_for("serving on", START_SECONDS)
@@ -506,6 +507,38 @@ def test_repeated_failed_logins_are_slowed(server):
         while login(http, PASSWORD) != 200:
             assert time.monotonic() < deadline + 20
             time.sleep(0.25)
+
+
+def test_the_ui_names_no_server_folder_and_holds_uploads_to_the_owner_quota(server):
+    """Gradio's answers name the upload and results folders by aliases (app.gradio_paths), which its routes take
+    back; an owner's unused uploads count against --max-upload-mb-per-owner (2 MB here) at Gradio's upload route.
+    Last but one of the module: the uploads it leaves stay for up to a minute."""
+    import json
+
+    folders = (str(server.uploads.resolve()), str(server.results.resolve()))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        http.post("login", data={"username": "ann", "password": PASSWORD}).raise_for_status()
+        page = http.get("")
+        assert page.status_code == 200 and not any(folder in page.text for folder in folders)
+        # a generation's events name its result by the alias, which the file route serves
+        event = http.post("gradio_api/call/generate_image", json={"data": list(_image("alias", 40, 1, 64))})
+        stream = http.get(f"gradio_api/call/generate_image/{event.json()['event_id']}").text
+        assert "~results/" in stream and not any(folder in stream for folder in folders), stream
+        result = json.loads(stream.rsplit("data: ", 1)[1])[0]
+        assert result["path"].startswith("~results/image-")
+        file = http.get(f"gradio_api/file={result['path']}")
+        assert file.status_code == 200 and file.content == (server.results / result["path"][9:]).read_bytes()
+        # uploads: answered by alias, served back by it, and refused past the owner's quota
+        blob = os.urandom(900_000)
+        stored = [http.post("gradio_api/upload", files={"files": (f"{name}.bin", blob)}) for name in "ab"]
+        assert [answer.status_code for answer in stored] == [200, 200]
+        paths = [answer.json()[0] for answer in stored]
+        assert all(path.startswith("~uploads/") for path in paths) and not any(
+            folder in answer.text for answer in stored for folder in folders)
+        assert http.get(f"gradio_api/file={paths[0]}").content == blob
+        refused = http.post("gradio_api/upload", files={"files": ("c.bin", blob)})
+        assert refused.status_code == 429 and "--max-upload-mb-per-owner" in refused.text, refused.text
+        assert not list(server.uploads.rglob("c.bin"))
 
 
 def test_nothing_is_left_behind_after_the_server_exits(server):
