@@ -1,13 +1,15 @@
 """Benchmark: the attention kernels alone, at the shapes one GPU attends in our plans, and their error.
 
     python -m benchmarks.attention_kernels --out kernels.json             # on a GPU
-    python -m benchmarks.attention_kernels --shapes flux-1024 --iters 3   # one shape
+    python -m benchmarks.attention_kernels --shapes "flux-1024 1 GPU" --kernels "sdpa bf16,fa3 fp8"
+    python -m benchmarks.attention_kernels --sweep --shapes "wan14b-720p 2 GPUs"   # the Triton kernel's settings
 
 For each shape (one GPU's share of a real model's attention: FLUX.1-dev at 1024² on 1, 2 and 4 GPUs' Ulysses
 heads; Wan 2.1 14B at 81x720x1280 and 81x480x832 likewise) and each kernel: the median seconds of a call (CUDA
-events, after warm-up calls), its rate in TFLOP/s (4·B·H·N²·D floating-point operations a call, the same count
-for every kernel) and its error against float32 attention on the same inputs (relative norm of the output, the
-largest LSE difference where the kernel returns one), measured on the first ERROR_HEADS heads.
+events after 3 warm-up calls, benchmarks.fp8_block.median_ms), its rate in TFLOP/s (4·B·H·N²·D floating-point
+operations a call, the same count for every kernel) and its error against float32 attention on the same inputs
+(relative norm of the output, the largest LSE difference where the kernel returns one), measured on the first
+ERROR_HEADS heads.
 
 Kernels: PyTorch's scaled_dot_product_attention in bf16 as it dispatches (flash) and with cuDNN's; ours
 (engines/quantized_attention.py), the whole call (smoothing and quantization included) compiled as the engines
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.fp8_block import median_ms
 
 ERROR_HEADS = 2
 """Heads on which each kernel's error is measured (float32 attention over 75,600 tokens is slow)."""
@@ -180,22 +183,8 @@ def sweep() -> dict[str, Callable[..., Any]]:
             for k_block in (64, 128) for warps in (4, 8) for stages in (2, 3, 4) for fp8 in (False, True)}
 
 
-def timed(call: Callable[[], Any], warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def measure(shape: Shape, name: str, kernel: Callable[..., Any], *, warmup: int, iters: int,
-            device: torch.device) -> dict[str, Any]:
+def measure(shape: Shape, name: str, kernel: Callable[..., Any], *, iters: int, device: torch.device
+            ) -> dict[str, Any]:
     row: dict[str, Any] = dict(shape=shape.label, heads=shape.heads, tokens=shape.tokens, head_dim=shape.head_dim,
                                kernel=name)
     try:
@@ -206,7 +195,7 @@ def measure(shape: Shape, name: str, kernel: Callable[..., Any], *, warmup: int,
         out, lse = got if isinstance(got, tuple) else (got, None)
         row["error"] = ((out.float() - ref).norm() / ref.norm()).item()
         row["lse_error"] = None if lse is None else (lse.float() - ref_lse).abs().max().item()
-        seconds = timed(lambda: kernel(q, k, v), warmup, iters)
+        seconds = median_ms(lambda: kernel(q, k, v), iters) / 1e3
         row["ms"] = seconds * 1e3
         row["tflops"] = 4 * shape.heads * shape.tokens ** 2 * shape.head_dim / seconds / 1e12
     except Exception as exc:  # this kernel's row says why; the others are measured
@@ -224,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.attention_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated, of: {', '.join(SHAPES)} (default all)")
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--kernels", default=None, help="comma-separated kernel names to measure (default all)")
     parser.add_argument("--sweep", action="store_true",
@@ -242,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         found = sweep() if args.sweep else kernels(small=shape.tokens < 10_000)
         wanted = [name.strip() for name in args.kernels.split(",")] if args.kernels else list(found)
         for name, kernel in ((name, found[name]) for name in wanted if name in found):
-            rows.append(measure(shape, name, kernel, warmup=args.warmup, iters=args.iters, device=device))
+            rows.append(measure(shape, name, kernel, iters=args.iters, device=device))
             if args.out:
                 args.out.write_text(json.dumps(dict(
                     device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
