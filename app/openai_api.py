@@ -55,7 +55,7 @@ from starlette.routing import BaseRoute, Route
 
 from app.access import LoginFailures
 from app.job_store import JobRow
-from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed, Started, Step
+from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed
 from app.lockstep import Generation
 from app.outputs import RESULT_NAME
 from app.request_ids import current_request_id, log
@@ -77,7 +77,8 @@ from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
 PREFIX = "/v1"
 MAX_IMAGES = 10
 """Most images one request may ask for (n), as OpenAI's own limit."""
-EVENT_POLL_SECONDS = 0.05
+CLIENT_CHECK_SECONDS = 0.5
+"""How often a waiting handler asks whether its client is still connected (Job.follow's `every`)."""
 POLL_AFTER_MS = 500
 """How often the SDK's videos.poll asks for a job's status (it reads the openai-poll-after-ms header)."""
 FIELD_BYTES = 1_000_000
@@ -420,31 +421,15 @@ async def _save_data_url(server: Server, url: str, max_bytes: int) -> Path:
     return path
 
 
-async def _follow(job: Job, on_step: Callable[[int, int], None] | None = None,
-                  gone: Callable[[], Awaitable[bool]] | None = None) -> Generation:
-    """Wait for `job`'s result without blocking the loop; ApiError if it fails; cancel it if `gone()` says the
-    client left, or if this coroutine is cancelled."""
-    checked = time.monotonic()
-    try:
-        while True:
-            event = job.next_event(timeout=0)
-            if event is None:
-                if gone is not None and job.cancelled is None and time.monotonic() - checked > 0.5:
-                    checked = time.monotonic()
-                    if await gone():
-                        job.cancel("the client went away")
-                await asyncio.sleep(EVENT_POLL_SECONDS)
-            elif isinstance(event, Step) and on_step is not None:
-                on_step(event.done, event.total)
-            elif isinstance(event, Failed):
-                raise _failed(event.message)
-            elif isinstance(event, Finished):
-                return event.generation
-            elif isinstance(event, Started) and on_step is not None:
-                on_step(0, job.request.steps)
-    except asyncio.CancelledError:
-        job.cancel("cancelled by the client")
-        raise
+async def _result(job: Job, gone: Callable[[], Awaitable[bool]]) -> Generation:
+    """`job`'s result, waited for without blocking the loop; ApiError if it fails; the job cancelled if `gone()` says
+    the client left, or if this coroutine is cancelled."""
+    async for event in job.follow(gone, CLIENT_CHECK_SECONDS):
+        if isinstance(event, Failed):
+            raise _failed(event.message)
+        if isinstance(event, Finished):
+            return event.generation
+    raise RuntimeError("the job's events ended without its result")  # Job.follow ends with Finished or Failed
 
 
 def _failed(message: str) -> ApiError:
@@ -575,7 +560,7 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         data = []
         try:
             for queued in submitted:
-                generation = await _follow(queued.job, gone=request.is_disconnected)
+                generation = await _result(queued.job, request.is_disconnected)
                 path, settings = await write(model, server, queued, generation)
                 item: dict[str, Any] = {"revised_prompt": None, "settings": settings}
                 if response_format == "url":
