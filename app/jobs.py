@@ -4,8 +4,8 @@ Concurrent users are queued, never interleaved: the lockstep service runs one re
 at a time. Owners take turns: the next job is the oldest of the owner served longest ago (an owner
 never served first), so one client's many queued jobs do not hold back another's single one; one
 owner's jobs run in their order. Each job carries its own event stream (Started when its turn comes, step
-progress, then a result or a failure) back to the handler that submitted it, and tells its store row of each
-move (Job.changed). A handler whose client
+progress, then a result or a failure) back to the handler that submitted it (Job.follow, an async iterator that
+the ranks' threads wake), and tells its store row of each move (Job.changed). A handler whose client
 cancelled or left cancels its job: a waiting job is dropped when its turn comes, a running one is
 stopped by every rank at the next step. The queue holds at most `max_waiting` wanted jobs besides the
 running one (a cancelled one waiting for its turn holds no place), and at most `per_owner` of one owner's;
@@ -15,12 +15,13 @@ flood of requests gets an answer at once rather than hours of waiting.
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,10 @@ class Failed:
     message: str
 
 
+JobEvent = Started | Step | Finished | Failed
+"""What happens to a job, in order: Started, its Steps, then one Finished or Failed (its last)."""
+
+
 class Job:
     """One submitted request and the stream of what happens to it."""
 
@@ -109,7 +114,11 @@ class Job:
         self.steps_done = 0
         self.cancelled_after = 0
         """steps_done when cancel was called: how late the ranks stopped is measured from it."""
-        self._events: queue.Queue[Started | Step | Finished | Failed] = queue.Queue()
+        self._events: deque[JobEvent] = deque()
+        """Its events not yet taken by its follower (under _lock)."""
+        self._lock = threading.Lock()
+        self._wake: Callable[[], None] | None = None
+        """Its follower's wake-up (follow), called in whatever thread adds an event."""
         self._progress_told = 0.0
         """time.monotonic() when its row last heard of its progress."""
         self._ended = False
@@ -129,7 +138,7 @@ class Job:
         self.started_at = time.monotonic()
         self.started_time = time.time()
         self.changed(status="in_progress", started_at=self.started_time, progress=0)
-        self._events.put(Started())
+        self._add(Started())
 
     def describe(self, name: str, now: float | None = None) -> str:
         """What the status line says of it: model, size, and once running its step (after the last one: decoding)
@@ -162,7 +171,7 @@ class Job:
         if now - self._progress_told >= PROGRESS_SECONDS:  # a row's write is synced to disk: not at every step
             self._progress_told = now
             self.changed(progress=min(99, 100 * done // max(total, 1)))
-        self._events.put(Step(done, total))
+        self._add(Step(done, total))
 
     def finish(self, generation: Generation) -> None:
         self._end(Finished(generation))
@@ -198,14 +207,62 @@ class Job:
                 listener(self, event.generation if isinstance(event, Finished) else event.message)
         except Exception:  # nor may a listener that failed
             traceback.print_exc()
-        self._events.put(event)
+        self._add(event)
 
-    def next_event(self, timeout: float) -> Started | Step | Finished | Failed | None:
-        """The next event, or None if none comes within `timeout` seconds (for a handler that polls)."""
+    def _add(self, event: JobEvent) -> None:
+        """Keep `event` for the follower, and wake it."""
+        with self._lock:
+            self._events.append(event)
+            wake = self._wake
+        if wake is not None:
+            wake()
+
+    async def follow(self, gone: Callable[[], Awaitable[bool]] | None = None, every: float = 0.5
+                     ) -> AsyncIterator[JobEvent]:
+        """Its events as they come, to one follower at a time, until its Finished or Failed (the last one). Cancels
+        the job if `gone()`, asked every `every` seconds while no event comes, says its client left, or if the
+        follower is cancelled."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the follower's loop has closed: nobody is left to wake
+                pass
+
+        with self._lock:
+            if self._wake is not None:
+                raise RuntimeError("this job has a follower already")
+            self._wake = wake
+        checked = time.monotonic()
         try:
-            return self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
+            while True:
+                arrived.clear()
+                with self._lock:
+                    event = self._events.popleft() if self._events else None
+                if event is not None:
+                    yield event
+                    if isinstance(event, (Finished, Failed)):
+                        return
+                    continue
+                watched = gone is not None and self.cancelled is None
+                if watched and time.monotonic() - checked >= every:
+                    checked = time.monotonic()
+                    if await gone():
+                        self.cancel("the client went away")
+                        continue
+                try:
+                    async with asyncio.timeout(checked + every - time.monotonic() if watched else None):
+                        await arrived.wait()
+                except TimeoutError:  # time to ask `gone` again
+                    pass
+        except asyncio.CancelledError:
+            self.cancel("cancelled by the client")
+            raise
+        finally:
+            with self._lock:
+                self._wake = None
 
 
 class JobQueue:

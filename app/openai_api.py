@@ -45,6 +45,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ from starlette.routing import BaseRoute, Route
 
 from app.access import LoginFailures
 from app.job_store import JobRow
-from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed, Started, Step
+from app.jobs import Failed, Finished, Job, ServiceBusy, ServiceClosed
 from app.lockstep import Generation
 from app.outputs import RESULT_NAME
 from app.request_ids import current_request_id, log
@@ -77,7 +78,8 @@ from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
 PREFIX = "/v1"
 MAX_IMAGES = 10
 """Most images one request may ask for (n), as OpenAI's own limit."""
-EVENT_POLL_SECONDS = 0.05
+CLIENT_CHECK_SECONDS = 0.5
+"""How often a waiting handler asks whether its client is still connected (Job.follow's `every`)."""
 POLL_AFTER_MS = 500
 """How often the SDK's videos.poll asks for a job's status (it reads the openai-poll-after-ms header)."""
 FIELD_BYTES = 1_000_000
@@ -420,31 +422,15 @@ async def _save_data_url(server: Server, url: str, max_bytes: int) -> Path:
     return path
 
 
-async def _follow(job: Job, on_step: Callable[[int, int], None] | None = None,
-                  gone: Callable[[], Awaitable[bool]] | None = None) -> Generation:
-    """Wait for `job`'s result without blocking the loop; ApiError if it fails; cancel it if `gone()` says the
-    client left, or if this coroutine is cancelled."""
-    checked = time.monotonic()
-    try:
-        while True:
-            event = job.next_event(timeout=0)
-            if event is None:
-                if gone is not None and job.cancelled is None and time.monotonic() - checked > 0.5:
-                    checked = time.monotonic()
-                    if await gone():
-                        job.cancel("the client went away")
-                await asyncio.sleep(EVENT_POLL_SECONDS)
-            elif isinstance(event, Step) and on_step is not None:
-                on_step(event.done, event.total)
-            elif isinstance(event, Failed):
-                raise _failed(event.message)
-            elif isinstance(event, Finished):
-                return event.generation
-            elif isinstance(event, Started) and on_step is not None:
-                on_step(0, job.request.steps)
-    except asyncio.CancelledError:
-        job.cancel("cancelled by the client")
-        raise
+async def _result(job: Job, gone: Callable[[], Awaitable[bool]]) -> Generation:
+    """`job`'s result, waited for without blocking the loop; ApiError if it fails; the job cancelled if `gone()` says
+    the client left, or if this coroutine is cancelled."""
+    async for event in job.follow(gone, CLIENT_CHECK_SECONDS):
+        if isinstance(event, Failed):
+            raise _failed(event.message)
+        if isinstance(event, Finished):
+            return event.generation
+    raise RuntimeError("the job's events ended without its result")  # Job.follow ends with Finished or Failed
 
 
 def _failed(message: str) -> ApiError:
@@ -494,240 +480,44 @@ def unmatched(routes: list[BaseRoute]) -> Callable[[Request], Awaitable[Response
     return endpoint
 
 
+@dataclass(frozen=True, kw_only=True)
+class ApiContext:
+    """What the /v1 handlers share: the models, the server (queue, time limit, results, uploads, store) they share
+    with the UI, who may call them, the body's limit, the signed file URLs, and where a video job's end is told."""
+
+    runtime: Runtime
+    server: Server
+    access: ApiAccess
+    max_bytes: int
+    """The most a request's body may bring: the upload limit (--max-upload-mb) and room for its fields."""
+    links: FileLinks
+    webhooks: Webhooks | None = None
+    """Where a video job's end is told (video.completed, video.failed); None: nowhere."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    """When the routes were made: the served models' `created`."""
+    video_requests: dict[str, str | None] = field(default_factory=dict)
+    """A video job's id -> the id of the request that created it, which its end's log line and webhook carry."""
+
+
 def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_bytes: int,
                webhooks: Webhooks | None = None) -> list[BaseRoute]:
     """The /v1 routes for `runtime`'s models, sharing `server` (queue, time limit, results, uploads) with the UI;
     `webhooks`: where a video job's end is told (video.completed, video.failed)."""
-    max_bytes = max_upload_bytes + FIELD_BYTES
-    links = FileLinks(server.store.secret(), server.quotas.url_seconds)
-    created = int(time.time())
+    api = ApiContext(runtime=runtime, server=server, access=access, max_bytes=max_upload_bytes + FIELD_BYTES,
+                     links=FileLinks(server.store.secret(), server.quotas.url_seconds), webhooks=webhooks)
+    server.store.subscribe(partial(video_ended, api))
+    return endpoint_routes(api)
 
-    video_requests: dict[str, str | None] = {}
-    """A video job's id -> the id of the request that created it, which its end's log line and webhook carry."""
 
-    def video_ended(row: JobRow) -> None:
-        """The store's listener: a video job that completed (its MP4 written) or failed is logged, and told to the
-        webhook (in the thread that ended it; Webhooks.send only queues the event)."""
-        if row.kind != "video" or row.status not in ("completed", "failed"):
-            return
-        request_id = video_requests.pop(row.id, None)
-        reason = f": {row.error['message']}" if row.error else ""
-        log.info("video %s %s%s", row.id, row.status, reason, extra={"video_id": row.id, "request_id": request_id})
-        if webhooks is not None:
-            webhooks.send(f"video.{row.status}", {"id": row.id}, request_id)
+def endpoint_routes(api: ApiContext) -> list[BaseRoute]:
+    """Each endpoint's route, its handler given `api`; then the one that answers anything else under /v1."""
 
-    server.store.subscribe(video_ended)
-
-    def video_of(request: Request) -> JobRow:
-        """The caller's video job of the path's id: 404 for an unknown one and for another owner's alike."""
-        video_id = request.path_params["video_id"]
-        row = server.store.get(video_id)
-        if row is None or row.kind != "video" or not request.state.caller.may_see(row.owner):
-            raise ApiError(404, f"no video {video_id!r} (unknown, deleted, expired, or not yours)",
-                           type="not_found_error", param="video_id", code="not_found")
-        return row
-
-    async def models(request: Request) -> Response:
-        data = [{"id": model.spec.name, "object": "model", "created": created, "owned_by": "ulysses-studio",
-                 "media": model.spec.media, "default_size": f"{model.spec.width}x{model.spec.height}",
-                 "size_multiple": model.limits.size_multiple,
-                 "takes_input": (model.limits.video_input if model.spec.media == "video"
-                                 else model.limits.reference_image),
-                 "loras": dict(model.limits.loras)} for model in runtime.models.values()]
-        return JSONResponse({"object": "list", "data": data})
-
-    async def images(request: Request, fields: dict[str, Any], condition: Path | None) -> Response:
-        accepted = IMAGE_FIELDS | IMAGE_IGNORED | OUR_FIELDS | ({"image"} if condition is not None else set())
-        _check_fields(fields, accepted)
-        model = _model(runtime, "image", fields.get("model"))
-        count = 1 if fields.get("n") in (None, "") else _whole("n", fields["n"])
-        if not 1 <= count <= MAX_IMAGES:
-            raise bad(f"n must be between 1 and {MAX_IMAGES}, got {count}", "n")
-        room = min(server.jobs.max_waiting, server.jobs.per_owner or server.jobs.max_waiting)
-        if count > room:
-            raise bad(f"n={count} is more images than this server queues for one client ({room}: --max-queue "
-                      f"{server.jobs.max_waiting}, --max-queue-per-owner {server.jobs.per_owner}): ask for at most "
-                      f"{room}", "n")
-        response_format = fields.get("response_format") or "b64_json"
-        if response_format not in ("b64_json", "url"):
-            raise bad(f"response_format must be 'b64_json' or 'url', got {response_format!r}", "response_format")
-        if fields.get("output_format") not in (None, "", "png"):
-            raise bad("output_format: this server writes PNG alone", "output_format", "unsupported_value")
-        if fields.get("background") == "transparent":
-            raise bad("background: this server's images are opaque", "background", "unsupported_value")
-        if fields.get("stream") not in (None, False, "false", "False"):
-            raise bad("stream: this server answers once the images are made (no partial images)", "stream",
-                      "unsupported_value")
-        width, height = _size(fields.get("size"))
-        seed = random_seed() if fields.get("seed") in (None, "") else _whole("seed", fields["seed"])
-        ours = {**_our_fields(fields), "seed": seed}
-        submitted: list[Submitted] = []
-        try:
-            for index in range(count):
-                ours["seed"] = seed + index
-                submitted.append(await submit(model, server, owner=request.state.caller.owner, copies=count,
-                                              prompt=fields.get("prompt"), width=width, height=height,
-                                              condition=None if condition is None else str(condition), **ours))
-        except (RequestError, ServiceBusy, ServiceClosed, OverQuota) as error:
-            for queued in submitted:
-                queued.job.cancel("another image of its request was refused")
-            raise refused(error) from None
-        data = []
-        try:
-            for queued in submitted:
-                generation = await _follow(queued.job, gone=request.is_disconnected)
-                path, settings = await write(model, server, queued, generation)
-                item: dict[str, Any] = {"revised_prompt": None, "settings": settings}
-                if response_format == "url":
-                    item["url"] = links.url(request, path, server.store.get(queued.id).expires_at)
-                else:
-                    item["b64_json"] = base64.b64encode(await asyncio.to_thread(path.read_bytes)).decode()
-                data.append(item)
-        except BaseException:
-            for queued in submitted:  # one failed, or the client left: the rest are not wanted either
-                queued.job.cancel("another image of its request failed")
-            raise
-        request_ = submitted[0].request
-        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
-                             "size": f"{request_.width}x{request_.height}", "background": "opaque"})
-
-    async def generations(request: Request) -> Response:
-        fields, files = await _fields(request, max_bytes)
-        if files:
-            raise bad("images/generations takes no file: send a reference image to images/edits", "image")
-        return await images(request, fields, None)
-
-    async def edits(request: Request) -> Response:
-        fields, files = await _fields(request, max_bytes)
-        if "mask" in files or "mask" in fields:
-            raise bad("mask: this server does not inpaint; the image is a reference for the whole picture", "mask",
-                      "unsupported_value")
-        given = files.get("image", [])
-        if len(given) != 1 or set(files) - {"image"}:
-            raise bad(f"images/edits takes one reference image (field 'image'), got {len(given)}", "image")
-        model = _model(runtime, "image", fields.get("model"))
-        if not model.limits.reference_image:
-            raise bad(f"model '{model.spec.name}' makes images from text alone; it takes no input image", "image")
-        path = await _save_upload(server, given[0])
-        await given[0].close()
-        server.uploads.use(path)  # this handler's hold; each job takes its own (app.submit)
-        try:
-            return await images(request, fields, path)
-        finally:
-            await asyncio.to_thread(server.uploads.release, path)
-
-    async def create_video(request: Request) -> Response:
-        fields, files = await _fields(request, max_bytes)
-        reference = fields.pop("input_reference[image_url]", None) or fields.pop("input_reference", None)
-        if isinstance(reference, dict):
-            reference = reference.get("image_url")
-            if reference is None:
-                raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
-                          "input_reference")
-        if "input_reference[file_id]" in fields:
-            raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
-                      "input_reference")
-        _check_fields(fields, VIDEO_FIELDS | OUR_FIELDS)
-        if set(files) - {"input_reference"} or len(files.get("input_reference", [])) > 1:
-            raise bad("a video request takes one file, input_reference", "input_reference")
-        model = _model(runtime, "video", fields.get("model"))
-        width, height = _size(fields.get("size"))
-        fps = None if fields.get("fps") in (None, "") else _whole("fps", fields["fps"])
-        frames = None if fields.get("frames") in (None, "") else _whole("frames", fields["frames"])
-        if fields.get("seconds") not in (None, ""):
-            if frames is not None:
-                raise bad("give seconds or frames, not both", "frames")
-            frames = _frames_of(fields["seconds"], fps or model.spec.fps, model.limits.frame_multiple)
-        seed = random_seed() if fields.get("seed") in (None, "") else fields["seed"]
-        path = None
-        if files.get("input_reference"):
-            path = await _save_upload(server, files["input_reference"][0])
-            await files["input_reference"][0].close()
-        elif reference is not None:
-            path = await _save_data_url(server, str(reference), max_bytes)
-        if path is not None:
-            server.uploads.use(path)
-        try:
-            submitted = await submit(model, server, owner=request.state.caller.owner, prompt=fields.get("prompt"),
-                                     width=width, height=height, frames=frames, fps=fps,
-                                     condition=None if path is None else str(path),
-                                     **{**_our_fields(fields), "seed": seed})
-        except (RequestError, ServiceBusy, ServiceClosed, OverQuota) as error:
-            raise refused(error, "input_reference", "seconds" if "seconds" in fields else "frames") from None
-        finally:
-            if path is not None:
-                await asyncio.to_thread(server.uploads.release, path)
-        video_requests[submitted.id] = current_request_id()
-        finish_later(model, server, submitted)
-        return JSONResponse(video_object(await asyncio.to_thread(server.store.get, submitted.id)))
-
-    async def list_videos(request: Request) -> Response:
-        query = request.query_params
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
-        limit = _whole("limit", query.get("limit", "20"))
-        if not 1 <= limit <= 100:
-            raise bad(f"limit must be between 1 and 100, got {limit}", "limit")
-        caller = request.state.caller
-        after = query.get("after") or None
-        if after is not None:
-            row = server.store.get(after)
-            if row is None or row.kind != "video" or not caller.may_see(row.owner):
-                raise bad(f"after: no video {after!r} of yours", "after")
-        rows, more = await asyncio.to_thread(server.store.page, None if caller.admin else caller.owner, "video",
-                                             after=after, limit=limit, order=order)
-        data = [video_object(row) for row in rows]
-        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None, "has_more": more})
-
-    async def retrieve_video(request: Request) -> Response:
-        return JSONResponse(video_object(video_of(request)), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
-
-    async def video_content(request: Request) -> Response:
-        video = video_of(request)
-        variant = request.query_params.get("variant", "video")
-        if variant != "video":
-            raise ApiError(400, f"variant {variant!r}: this server keeps the MP4 alone ('video')", param="variant",
-                           code="unsupported_value")
-        if video.status != "completed":
-            message = video.error["message"] if video.error else "its MP4 is not ready yet"
-            raise ApiError(409, f"video {video.id} is {video.status}: {message}", code="video_not_ready")
-        path = server.results.folder / video.files[0] if video.files else None
-        if path is None or not path.is_file():
-            raise ApiError(404, f"video {video.id}'s file was removed (the server keeps its latest results: "
-                           "--keep-results)", type="not_found_error", code="not_found")
-        return FileResponse(path, media_type="video/mp4")
-
-    async def delete_video(request: Request) -> Response:
-        video = video_of(request)
-        job = server.live.get(video.id)
-        if job is not None:
-            job.cancel("deleted by the client")
-        if video.status in ("queued", "in_progress"):  # it ends unfinished: its row says so (a video.failed event)
-            await asyncio.to_thread(server.store.change, video.id, status="failed", completed_at=time.time(),
-                                    error={"code": "cancelled", "message": "deleted by its owner before it ended"})
-        await asyncio.to_thread(server.store.delete, video.id)
-        for name in video.files:
-            await asyncio.to_thread((server.results.folder / name).unlink, missing_ok=True)
-        return JSONResponse({"id": video.id, "object": "video.deleted", "deleted": True})
-
-    async def result_file(request: Request) -> Response:
-        name = request.path_params["name"]
-        if not RESULT_NAME.fullmatch(name):
-            raise ApiError(404, "no such file", type="not_found_error", code="not_found")
-        links.check(name, request.query_params.get("expires", ""), request.query_params.get("sig", ""))
-        path = server.results.folder / name
-        if not path.is_file():
-            raise ApiError(404, f"{name} was removed (the server keeps its latest results: --keep-results)",
-                           type="not_found_error", code="not_found")
-        return FileResponse(path, media_type="image/png" if name.endswith(".png") else "video/mp4")
-
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str],
+    def route(path: str, handler: Callable[[ApiContext, Request], Awaitable[Response]], methods: list[str],
               keyed: bool = True) -> Route:
-        return Route(f"{PREFIX}{path}", api_endpoint(handler, access if keyed else None), methods=methods)
+        return Route(f"{PREFIX}{path}", api_endpoint(partial(handler, api), api.access if keyed else None),
+                     methods=methods)
 
-    routes = [
+    endpoints = [
         route("/models", models, ["GET"]),
         route("/images/generations", generations, ["POST"]),
         route("/images/edits", edits, ["POST"]),
@@ -739,7 +529,286 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
         route("/files/{name}", result_file, ["GET"], keyed=False),  # the signature is the key
     ]
     # Anything else under /v1 is this API's to answer, whatever its method (Gradio's routes never see it).
-    return [*routes, route("/{path:path}", unmatched(routes), ANY_METHOD, keyed=False)]
+    return [*endpoints, Route(f"{PREFIX}/{{path:path}}", api_endpoint(unmatched(endpoints), None), methods=ANY_METHOD)]
+
+
+def video_ended(api: ApiContext, row: JobRow) -> None:
+    """The store's listener: a video job that completed (its MP4 written) or failed is logged, and told to the
+    webhook (in the thread that ended it; Webhooks.send only queues the event)."""
+    if row.kind != "video" or row.status not in ("completed", "failed"):
+        return
+    request_id = api.video_requests.pop(row.id, None)
+    reason = f": {row.error['message']}" if row.error else ""
+    log.info("video %s %s%s", row.id, row.status, reason, extra={"video_id": row.id, "request_id": request_id})
+    if api.webhooks is not None:
+        api.webhooks.send(f"video.{row.status}", {"id": row.id}, request_id)
+
+
+def _video_of(api: ApiContext, request: Request) -> JobRow:
+    """The caller's video job of the path's id: 404 for an unknown one and for another owner's alike."""
+    video_id = request.path_params["video_id"]
+    row = api.server.store.get(video_id)
+    if row is None or row.kind != "video" or not request.state.caller.may_see(row.owner):
+        raise ApiError(404, f"no video {video_id!r} (unknown, deleted, expired, or not yours)",
+                       type="not_found_error", param="video_id", code="not_found")
+    return row
+
+
+async def models(api: ApiContext, request: Request) -> Response:
+    """GET /v1/models: the served models, with their media, default size and what they take."""
+    data = [{"id": model.spec.name, "object": "model", "created": api.created, "owned_by": "ulysses-studio",
+             "media": model.spec.media, "default_size": f"{model.spec.width}x{model.spec.height}",
+             "size_multiple": model.limits.size_multiple,
+             "takes_input": (model.limits.video_input if model.spec.media == "video" else model.limits.reference_image),
+             "loras": dict(model.limits.loras)} for model in api.runtime.models.values()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def generations(api: ApiContext, request: Request) -> Response:
+    """POST /v1/images/generations: images from text."""
+    fields, files = await _fields(request, api.max_bytes)
+    if files:
+        raise bad("images/generations takes no file: send a reference image to images/edits", "image")
+    return await _images(api, request, fields, None)
+
+
+async def edits(api: ApiContext, request: Request) -> Response:
+    """POST /v1/images/edits: images from text and one reference image (models that take one)."""
+    fields, files = await _fields(request, api.max_bytes)
+    if "mask" in files or "mask" in fields:
+        raise bad("mask: this server does not inpaint; the image is a reference for the whole picture", "mask",
+                  "unsupported_value")
+    given = files.get("image", [])
+    if len(given) != 1 or set(files) - {"image"}:
+        raise bad(f"images/edits takes one reference image (field 'image'), got {len(given)}", "image")
+    model = _model(api.runtime, "image", fields.get("model"))
+    if not model.limits.reference_image:
+        raise bad(f"model '{model.spec.name}' makes images from text alone; it takes no input image", "image")
+    path = await _save_upload(api.server, given[0])
+    await given[0].close()
+    api.server.uploads.use(path)  # this handler's hold; each job takes its own (app.submit)
+    try:
+        return await _images(api, request, fields, path)
+    finally:
+        await asyncio.to_thread(api.server.uploads.release, path)
+
+
+async def _images(api: ApiContext, request: Request, fields: dict[str, Any], condition: Path | None) -> Response:
+    """The images of a generation or an edit (`condition`: its reference image), once they are all made."""
+    model, count, response_format = _image_options(api, fields, condition)
+    submitted = await _submit_images(api, request, model, count, fields, condition)
+    data = await _image_items(api, request, model, submitted, response_format)
+    first = submitted[0].request
+    return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
+                         "size": f"{first.width}x{first.height}", "background": "opaque"})
+
+
+def _image_options(api: ApiContext, fields: dict[str, Any], condition: Path | None) -> tuple[ServedModel, int, str]:
+    """An image request's model, its number of images (n) and its response_format; 400 for what this server does
+    not take."""
+    accepted = IMAGE_FIELDS | IMAGE_IGNORED | OUR_FIELDS | ({"image"} if condition is not None else set())
+    _check_fields(fields, accepted)
+    model = _model(api.runtime, "image", fields.get("model"))
+    count = 1 if fields.get("n") in (None, "") else _whole("n", fields["n"])
+    if not 1 <= count <= MAX_IMAGES:
+        raise bad(f"n must be between 1 and {MAX_IMAGES}, got {count}", "n")
+    jobs = api.server.jobs
+    room = min(jobs.max_waiting, jobs.per_owner or jobs.max_waiting)
+    if count > room:
+        raise bad(f"n={count} is more images than this server queues for one client ({room}: --max-queue "
+                  f"{jobs.max_waiting}, --max-queue-per-owner {jobs.per_owner}): ask for at most {room}", "n")
+    response_format = fields.get("response_format") or "b64_json"
+    if response_format not in ("b64_json", "url"):
+        raise bad(f"response_format must be 'b64_json' or 'url', got {response_format!r}", "response_format")
+    if fields.get("output_format") not in (None, "", "png"):
+        raise bad("output_format: this server writes PNG alone", "output_format", "unsupported_value")
+    if fields.get("background") == "transparent":
+        raise bad("background: this server's images are opaque", "background", "unsupported_value")
+    if fields.get("stream") not in (None, False, "false", "False"):
+        raise bad("stream: this server answers once the images are made (no partial images)", "stream",
+                  "unsupported_value")
+    return model, count, response_format
+
+
+async def _submit_images(api: ApiContext, request: Request, model: ServedModel, count: int, fields: dict[str, Any],
+                         condition: Path | None) -> list[Submitted]:
+    """Queue the `count` jobs of an image request (seeds seed, seed + 1, ...): all of them, or none."""
+    width, height = _size(fields.get("size"))
+    seed = random_seed() if fields.get("seed") in (None, "") else _whole("seed", fields["seed"])
+    ours = {**_our_fields(fields), "seed": seed}
+    submitted: list[Submitted] = []
+    try:
+        for index in range(count):
+            ours["seed"] = seed + index
+            submitted.append(await submit(model, api.server, owner=request.state.caller.owner, copies=count,
+                                          prompt=fields.get("prompt"), width=width, height=height,
+                                          condition=None if condition is None else str(condition), **ours))
+    except (RequestError, ServiceBusy, ServiceClosed, OverQuota) as error:
+        for queued in submitted:
+            queued.job.cancel("another image of its request was refused")
+        raise refused(error) from None
+    return submitted
+
+
+async def _image_items(api: ApiContext, request: Request, model: ServedModel, submitted: list[Submitted],
+                       response_format: str) -> list[dict[str, Any]]:
+    """Each job's image, as it ends, written and given as a signed URL or base64; one that fails, or a client that
+    leaves, cancels the rest."""
+    data = []
+    try:
+        for queued in submitted:
+            generation = await _result(queued.job, request.is_disconnected)
+            path, settings = await write(model, api.server, queued, generation)
+            item: dict[str, Any] = {"revised_prompt": None, "settings": settings}
+            if response_format == "url":
+                item["url"] = api.links.url(request, path, api.server.store.get(queued.id).expires_at)
+            else:
+                item["b64_json"] = base64.b64encode(await asyncio.to_thread(path.read_bytes)).decode()
+            data.append(item)
+    except BaseException:
+        for queued in submitted:  # one failed, or the client left: the rest are not wanted either
+            queued.job.cancel("another image of its request failed")
+        raise
+    return data
+
+
+async def create_video(api: ApiContext, request: Request) -> Response:
+    """POST /v1/videos: queue a video job (finished by a thread of its own) and answer its video object at once."""
+    fields, files = await _fields(request, api.max_bytes)
+    reference = _video_reference(fields)
+    _check_fields(fields, VIDEO_FIELDS | OUR_FIELDS)
+    if set(files) - {"input_reference"} or len(files.get("input_reference", [])) > 1:
+        raise bad("a video request takes one file, input_reference", "input_reference")
+    model = _model(api.runtime, "video", fields.get("model"))
+    width, height = _size(fields.get("size"))
+    frames, fps = _video_length(fields, model)
+    seed = random_seed() if fields.get("seed") in (None, "") else fields["seed"]
+    path = await _video_input(api, files, reference)
+    try:
+        submitted = await submit(model, api.server, owner=request.state.caller.owner, prompt=fields.get("prompt"),
+                                 width=width, height=height, frames=frames, fps=fps,
+                                 condition=None if path is None else str(path), **{**_our_fields(fields), "seed": seed})
+    except (RequestError, ServiceBusy, ServiceClosed, OverQuota) as error:
+        raise refused(error, "input_reference", "seconds" if "seconds" in fields else "frames") from None
+    finally:
+        if path is not None:
+            await asyncio.to_thread(api.server.uploads.release, path)
+    api.video_requests[submitted.id] = current_request_id()
+    finish_later(model, api.server, submitted)
+    return JSONResponse(video_object(await asyncio.to_thread(api.server.store.get, submitted.id)))
+
+
+def _video_reference(fields: dict[str, Any]) -> Any:
+    """The input_reference a video request gives in its fields (an image_url data URL), taken out of them; None where
+    it gives none (or sends it as a file)."""
+    reference = fields.pop("input_reference[image_url]", None) or fields.pop("input_reference", None)
+    if isinstance(reference, dict):
+        reference = reference.get("image_url")
+        if reference is None:
+            raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
+                      "input_reference")
+    if "input_reference[file_id]" in fields:
+        raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
+                  "input_reference")
+    return reference
+
+
+def _video_length(fields: dict[str, Any], model: ServedModel) -> tuple[int | None, int | None]:
+    """A video request's frames and fps (None: the model's default), its frames from `seconds` where it gives them."""
+    fps = None if fields.get("fps") in (None, "") else _whole("fps", fields["fps"])
+    frames = None if fields.get("frames") in (None, "") else _whole("frames", fields["frames"])
+    if fields.get("seconds") not in (None, ""):
+        if frames is not None:
+            raise bad("give seconds or frames, not both", "frames")
+        frames = _frames_of(fields["seconds"], fps or model.spec.fps, model.limits.frame_multiple)
+    return frames, fps
+
+
+async def _video_input(api: ApiContext, files: dict[str, list[UploadFile]], reference: Any) -> Path | None:
+    """A video request's input (an uploaded file, or its data URL) in the upload folder, held by this handler until
+    it releases it; None where it gives none."""
+    path = None
+    if files.get("input_reference"):
+        path = await _save_upload(api.server, files["input_reference"][0])
+        await files["input_reference"][0].close()
+    elif reference is not None:
+        path = await _save_data_url(api.server, str(reference), api.max_bytes)
+    if path is not None:
+        api.server.uploads.use(path)
+    return path
+
+
+async def list_videos(api: ApiContext, request: Request) -> Response:
+    """GET /v1/videos: the caller's video jobs (every owner's for an admin), a page after an id, in either order."""
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
+    limit = _whole("limit", query.get("limit", "20"))
+    if not 1 <= limit <= 100:
+        raise bad(f"limit must be between 1 and 100, got {limit}", "limit")
+    caller = request.state.caller
+    after = query.get("after") or None
+    if after is not None:
+        row = api.server.store.get(after)
+        if row is None or row.kind != "video" or not caller.may_see(row.owner):
+            raise bad(f"after: no video {after!r} of yours", "after")
+    rows, more = await asyncio.to_thread(api.server.store.page, None if caller.admin else caller.owner, "video",
+                                         after=after, limit=limit, order=order)
+    data = [video_object(row) for row in rows]
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+async def retrieve_video(api: ApiContext, request: Request) -> Response:
+    """GET /v1/videos/{id}: its video object, and how often to ask again."""
+    return JSONResponse(video_object(_video_of(api, request)), headers={"openai-poll-after-ms": str(POLL_AFTER_MS)})
+
+
+async def video_content(api: ApiContext, request: Request) -> Response:
+    """GET /v1/videos/{id}/content: a completed video's MP4."""
+    video = _video_of(api, request)
+    variant = request.query_params.get("variant", "video")
+    if variant != "video":
+        raise ApiError(400, f"variant {variant!r}: this server keeps the MP4 alone ('video')", param="variant",
+                       code="unsupported_value")
+    if video.status != "completed":
+        message = video.error["message"] if video.error else "its MP4 is not ready yet"
+        raise ApiError(409, f"video {video.id} is {video.status}: {message}", code="video_not_ready")
+    path = api.server.results.folder / video.files[0] if video.files else None
+    if path is None or not path.is_file():
+        raise ApiError(404, f"video {video.id}'s file was removed (the server keeps its latest results: "
+                       "--keep-results)", type="not_found_error", code="not_found")
+    return FileResponse(path, media_type="video/mp4")
+
+
+async def delete_video(api: ApiContext, request: Request) -> Response:
+    """DELETE /v1/videos/{id}: stop the job if it waits or runs, and forget it and its file."""
+    server = api.server
+    video = _video_of(api, request)
+    job = server.live.get(video.id)
+    if job is not None:
+        job.cancel("deleted by the client")
+    if video.status in ("queued", "in_progress"):  # it ends unfinished: its row says so (a video.failed event)
+        await asyncio.to_thread(server.store.change, video.id, status="failed", completed_at=time.time(),
+                                error={"code": "cancelled", "message": "deleted by its owner before it ended"})
+    await asyncio.to_thread(server.store.delete, video.id)
+    for name in video.files:
+        await asyncio.to_thread((server.results.folder / name).unlink, missing_ok=True)
+    return JSONResponse({"id": video.id, "object": "video.deleted", "deleted": True})
+
+
+async def result_file(api: ApiContext, request: Request) -> Response:
+    """GET /v1/files/{name}: a result by its signed URL, until the URL's time."""
+    name = request.path_params["name"]
+    if not RESULT_NAME.fullmatch(name):
+        raise ApiError(404, "no such file", type="not_found_error", code="not_found")
+    api.links.check(name, request.query_params.get("expires", ""), request.query_params.get("sig", ""))
+    path = api.server.results.folder / name
+    if not path.is_file():
+        raise ApiError(404, f"{name} was removed (the server keeps its latest results: --keep-results)",
+                       type="not_found_error", code="not_found")
+    return FileResponse(path, media_type="image/png" if name.endswith(".png") else "video/mp4")
 
 
 def _frames_of(seconds: Any, fps: int, multiple: int) -> int:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.budget import LIMIT_OPTION, RequestBudget, duration
 from app.job_store import INTERRUPTED, JobRow, JobStore
-from app.jobs import Failed, Finished, Job, JobQueue
+from app.jobs import Finished, Job, JobQueue
 from app.lockstep import STOPPED, Generation
 from app.outputs import RecentResults, ResultsFolder, settings_of
 from app.runtime import Runtime, ServedModel
@@ -249,19 +249,15 @@ def finish_later(model: ServedModel, server: Server, submitted: Submitted, owner
     """Wait for a job nobody waits on in a thread of its own, and write its result (its row says how it went);
     `owner`: whose UI gallery it joins (write's)."""
 
-    def finish() -> None:
-        while True:
-            event = submitted.job.next_event(timeout=1.0)
-            if isinstance(event, Failed):
-                return
+    async def finish() -> None:
+        async for event in submitted.job.follow():
             if isinstance(event, Finished):
                 try:
-                    asyncio.run(write(model, server, submitted, event.generation, owner))
+                    await write(model, server, submitted, event.generation, owner)
                 except Exception as error:  # its row says so (write); the server goes on
                     print(f"{submitted.id}: its result could not be written: {error}", file=sys.stderr, flush=True)
-                return
 
-    thread = threading.Thread(target=finish, name=f"finish-{submitted.id}", daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(finish()), name=f"finish-{submitted.id}", daemon=True)
     thread.start()
     return thread
 

@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -48,8 +48,8 @@ from pipelines.requests import RequestError
 
 __all__ = ["OwnResults", "Owners", "Server", "build_ui", "public_message", "queue_status"]
 
-EVENT_POLL_SECONDS = 0.05
-"""How often a waiting handler looks at its job's events and at its client."""
+CLIENT_CHECK_SECONDS = 0.05
+"""How often a waiting handler looks at its client (Job.follow's `every`), while its job has no news."""
 MAX_MEDIA_PX = 512
 """Images are shown at their own size up to this width (never upscaled); the file is full size."""
 STATUS_SECONDS = 2.0
@@ -487,36 +487,31 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
 
 async def _wait(job: Job, relay: _Progress) -> Generation:
     """Relay `job`'s progress until it ends; cancel it if this handler is cancelled or its client leaves."""
-    client_connected = _client_watch()
     relay.queued()
-    try:
-        while True:
-            event = job.next_event(timeout=0)
-            if event is None:
-                if job.cancelled is None and not client_connected():
-                    job.cancel("the client went away")
-                await asyncio.sleep(EVENT_POLL_SECONDS)
-            elif isinstance(event, Started):
-                relay.started()
-            elif isinstance(event, Step):
-                relay.step(event.done, event.total)
-            elif isinstance(event, Failed):
-                raise gr.Error(public_message(event.message), print_exception=False)  # the failing rank logged it
-            elif isinstance(event, Finished):
-                return event.generation
-    except asyncio.CancelledError:  # Gradio's /cancel: the client cancelled
-        job.cancel("cancelled by the client")
-        raise
+    async for event in job.follow(_client_gone(), CLIENT_CHECK_SECONDS):
+        if isinstance(event, Started):
+            relay.started()
+        elif isinstance(event, Step):
+            relay.step(event.done, event.total)
+        elif isinstance(event, Failed):
+            raise gr.Error(public_message(event.message), print_exception=False)  # the failing rank logged it
+        elif isinstance(event, Finished):
+            return event.generation
+    raise RuntimeError("the job's events ended without its result")  # Job.follow ends with Finished or Failed
 
 
-def _client_watch() -> Callable[[], bool]:
-    """Whether this handler's client is still connected, as Gradio's queue knows it.
+def _client_gone() -> Callable[[], Awaitable[bool]]:
+    """Whether this handler's client has gone, as Gradio's queue knows it.
 
     When a client's event stream closes, Gradio marks its events not alive (Queue.clean_events) but
     stops only generator handlers; a coroutine like ours must look for itself. This reads Gradio's
-    queue (gradio>=6,<7, tests/test_app_limits.py checks it); outside a Gradio event it says True.
+    queue (gradio>=6,<7, tests/test_app_limits.py checks it); outside a Gradio event it says False.
     """
     blocks, event_id = LocalContext.blocks.get(None), LocalContext.event_id.get(None)
     queue = getattr(blocks, "_queue", None)
     event = queue.event_ids_to_events.get(event_id) if queue is not None and event_id else None
-    return lambda: event is None or event.alive
+
+    async def gone() -> bool:
+        return event is not None and not event.alive
+
+    return gone

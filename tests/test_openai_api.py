@@ -13,6 +13,7 @@ weights).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -644,6 +645,64 @@ def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
     assert value("step_cache_hits_total", **flux) == 5 and value("step_cache_steps_total", **flux) == 8
     assert value("rank_memory_bytes", rank="1", device="cuda") == 6_000
     assert value("groups") == 2 and value("busy_groups") == 0 and value("num_requests_waiting") == 0
+
+
+def test_a_job_is_followed_from_another_thread_and_cancelled_as_its_client_goes_or_cancels(tmp_path):
+    """Job.follow yields the events a ranks' thread adds, in order, to its last (Finished); a follower whose client
+    is gone cancels its job, and one that is cancelled cancels its job too."""
+    from app.jobs import Failed, Finished, JobQueue, Started, Step
+    from app.lockstep import Generation
+    from pipelines.requests import make_request
+
+    model, _, _ = flux2_server(tmp_path)
+    request = make_request(model.spec, model.limits, prompt="a red circle", width=64, height=48, steps=2, seed=1)
+    jobs = JobQueue(4)
+
+    def ranks() -> None:
+        job = jobs.take(timeout=5)
+        job.start()
+        for done in (1, 2):
+            time.sleep(0.05)
+            job.step(done, 2)
+        job.finish(Generation(result=None, model="image", request=request, seconds=0.1, step_seconds=0.05))
+
+    async def follow_one() -> list:
+        job = jobs.submit("image", request)
+        threading.Thread(target=ranks, daemon=True).start()
+        return [event async for event in job.follow()]
+
+    events = asyncio.run(asyncio.wait_for(follow_one(), 10))
+    assert [type(event) for event in events] == [Started, Step, Step, Finished]
+    assert [(event.done, event.total) for event in events[1:3]] == [(1, 2), (2, 2)]
+
+    async def gone() -> bool:
+        return True
+
+    async def client_leaves() -> tuple:
+        job = jobs.submit("image", request)
+        follower = asyncio.create_task(_events_of(job, gone, every=0.01))
+        while job.cancelled is None:
+            await asyncio.sleep(0.01)
+        jobs.take(timeout=0)  # its turn: a cancelled job is failed with its reason
+        return job.cancelled, await follower
+
+    cancelled, events = asyncio.run(asyncio.wait_for(client_leaves(), 10))
+    assert cancelled == "the client went away" and events == [Failed("the client went away")]
+
+    async def follower_cancelled() -> str | None:
+        job = jobs.submit("image", request)
+        follower = asyncio.create_task(_events_of(job))
+        await asyncio.sleep(0.05)
+        follower.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await follower
+        return job.cancelled
+
+    assert asyncio.run(follower_cancelled()) == "cancelled by the client"
+
+
+async def _events_of(job, gone=None, every: float = 0.5) -> list:
+    return [event async for event in job.follow(gone, every)]
 
 
 def test_webhooks_are_sent_without_waiting_and_retried_with_growing_delays():
