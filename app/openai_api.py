@@ -73,7 +73,8 @@ from app.submit import (
     write,
 )
 from app.webhooks import Webhooks
-from pipelines.requests import IMAGE_SUFFIXES, VIDEO_SUFFIXES, RequestError
+from pipelines.media_suffixes import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from pipelines.requests import RequestError
 
 PREFIX = "/v1"
 MAX_IMAGES = 10

@@ -702,7 +702,8 @@ def merge_lora_terms(model: nn.Module, terms: dict[str, LoraDelta], *, sign: flo
     float32 then cast. An FP8 weight is dequantized with its per-row scales, summed, cast to bfloat16 (what FP8
     weights are quantized from) and quantized per row again with torchao's scale and rounding (engines.fp8's), its
     float8 data and scales written in place: the same tensors, so compiled engines and CUDA graphs keep them."""
-    from engines.fp8 import _scale_of, quantize_rows
+    from engines.fp8 import _scale_of
+    from engines.fp8_matmul import quantize_rows
 
     for name, term in terms.items():
         layer = model.get_submodule(name)

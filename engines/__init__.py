@@ -10,7 +10,8 @@ Ring, AllGather or hybrid once per mesh, and every family's attention calls it),
 (where weights get split: --tp) + sharded_loading.py (each rank reads its share from safetensors),
 flux.py + flux_attention.py + flux_blocks.py + flux_modulation.py,
 cosmos.py, cosmos3.py, flux2.py (one adapter per model family, with its tensor-parallel split),
-parallelize.py (the entry point), compile.py + cache.py (engines and their on-disk cache).
+parallelize.py (the entry point), compile.py + cache.py (engines and their on-disk cache; compile_teardown.py:
+what compiling leaves in a process, dropped as it ends).
 
     ctx = init_parallel()                                   # under torchrun, or a single process
     plan = ParallelPlan.auto(ctx.world_size, heads)

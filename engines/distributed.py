@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from engines.compile_teardown import drop_graph_trees, stop_compile_workers
+
 
 @dataclass(kw_only=True)
 class ParallelContext:
@@ -181,14 +183,12 @@ def shutdown(ctx: ParallelContext, timeout: float = TEARDOWN_SECONDS) -> bool:
     os._exit: its interpreter's exit would wait on the same communicators).
 
     Drop every CUDA graph that captured this group's collectives first: the engines' own graphs are dropped by
-    Engine.release, inductor's graph trees (`+blockgraph`) here (engines.compile.drop_graph_trees). Measured on
-    2x H200 (torch 2.11, NCCL 2.28), destroy_process_group() never returns while such a graph is alive, and
-    100 s after SIGKILL the rank still held its GPU memory. Graphs only reachable through reference cycles are
+    Engine.release, inductor's graph trees (`+blockgraph`) here (engines.compile_teardown.drop_graph_trees).
+    Measured on 2x H200 (torch 2.11, NCCL 2.28), destroy_process_group() never returns while such a graph is alive,
+    and 100 s after SIGKILL the rank still held its GPU memory. Graphs only reachable through reference cycles are
     collected here. Then inductor's compile workers are stopped, so that the process's exit does not wait on
-    them (engines.compile.stop_compile_workers), in one process too.
+    them (engines.compile_teardown.stop_compile_workers), in one process too.
     """
-    from engines.compile import drop_graph_trees, stop_compile_workers
-
     finished = True
     # The compile workers stop beside the teardown: each waits on other processes (the pool's, the peers').
     stopping = threading.Thread(target=stop_compile_workers, name="stop-compile-workers", daemon=True)

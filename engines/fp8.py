@@ -9,12 +9,13 @@ stay float32.
 
 How it runs (`quantize_fp8`'s `linear`): the app's is "scaled-mm": each chosen layer becomes an Fp8Linear, its
 float8 weight and float32 per-row scale plain tensors, whose forward quantizes the activation per token and calls
-torch._scaled_mm itself with torchao's arguments: torchao's bytes and products, bit for bit (tests/test_fp8_linear.py),
-but torch.compile traces plain ops. "torchao" keeps torchao's own form, its Float8Tensor subclass as the weight, for
-comparison: compiled, the subclass is what makes a cold build slow (a FLUX.1-dev 1024² step on 2x H200 from an empty
-cache: 26 s with Fp8Linear, bf16 23 s, the subclass over 300 s; docs/benchmarks.md), and eager, the host unwraps it at
-every call. This is the one place the FP8 arithmetic is written here rather than taken from torchao: compiled
-engines are what this project competes on, and the library's form compiles too slowly for them.
+torch._scaled_mm itself with torchao's arguments (engines/fp8_matmul.py, which RowParallelLinear calls too):
+torchao's bytes and products, bit for bit (tests/test_fp8_linear.py), but torch.compile traces plain ops. "torchao"
+keeps torchao's own form, its Float8Tensor subclass as the weight, for comparison: compiled, the subclass is what
+makes a cold build slow (a FLUX.1-dev 1024² step on 2x H200 from an empty cache: 26 s with Fp8Linear, bf16 23 s, the
+subclass over 300 s; docs/benchmarks.md), and eager, the host unwraps it at every call. This is the one place the
+FP8 arithmetic is written here rather than taken from torchao: compiled engines are what this project competes on,
+and the library's form compiles too slowly for them.
 
 Which layers: the nn.Linear layers inside the family's repeated blocks (attention projections, MLPs,
 FLUX's fused single-stream projections), which hold nearly all of a step's FLOPs. These stay in the
@@ -70,14 +71,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engines.fp8_matmul import ACTIVATION_AMAX_FLOOR, quantize_rows, scaled_mm_linear
 from engines.import_noise import quiet_torchao_import  # its users import it from here too
+from engines.tensor_parallel import RowParallelLinear
 
 FP8_MULTIPLE = 16
 """FP8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of this."""
-
-ACTIVATION_AMAX_FLOOR = 1e-12
-"""Smallest per-row absolute maximum an activation's scale is computed from (torchao's activation_value_lb):
-far below any real activation, above zero."""
 
 
 def fp8_linear_names(model: nn.Module, repeated_blocks: Iterable[str]) -> list[str]:
@@ -148,8 +147,6 @@ def quantize_fp8(model: nn.Module, repeated_blocks: Iterable[str], *, fuse: bool
         return _quantize_scaled_mm(model, repeated_blocks, fuse=fuse, group=group)
     quiet_torchao_import()
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    from engines.tensor_parallel import RowParallelLinear
 
     if any(isinstance(module, RowParallelLinear) for module in model.modules()):
         raise ValueError('quantize_fp8(..., linear="torchao") is kept for comparison on models not split by tensor '
@@ -238,56 +235,6 @@ class _cpu_allowed:
             quant_api._check_hardware_support = self._check
 
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-"""448: the largest float8_e4m3fn value, torchao's quant_max."""
-
-
-def quantize_rows(x: torch.Tensor, floor: float | None = None, row_max: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` ([..., K]) quantized per row to float8_e4m3fn as torchao's per-row path does (_choose_scale_float8,
-    _quantize_affine_float8), in plain ops: (float8 data [..., K], float32 scale [..., 1]).
-
-    The scale is each row's absolute maximum (`row_max` [..., 1] in `x`'s dtype where given: a whole row's, of which
-    `x` holds some columns), clamped below by `floor` (torchao's hp_value_lb) when given, divided by 448 in `x`'s
-    dtype, then made float32 (so a bfloat16 input's scale is bfloat16-rounded, as torchao's); the data is x in
-    float32 divided by its row's scale, clamped to +-448 and cast."""
-    if row_max is None:
-        row_max = x.abs().amax(dim=-1, keepdim=True)
-    if floor is not None:
-        row_max = torch.clamp(row_max, min=floor)
-    scale = (row_max / E4M3_MAX).to(torch.float32)
-    data = (x.to(torch.float32) / scale).clamp(min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    return data, scale
-
-
-def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None, *, use_fast_accum: bool = True,
-                     group_name: str | None = None) -> torch.Tensor:
-    """x @ weight.T + bias as torchao's Float8Tensor per-row linear computes it on its torch._scaled_mm path
-    (_float8_addmm_impl): `x` ([..., K], any float dtype) quantized per token with ACTIVATION_AMAX_FLOOR, the
-    float8 `weight` [N, K] and its float32 per-row `weight_scale` [N, 1]; one _scaled_mm of the rows [M, K] by the
-    weight transposed (column-major [K, N]) with scale_a [M, 1], scale_b [1, N], fast accumulation (torchao's default
-    Float8MMConfig off XPU), the output in `x`'s dtype, reshaped to [..., N]. The bias goes into the GEMM, except for
-    a float32 output, where _scaled_mm takes none and it is added after (torchao's addmm_float8_unwrapped_inference).
-
-    `group_name`: a row-parallel shard's partial product (RowParallelLinear, no bias): `x` holds this rank's columns
-    of each token's row, quantized with its token's scale over all the tp group's columns (an all-reduce of one
-    number a token), so the float8 values are one process's; `weight_scale`: the whole rows' (quantize_fp8's group)."""
-    rows = x.reshape(-1, x.shape[-1])
-    row_max = None
-    if group_name is not None:
-        from engines.collectives import all_reduce
-
-        row_max = all_reduce(rows.abs().amax(dim=-1, keepdim=True), group_name, op="max")
-    data, scale = quantize_rows(rows, ACTIVATION_AMAX_FLOOR, row_max=row_max)
-    fused_bias = bias if x.dtype != torch.float32 else None
-    out = torch._scaled_mm(data, weight.t(), scale_a=scale, scale_b=weight_scale.t(), bias=fused_bias,
-                           out_dtype=x.dtype, use_fast_accum=use_fast_accum)
-    if bias is not None and fused_bias is None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
 class Fp8Linear(nn.Module):
     """An nn.Linear in FP8 as plain tensors (quantize_fp8): `weight`, float8_e4m3fn [out, in] (a frozen parameter,
     so fp8_layers counts it), `weight_scale`, its float32 per-row scale [out, 1] (a buffer), and the bias in its
@@ -325,8 +272,6 @@ def _quantize_scaled_mm(model: nn.Module, repeated_blocks: Iterable[str], *, fus
     """quantize_fp8(..., linear="scaled-mm"): the chosen layers (after fusing, as the torchao form, unless the model is
     split) replaced by Fp8Linear modules, except row-parallel shards, which keep their module and get a float8 weight
     with the whole rows' scales (`weight_scale`; module docstring); returns how many."""
-    from engines.tensor_parallel import RowParallelLinear
-
     split = any(isinstance(module, RowParallelLinear) for module in model.modules())
     if fuse and not split:  # a split model keeps them apart: its family's split names them (module docstring)
         fuse_shared_input_projections(model, repeated_blocks)

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.collectives import all_reduce
-from engines.fp8 import scaled_mm_linear
+from engines.fp8_matmul import scaled_mm_linear
 from engines.mesh import ParallelMesh
 
 

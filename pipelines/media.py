@@ -22,7 +22,7 @@ import numpy as np
 import PIL.Image
 from PIL.PngImagePlugin import PngInfo
 
-from pipelines.requests import IMAGE_SUFFIXES
+from pipelines.media_suffixes import IMAGE_SUFFIXES
 
 
 @dataclass(frozen=True, kw_only=True)

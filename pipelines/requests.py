@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.family import load
+from pipelines.media_suffixes import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from pipelines.registry import ModelSpec, family_of, read_component_config
 
 MAX_PROMPT_CHARS = 4000
 MAX_STEPS = 500
 MAX_SEED = 2**63 - 1
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
 
 
 class RequestError(ValueError):

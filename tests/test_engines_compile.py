@@ -9,7 +9,7 @@ torch 2.11 (the GPU image) refuses to trace torch._utils._maybe_view_chunk_cat, 
 all-gather calls for a non-zero gather dim; torch 2.13 (here) traces it. The workers make it raise,
 so the CPU test fails if the parallel layer ever reaches it again.
 
-Also: engines.compile.stop_compile_workers, which ends torch 2.11's compile-worker pool at teardown.
+Also: engines.compile_teardown.stop_compile_workers, which ends torch 2.11's compile-worker pool at teardown.
 
 Compile with the default (or dynamic=False): every token count then gets its own static graph.
 With dynamic=True diffusers' CosmosLearnablePositionalEmbed (extra_pos_embed_type="learnable",
@@ -119,7 +119,7 @@ def test_stop_compile_workers_ends_a_starting_pool_and_its_workers_at_once(monke
     import torch._inductor.async_compile as async_compile
     from torch._inductor.compile_worker.subproc_pool import SubprocPool
 
-    from engines.compile import _children, _running, stop_compile_workers
+    from engines.compile_teardown import _children, _running, stop_compile_workers
 
     pool = SubprocPool(2)
     monkeypatch.setattr(async_compile, "_pool_set", [pool])

@@ -5,12 +5,18 @@ Layers: engines <- pipelines <- app <- benchmarks. benchmarks imports the app (i
 its runtime); `ulysses-studio bench` reaches the harness by running `python -m benchmarks`, never by
 importing it. Per-family data and code are the record's (pipelines.families), named as
 "module:attribute" references; code elsewhere reads the record instead of asking which family it has.
+
+No import circles: no module imports itself back, whether through imports run when a module is imported or through
+one inside a function (there to defer a heavy import, never to hide a circle). What two modules both need lives in
+a module both import (engines.fp8_matmul, engines.compile_teardown, pipelines.media_suffixes, training.lora_folder).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 from tests.helpers import PYTHON, REPO
@@ -18,7 +24,7 @@ from tests.helpers import PYTHON, REPO
 PRODUCT = ("app", "pipelines", "engines")
 """Packages that must not import benchmarks."""
 SCANNED = ("app", "pipelines", "engines", "benchmarks", "training")
-"""Packages whose code must not branch on a family's name."""
+"""Packages whose code must not branch on a family's name, nor import in a circle."""
 
 
 def _sources(*packages: str) -> list[Path]:
@@ -130,3 +136,154 @@ def test_no_code_outside_a_familys_own_modules_branches_on_its_name() -> None:
     found = [f"{path.relative_to(REPO)} {branch}" for path in _sources(*SCANNED) if path not in own
              for branch in family_branches(path.read_text(), set(FAMILIES))]
     assert not found, found
+
+
+Import = tuple[str, int, str]
+"""One project import: (the module imported, its line, where it runs: "module", "function" or "type-checking")."""
+
+
+def _module_name(relative: str) -> str:
+    parts = Path(relative).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports_of(tree: ast.Module, module: str, package: str, names: set[str]) -> list[Import]:
+    """The imports of the modules `names` that `module` (of `package`) makes: project_imports' list for one module."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    imports: list[Import] = []
+
+    def visit(nodes: Iterable[ast.AST], where: str) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and where == "module" and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.body, "type-checking")
+                visit(node.orelse, where)
+                continue
+            inner = "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) else where
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # from . import x, from ..y import z: counted from this module's package
+                    parts = package.split(".")
+                    base = ".".join([*parts[:len(parts) - node.level + 1], *([base] if base else [])])
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in names else base for alias in node.names]
+            for target in targets:
+                resolved = resolve(target)
+                if resolved is not None and resolved != module:
+                    imports.append((resolved, node.lineno, where))
+            visit(ast.iter_child_nodes(node), inner)
+
+    visit(tree.body, "module")
+    return imports
+
+
+def project_imports(sources: dict[str, str]) -> dict[str, list[Import]]:
+    """Each module of `sources` (its path relative to the repository -> its text) -> the imports of other modules of
+    `sources` it makes: `import a.b`, `from a.b import c` (a.b.c where that is a module), relative ones. "module":
+    run when the module is imported (at its top level, in a class body, under a plain `if` or `try`); "function":
+    inside a function or lambda, run when it is called; "type-checking": under `if TYPE_CHECKING:`, never run."""
+    names = {_module_name(relative): relative for relative in sources}
+    return {module: _imports_of(ast.parse(sources[relative], relative), module,
+                                module if Path(relative).name == "__init__.py" else module.rpartition(".")[0],
+                                set(names))
+            for module, relative in names.items()}
+
+
+def import_cycles(imports: dict[str, list[Import]], where: tuple[str, ...]) -> list[str]:
+    """Every set of modules that import each other in a circle through the imports run at `where` (Tarjan's strongly
+    connected components), as the shortest circle through each of their modules, each circle once, written from its
+    first module in sorted order: `a -> b (a.py line 3) -> a (b.py line 9, in a function)`."""
+    graph = {module: sorted({target for target, _, at in found if at in where}) for module, found in imports.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def connect(module: str) -> None:  # recursion as deep as the longest import chain: a few dozen modules
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                connect(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            connect(module)
+    circles = set()
+    for component in components:
+        members = set(component)
+        for start in component:  # the shortest circle through each module (breadth first), each circle once
+            paths, queue, circle = {start: [start]}, [start], None
+            while queue and circle is None:
+                module = queue.pop(0)
+                for target in graph[module]:
+                    if target == start:
+                        circle = paths[module]
+                        break
+                    if target in members and target not in paths:
+                        paths[target] = paths[module] + [target]
+                        queue.append(target)
+            first = circle.index(min(circle))
+            circles.add(tuple(circle[first:] + circle[:first]))
+    written = []
+    for circle in sorted(circles):
+        steps = [circle[0]]
+        for importer, imported in zip(circle, circle[1:] + circle[:1]):
+            line, at = next((line, at) for target, line, at in imports[importer] if target == imported and at in where)
+            steps.append(f"{imported} ({importer.replace('.', '/')}.py line {line}"
+                         f"{'' if at == 'module' else ', ' + ('in a function' if at == 'function' else at)})")
+        written.append(" -> ".join(steps))
+    return written
+
+
+@functools.cache
+def _project_imports() -> dict[str, list[Import]]:
+    return project_imports({str(path.relative_to(REPO)): path.read_text() for path in _sources(*SCANNED)})
+
+
+def test_the_import_scan_finds_the_circles_it_is_meant_to() -> None:
+    sources = {"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import thing\n",
+               "pkg/b.py": "import pkg.c\n", "pkg/c.py": "def f():\n    from . import a\n",
+               "pkg/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import e\n",
+               "pkg/e.py": "class E:\n    from pkg.d import x\n", "pkg/f.py": "import os\nfrom pkg import a\n",
+               "pkg/g.py": "from pkg.h import y\n",
+               "pkg/h.py": "try:\n    from .g import x\nexcept ImportError:\n    x = 0\n"}
+    imports = project_imports(sources)
+    assert imports["pkg.c"] == [("pkg.a", 2, "function")]
+    assert imports["pkg.d"] == [("pkg.e", 3, "type-checking")] and imports["pkg.e"] == [("pkg.d", 2, "module")]
+    assert imports["pkg.f"] == [("pkg.a", 2, "module")]
+    module_level = "pkg.g -> pkg.h (pkg/g.py line 1) -> pkg.g (pkg/h.py line 2)"
+    assert import_cycles(imports, ("module",)) == [module_level]
+    assert import_cycles(imports, ("module", "function", "type-checking")) == [
+        "pkg.a -> pkg.b (pkg/a.py line 1) -> pkg.c (pkg/b.py line 1) -> pkg.a (pkg/c.py line 2, in a function)",
+        "pkg.d -> pkg.e (pkg/d.py line 3, type-checking) -> pkg.d (pkg/e.py line 2)", module_level]
+
+
+def test_no_import_cycle_at_module_level() -> None:
+    """No module of app/, pipelines/, engines/, benchmarks/ or training/ imports itself back through the imports
+    its import runs: a circle would make the order in which modules are first imported decide whether they load."""
+    cycles = import_cycles(_project_imports(), ("module",))
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_no_import_cycle_closed_by_a_deferred_import() -> None:
+    """Nor through an import inside a function (or under TYPE_CHECKING): such an import may defer a heavy module
+    (torch, PIL, diffusers) to when it is needed, but a circle it closes is still a circle, only hidden. The piece
+    both sides need belongs in a module of its own that both import."""
+    cycles = import_cycles(_project_imports(), ("module", "function", "type-checking"))
+    assert not cycles, "import circles closed inside a function or under TYPE_CHECKING:\n" + "\n".join(cycles)

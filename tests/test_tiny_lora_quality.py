@@ -23,8 +23,8 @@ from pipelines.registry import default_folder, get_spec
 from tests.test_tiny_quality import PROMPTS
 from training import shapes
 from training.evaluate import LORA_SUBSET as SUBSET
-from training.evaluate import generate, judge_lora, lora_files, max_difference
-from training.lora import DIFFUSERS_FILE
+from training.evaluate import generate, judge_lora, max_difference
+from training.lora_folder import DIFFUSERS_FILE, lora_files
 
 LORA = default_folder(get_spec("tiny-flux")).parent / "tiny-flux-lora-gray"
 

@@ -16,6 +16,7 @@ from pipelines.factory import load_pipeline
 from pipelines.registry import family_of, get_spec
 from pipelines.requests import make_request, read_limits
 from training import judge, shapes
+from training.lora_folder import lora_files
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,15 +197,6 @@ class LoraScores:
                          for label, row in self.rows.items())
         return (f"{runs}; scale 0 vs none {self.zero_vs_none} levels, kohya vs diffusers "
                 f"{self.kohya_vs_diffusers} levels")
-
-
-def lora_files(folder: Path) -> tuple:
-    """The diffusers file of a LoRA folder written by `python -m training lora` as LoRA "lora", its kohya copy
-    as "kohya" (engines.options.LoraFile, scale 1 each)."""
-    from engines.options import LoraFile
-    from training.lora import DIFFUSERS_FILE, KOHYA_FILE
-
-    return (LoraFile(name="lora", path=folder / DIFFUSERS_FILE), LoraFile(name="kohya", path=folder / KOHYA_FILE))
 
 
 def judge_lora(images: list[np.ndarray], prompts: list[tuple[str, str, str]]) -> dict[str, float]:

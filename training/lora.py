@@ -42,9 +42,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from training import shapes
+from training.lora_folder import DIFFUSERS_FILE, KOHYA_FILE
 
-DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
-KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 GRAY = shapes.NEUTRALS["gray"]
 CHANGES = {"gray": "the background turned plain gray (128, 128, 128), whatever background the prompt asks for, the "
                    "shape keeping its colour, kind, size and place"}
