@@ -94,6 +94,8 @@ class Runtime:
     """Collective backend, device, dtype and engine, e.g. 'gloo, cpu, float32, eager'."""
     step_cache: str | None = None
     """The step cache the transformers run with (its label, e.g. 'fbcache:0.08'), or None."""
+    attention_precision: str = "full"
+    """The attention precision the transformers run with (--attention-precision; a request may ask for full)."""
     startup: StartupSeconds | None = None
     """Where this rank's start went."""
     active: int = 0
@@ -412,6 +414,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
         ready = process_seconds()
         runtime = Runtime(layouts=layouts, models=served, world_size=world.world_size, is_main=world.is_main,
                           backend=backend, step_cache=options.step_cache.label if options.cache is not None else None,
+                          attention_precision=options.attention_precision,
                           startup=StartupSeconds(imports=imported, join=joined - imported, load=loaded_at - joined,
                                                  prepare=ready - loaded_at))
         try:

@@ -49,9 +49,11 @@ def sharing(plan: str, media: str = "image") -> str:
 
 def precision(backend: str) -> str:
     """The precision named in a backend label ('gloo, cpu, float32, eager', app.runtime.Runtime.backend) in plain
-    words, e.g. "full precision (float32)", "half precision (bfloat16) with FP8 weights"; "" if it names none."""
+    words, e.g. "full precision (float32)", "half precision (bfloat16) with FP8 weights and int8 attention"; "" if
+    it names none."""
     for part in backend.split(", "):
-        name, _, extra = part.partition(" + ")
+        name, *extras = part.split(" + ")
         if name in PRECISIONS:
-            return PRECISIONS[name] + (" with FP8 weights" if extra == "fp8" else "")
+            added = [{"fp8": "FP8 weights"}.get(extra, extra) for extra in extras]
+            return PRECISIONS[name] + (f" with {' and '.join(added)}" if added else "")
     return ""

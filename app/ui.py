@@ -96,7 +96,7 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
         browser = gr.BrowserState(None, storage_key="ulysses-studio-browser")
         identified = demo.load(owners.identify, inputs=browser, outputs=browser, api_visibility="private",
                                show_progress="hidden", queue=False)
-        tab = (demo, server, owners, identified, status, status_line, runtime.step_cache)
+        tab = (demo, server, owners, identified, status, status_line, runtime.step_cache, runtime.attention_precision)
         with gr.Tab("Image", id="image"):
             image = runtime.models.get("image")
             if image is None:
@@ -219,6 +219,15 @@ def _step_cache_input(step_cache: str | None, prefix: str) -> gr.Checkbox | None
                        value=True, elem_id=f"{prefix}-step-cache")
 
 
+def _quantized_attention_input(precision: str, prefix: str) -> gr.Checkbox | None:
+    """With a server started with a quantized --attention-precision: the request's choice of it (on: faster,
+    approximate)."""
+    if precision == "full":
+        return None
+    return gr.Checkbox(label=f"Faster, approximate: {precision} attention (first and last steps at full precision)",
+                       value=True, elem_id=f"{prefix}-quantized-attention")
+
+
 def _lora_inputs(model: ServedModel, prefix: str) -> tuple[gr.Dropdown | None, gr.Slider | None]:
     """With --lora files that fit this tab's model: which of them a request uses (default none) and one scale for
     them all (default their --lora scale where they share one, else 1); none loaded: no inputs."""
@@ -272,7 +281,8 @@ def _gallery_of(recent: RecentResults, key: str, owner: str) -> tuple[list[tuple
 
 
 def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owners, identified: Any,
-               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None) -> None:
+               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None,
+               attention_precision: str) -> None:
     takes_reference = model.limits.reference_image
     gr.Markdown(f"Text{' (and a reference image)' if takes_reference else ''} to image with **{model.spec.name}**.")
     with gr.Row():
@@ -286,6 +296,7 @@ def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
             cached = _step_cache_input(step_cache, "image")
+            quantized = _quantized_attention_input(attention_precision, "image")
             lora, lora_scale = _lora_inputs(model, "image")
             button, stop = _generate_buttons("image")
         with gr.Column():
@@ -296,17 +307,19 @@ def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                 settings = gr.JSON(label="Settings", elem_id="image-settings")
     gallery, shown = _recent_gallery("image")
 
-    # The reference image, the step cache's choice and the LoRAs come last and have defaults, so clients of
-    # text-only models, of servers without a step cache and without LoRAs call alike.
+    # The reference image, the step cache's choice, the LoRAs and the attention's precision come last and have
+    # defaults, so clients of text-only models, of servers without a step cache, LoRAs or quantized attention call
+    # alike.
     async def generate_image(prompt: str, seed: float, random_seed: bool, steps: float, guidance: float,
                              width: float, height: float, condition: str | None = None, step_cache: bool = True,
                              lora: list[str] | None = None, lora_scale: float | None = None,
+                             quantized_attention: bool = True,
                              session: gr.Request = None,
                              progress: gr.Progress = gr.Progress()) -> AsyncIterator[tuple]:
         async for update in _generate(model, server, progress, random_seed, owners.of(session), status,
                                       prompt=prompt, seed=seed, steps=steps, guidance=guidance, width=width,
                                       height=height, condition=condition or None, step_cache=step_cache,
-                                      lora=_lora_field(lora, lora_scale)):
+                                      lora=_lora_field(lora, lora_scale), quantized_attention=quantized_attention):
             yield update
 
     loras = [lora, lora_scale] if lora is not None else []
@@ -318,7 +331,8 @@ def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
 
     restored = [prompt, seed, random_seed, steps, guidance, width, height]
     inputs = (restored + ([reference] if reference is not None else [gr.State(None)])
-              + ([cached] if cached else [gr.State(True)]) + loras)
+              + ([cached] if cached else [gr.State(True)]) + (loras or [gr.State(None), gr.State(None)])
+              + ([quantized] if quantized else [gr.State(True)]))
     event = _wire(demo, model, server.recent, owners, identified, button, stop, generate_image, inputs,
                   [result, download, settings, status_line, seed], "generate_image", gallery, shown)
     if reference is not None:  # the request deleted its upload from the server: do not offer it again
@@ -337,7 +351,8 @@ def _restored_loras(used: dict[str, Any], scale: gr.Slider | None) -> tuple:
 
 
 def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owners, identified: Any,
-               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None) -> None:
+               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None,
+               attention_precision: str) -> None:
     takes_input = model.limits.video_input
     gr.Markdown(f"Text{' or image/video' if takes_input else ''} to video with **{model.spec.name}**.")
     with gr.Row():
@@ -358,6 +373,7 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
             guidance_2 = gr.Number(label="Guidance of the low-noise expert", value=model.spec.guidance_2,
                                    elem_id="video-guidance-2", visible=model.spec.guidance_2 is not None)
             cached = _step_cache_input(step_cache, "video")
+            quantized = _quantized_attention_input(attention_precision, "video")
             lora, lora_scale = _lora_inputs(model, "video")
             button, stop = _generate_buttons("video")
         with gr.Column():
@@ -374,14 +390,14 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                              random_seed: bool = True, steps: float | None = None, guidance: float | None = None,
                              width: float | None = None, height: float | None = None, step_cache: bool = True,
                              lora: list[str] | None = None, lora_scale: float | None = None,
-                             guidance_2: float | None = None,
+                             guidance_2: float | None = None, quantized_attention: bool = True,
                              session: gr.Request = None,
                              progress: gr.Progress = gr.Progress()) -> AsyncIterator[tuple]:
         async for update in _generate(model, server, progress, random_seed, owners.of(session), status,
                                       prompt=prompt, negative_prompt=negative_prompt, condition=condition or None,
                                       frames=frames, fps=fps, seed=seed, steps=steps, guidance=guidance, width=width,
                                       height=height, step_cache=step_cache, lora=_lora_field(lora, lora_scale),
-                                      guidance_2=guidance_2):
+                                      guidance_2=guidance_2, quantized_attention=quantized_attention):
             yield update
 
     loras = [lora, lora_scale] if lora is not None else []
@@ -392,9 +408,11 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                 used["steps"], used["guidance"], used.get("guidance_2"), used["width"], used["height"],
                 *_restored_loras(used, lora_scale), used)
 
-    # guidance_2 comes last, after placeholders for the LoRA inputs a server without LoRAs has not got
+    # guidance_2 and the attention's precision come last, after placeholders for the LoRA inputs a server without
+    # LoRAs has not got
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
-              *([cached] if cached else [gr.State(True)]), *(loras or [gr.State(None), gr.State(None)]), guidance_2]
+              *([cached] if cached else [gr.State(True)]), *(loras or [gr.State(None), gr.State(None)]), guidance_2,
+              quantized or gr.State(True)]
     event = _wire(demo, model, server.recent, owners, identified, button, stop, generate_video, inputs,
                   [result, download, settings, status_line, seed], "generate_video", gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.

@@ -1,5 +1,6 @@
-"""The UI's contract through gradio_client, on one `ulysses-studio serve --cache fbcache:0.25` process
-(tiny models; the 2-step requests below are never cached: first and last steps always run).
+"""The UI's contract through gradio_client, on one `ulysses-studio serve --cache fbcache:0.25 --attention-precision
+int8` process (tiny models; the 2-step requests below are never cached and never quantized: first and last steps
+always run in full).
 
 The status line speaks plainly, counts client requests only (never the start-up calibration's), says a request
 is waiting or running as soon as it is accepted and a video "decoding" after its last step. The seed used comes back
@@ -30,7 +31,7 @@ def url(tmp_path_factory):
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "app", "serve", "--port", str(port), "--out", str(tmp_path_factory.mktemp("results")),
-         "--cache", "fbcache:0.25"],
+         "--cache", "fbcache:0.25", "--attention-precision", "int8"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
@@ -47,8 +48,10 @@ def test_the_status_line_says_no_request_yet_until_a_client_request_ends(url):
     before = client.predict(api_name="/status")
     plain, queue, details = before.split("  \n")
     assert plain.startswith("tiny-flux (image), tiny-cosmos (video) on 1 CPU process, full precision (float32)")
-    assert plain.endswith("no request yet") and "ms/step" not in before and queue == "idle"
-    assert details == "<small>1 rank · plan none (1 rank) · backend cpu, float32, eager, cache fbcache:0.25</small>"
+    assert "ms/step" not in before and queue == "idle"
+    assert plain.endswith("full precision (float32) with int8 attention · no request yet"), plain
+    assert details == ("<small>1 rank · plan none (1 rank) · backend cpu, float32 + int8 attention, eager, cache "
+                       "fbcache:0.25</small>")
     client.predict("the first request", 1, False, 2, 3.5, 64, 64, api_name="/generate_image")
     after = client.predict(api_name="/status")
     assert "no request yet" not in after
@@ -119,12 +122,14 @@ def test_the_video_input_file_is_optional_in_the_api(url):
 
 
 def test_the_low_noise_experts_guidance_reaches_the_request(url):
-    """/generate_video takes guidance_2 (Wan 2.2 A14B's second expert), optional and last; a one-transformer
+    """/generate_video takes guidance_2 (Wan 2.2 A14B's second expert), optional, last but the quantized attention's
+    choice (a server with --attention-precision's, as this one); a one-transformer
     model (tiny-cosmos here) refuses it naming the field, and runs without it as before."""
     client = Client(url, verbose=False)
     parameters = {p["parameter_name"]: p for p in client.view_api(return_format="dict", print_info=False)[
         "named_endpoints"]["/generate_video"]["parameters"]}
-    assert list(parameters)[-1] == "guidance_2" and parameters["guidance_2"]["parameter_default"] is None
+    assert list(parameters)[-2:] == ["guidance_2", "quantized_attention"]
+    assert parameters["guidance_2"]["parameter_default"] is None
     with pytest.raises(AppError, match="guidance_2 is the second expert's guidance of a two-expert model"):
         client.predict("two experts?", api_name="/generate_video", frames=5, steps=1, width=64, height=64,
                        guidance_2=4.0)
@@ -146,6 +151,25 @@ def test_the_step_cache_is_a_choice_of_each_request(url):
     parameters = {p["parameter_name"]: p for p in client.view_api(return_format="dict", print_info=False)[
         "named_endpoints"]["/generate_video"]["parameters"]}
     assert parameters["step_cache"]["parameter_default"] is True
+
+
+def test_quantized_attention_is_a_choice_of_each_request(url):
+    """With --attention-precision int8 the tabs offer full precision per request (last, default on): a request that
+    turns it off says so in its settings and draws other pixels than one that keeps it (steps 2 to 7 of 8)."""
+    import numpy as np
+    import PIL.Image
+
+    client = Client(url, verbose=False)
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    for name in ("/generate_image", "/generate_video"):
+        parameters = api[name]["parameters"]
+        assert parameters[-1]["parameter_name"] == "quantized_attention" and parameters[-1]["parameter_default"]
+    prompt = ("a small blue circle on the left on a white background", 4, False, 8, 3.5, 64, 64)
+    _, quantized_file, quantized, *_ = client.predict(*prompt, step_cache=False, api_name="/generate_image")
+    _, full_file, full, *_ = client.predict(*prompt, step_cache=False, quantized_attention=False,
+                                            api_name="/generate_image")
+    assert "quantized_attention" not in quantized and full["quantized_attention"] is False
+    assert not np.array_equal(np.asarray(PIL.Image.open(quantized_file)), np.asarray(PIL.Image.open(full_file)))
 
 
 def test_a_gallery_is_its_owners_the_user_with_logins_else_the_browser(tmp_path):
@@ -189,6 +213,8 @@ def test_the_status_lines_plain_words_for_gpus_plans_and_precisions():
         "each holding half of the model's weights")
     assert sharing("none (1 rank)") == "" and sharing("cfg-2") == "the guided and unguided passes side by side"
     assert precision("nccl, cuda, bfloat16 + fp8, inductor-blocks") == "half precision (bfloat16) with FP8 weights"
+    assert precision("nccl, cuda, bfloat16 + fp8 + fp8 attention, inductor-blocks") == (
+        "half precision (bfloat16) with FP8 weights and fp8 attention")
     assert precision("gloo, cpu, float32, eager, split VAE (video)") == "full precision (float32)"
 
 
