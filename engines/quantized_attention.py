@@ -49,8 +49,6 @@ Q_BLOCK = 128
 """Tokens of Q sharing one quantization scale (SageAttention's BLKQ)."""
 K_BLOCK = 64
 """Tokens of K (and of V, fp8) sharing one quantization scale (SageAttention's BLKK)."""
-PV_FP8 = False
-"""int8 on GPUs: P·V in FP8 with one scale per channel of V (SageAttention2's), else in FP16 (SageAttention's)."""
 QUERY_CHUNK = 1024
 """Query rows whose scores are held at once (a multiple of Q_BLOCK, so chunks do not split a scale's block)."""
 INT8_MAX = 127.0
@@ -66,8 +64,9 @@ _precision = "full"
 """The attention precision in effect (one of ATTENTION_PRECISIONS): set by attention_precision, read by
 engines.attention's kernel calls (_attention, attention_with_lse) and by diffusers' native attention."""
 _fa3_forward: Callable[..., Any] | None = None
-"""FlashAttention-3's forward op where it runs here (fa3-fwd installed, the current GPU a Hopper one): found by
-attention_precision, outside any compiled code, so that a traced call reads a plain value."""
+"""FlashAttention-3's forward op where it runs here (fa3-fwd installed, the current GPU a Hopper one): looked for
+once by attention_precision, outside any compiled code, so that a traced call reads a plain value."""
+_fa3_looked = False
 
 
 @contextmanager
@@ -75,11 +74,11 @@ def attention_precision(precision: str) -> Iterator[None]:
     """Within: every attention kernel call at `precision` ("full", "fp8" or "int8"): each strategy's
     (engines.attention), and diffusers' native attention, which serves a model whose plan splits no sequence
     (one rank, --cfg-parallel or --tp alone). Under torch.compile the value is guarded on: a change recompiles."""
-    global _precision, _fa3_forward
+    global _precision, _fa3_forward, _fa3_looked
     if precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"unknown attention precision {precision!r}; choose one of {', '.join(ATTENTION_PRECISIONS)}")
-    if precision == "fp8" and _fa3_forward is None:
-        _fa3_forward = fa3_forward()
+    if precision == "fp8" and not _fa3_looked:
+        _fa3_forward, _fa3_looked = fa3_forward(), True
     # diffusers' dispatcher, where a model was made with it (a model's module imports it)
     dispatch = sys.modules.get("diffusers.models.attention_dispatch")
     backends = dispatch._AttentionBackendRegistry._backends if dispatch is not None else {}
@@ -154,13 +153,8 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if precision == "fp8" and _fa3_forward is not None and q.is_cuda and q.shape[-1] in FA3_HEAD_DIMS:
         return _fa3_fp8(_fa3_forward, qf, kf, vf, correction, q.dtype)
     if precision == "int8" and int8_attention_available(q):
-        if PV_FP8:
-            v_scale = vf.abs().amax(dim=2).clamp_min(SCALE_FLOOR) / FP8_MAX  # (B, H, D)
-            v_in = (vf / v_scale[:, :, None]).to(torch.float8_e4m3fn)
-        else:
-            v_scale, v_in = None, v.half()
-        out, lse = int8_attention(*_int8_blocks(qf, Q_BLOCK), *_int8_blocks(kf, K_BLOCK), v_in,
-                                  Q_BLOCK, K_BLOCK, q.dtype, v_scale)
+        out, lse = int8_attention(*_int8_blocks(qf, Q_BLOCK), *_int8_blocks(kf, K_BLOCK), v.half(),
+                                  Q_BLOCK, K_BLOCK, q.dtype)
         return out, lse + correction
     if precision == "int8":
         v_values = vf.half().float()

@@ -49,7 +49,8 @@ def int8_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_sc
     """Attention (B H Sq D, `out_dtype`) of INT8 q over INT8 k and FP16 v and its LSE (B H Sq, float32). An op of
     its own, so that torch.compile (fullgraph) and CUDA graphs take the kernel's launch as one opaque call.
     With v in float8_e4m3fn and its per-channel scale v_scale (B H D; SageAttention2's P·V in FP8), P is scaled
-    by 448 and rounded to e4m3 and P·V is an FP8 product.
+    by 448 and rounded to e4m3 and P·V is an FP8 product (half the rate of FP16's on an H200 in Triton: the
+    benchmark's sweep measures it, the engines do not use it).
 
     Args:
         q, k: int8 (B H S D); q_scale, k_scale: float32 (B H blocks), one per q_block / k_block tokens (the
