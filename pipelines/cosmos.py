@@ -13,7 +13,6 @@ cosmos_guardrail package is installed (pipelines.guardrail).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,9 +30,7 @@ from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
+from pipelines.stages import StagedPipeline, StepCallback
 
 # The EDM constants diffusers' Cosmos-Predict2 pipelines write into the scheduler config.
 SIGMA_MAX = 80.0
@@ -223,7 +220,6 @@ class CosmosPipeline(StagedPipeline):
         self, request: GenerationRequest, cond: CosmosConditioning, on_step: StepCallback | None = None
     ) -> torch.Tensor:
         """EDM-preconditioned Euler loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
-        self.apply_loras(request)
         device, dtype = self.device, self.dtype
         use_cfg = request.guidance > 1.0
         num_latent_frames = (request.frames - 1) // self.temporal_factor + 1
@@ -253,7 +249,8 @@ class CosmosPipeline(StagedPipeline):
             extra["condition_mask"] = mask.expand(branches, -1, -1, -1, -1)
         t_conditioning = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
 
-        for i, t in enumerate(timesteps):
+        def predict(i: int, t: torch.Tensor, latents: torch.Tensor, name: str) -> torch.Tensor:
+            """The velocity of the EDM-preconditioned denoised estimate, which the Euler scheduler steps with."""
             sigma = self.scheduler.sigmas[i]
             current_t = sigma / (sigma + 1)
             c_in, c_skip, c_out = 1 - current_t, 1 - current_t, -current_t
@@ -263,24 +260,21 @@ class CosmosPipeline(StagedPipeline):
                 timestep = indicator * t_conditioning + (1 - indicator) * timestep
             else:
                 timestep = current_t.expand(1)
-            with self.cache_step(request, i, len(timesteps)):
-                out = self.transformer(
-                    hidden_states=model_in.to(dtype).expand(branches, *model_in.shape[1:]),
-                    timestep=timestep.to(dtype).expand(branches, *timestep.shape[1:]),
-                    encoder_hidden_states=text,
-                    return_dict=False,
-                    **extra,
-                )[0]
+            out = self.transformer(
+                hidden_states=model_in.to(dtype).expand(branches, *model_in.shape[1:]),
+                timestep=timestep.to(dtype).expand(branches, *timestep.shape[1:]),
+                encoder_hidden_states=text,
+                return_dict=False,
+                **extra,
+            )[0]
             x0 = (c_skip * latents + c_out * out.float()).to(dtype)
             x0 = indicator * given + (1 - indicator) * x0
             if use_cfg:
                 x0_cond, x0_uncond = x0[:1], x0[1:]
                 x0 = x0_cond + request.guidance * (x0_cond - x0_uncond)
-            velocity = (latents - x0) / sigma
-            latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
-        return latents
+            return (latents - x0) / sigma
+
+        return self.run_denoise_loop(request, self.scheduler, timesteps, latents, predict, on_step)
 
     @torch.no_grad()
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image | None:

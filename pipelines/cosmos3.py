@@ -19,7 +19,6 @@ policy: used where the cosmos_guardrail package is installed, otherwise one warn
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,7 @@ from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
+from pipelines.stages import StagedPipeline, StepCallback
 
 PASS_KEYS = ("input_ids", "text_indexes", "position_ids", "und_len", "sequence_length", "vision_token_shapes",
              "vision_sequence_indexes", "vision_mse_loss_indexes", "vision_noisy_frame_indexes")
@@ -153,7 +150,6 @@ class Cosmos3Pipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: Cosmos3Conditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """UniPC loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
-        self.apply_loras(request)
         device, dtype = self.device, self.dtype
         mask = cond.condition_mask.to(device)
         generator = torch.Generator("cpu").manual_seed(request.seed)
@@ -166,20 +162,21 @@ class Cosmos3Pipeline(StagedPipeline):
         scheduler = copy.deepcopy(self.scheduler)  # UniPC keeps per-loop state on the instance
         scheduler.set_timesteps(request.steps, device=device)
         noisy = (1.0 - mask).to(dtype)
-        for i, t in enumerate(scheduler.timesteps):
-            tokens = latents.to(device=device, dtype=dtype)
+
+        def predict(i: int, t: torch.Tensor, batched: torch.Tensor, name: str) -> torch.Tensor:
+            """The guided velocity, batched like the latents the scheduler steps (the model's are unbatched)."""
+            tokens = batched.squeeze(0).to(device=device, dtype=dtype)
             timesteps = torch.full((cond.num_noisy_tokens,), t.item(), device=device)
             calls = [dict(p, vision_tokens=[tokens], vision_timesteps=timesteps) for p in passes]
-            with self.cache_step(request, i, len(scheduler.timesteps)):
-                predicted = self._predict(calls)
+            predicted = self._predict(calls)
             predictions = [pred * noisy if noisy.sum() > 0 else torch.zeros_like(pred) for pred in predicted]
             velocity = predictions[0].float()
             if len(predictions) > 1:
                 velocity = predictions[1].float() + request.guidance * (velocity - predictions[1].float())
-            latents = scheduler.step(velocity.unsqueeze(0), t, latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
-            if on_step is not None:
-                on_step(i + 1, len(scheduler.timesteps))
-        return latents
+            return velocity.unsqueeze(0)
+
+        batched = latents.unsqueeze(0)  # the scheduler steps a batch of one
+        return self.run_denoise_loop(request, scheduler, scheduler.timesteps, batched, predict, on_step).squeeze(0)
 
     def _predict(self, calls: list[dict[str, Any]]) -> list[torch.Tensor]:
         """The vision prediction of each call: through forward_guided when the transformer splits the

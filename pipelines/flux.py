@@ -10,7 +10,6 @@ engines/ replaces with a context-parallel or compiled module of the same call si
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
-"""Called after each denoising step with (steps done, total steps)."""
+from pipelines.stages import StagedPipeline, StepCallback
 
 
 @dataclass(kw_only=True)
@@ -120,7 +116,6 @@ class FluxImagePipeline(StagedPipeline):
     @torch.no_grad()
     def denoise(self, request: GenerationRequest, text: FluxText, on_step: StepCallback | None = None) -> torch.Tensor:
         """Run the flow-matching loop from the seed's noise; returns packed latents [B, tokens, C*4]."""
-        self.apply_loras(request)
         text = FluxText(**{k: v.to(self.device) for k, v in vars(text).items()})
         batch = text.prompt_embeds.shape[0]
         channels = self.transformer_config.in_channels // 4
@@ -145,24 +140,21 @@ class FluxImagePipeline(StagedPipeline):
             guidance = torch.full([1], request.guidance, device=self.device, dtype=torch.float32).expand(batch)
 
         self.scheduler.set_begin_index(0)
-        for i, t in enumerate(timesteps):
-            timestep = t.expand(batch).to(latents.dtype)
-            with self.cache_step(request, i, len(timesteps)):
-                noise_pred = self.transformer(
-                    hidden_states=latents,
-                    timestep=timestep / 1000,
-                    guidance=guidance,
-                    pooled_projections=text.pooled_prompt_embeds,
-                    encoder_hidden_states=text.prompt_embeds,
-                    txt_ids=text.text_ids,
-                    img_ids=image_ids,
-                    joint_attention_kwargs={},
-                    return_dict=False,
-                )[0]
-            latents = self.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
-        return latents
+
+        def predict(i: int, t: torch.Tensor, latents: torch.Tensor, name: str) -> torch.Tensor:
+            return self.transformer(
+                hidden_states=latents,
+                timestep=t.expand(batch).to(latents.dtype) / 1000,
+                guidance=guidance,
+                pooled_projections=text.pooled_prompt_embeds,
+                encoder_hidden_states=text.prompt_embeds,
+                txt_ids=text.text_ids,
+                img_ids=image_ids,
+                joint_attention_kwargs={},
+                return_dict=False,
+            )[0]
+
+        return self.run_denoise_loop(request, self.scheduler, timesteps, latents, predict, on_step)
 
     @torch.no_grad()
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image | None:

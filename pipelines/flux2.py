@@ -20,7 +20,6 @@ What differs is where things run:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, uses_guidance_batch
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
+from pipelines.stages import StagedPipeline, StepCallback
 
 REFERENCE_MAX_AREA = 1024 * 1024
 """A larger reference image is scaled down to this many pixels first, as diffusers does."""
@@ -141,7 +138,6 @@ class Flux2ImagePipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: Flux2Conditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """The flow-matching loop from the seed's noise; returns packed latents [1, tokens, C]."""
-        self.apply_loras(request)
         device = self.device
         embeds = cond.prompt_embeds.to(device)
         branches = embeds.shape[0]
@@ -167,25 +163,24 @@ class Flux2ImagePipeline(StagedPipeline):
             guidance = torch.full([1], request.guidance, device=device, dtype=torch.float32).expand(branches)
 
         self.scheduler.set_begin_index(0)
-        for i, t in enumerate(timesteps):
+
+        def predict(i: int, t: torch.Tensor, latents: torch.Tensor, name: str) -> torch.Tensor:
             model_input = latents if reference is None else torch.cat([latents, reference], dim=1)
-            with self.cache_step(request, i, len(timesteps)):
-                prediction = self.transformer(
-                    hidden_states=model_input.expand(branches, -1, -1).to(self.dtype),
-                    timestep=t.expand(branches).to(latents.dtype) / 1000,
-                    guidance=guidance,
-                    encoder_hidden_states=embeds,
-                    txt_ids=cond.text_ids.to(device),
-                    img_ids=ids,
-                    joint_attention_kwargs={},
-                    return_dict=False,
-                )[0][:, : latents.shape[1]]
+            prediction = self.transformer(
+                hidden_states=model_input.expand(branches, -1, -1).to(self.dtype),
+                timestep=t.expand(branches).to(latents.dtype) / 1000,
+                guidance=guidance,
+                encoder_hidden_states=embeds,
+                txt_ids=cond.text_ids.to(device),
+                img_ids=ids,
+                joint_attention_kwargs={},
+                return_dict=False,
+            )[0][:, : latents.shape[1]]
             if branches == 2:
                 prediction = prediction[1:] + request.guidance * (prediction[:1] - prediction[1:])
-            latents = self.scheduler.step(prediction, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
-        return latents
+            return prediction
+
+        return self.run_denoise_loop(request, self.scheduler, timesteps, latents, predict, on_step)
 
     # --- rank 0 ---------------------------------------------------------------------------------
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,9 +55,7 @@ from pipelines.flux2 import unpack_latents
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_model_index
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
+from pipelines.stages import StagedPipeline, StepCallback
 
 
 def _created(block: Any, name: str) -> Any:
@@ -185,7 +182,6 @@ class Flux3ImagePipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: Flux3Conditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """The flow-matching loop from the seed's noise; returns the image tokens [1, tokens, C]."""
-        self.apply_loras(request)
         device, dtype = self.device, self.dtype
         text = cond.prompt_embeds.to(device, dtype)
         negative = cond.negative_embeds.to(device, dtype) if cond.negative_embeds is not None else None
@@ -207,29 +203,25 @@ class Flux3ImagePipeline(StagedPipeline):
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, device, sigmas=sigmas)
         scheduler.set_begin_index(0)
 
-        for i, t in enumerate(timesteps):
+        def predict(i: int, t: torch.Tensor, latents: torch.Tensor, name: str) -> torch.Tensor:
             model_input = latents.to(dtype)
             timestep = (t / 1000).expand(1).to(model_input.dtype)
-            with self.cache_step(request, i, len(timesteps)):
-                if self.distilled:  # Flux3DistilledLoopDenoiser: one call, told the timestep it jumps to
-                    following = timesteps[i + 1] if i + 1 < len(timesteps) else torch.zeros_like(t)
-                    prediction = self.transformer(
-                        hidden_states=model_input, encoder_hidden_states=text, timestep=timestep,
-                        target_timestep=(following / 1000).expand(1).to(model_input.dtype), return_dict=False,
-                        txt_ids=text_ids, **fixed)[0]
-                else:  # Flux3LoopDenoiser: the prompt's call, then the negative prompt's
-                    calls = [dict(hidden_states=model_input, timestep=timestep, **fixed, encoder_hidden_states=embeds,
-                                  txt_ids=ids)
-                             for embeds, ids in ((text, text_ids), (negative, negative_ids)) if embeds is not None]
-                    prediction, *rest = self.predict_guided(calls)
-                    if negative is not None:
-                        unconditional = rest[0]
+            if self.distilled:  # Flux3DistilledLoopDenoiser: one call, told the timestep it jumps to
+                following = timesteps[i + 1] if i + 1 < len(timesteps) else torch.zeros_like(t)
+                return self.transformer(
+                    hidden_states=model_input, encoder_hidden_states=text, timestep=timestep,
+                    target_timestep=(following / 1000).expand(1).to(model_input.dtype), return_dict=False,
+                    txt_ids=text_ids, **fixed)[0]
+            # Flux3LoopDenoiser: the prompt's call, then the negative prompt's
+            calls = [dict(hidden_states=model_input, timestep=timestep, **fixed, encoder_hidden_states=embeds,
+                          txt_ids=ids)
+                     for embeds, ids in ((text, text_ids), (negative, negative_ids)) if embeds is not None]
+            prediction, *rest = self.predict_guided(calls)
             if negative is not None:  # ClassifierFreeGuidance.forward
-                prediction = unconditional + request.guidance * (prediction - unconditional)
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
-        return latents
+                prediction = rest[0] + request.guidance * (prediction - rest[0])
+            return prediction
+
+        return self.run_denoise_loop(request, scheduler, timesteps, latents, predict, on_step)
 
     # --- rank 0 ---------------------------------------------------------------------------------
 

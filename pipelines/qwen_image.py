@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +64,7 @@ from transformers import Qwen2VLProcessor
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT, GenerationRequest
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
+from pipelines.stages import StagedPipeline, StepCallback
 
 PACK = 2
 """Latent rows and columns per token: QwenImagePipeline's packing helpers take 2x2 patches."""
@@ -163,7 +160,6 @@ class QwenImageImagePipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: QwenImageConditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """The flow-matching loop from the seed's noise; returns packed latents [1, tokens, C]."""
-        self.apply_loras(request)
         device = self.device
         text = cond.prompt_embeds.to(device)
         negative = cond.negative_embeds.to(device) if cond.negative_embeds is not None else None
@@ -188,15 +184,14 @@ class QwenImageImagePipeline(StagedPipeline):
         timesteps, _ = retrieve_timesteps(scheduler, request.steps, device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
 
-        for i, t in enumerate(timesteps):
+        def predict(i: int, t: torch.Tensor, latents: torch.Tensor, name: str) -> torch.Tensor:
             timestep = t.expand(1).to(latents.dtype)
             tokens = latents if reference is None else torch.cat([latents, reference], dim=1)
             calls = [dict(hidden_states=tokens.to(self.dtype), timestep=timestep / 1000,
                           encoder_hidden_states=embeds.to(self.dtype), encoder_hidden_states_mask=None,
                           img_shapes=img_shapes, attention_kwargs={})
                      for embeds in (text, negative) if embeds is not None]
-            with self.cache_step(request, i, len(timesteps)):
-                prediction, *rest = self.predict_guided(calls)
+            prediction, *rest = self.predict_guided(calls)
             prediction = prediction[:, : latents.shape[1]]  # the image's tokens (the reference's follow them)
             if negative is not None:
                 unconditional = rest[0][:, : latents.shape[1]]
@@ -204,10 +199,9 @@ class QwenImageImagePipeline(StagedPipeline):
                 # Qwen-Image's rescaling: the guided prediction keeps the conditional one's norm per token
                 prediction = combined * (torch.norm(prediction, dim=-1, keepdim=True)
                                          / torch.norm(combined, dim=-1, keepdim=True))
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
-        return latents
+            return prediction
+
+        return self.run_denoise_loop(request, scheduler, timesteps, latents, predict, on_step)
 
     # --- rank 0 ---------------------------------------------------------------------------------
 

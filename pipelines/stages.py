@@ -1,14 +1,15 @@
 """What every pipeline here shares: the three stages' contract, the model's limits, the transformer seam,
 the prompt-embedding cache and the split VAE decode.
 
-A pipeline is encode (rank 0) -> denoise (every rank) -> decode (rank 0, or every rank with a split
-decode). Its denoising loop calls the transformer in one place, through `self.transformer`, which
-engines/ replaces (use_transformer) with a context-parallel or compiled module of the same call
-signature. Its decode calls the VAE in one place, `decode_latents`, which splits the decode over the
-ranks of `use_split_vae`'s group (pipelines.split_vae) where the image is tall enough; a family that
-splits part of its encoding over them (Cosmos-Predict2's input video) does it in `prepare`, which every
-rank runs once rank 0's encoding reached it. Its encode runs the text encoders through `cached_text`, so
-that a repeated prompt is not encoded again.
+A pipeline is encode (rank 0) -> denoise (every rank) -> decode (rank 0, or every rank with a split decode). Its
+denoise prepares the latents, timesteps and conditioning and runs the one denoising loop, `run_denoise_loop`,
+with the family's step (model inputs, transformer calls, guidance). That step calls the transformer in one
+place, through `self.transformer`, which engines/ replaces (use_transformer) with a context-parallel or compiled
+module of the same call signature. Its decode calls the VAE in one place, `decode_latents`, which splits the
+decode over the ranks of `use_split_vae`'s group (pipelines.split_vae) where the image is tall enough; a family
+that splits part of its encoding over them (Cosmos-Predict2's input video) does it in `prepare`, which every
+rank runs once rank 0's encoding reached it. Its encode runs the text encoders through `cached_text`, so that a
+repeated prompt is not encoded again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from pipelines.registry import ModelSpec, family_of
 from pipelines.requests import GenerationRequest, MediaLimits, read_limits
 
 T = TypeVar("T")
+StepCallback = Callable[[int, int], None]
+"""Called after each denoising step with (steps done, total); it may raise to cancel the request."""
+Predict = Callable[[int, Any, Any, str], Any]
+"""A family's denoising step up to the scheduler: (index, timestep, latents, transformer name) -> the prediction
+the scheduler steps with (the step's model inputs, the transformer call or calls, the guidance)."""
 
 
 class StagedPipeline:
@@ -159,6 +165,32 @@ class StagedPipeline:
         if guided is not None and len(calls) > 1:
             return [p if isinstance(p, torch.Tensor) else torch.stack(list(p)) for p in guided(calls)]
         return [self.transformer(**call, return_dict=False)[0] for call in calls]
+
+    def run_denoise_loop(self, request: GenerationRequest, scheduler: Any, timesteps: Any, latents: Any,
+                         predict: Predict, on_step: StepCallback | None = None, *,
+                         expert_boundary: float | None = None) -> Any:
+        """The denoising loop of every family: the request's LoRAs, then for each timestep `predict` within the
+        step cache and attention precision (cache_step), the scheduler's step and on_step; returns the latents.
+
+        Args:
+            expert_boundary: Wan 2.2 A14B's two experts: "transformer" predicts the steps whose timestep is at or
+                above it, "transformer_2" the others; each expert's step cache counts its own steps.
+        """
+        self.apply_loras(request)
+        total = len(timesteps)
+        switch = total  # the first step of transformer_2
+        if expert_boundary is not None:
+            switch = next((i for i, t in enumerate(timesteps) if t < expert_boundary), total)
+            self.reset_step_caches()
+        for i, t in enumerate(timesteps):
+            name, index, count = ("transformer", i, switch) if i < switch else \
+                ("transformer_2", i - switch, total - switch)
+            with self.cache_step(request, index, count, name):
+                prediction = predict(i, t, latents, name)
+            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                on_step(i + 1, total)
+        return latents
 
     def computed_steps(self) -> int | None:
         """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""

@@ -33,7 +33,6 @@ The kinds of folder, told apart by their configs:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,9 +46,7 @@ from diffusers.video_processor import VideoProcessor
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, folder_experts, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline
-
-StepCallback = Callable[[int, int], None]
+from pipelines.stages import StagedPipeline, StepCallback
 
 
 @dataclass(kw_only=True)
@@ -188,7 +185,6 @@ class WanVideoPipeline(StagedPipeline):
     def denoise(self, request: GenerationRequest, cond: WanConditioning,
                 on_step: StepCallback | None = None) -> torch.Tensor:
         """The UniPC flow-matching loop from the seed's noise; returns latents [1, C, T, h, w] (float32)."""
-        self.apply_loras(request)
         device, dtype = self.device, self.dtype
         text = cond.prompt_embeds.to(device, dtype)
         branches = text.shape[0]
@@ -212,13 +208,10 @@ class WanVideoPipeline(StagedPipeline):
         scheduler = copy.deepcopy(self.scheduler)  # UniPC keeps per-loop state on the instance
         scheduler.set_timesteps(request.steps, device=device)
         scheduler.set_begin_index(0)
-        timesteps = scheduler.timesteps
-        switch = len(timesteps)  # the first step of transformer_2 (WanPipeline: t < boundary_ratio x training steps)
-        if self.boundary_ratio is not None:
-            boundary = self.boundary_ratio * scheduler.config.num_train_timesteps
-            switch = next((i for i, t in enumerate(timesteps) if t < boundary), len(timesteps))
-            self.reset_step_caches()
-        for i, t in enumerate(timesteps):
+        # WanPipeline: transformer_2 from the first step whose t < boundary_ratio x training steps
+        boundary = None if self.boundary_ratio is None else self.boundary_ratio * scheduler.config.num_train_timesteps
+
+        def predict(i: int, t: torch.Tensor, latents: torch.Tensor, name: str) -> torch.Tensor:
             if noisy is not None:
                 model_input = latents if given is None else (1 - noisy) * given + noisy * latents
                 timestep = (noisy[0, 0, :, ::patch_h, ::patch_w] * t).flatten().expand(branches, -1)  # [B, tokens]
@@ -226,23 +219,20 @@ class WanVideoPipeline(StagedPipeline):
                 model_input = latents if given is None else torch.cat([latents, given], dim=1)
                 timestep = t.expand(branches)
             model_input = model_input.to(dtype)
-            # each expert's step cache counts its own steps
-            name, index, total = ("transformer", i, switch) if i < switch else \
-                ("transformer_2", i - switch, len(timesteps) - switch)
-            with self.cache_step(request, index, total, name):
-                prediction = getattr(self, name)(
-                    hidden_states=model_input.expand(branches, *model_input.shape[1:]),
-                    timestep=timestep,
-                    encoder_hidden_states=text,
-                    return_dict=False,
-                    **extra,
-                )[0]
+            prediction = getattr(self, name)(
+                hidden_states=model_input.expand(branches, *model_input.shape[1:]),
+                timestep=timestep,
+                encoder_hidden_states=text,
+                return_dict=False,
+                **extra,
+            )[0]
             if branches == 2:
-                scale = request.guidance if i < switch or request.guidance_2 is None else request.guidance_2
+                scale = request.guidance if name == "transformer" or request.guidance_2 is None else request.guidance_2
                 prediction = prediction[1:] + scale * (prediction[:1] - prediction[1:])
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                on_step(i + 1, len(timesteps))
+            return prediction
+
+        latents = self.run_denoise_loop(request, scheduler, scheduler.timesteps, latents, predict, on_step,
+                                        expert_boundary=boundary)
         if noisy is not None and given is not None:
             latents = (1 - noisy) * given + noisy * latents
         return latents
