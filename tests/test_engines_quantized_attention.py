@@ -8,6 +8,7 @@ SageAttention's smoothing removes): int8 1.2-1.3% relative norm, LSE within 0.00
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -197,15 +198,28 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 parallel.restore()
                 results.append(dict(precision=precision, plan=plan.label, err=(got - one).abs().max().item(),
                                     own=(one - full).abs().max().item()))
+        # --tp: each rank attends its share of the heads; the split is made in place, so on a copy, last
+        from engines.plan import ParallelPlan
+
+        plan = ParallelPlan(tp=world_size)
+        split = parallelize(copy.deepcopy(model), ctx, plan)
+        for precision in ("int8", "fp8"):
+            with attention_precision(precision):
+                one, got = model(**kwargs)[0], split(**kwargs)[0]
+            results.append(dict(precision=precision, plan=plan.label, err=(got - one).abs().max().item(),
+                                own=(one - full).abs().max().item()))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     shutdown(ctx)
 
 
 def test_ranks_equal_one_process(tmp_path: Path) -> None:
+    """Every strategy, CFG groups and --tp on 2 ranks."""
+    from engines.plan import ParallelPlan
+
     spawn_ranks(_worker, 2, str(tmp_path))
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert {r["plan"] for r in results} == {plan.label for plan in _plans(2)}
+        assert {r["plan"] for r in results} == {plan.label for plan in _plans(2)} | {ParallelPlan(tp=2).label}
         for r in results:
             assert r["own"] > 0, r  # the model's own attention was quantized too
             assert r["err"] <= r["own"], f"{r['precision']} {r['plan']} on rank {rank}: {r['err']:.3g} > {r['own']:.3g}"
