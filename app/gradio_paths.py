@@ -155,7 +155,8 @@ class ServerPaths:
             state["buffer"] += message.get("body", b"")
             more = message.get("more_body", False)
             if state["mode"] == "text/event-stream":  # whole events only, so that no path is cut in two
-                cut = state["buffer"].rfind(b"\n\n") + 2 if more else len(state["buffer"])
+                end = state["buffer"].rfind(b"\n\n")
+                cut = (end + 2 if end >= 0 else 0) if more else len(state["buffer"])
                 ready, state["buffer"] = state["buffer"][:cut], state["buffer"][cut:]
                 if ready or not more:
                     await send({"type": "http.response.body", "body": self._hide(ready), "more_body": more})

@@ -279,6 +279,53 @@ def test_server_paths_are_cut_to_file_names():
     assert public_message(message) == "cannot identify image file 'notimage.png' (step 3/8, see https://x.org/a/b)"
 
 
+def test_server_paths_are_aliased_across_chunks_and_taken_back(tmp_path):
+    """app.gradio_paths.ServerPaths alone: an event stream whose events (and a path) are cut across chunks goes out
+    whole events at a time with the folder aliased; a JSON answer gets its new length; a JSON request's alias and a
+    file route's come back as the folder."""
+    from app.gradio_paths import ServerPaths
+
+    uploads, results = (tmp_path / "up").resolve(), (tmp_path / "out").resolve()
+    stream = f'data: {{"path": "{results}/a.png"}}\n\ndata: {{"path": "{uploads}/b.png"}}\n\n'.encode()
+    seen = {}
+
+    async def inner(scope, receive, send):
+        seen["path"] = scope["path"]
+        seen["body"] = (await receive()).get("body", b"")
+        kind = b"text/event-stream" if scope["path"] == "/events" else b"application/json"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", kind), (b"content-length", b"1")]})
+        body = stream if kind == b"text/event-stream" else f'["{uploads}/c.png"]'.encode()
+        for start in range(0, len(body), 7):  # chunks that cut events and paths
+            await send({"type": "http.response.body", "body": body[start:start + 7],
+                        "more_body": start + 7 < len(body)})
+
+    async def call(path, body=b""):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+                 "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1)}
+        await ServerPaths(inner, uploads=uploads, results=results)(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(call("/events"))
+    chunks = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert b"".join(chunks) == b'data: {"path": "~results/a.png"}\n\ndata: {"path": "~uploads/b.png"}\n\n'
+    assert all(chunk.endswith(b"\n\n") or not chunk for chunk in chunks), chunks
+    sent = asyncio.run(call("/gradio_api/queue/join", b'{"data": [{"path": "~uploads/d.png"}]}'))
+    assert seen["body"] == f'{{"data": [{{"path": "{uploads}/d.png"}}]}}'.encode()
+    body = b"".join(m["body"] for m in sent if m["type"] == "http.response.body")
+    assert body == b'["~uploads/c.png"]' and (b"content-length", str(len(body)).encode()) in sent[0]["headers"]
+    asyncio.run(call("/gradio_api/file=~results/e.png"))
+    assert seen["path"] == f"/gradio_api/file={results}/e.png"
+
+
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory) -> Path:
     """A 20-second 1080p clip of one colour (30 fps, 600 frames; a few tens of kB)."""
