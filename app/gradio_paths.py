@@ -206,16 +206,22 @@ def _content_length(scope: Scope) -> int:
         return 0
 
 
-def _uploader(scope: Scope) -> str:
-    """Whose an upload is: the login its cookie names (Gradio's access token), else the client's address."""
+def login_of(scope: Scope) -> str | None:
+    """The login a request to Gradio's app comes from (the user its access-token cookie names), or None: no login,
+    or a UI without logins."""
     gradio_app = scope.get("app")
-    if getattr(gradio_app, "auth", None):
-        cookies = StarletteRequest(scope).cookies
-        token = (cookies.get(f"access-token-{gradio_app.cookie_id}")
-                 or cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
-        user = gradio_app.tokens.get(token) if token else None
-        if user:
-            return f"user:{user}"
+    if not getattr(gradio_app, "auth", None):
+        return None
+    cookies = StarletteRequest(scope).cookies
+    token = (cookies.get(f"access-token-{gradio_app.cookie_id}")
+             or cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
+    return gradio_app.tokens.get(token) if token else None
+
+
+def _uploader(scope: Scope) -> str:
+    """Whose an upload is: its login (login_of), else the client's address."""
+    user = login_of(scope)
+    if user:
+        return f"user:{user}"
     client = scope.get("client") or ("", 0)
     return f"address:{client[0]}"
-

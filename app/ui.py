@@ -35,9 +35,9 @@ from urllib.parse import unquote
 
 import gradio as gr
 from gradio.context import LocalContext
-from starlette.requests import Request as StarletteRequest
 from starlette.responses import PlainTextResponse
 
+from app.gradio_paths import login_of
 from app.job_store import JobStore
 from app.jobs import Failed, Finished, Job, JobQueue, ServiceBusy, ServiceClosed, Started, Step
 from app.lockstep import Generation
@@ -178,13 +178,9 @@ class OwnResults:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and "/file=" in scope["path"]:
-            gradio_app = scope.get("app")
             name = Path(unquote(scope["path"].partition("/file=")[2])).name
-            if getattr(gradio_app, "auth", None) and RESULT_NAME.fullmatch(name):
-                cookies = StarletteRequest(scope).cookies
-                token = (cookies.get(f"access-token-{gradio_app.cookie_id}")
-                         or cookies.get(f"access-token-unsecure-{gradio_app.cookie_id}"))
-                user = gradio_app.tokens.get(token) if token else None
+            if getattr(scope.get("app"), "auth", None) and RESULT_NAME.fullmatch(name):
+                user = login_of(scope)
                 owner = await asyncio.to_thread(self.store.owner_of_file, name)
                 if user is None or owner != f"user:{user}":
                     await PlainTextResponse("Not Found", status_code=404)(scope, receive, send)
