@@ -1,7 +1,7 @@
 """Benchmark: the attention kernels alone, at the shapes one GPU attends in our plans, and their error.
 
     python -m benchmarks.attention_kernels --out kernels.json             # on a GPU
-    python -m benchmarks.attention_kernels --shapes "flux-1024 1 GPU" --kernels "sdpa bf16,fa3 fp8"
+    python -m benchmarks.attention_kernels --shapes "flux-1024 1 GPU" --kernels "sdpa bf16,ours fp8 (compiled)"
     python -m benchmarks.attention_kernels --sweep --shapes "wan14b-720p 2 GPUs"   # the Triton kernel's settings
 
 For each shape (one GPU's share of a real model's attention: FLUX.1-dev at 1024² on 1, 2 and 4 GPUs' Ulysses
@@ -15,9 +15,10 @@ Kernels: PyTorch's scaled_dot_product_attention in bf16 as it dispatches (flash)
 (engines/quantized_attention.py), the whole call (smoothing and quantization included) compiled as the engines
 compile it: int8 (our Triton kernel; also alone, on inputs quantized beforehand) and fp8 (FlashAttention-3's FP8
 forward where fa3-fwd is installed on a Hopper GPU, else our PyTorch reference, on the shapes of FLUX alone);
-SageAttention 1.0.6's Triton kernel (`sageattn`, the registry's) and FlashAttention-3's forward (the registry's
-fa3-fwd 0.0.3 build, bf16 and FP8), where they are installed. Inputs are random: q and v standard normal, k
-standard normal plus a per-channel offset of 3 standard deviations (the outlier smoothing removes), bf16.
+SageAttention 1.0.6's Triton kernel (`sageattn`, the registry's) and FlashAttention-3's bf16 forward (the
+registry's fa3-fwd 0.0.3 build; its FP8 forward is ours' fp8 row), where they are installed. Inputs are random:
+q and v standard normal, k standard normal plus a per-channel offset of 3 standard deviations (the outlier
+smoothing removes), bf16.
 """
 
 from __future__ import annotations
@@ -108,7 +109,6 @@ def kernels(small: bool) -> dict[str, Callable[..., Any]]:
         from fa3_fwd_interface import flash_attn_func
 
         found["fa3 bf16"] = lambda q, k, v: flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
-        found["fa3 fp8"] = lambda q, k, v: fa3_fp8(flash_attn_func, q, k, v)
     except Exception as exc:  # not installed, or its build does not load on this torch: said in the output
         print(f"[attention] FlashAttention-3 not measured: {exc!r}"[:300], file=sys.stderr)
     try:
@@ -118,26 +118,6 @@ def kernels(small: bool) -> dict[str, Callable[..., Any]]:
     except Exception as exc:  # not installed, or it does not import on this torch/Triton: said in the output
         print(f"[attention] sageattention not measured: {exc!r}"[:300], file=sys.stderr)
     return found
-
-
-def fa3_fp8(flash_attn_func: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashAttention-3's FP8 forward (fa3-fwd's flash_attn_func with descales) on BHSD bf16 inputs: K smoothed by its
-    mean as ours, Q, K and V in e4m3 with one scale per batch and head (its descale's granularity); output and LSE
-    (the smoothing added back)."""
-    from engines.quantized_attention import FP8_MAX, SCALE_FLOOR
-
-    scale = q.shape[-1] ** -0.5
-    mean = k.float().mean(dim=2, keepdim=True)
-    correction = (q.float() @ mean.transpose(-1, -2)).squeeze(-1) * scale
-    stored, descales = [], []
-    for x in (q.float(), k.float() - mean, v.float()):
-        top = x.abs().amax(dim=(2, 3)).clamp_min(SCALE_FLOOR) / FP8_MAX  # (B, H)
-        stored.append((x / top[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2))
-        descales.append(top)
-    out, lse = flash_attn_func(*stored, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-                               return_attn_probs=True)[:2]
-    return out.transpose(1, 2), lse + correction
 
 
 class KernelAlone:

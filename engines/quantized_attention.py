@@ -195,18 +195,20 @@ def _fa3_fp8(forward: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: t
 def _int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (float32, B H S D) as INT8 values (int8) and one scale per `block` tokens (B H blocks): the Triton
     kernel's inputs (engines.quantized_attention_triton); the values and scales of quantize_blocks."""
-    B, H, S, D = x.shape
-    blocks = -(-S // block)
-    padded = torch.nn.functional.pad(x, (0, 0, 0, blocks * block - S)).reshape(B, H, blocks, block * D)
-    scale = padded.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) / INT8_MAX
-    stored = (padded / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return stored.reshape(B, H, blocks * block, D)[:, :, :S], scale[..., 0]
+    stored, scale = _quantized_blocks(x, block, "int8")
+    return stored.to(torch.int8), scale[..., 0]
 
 
 def quantize_blocks(x: torch.Tensor, block: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x (float32, B H S D) as `precision` ("int8" or "fp8") stores it with one symmetric scale per `block`
     tokens of each head: the stored values (integers or e4m3 values, as float32) and each token's scale
     (B H S 1, its block's), so that stored * scale approximates x."""
+    stored, scale = _quantized_blocks(x, block, precision)
+    return stored, scale.repeat_interleave(block, dim=2)[:, :, :x.shape[2]]
+
+
+def _quantized_blocks(x: torch.Tensor, block: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks' stored values (B H S D, float32) and each block's scale (B H blocks 1)."""
     B, H, S, D = x.shape
     blocks = -(-S // block)
     padded = torch.nn.functional.pad(x, (0, 0, 0, blocks * block - S)).reshape(B, H, blocks, block * D)
@@ -217,5 +219,4 @@ def quantize_blocks(x: torch.Tensor, block: int, precision: str) -> tuple[torch.
         stored = scaled.round().clamp(-INT8_MAX, INT8_MAX)
     else:
         stored = scaled.to(torch.float8_e4m3fn).float()
-    stored = stored.reshape(B, H, blocks * block, D)[:, :, :S]
-    return stored, scale.repeat_interleave(block, dim=2)[:, :, :S]
+    return stored.reshape(B, H, blocks * block, D)[:, :, :S], scale

@@ -62,7 +62,7 @@ def int8_attention(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_sc
     q, k, v = (t.contiguous() for t in (q, k, v))
     q_scale, k_scale = q_scale.contiguous().float(), k_scale.contiguous().float()
     fp8 = v.dtype == torch.float8_e4m3fn
-    v_scale = (v_scale if fp8 else torch.ones(1, device=q.device)).contiguous().float()
+    v_scale = v_scale.contiguous().float() if fp8 else q_scale  # without FP8 P·V the kernel reads none
     out = torch.empty(B, H, Sq, D, dtype=out_dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     grid = (-(-Sq // q_block), B * H)
