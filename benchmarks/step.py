@@ -425,14 +425,16 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
     # eager output against the bf16 eager one. With --attention-precision, then the same with quantized attention.
     if args.fp8:
+        # the 1-GPU FP8 rows: with 'all', and with 'alone' on one rank (whose only FP8 rows they are)
+        fp8_single = args.fp8 == "all" or (args.fp8 == "alone" and ctx.world_size == 1)
         measure_fp8(spec, model, shapes, inputs, backends, ctx, record, unfused=args.fp8_unfused,
-                    single=args.fp8 == "all", modes=modes, adapter=adapter, linear=args.fp8_linear)
+                    single=fp8_single, modes=modes, adapter=adapter, linear=args.fp8_linear)
         if args.attention_precision:
             measure_attention_precision(spec, model, shapes, inputs, backends, ctx, record, args.attention_precision,
-                                        modes=modes, adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
+                                        modes=modes, adapter=adapter, single=fp8_single, suffix=" fp8")
         if args.lora_rank:  # the LoRA on the FP8 model, as the app attaches it (after quantizing)
             measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
-                         adapter=adapter, single=args.fp8 == "all", suffix=" fp8")
+                         adapter=adapter, single=fp8_single, suffix=" fp8")
     # 6. --tp: each block's weights split over tp ranks, last of all (the split is made in place and not undone); with
     # --fp8 the whole model is FP8 by now (step 5) and a split model is quantized after its split: it is built split
     if args.tp > 1:
@@ -923,7 +925,8 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
                    help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
                         "and time 1 GPU and every plan again with every backend ('--fp8 parallel': the plans "
                         "only; '--fp8 alone': the plans' FP8 rows and no other row, so that with an empty "
-                        "--cache-dir they time a cold FP8 build); rows carry the output's relative error")
+                        "--cache-dir they time a cold FP8 build; on one rank, its 1-GPU FP8 rows); rows carry the "
+                        "output's relative error")
     p.add_argument("--fp8-unfused", action="store_true",
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
                         "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")

@@ -1,8 +1,22 @@
 import os
+import shutil
+import tempfile
 
 import torch
 
 from app.runtime import cpu_threads_per_rank
+
+# This process's temporary files go to a folder of its own, removed at its end: gradio_client, used here, leaves an
+# empty folder in the temporary directory for each file it downloads (gradio_client 2.7's Client._download_file makes
+# $TMPDIR/<40 hex digits> and never removes it) and downloads into $TMPDIR/gradio. The processes the tests start
+# (servers, ranks) keep the machine's TMPDIR: what they leave there is theirs to clean, and tests check it.
+_TEMP = tempfile.mkdtemp(prefix="ulysses-studio-tests-")
+tempfile.tempdir = _TEMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_TEMP, ignore_errors=True)
+
 
 # Tests never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

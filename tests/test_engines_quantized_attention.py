@@ -289,3 +289,34 @@ def test_run_option_and_cli() -> None:
 def _required(command: str) -> list[str]:
     """What `command` needs besides its options."""
     return {"generate": ["--prompt", "a", "--out", "a.png"], "batch": ["prompts.txt", "--out", "out"]}.get(command, [])
+
+
+def test_each_calls_error_on_a_models_activations() -> None:
+    """benchmarks/attention_error.py: every attention call of a forward measured at each precision on the same q, k,
+    v, the forward going on at full precision (its output equals a full-precision forward's), one record per call
+    in block order, each within the kernel's bound."""
+    from benchmarks.attention_error import call_errors, summary
+    from engines.distributed import ParallelContext
+    from engines.plan import ParallelPlan
+    from engines.quantized_attention import precision_in_effect
+
+    torch.manual_seed(0)
+    model = randomize(tiny_flux())
+    one = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
+                          control_group=None)
+    forward = parallelize(model, one, ParallelPlan())
+    inputs = flux_inputs((8, 8), 8, batch=1)
+    with torch.no_grad():
+        full = forward(**inputs)[0]
+        with call_errors(("fp8", "int8"), forward) as records:
+            measured = forward(**inputs)[0]
+            again = forward(**inputs)[0]
+    assert torch.equal(measured, full) and torch.equal(again, full)
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    assert [(r["forward"], r["call"]) for r in records] == [(f, c) for f in (0, 1) for c in range(blocks)]
+    for precision, (bound, _) in BOUNDS.items():
+        errors = [r[precision]["error"] for r in records]
+        assert all(0 < e <= bound for e in errors), (precision, errors)
+        assert summary(records, precision)["max_error"] == max(errors)
+    assert summary(records, "int8")["mean_error"] < summary(records, "fp8")["mean_error"]
+    assert precision_in_effect() == "full"

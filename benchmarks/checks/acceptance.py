@@ -698,7 +698,11 @@ def part_serve(run: Run) -> None:
         from gradio_client import Client
 
         # the client downloads results into a folder of this run's: by default it is $TMPDIR/gradio, which would
-        # count against the server as a temporary folder left behind
+        # count against the server as a temporary folder left behind; and it leaves an empty $TMPDIR/<40 hex digits>
+        # folder per download (gradio_client 2.7's Client._download_file), so this process's temporary folder is
+        # the run's too (the commands it starts keep TEMP)
+        (files / "client-temp").mkdir(exist_ok=True)
+        tempfile.tempdir = str(files / "client-temp")
         client = Client(url + "/", verbose=False, download_files=str(files / "gradio-client"))
         image = ("a big red star in the center on a white background", 7, False, 8, 3.5, 256, 256)
         started = time.monotonic()
