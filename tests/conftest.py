@@ -1,3 +1,4 @@
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -10,12 +11,11 @@ from app.runtime import cpu_threads_per_rank
 # empty folder in the temporary directory for each file it downloads (gradio_client 2.7's Client._download_file makes
 # $TMPDIR/<40 hex digits> and never removes it) and downloads into $TMPDIR/gradio. The processes the tests start
 # (servers, ranks) keep the machine's TMPDIR: what they leave there is theirs to clean, and tests check it.
+# Removed at the process's exit, after multiprocessing has removed its own pymp-* folder in it (its finalizer's exit
+# priority is -100; lower ones run later).
 _TEMP = tempfile.mkdtemp(prefix="ulysses-studio-tests-")
 tempfile.tempdir = _TEMP
-
-
-def pytest_unconfigure(config):
-    shutil.rmtree(_TEMP, ignore_errors=True)
+multiprocessing.util.Finalize(None, shutil.rmtree, args=(_TEMP,), kwargs={"ignore_errors": True}, exitpriority=-200)
 
 
 # Tests never reach for a model hub.

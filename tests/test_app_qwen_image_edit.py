@@ -22,7 +22,7 @@ COMMON = ["--model", "qwen-image-edit", "--size", "64x48", "--steps", "2", "--pr
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import qwen_image_edit_components, save_qwen_image_edit
+    from pipelines.qwen_image.tiny import qwen_image_edit_components, save_qwen_image_edit
 
     path = tmp_path_factory.mktemp("qwen-image-edit") / "Qwen-Image-Edit"
     save_qwen_image_edit(path, qwen_image_edit_components(seed=2))
@@ -71,7 +71,7 @@ def test_2511_two_ranks_equal_one_rank(reference: Path, tmp_path: Path) -> None:
     (its reference's tokens at timestep 0) is split with the tokens, as its plan says (modulate_index), so ring-2
     equals one rank."""
     from pipelines.registry import get_spec
-    from training.tiny_models import write_tiny_qwen_image
+    from pipelines.qwen_image.tiny import write_tiny_qwen_image
 
     folder = tmp_path / "Qwen-Image-Edit-2511"
     write_tiny_qwen_image(get_spec("qwen-image-edit-2511"), folder)

@@ -23,7 +23,7 @@ PROMPT = "a big red circle on the left"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import qwen_image_components, save_qwen_image
+    from pipelines.qwen_image.tiny import qwen_image_components, save_qwen_image
 
     path = tmp_path_factory.mktemp("qwen-image") / "Qwen-Image"
     save_qwen_image(path, qwen_image_components(seed=1))

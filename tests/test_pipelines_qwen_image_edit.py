@@ -25,7 +25,7 @@ PROMPT = "a big red circle on the left"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import qwen_image_edit_components, save_qwen_image_edit
+    from pipelines.qwen_image.tiny import qwen_image_edit_components, save_qwen_image_edit
 
     path = tmp_path_factory.mktemp("qwen-image-edit") / "Qwen-Image-Edit"
     save_qwen_image_edit(path, qwen_image_edit_components(seed=1))
@@ -47,7 +47,7 @@ def diffusers_run(path: Path, req, plus: bool = False) -> tuple[torch.Tensor, PI
     from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 
     from pipelines.loading import load_parts
-    from pipelines.qwen_image import load_edit_processor
+    from pipelines.qwen_image.pipeline import load_edit_processor
 
     parts = load_parts(path, ["transformer", "scheduler", "text_encoder", "tokenizer", "vae"], dtype=torch.float32,
                        device="cpu")
@@ -92,7 +92,7 @@ def test_plus_checkpoints_equal_diffusers_pipeline(name: str, reference: Path, t
     QwenImageEditPlusPipeline's reference, the vision tower's at ~384² and the VAE's at ~1024², and its output;
     a folder alone resolves to its name (zero_cond_t tells them apart)."""
     from pipelines.registry import get_spec, spec_for_folder
-    from training.tiny_models import write_tiny_qwen_image
+    from pipelines.qwen_image.tiny import write_tiny_qwen_image
 
     path = tmp_path / name
     write_tiny_qwen_image(get_spec(name), path)
@@ -145,7 +145,7 @@ def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pix
 def test_pil_image_processor_is_qwen2_vl_preprocessing(folder: Path, size: tuple[int, int]) -> None:
     """pixel_values and image_grid_thw as Qwen2-VL's slow image processor computes them: smart_resize, PIL bicubic,
     rescale, normalise, the frame repeated to the temporal patch, merge-ordered 14x14 patches."""
-    from pipelines.qwen_image import load_edit_processor
+    from pipelines.qwen_image.pipeline import load_edit_processor
 
     processor = load_edit_processor(folder)
     config = processor.image_processor

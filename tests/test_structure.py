@@ -121,7 +121,8 @@ def test_the_scan_finds_the_branches_it_is_meant_to() -> None:
 
 def test_no_code_outside_a_familys_own_modules_branches_on_its_name() -> None:
     """pipelines/families.py holds the records; the modules a record names (its pipeline, engines adapter,
-    input builder, ...) are that family's own and may speak of it. Everywhere else reads the record.
+    input builder, ...) are that family's own and may speak of it, and so is every module of a family's folder
+    (a package holding its record.py, as pipelines/qwen_image/). Everywhere else reads the record.
     training/__main__.py is exempt: its --only flux|cosmos picks one of the two embedded models it trains
     (its own recipes, training/flux.py and training/cosmos.py), not a family's behaviour."""
     from pipelines.registry import FAMILIES
@@ -129,10 +130,12 @@ def test_no_code_outside_a_familys_own_modules_branches_on_its_name() -> None:
     own = {REPO / "pipelines" / "families.py", REPO / "training" / "__main__.py"}
     shared = {"pipelines.requests", "pipelines.transformer_inputs", "training.tiny_models"}  # several families' code
     for family in FAMILIES.values():
-        references = (family.pipeline, family.parallelize, family.tensor_parallel, family.transformer_setup)
+        references = (family.pipeline, family.parallelize, family.tensor_parallel, family.transformer_setup,
+                      family.limits, family.bench.inputs, family.bench.tiny_config, family.bench.tiny_checkpoint)
         for module in {r.partition(":")[0] for r in references if r} - shared:
             if module.split(".")[0] in SCANNED:
-                own.add(REPO / Path(*module.split(".")).with_suffix(".py"))
+                path = REPO / Path(*module.split(".")).with_suffix(".py")
+                own.update(path.parent.glob("*.py") if (path.parent / "record.py").exists() else {path})
     found = [f"{path.relative_to(REPO)} {branch}" for path in _sources(*SCANNED) if path not in own
              for branch in family_branches(path.read_text(), set(FAMILIES))]
     assert not found, found

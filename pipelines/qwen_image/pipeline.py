@@ -62,8 +62,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from transformers import Qwen2VLProcessor
 
 from pipelines.loading import TransformerShare, load_parts
+from pipelines.qwen_image.limits import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
 from pipelines.registry import ModelSpec, read_component_config
-from pipelines.requests import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT, GenerationRequest
+from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback
 
 PACK = 2
