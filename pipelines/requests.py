@@ -211,14 +211,6 @@ def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     )
 
 
-def flux3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """FLUX.3: VAE downsampling x the 2x2 latent packing (16) as FLUX.2, up to 4096 px a side (the largest side
-    diffusers' FLUX.3 image processor gives a reference's canvas); a reference image may be given."""
-    vae = read_component_config(folder, "vae")
-    multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2
-    return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096, reference_image=True)
-
-
 def _as_int(name: str, value: Any, allowed: str) -> int:
     """`value` as a whole number: an int, a float or a string (CSV and API clients) that is one (2.0 is 2).
     Anything else, 2.5 included, is refused rather than rounded: the person meant something else.

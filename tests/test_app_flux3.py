@@ -1,6 +1,6 @@
 """FLUX.3 through the app, as users run it: generate a PNG from an unchanged FLUX.3 folder (as diffusers'
 modular pipeline saves one: modular_model_index.json, no scheduler), and the same image from 2 ranks splitting
-the text and image tokens (Ulysses on the generic context-parallel engine, engines.flux3; guidance's two
+the text and image tokens (Ulysses on the generic context-parallel engine, pipelines.flux3.parallel; guidance's two
 calls each split, or each on its own rank with --cfg-parallel).
 
 The checkpoint is training.tiny_models' tiny random FLUX.3 folder, run under the flux3-klein-base name.
@@ -23,7 +23,7 @@ COMMON = ["--model", "flux3-klein-base", "--size", "64x48", "--steps", "2", "--p
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import flux3_components, save_flux3
+    from pipelines.flux3.tiny import flux3_components, save_flux3
 
     path = tmp_path_factory.mktemp("flux3") / "flux-3-image-klein-base"
     save_flux3(path, flux3_components(seed=2))

@@ -70,8 +70,8 @@ def test_2511_two_ranks_equal_one_rank(reference: Path, tmp_path: Path) -> None:
     """Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline, zero_cond_t): the transformer's per-token timestep index
     (its reference's tokens at timestep 0) is split with the tokens, as its plan says (modulate_index), so ring-2
     equals one rank."""
-    from pipelines.registry import get_spec
     from pipelines.qwen_image.tiny import write_tiny_qwen_image
+    from pipelines.registry import get_spec
 
     folder = tmp_path / "Qwen-Image-Edit-2511"
     write_tiny_qwen_image(get_spec("qwen-image-edit-2511"), folder)

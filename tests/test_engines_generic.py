@@ -9,7 +9,7 @@ Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy
   the attention; with a reference image's tokens after the image's (Qwen-Image-Edit, 30 tokens), and
   Qwen-Image-Edit-2509's zero_cond_t variant (a per-token modulation index, split in every block, and the
   per-sample image shapes split with the batch over CFG groups);
-- FLUX.3, by our plan (engines/flux3.py): text, image and reference-image tokens each split on entry, per-mode
+- FLUX.3, by our plan (pipelines/flux3/parallel.py): text, image and reference-image tokens each split on entry, per-mode
   blocks attending one stream each and joint blocks all three (7 + 15 + 6 tokens);
 - on CFG plans, Qwen-Image's and FLUX.3's guidance as two calls of different text lengths (7 and 5 tokens),
   one per CFG group (forward_guided).
@@ -110,9 +110,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from diffusers import Flux3Transformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
 
     from engines.distributed import init_parallel, shutdown
-    from engines.flux3 import parallelize_flux3
     from engines.generic import parallelize_generic, parallelize_joint
     from engines.parallelize import parallelize_transformer
+    from pipelines.flux3.parallel import parallelize_flux3
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)

@@ -100,10 +100,10 @@ def test_matches_diffusers_peft_adapters(family: str, loras) -> None:
 def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str, dict[str, str]]) -> None:
     join_ranks(rank, world_size, port)
     from engines.distributed import init_parallel, shutdown
-    from engines.flux3 import parallelize_flux3
     from engines.generic import parallelize_generic, parallelize_joint
     from engines.parallelize import parallelize_transformer
     from engines.plan import ParallelPlan
+    from pipelines.flux3.parallel import parallelize_flux3
 
     adapters = {"wan": parallelize_generic, "qwen-image": parallelize_joint, "flux3": parallelize_flux3}
     ctx = init_parallel("cpu")

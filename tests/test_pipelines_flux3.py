@@ -26,7 +26,7 @@ PROMPT = "a big red circle on the left"
 
 
 def _folder(tmp_path_factory, distilled: bool) -> Path:
-    from training.tiny_models import flux3_components, save_flux3
+    from pipelines.flux3.tiny import flux3_components, save_flux3
 
     path = tmp_path_factory.mktemp("flux3") / ("flux-3-image-klein" if distilled else "flux-3-image-klein-base")
     save_flux3(path, flux3_components(seed=1, distilled=distilled))
@@ -55,7 +55,7 @@ def diffusers_run(path: Path, req) -> tuple[torch.Tensor, Image.Image]:
     from diffusers import ModularPipeline
     from diffusers.guiders import ClassifierFreeGuidance
 
-    from pipelines.flux3 import as_processor
+    from pipelines.flux3.pipeline import as_processor
 
     blocks = ModularPipeline.from_pretrained(str(path)).blocks
     blocks.sub_blocks.pop("prompt_upsampler")
@@ -135,8 +135,9 @@ def test_every_block_list_compiles_and_goes_fp8_one_block_at_a_time() -> None:
     from engines.fp8 import fp8_linear_names
     from engines.options import EngineOptions
     from pipelines.families import FLUX3
-    from pipelines.transformer_inputs import Shape, flux3_inputs
-    from training.tiny_models import FLUX3_TINY_TRANSFORMER
+    from pipelines.flux3.inputs import flux3_inputs
+    from pipelines.flux3.tiny import FLUX3_TINY_TRANSFORMER
+    from pipelines.transformer_inputs import Shape
 
     assert FLUX3.repeated_blocks == ("single_transformer_blocks",)
     torch.manual_seed(0)

@@ -91,8 +91,8 @@ def test_plus_checkpoints_equal_diffusers_pipeline(name: str, reference: Path, t
     """Qwen-Image-Edit-2509 and -2511 folders (QwenImageEditPlusPipeline; 2511's transformer with zero_cond_t):
     QwenImageEditPlusPipeline's reference, the vision tower's at ~384² and the VAE's at ~1024², and its output;
     a folder alone resolves to its name (zero_cond_t tells them apart)."""
-    from pipelines.registry import get_spec, spec_for_folder
     from pipelines.qwen_image.tiny import write_tiny_qwen_image
+    from pipelines.registry import get_spec, spec_for_folder
 
     path = tmp_path / name
     write_tiny_qwen_image(get_spec(name), path)
