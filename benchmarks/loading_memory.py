@@ -26,7 +26,7 @@ _CHILD = """
 import json, re, sys, torch
 from pathlib import Path
 from diffusers import Cosmos3OmniTransformer
-from engines.cosmos3 import cosmos3_weights
+from pipelines.cosmos3.parallel import cosmos3_weights
 from engines.sharded_loading import load_split, parameter_bytes
 def status():
     text = Path("/proc/self/status").read_text()

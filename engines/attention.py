@@ -10,7 +10,7 @@ when an adapter is installed; every model family's attention is a call of it:
 
 with what some families need beyond q, k, v as arguments of the same call:
 - extra_kv: keys/values replicated on every rank, attended by every query besides the sharded ones
-  (Cosmos 3's text stream: engines/cosmos3.py); K/V may have fewer heads than q (grouped-query);
+  (Cosmos 3's text stream: pipelines/cosmos3/parallel.py); K/V may have fewer heads than q (grouped-query);
 - while_waiting: the caller's own work, run while the exchanges travel (FLUX.1's single-stream block
   runs its MLP there: engines/flux_blocks.py);
 - q and v given as functions that make them, so that a strategy with an exchange to hide them under

@@ -130,7 +130,7 @@ class StepCache:
     @contextmanager
     def branch(self, index: int) -> Iterator[None]:
         """Within: the calls are guidance branch `index` (0: conditional), for wrappers that run one
-        branch per rank group (engines.cosmos3's forward_guided); otherwise a step's calls count 0, 1."""
+        branch per rank group (pipelines.cosmos3.parallel's forward_guided); otherwise a step's calls count 0, 1."""
         self._branch = index
         try:
             yield

@@ -145,12 +145,6 @@ def flux_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
 
 
-def flux2_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """FLUX.2: VAE downsampling x the 2x2 latent packing, as FLUX.1 (no position table bounds the size);
-    a reference image may be given (its pipelines' image editing)."""
-    return replace(flux_limits(spec, folder), reference_image=True)
-
-
 def cosmos_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     """Cosmos-style: the Wan VAE's compression x the transformer's patch, up to its position table
     (max_size); frames 1 + k x the VAE's temporal factor."""
@@ -166,48 +160,6 @@ def cosmos_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
         max_width=max_w * patch_w * spatial,
         frame_multiple=temporal,
         max_frames=(max_t - 1) * temporal + 1 if spec.media == "video" else 1,
-    )
-
-
-def cosmos3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """Cosmos 3: sizes a multiple of the VAE's spatial factor (the transformer pads its 2x2 patch grid, so
-    720 px works), up to 1280 px a side (its pipeline's 720p class, either orientation); frames 1 + k x
-    the VAE's temporal factor, from 1 + that factor (one frame is the image name's) up to 189, its
-    pipeline's default and longest documented length. Its mRoPE has no position table to bound sizes."""
-    vae = read_component_config(folder, "vae")
-    spatial = int(vae.get("scale_factor_spatial", 16))
-    temporal = int(vae.get("scale_factor_temporal", 4))
-    video = spec.media == "video"
-    return MediaLimits(size_multiple=spatial, max_height=1280, max_width=1280, frame_multiple=temporal,
-                       max_frames=189 if video else 1, min_frames=1 + temporal if video else 1)
-
-
-def wan_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """Wan: sizes a multiple of the VAE's spatial factor x the transformer's patch (16; Wan 2.2's VAE: 32), up to
-    the long side of the checkpoint's published resolution in either orientation (its default size: 832 for 480p,
-    1280 for 720p) and within its rotary table (rope_max_seq_len patches a side); frames 1 + k x the VAE's
-    temporal factor (4), up to the checkpoint's published length (its default: 81, TI2V's 121). The input is
-    one image, the first frame: required by an image-to-video transformer (its input channels add the image's),
-    optional for Wan 2.2 TI2V (expand_timesteps in model_index.json), refused by text-to-video."""
-    from pipelines.registry import read_model_index
-
-    vae = read_component_config(folder, "vae")
-    transformer = read_component_config(folder, "transformer")
-    spatial = int(vae.get("scale_factor_spatial", 2 ** len(vae["temperal_downsample"])))
-    temporal = int(vae.get("scale_factor_temporal", 2 ** sum(vae["temperal_downsample"])))
-    patch_t, patch_h, patch_w = transformer.get("patch_size", (1, 2, 2))
-    table = int(transformer.get("rope_max_seq_len", 1024))
-    side = max(spec.height, spec.width)
-    image_to_video = transformer.get("in_channels", 16) != transformer.get("out_channels", 16)  # + image channels
-    return MediaLimits(
-        size_multiple=spatial * max(patch_h, patch_w),
-        max_height=min(side, table * patch_h * spatial),
-        max_width=min(side, table * patch_w * spatial),
-        frame_multiple=temporal,
-        max_frames=min(spec.frames, (table * patch_t - 1) * temporal + 1),
-        video_input=image_to_video or bool(read_model_index(folder).get("expand_timesteps")),
-        first_frame_input=True,
-        input_required=image_to_video,
     )
 
 

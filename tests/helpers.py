@@ -148,7 +148,7 @@ def tiny_cosmos() -> torch.nn.Module:
 def tiny_cosmos3(**overrides: Any) -> torch.nn.Module:
     from diffusers import Cosmos3OmniTransformer
 
-    from training.tiny_models import COSMOS3_TINY_TRANSFORMER
+    from pipelines.cosmos3.tiny import COSMOS3_TINY_TRANSFORMER
 
     return Cosmos3OmniTransformer(**{**COSMOS3_TINY_TRANSFORMER, **overrides})
 
@@ -203,10 +203,10 @@ def parallelize(model: torch.nn.Module, ctx: Any, plan: Any = None, *, all_to_al
 
 def cosmos3_inputs(model: torch.nn.Module, text_tokens: int, latent_grid: tuple[int, int, int], *,
                    image_condition: bool = False) -> dict:
-    """Keyword arguments of one Cosmos3OmniTransformer call (pipelines.transformer_inputs.cosmos3_call):
+    """Keyword arguments of one Cosmos3OmniTransformer call (pipelines.cosmos3.inputs.cosmos3_call):
     `text_tokens` random prompt tokens, then random latents of (frames, height, width); with image_condition
     the first latent frame is clean (image-to-video)."""
-    from pipelines.transformer_inputs import cosmos3_call
+    from pipelines.cosmos3.inputs import cosmos3_call
 
     ids = torch.randint(model.config.vocab_size, (text_tokens,)).tolist()
     latents = torch.randn(1, model.config.latent_channel, *latent_grid)

@@ -1,7 +1,7 @@
 """Cosmos 3 through the app, as users run it: generate (video and image names), a 2-rank server with its
 video and image tabs on one loaded checkpoint, batch, and bad requests refused before any rank starts work.
 
-The checkpoint is training.tiny_models' tiny random Cosmos 3 folder, run under the cosmos3-nano names.
+The checkpoint is pipelines.cosmos3.tiny' tiny random Cosmos 3 folder, run under the cosmos3-nano names.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.test_app_serve import START_SECONDS, AppProcess
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import cosmos3_components, save_cosmos3
+    from pipelines.cosmos3.tiny import cosmos3_components, save_cosmos3
 
     path = tmp_path_factory.mktemp("cosmos3") / "Cosmos3-Nano"
     save_cosmos3(path, cosmos3_components(seed=3))

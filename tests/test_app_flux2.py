@@ -2,7 +2,7 @@
 image tab takes a reference image, batch with a reference line, build and its warm cache, and bad reference
 images refused before any rank starts.
 
-The checkpoints are training.tiny_models' tiny random FLUX.2 folders: dev-style (Mistral 3 encoder, guidance
+The checkpoints are pipelines.flux2.tiny' tiny random FLUX.2 folders: dev-style (Mistral 3 encoder, guidance
 embedding) and Klein-base-style (Qwen3 encoder, classifier-free guidance).
 """
 
@@ -23,7 +23,7 @@ from tests.test_app_serve import START_SECONDS, AppProcess
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    from training.tiny_models import flux2_components, save_flux2
+    from pipelines.flux2.tiny import flux2_components, save_flux2
 
     root = tmp_path_factory.mktemp("flux2")
     paths = {"dev": root / "FLUX.2-dev", "klein": root / "FLUX.2-klein-base-4B"}

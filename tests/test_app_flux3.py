@@ -3,7 +3,7 @@ modular pipeline saves one: modular_model_index.json, no scheduler), and the sam
 the text and image tokens (Ulysses on the generic context-parallel engine, pipelines.flux3.parallel; guidance's two
 calls each split, or each on its own rank with --cfg-parallel).
 
-The checkpoint is training.tiny_models' tiny random FLUX.3 folder, run under the flux3-klein-base name.
+The checkpoint is pipelines.flux3.tiny' tiny random FLUX.3 folder, run under the flux3-klein-base name.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ folder, and the same image from 2 ranks splitting the text and image tokens (Uly
 context-parallel engine; guidance's two calls, of different text lengths, each split, or each on its own rank with
 --cfg-parallel).
 
-The checkpoint is training.tiny_models' tiny random Qwen-Image folder, run under the qwen-image name.
+The checkpoint is pipelines.qwen_image.tiny' tiny random Qwen-Image folder, run under the qwen-image name.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 with `--input` as the reference image, and the same image from 2 ranks (Ulysses on the generic engine: the image's
 and the reference's tokens split together, guidance's two calls each split).
 
-The checkpoint is training.tiny_models' tiny random Qwen-Image-Edit folder, run under the qwen-image-edit name.
+The checkpoint is pipelines.qwen_image.tiny' tiny random Qwen-Image-Edit folder, run under the qwen-image-edit name.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ splitting each expert's tokens.
 Wan 2.1 image-to-video from a WanImageToVideoPipeline folder with --input, and the same video from 2 ranks
 splitting the tokens (Ulysses; the cross-attention to the image context is not split).
 
-The checkpoints are training.tiny_models' tiny random Wan folders, run under the wan2.1-t2v-1.3b,
+The checkpoints are pipelines.wan.tiny' tiny random Wan folders, run under the wan2.1-t2v-1.3b,
 wan2.1-i2v-14b and wan2.2-t2v-a14b names.
 """
 
@@ -26,7 +26,7 @@ COMMON = ["--model", "wan2.1-t2v-1.3b", "--frames", "5", "--size", "64x48", "--s
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import save_wan, wan_components
+    from pipelines.wan.tiny import save_wan, wan_components
 
     path = tmp_path_factory.mktemp("wan") / "Wan2.1-T2V-1.3B-Diffusers"
     save_wan(path, wan_components(seed=2))
@@ -91,7 +91,7 @@ A14B = ["--frames", "5", "--size", "64x48", "--steps", "4", "--prompt", "a red c
 @pytest.fixture(scope="module")
 def a14b_folder(tmp_path_factory) -> Path:
     from pipelines.registry import get_spec
-    from training.tiny_models import write_tiny_wan
+    from pipelines.wan.tiny import write_tiny_wan
 
     path = tmp_path_factory.mktemp("wan-a14b") / "Wan2.2-T2V-A14B-Diffusers"
     write_tiny_wan(get_spec("wan2.2-t2v-a14b"), path)
@@ -144,7 +144,7 @@ I2V = ["--frames", "5", "--size", "64x48", "--steps", "2", "--prompt", "a red ci
 
 @pytest.fixture(scope="module")
 def i2v_folder(tmp_path_factory) -> Path:
-    from training.tiny_models import save_wan, wan_components
+    from pipelines.wan.tiny import save_wan, wan_components
 
     path = tmp_path_factory.mktemp("wan-i2v") / "Wan2.1-I2V-14B-720P-Diffusers"
     save_wan(path, wan_components(seed=2, kind="i2v"))

@@ -2,7 +2,7 @@
 with expand_timesteps, from text alone and from an input image (its first frame), and the same image-to-video
 from 2 ranks splitting the tokens and their per-token timesteps (Ulysses on the generic context-parallel engine).
 
-The checkpoint is training.tiny_models' tiny random TI2V folder, run under the wan2.2-ti2v-5b name.
+The checkpoint is pipelines.wan.tiny' tiny random TI2V folder, run under the wan2.2-ti2v-5b name.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COMMON = ["--model", "wan2.2-ti2v-5b", "--frames", "9", "--size", "96x96", "--st
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import save_wan, wan_components
+    from pipelines.wan.tiny import save_wan, wan_components
 
     path = tmp_path_factory.mktemp("wan22") / "Wan2.2-TI2V-5B-Diffusers"
     save_wan(path, wan_components(seed=2, kind="ti2v"), expand_timesteps=True)

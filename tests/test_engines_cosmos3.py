@@ -1,6 +1,6 @@
-"""Context-parallel Cosmos 3 (engines/cosmos3.py) on spawned gloo ranks (CPU, float32) against one process.
+"""Context-parallel Cosmos 3 (pipelines/cosmos3/parallel.py) on spawned gloo ranks (CPU, float32) against one process.
 
-The tiny config (training.tiny_models.COSMOS3_TINY_TRANSFORMER) has 24 query heads over 2 K/V heads, so Ulysses over
+The tiny config (pipelines.cosmos3.tiny.COSMOS3_TINY_TRANSFORMER) has 24 query heads over 2 K/V heads, so Ulysses over
 3, 4 and 8 ranks runs with repeated K/V heads. Inputs are packed by diffusers' Cosmos3OmniPipeline
 helpers: text-to-video, image-to-video (first latent frame clean) and text-to-image, with gen token
 counts (after 2x2 patching of odd latent sizes) that the sequence degrees do not divide.
@@ -45,9 +45,9 @@ def plans(world_size: int) -> list:
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One rank: every plan of this world size, every input shape; errors to rank<i>.json."""
     join_ranks(rank, world_size, port)
-    from engines.cosmos3 import parallelize_cosmos3
     from engines.distributed import init_parallel, shutdown
     from engines.parallelize import parallelize_transformer
+    from pipelines.cosmos3.parallel import parallelize_cosmos3
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Context-parallel FLUX.2 (engines/flux2.py) on spawned gloo ranks (CPU, float32) against one process.
+"""Context-parallel FLUX.2 (pipelines/flux2/parallel.py) on spawned gloo ranks (CPU, float32) against one process.
 
 The tiny config has 6 heads (split by 2 and 3 ranks), two double- and two single-stream blocks, and
 FLUX.2's four rotary axes. Inputs are laid out as Flux2Pipeline lays them out: the latent's tokens
@@ -67,8 +67,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from diffusers import Flux2Transformer2DModel
 
     from engines.distributed import init_parallel, shutdown
-    from engines.flux2 import parallelize_flux2
     from engines.parallelize import parallelize_transformer
+    from pipelines.flux2.parallel import parallelize_flux2
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
@@ -107,9 +107,9 @@ def test_restore_gives_back_diffusers_processors() -> None:
     from diffusers import Flux2Transformer2DModel
 
     from engines.distributed import ParallelContext
-    from engines.flux2 import parallelize_flux2
     from engines.mesh import build_mesh
     from engines.plan import ParallelPlan
+    from pipelines.flux2.parallel import parallelize_flux2
 
     model = Flux2Transformer2DModel(**FLUX2_TINY)
     before = [type(p).__name__ for p in model.attn_processors.values()]

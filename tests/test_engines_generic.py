@@ -9,8 +9,8 @@ Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy
   the attention; with a reference image's tokens after the image's (Qwen-Image-Edit, 30 tokens), and
   Qwen-Image-Edit-2509's zero_cond_t variant (a per-token modulation index, split in every block, and the
   per-sample image shapes split with the batch over CFG groups);
-- FLUX.3, by our plan (pipelines/flux3/parallel.py): text, image and reference-image tokens each split on entry, per-mode
-  blocks attending one stream each and joint blocks all three (7 + 15 + 6 tokens);
+- FLUX.3, by our plan (pipelines/flux3/parallel.py): text, image and reference-image tokens each split on entry,
+  per-mode blocks attending one stream each and joint blocks all three (7 + 15 + 6 tokens);
 - on CFG plans, Qwen-Image's and FLUX.3's guidance as two calls of different text lengths (7 and 5 tokens),
   one per CFG group (forward_guided).
 """
@@ -215,11 +215,11 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     from engines.distributed import init_parallel, shutdown
     from engines.flux import parallelize_flux_generic
-    from engines.flux2 import parallelize_flux2_generic
     from engines.parallelize import parallelize_transformer
-    from pipelines.transformer_inputs import flux2_inputs
+    from pipelines.flux2.parallel import parallelize_flux2_generic
+    from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
+    from pipelines.flux2.inputs import flux2_inputs
     from tests.helpers import flux_inputs, tiny_flux
-    from training.tiny_models import FLUX2_TINY_TRANSFORMER
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ def tiny_model(family: str) -> torch.nn.Module:
     """The family's tiny transformer with 8 query heads (Cosmos 3: its own 24 over 2 K/V heads), random weights."""
     from diffusers import CosmosTransformer3DModel, Flux2Transformer2DModel, FluxTransformer2DModel
 
-    from training.tiny_models import FLUX2_TINY_TRANSFORMER
+    from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
 
     torch.manual_seed(0)
     if family == "flux":
@@ -151,7 +151,7 @@ def test_packed_and_replicated_splits_keep_whole_parts() -> None:
 
 
 def test_a_split_that_does_not_divide_is_refused_before_any_change() -> None:
-    from engines.cosmos3 import cosmos3_weights
+    from pipelines.cosmos3.parallel import cosmos3_weights
 
     model = tiny_cosmos3()  # 24 query heads, 2 K/V heads
     with pytest.raises(ValueError, match="tp degree 3 neither divides nor is a multiple of the model's 2 K/V heads"):

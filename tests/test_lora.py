@@ -166,7 +166,7 @@ def test_a_file_that_does_not_fit_is_refused_naming_its_first_bad_key(loras, tmp
     with pytest.raises(LoraError, match="no LoRA loader for Cosmos3OmniTransformer"):
         from diffusers import Cosmos3OmniTransformer
 
-        from training.tiny_models import COSMOS3_TINY_TRANSFORMER
+        from pipelines.cosmos3.tiny import COSMOS3_TINY_TRANSFORMER
 
         check_lora_files([LoraFile(name="x", path=loras["a"])], Cosmos3OmniTransformer, COSMOS3_TINY_TRANSFORMER)
 

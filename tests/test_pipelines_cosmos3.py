@@ -1,7 +1,7 @@
 """Cosmos 3 through our pipeline: equal to diffusers' Cosmos3OmniPipeline on a tiny random checkpoint, equal
 to one process at several gloo ranks through the app's runtime, and bad requests refused by the checks.
 
-The checkpoint is training.tiny_models' Cosmos 3 folder (Qwen-style tokenizer, Wan 2.2-style VAE, the
+The checkpoint is pipelines.cosmos3.tiny' Cosmos 3 folder (Qwen-style tokenizer, Wan 2.2-style VAE, the
 packed transformer with 24 query heads over 2 K/V heads), served under the cosmos3-nano names.
 """
 
@@ -25,7 +25,7 @@ PROMPT = "a red circle moving right on a black background"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import cosmos3_components, save_cosmos3
+    from pipelines.cosmos3.tiny import cosmos3_components, save_cosmos3
 
     path = tmp_path_factory.mktemp("cosmos3") / "tiny-cosmos3"
     save_cosmos3(path, cosmos3_components(seed=3))

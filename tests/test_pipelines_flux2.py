@@ -2,7 +2,7 @@
 and base with classifier-free guidance) on tiny random checkpoints, text-only and with a reference image;
 equal to one process at 2 gloo ranks through the app's runtime; bad requests refused by the checks.
 
-The checkpoints are training.tiny_models' FLUX.2 folders: Mistral 3 (dev) or Qwen3 (Klein) text encoders with
+The checkpoints are pipelines.flux2.tiny' FLUX.2 folders: Mistral 3 (dev) or Qwen3 (Klein) text encoders with
 as many layers as the pipelines read, FLUX.2's VAE with batch-norm statistics, a 6-head transformer.
 """
 
@@ -27,7 +27,7 @@ SEQUENCE = 32  # text tokens: the pipelines pad to max_sequence_length; 32 keeps
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    from training.tiny_models import flux2_components, save_flux2
+    from pipelines.flux2.tiny import flux2_components, save_flux2
 
     root = tmp_path_factory.mktemp("flux2")
     paths = {variant: root / f"tiny-flux2-{variant}" for variant in ("dev", "klein")}

@@ -4,7 +4,7 @@ classifier-free guidance (two calls) and without, distilled, and with a referenc
 its configs. Measured on CPU in float32: latents and images are bit for bit diffusers'; the bounds below leave
 room for other kernels.
 
-The checkpoints are training.tiny_models' FLUX.3 folders: a 32-layer, 8-wide Qwen3-VL under a word-level Qwen
+The checkpoints are pipelines.flux3.tiny' FLUX.3 folders: a 32-layer, 8-wide Qwen3-VL under a word-level Qwen
 tokenizer, the FLUX.2 VAE shrunk, a 12-head transformer. diffusers' prompt upsampler is popped from its blocks
 (we do not offer it), and its pipeline is given the tokenizer as ours uses it (pipelines.flux3.ChatTokenizer).
 """

@@ -2,7 +2,7 @@
 classifier-free guidance (two calls of different text lengths, no attention mask) and without; the limits
 read from its configs.
 
-The checkpoint is training.tiny_models' Qwen-Image folder: a two-layer Qwen2.5-VL text encoder under a
+The checkpoint is pipelines.qwen_image.tiny' Qwen-Image folder: a two-layer Qwen2.5-VL text encoder under a
 word-level Qwen tokenizer, Qwen-Image's VAE shrunk, a 12-head transformer.
 """
 

@@ -2,7 +2,7 @@
 our torchvision-free processor) on a tiny random checkpoint, with classifier-free guidance and without; its
 limits (an input image required); the PIL image processor against Qwen2-VL's preprocessing arithmetic.
 
-The checkpoint is training.tiny_models' Qwen-Image-Edit folder: the tiny Qwen-Image parts with a Qwen2.5-VL whose
+The checkpoint is pipelines.qwen_image.tiny' Qwen-Image-Edit folder: the tiny Qwen-Image parts with a Qwen2.5-VL whose
 one-layer vision tower sees the reference, and a processor/ folder (PIL image processor config, tokenizer).
 """
 

@@ -4,7 +4,7 @@ limits read from its configs; bad requests refused by the checks. Wan 2.1 image-
 WanImageToVideoPipeline on a tiny random I2V folder (the same parts with a CLIP vision encoder, a 20-channel
 transformer with image context), which needs one input image.
 
-The checkpoint is training.tiny_models' tiny Wan folder: a UMT5 encoder, a Wan 2.1-style VAE (8x space, 4x
+The checkpoint is pipelines.wan.tiny' tiny Wan folder: a UMT5 encoder, a Wan 2.1-style VAE (8x space, 4x
 time) with per-channel latent statistics, a 12-head transformer, UniPC with flow sigmas.
 """
 
@@ -32,7 +32,7 @@ same operations and the latents equal to the bit."""
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import save_wan, wan_components
+    from pipelines.wan.tiny import save_wan, wan_components
 
     path = tmp_path_factory.mktemp("wan") / "Wan2.1-T2V-1.3B-Diffusers"
     save_wan(path, wan_components(seed=1))
@@ -123,7 +123,7 @@ def test_a_folder_alone_resolves_to_the_name_of_its_size(folder: Path, tmp_path:
 
 @pytest.fixture(scope="module")
 def i2v_folder(tmp_path_factory) -> Path:
-    from training.tiny_models import save_wan, wan_components
+    from pipelines.wan.tiny import save_wan, wan_components
 
     path = tmp_path_factory.mktemp("wan-i2v") / "Wan2.1-I2V-14B-720P-Diffusers"
     save_wan(path, wan_components(seed=1, kind="i2v"))
@@ -199,7 +199,7 @@ def test_image_to_video_needs_one_image(i2v_folder: Path, image: Path, tmp_path:
 def a14b_folder(tmp_path_factory) -> Path:
     """A tiny Wan 2.2 A14B text-to-video folder: two experts, boundary_ratio 0.875 (the published one)."""
     from pipelines.registry import get_spec
-    from training.tiny_models import write_tiny_wan
+    from pipelines.wan.tiny import write_tiny_wan
 
     path = tmp_path_factory.mktemp("wan-a14b") / "Wan2.2-T2V-A14B-Diffusers"
     write_tiny_wan(get_spec("wan2.2-t2v-a14b"), path)
@@ -275,7 +275,7 @@ def test_two_experts_image_to_video_equals_diffusers_pipeline(image: Path, tmp_p
     """Wan 2.2 I2V-A14B: WanImageToVideoPipeline's video from two experts, the image's latents and first-frame
     mask as extra channels and no CLIP image context."""
     from pipelines.registry import get_spec
-    from training.tiny_models import write_tiny_wan
+    from pipelines.wan.tiny import write_tiny_wan
 
     folder = tmp_path / "Wan2.2-I2V-A14B-Diffusers"
     write_tiny_wan(get_spec("wan2.2-i2v-a14b"), folder)

@@ -2,7 +2,7 @@
 WanPipeline and image-to-video against WanImageToVideoPipeline (both with expand_timesteps: a timestep per
 token, the input image's latent as the first frame); the checkpoint's limits read from its configs.
 
-The checkpoint is training.tiny_models' tiny TI2V folder: a UMT5 encoder, a Wan 2.2-style VAE (2x2 patchify then
+The checkpoint is pipelines.wan.tiny' tiny TI2V folder: a UMT5 encoder, a Wan 2.2-style VAE (2x2 patchify then
 8x: 16x space, 4x time) with per-channel latent statistics, a 12-head transformer, UniPC with flow sigmas.
 """
 
@@ -29,7 +29,7 @@ after 3 steps at guidance 5; without guidance equal to the bit)."""
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from training.tiny_models import save_wan, wan_components
+    from pipelines.wan.tiny import save_wan, wan_components
 
     path = tmp_path_factory.mktemp("wan22") / "Wan2.2-TI2V-5B-Diffusers"
     save_wan(path, wan_components(seed=1, kind="ti2v"), expand_timesteps=True)

@@ -23,10 +23,10 @@ def _worker(rank: int, world_size: int, port: int, folder: str, out_dir: str) ->
     join_ranks(rank, world_size, port)
     from diffusers import Cosmos3OmniTransformer
 
-    from engines.cosmos3 import cosmos3_weights
     from engines.distributed import init_parallel, shutdown
     from engines.plan import ParallelPlan
     from engines.sharded_loading import SafetensorsReader, load_split, parameter_bytes
+    from pipelines.cosmos3.parallel import cosmos3_weights
 
     ctx = init_parallel("cpu")
     whole = Cosmos3OmniTransformer.from_pretrained(folder).eval()

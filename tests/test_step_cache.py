@@ -47,14 +47,9 @@ FIELDS = {
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str | None]:
     """Model name -> checkpoint folder (None: the embedded one): tiny random Cosmos 3, FLUX.2 and Wan checkpoints."""
-    from training.tiny_models import (
-        cosmos3_components,
-        flux2_components,
-        save_cosmos3,
-        save_flux2,
-        save_wan,
-        wan_components,
-    )
+    from pipelines.cosmos3.tiny import cosmos3_components, save_cosmos3
+    from pipelines.flux2.tiny import flux2_components, save_flux2
+    from pipelines.wan.tiny import save_wan, wan_components
 
     root = tmp_path_factory.mktemp("cached")
     save_cosmos3(root / "cosmos3", cosmos3_components(seed=3))

@@ -51,7 +51,7 @@ from diffusers.modular_pipelines.flux3.decoders import Flux3DecodeStep
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
 from diffusers.utils.torch_utils import randn_tensor
 
-from pipelines.flux2 import unpack_latents
+from pipelines.flux2.pipeline import unpack_latents
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_model_index
 from pipelines.requests import GenerationRequest

@@ -11,7 +11,7 @@ output equals its output (tests/test_pipelines_cosmos3.py). What differs is wher
 - the seed's noise is drawn on every rank from a CPU generator (the same numbers everywhere), and
   text-only requests skip diffusers' VAE encode of an all-black video, which only gave the shape;
 - the conditional and unconditional calls go through `forward_guided` when the transformer has one
-  (engines.cosmos3), so a CFG-parallel run puts them on two rank groups at once.
+  (pipelines.cosmos3.parallel), so a CFG-parallel run puts them on two rank groups at once.
 Sound and action generation are not offered. The Cosmos guardrail follows pipelines.guardrail's
 policy: used where the cosmos_guardrail package is installed, otherwise one warning.
 """
