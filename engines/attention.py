@@ -12,9 +12,9 @@ with what some families need beyond q, k, v as arguments of the same call:
 - extra_kv: keys/values replicated on every rank, attended by every query besides the sharded ones
   (Cosmos 3's text stream: pipelines/cosmos3/parallel.py); K/V may have fewer heads than q (grouped-query);
 - while_waiting: the caller's own work, run while the exchanges travel (FLUX.1's single-stream block
-  runs its MLP there: engines/flux_blocks.py);
+  runs its MLP there: pipelines/flux/blocks.py);
 - q and v given as functions that make them, so that a strategy with an exchange to hide them under
-  projects them there (the all-gather: FLUX's double-stream blocks, engines/flux_attention.py).
+  projects them there (the all-gather: FLUX's double-stream blocks, pipelines/flux/attention.py).
 
 All communication goes through engines.collectives (functional collectives, traceable by
 torch.compile with fullgraph=True), and every shape and split is a Python int fixed by the

@@ -134,7 +134,7 @@ class EngineOptions:
     overlap: bool = False
     """inductor only: keep the program's order of collectives and compute (inductor's locality and
     peak-memory reorderings off). Blocks that write their compute between a collective's start and
-    its wait (engines.flux_blocks.OverlappedSingleBlock) then run it during the transfer; with the
+    its wait (pipelines.flux.blocks.OverlappedSingleBlock) then run it during the transfer; with the
     default reorderings inductor moves that compute after the wait (tests/test_engines_flux_overlap.py)."""
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from engines.plan import ParallelPlan
 from engines.wrapper import ParallelTransformer
 
 Adapter = Callable[[nn.Module, ParallelMesh], ParallelTransformer]
-"""A model's parallelize function, e.g. engines.flux.parallelize_flux."""
+"""A model's parallelize function, e.g. pipelines.flux.parallel.parallelize_flux."""
 
 
 def parallelize_transformer(

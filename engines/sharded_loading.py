@@ -112,7 +112,7 @@ def load_split(
     reader: SafetensorsReader | None = None,
 ) -> nn.Module:
     """Rank `rank`'s share (of `tp`) of the diffusers transformer in `folder`, split by `weights` (its
-    family's split, e.g. engines.flux.flux_weights), on `device` in `dtype`, in eval mode.
+    family's split, e.g. pipelines.flux.parallel.flux_weights), on `device` in `dtype`, in eval mode.
 
     `reader`: the SafetensorsReader to read through (a test passes its own to see what was read);
     default one of `folder`, closed on return.

@@ -16,7 +16,7 @@ and its double-stream MLP-in [gate, up]. Small layers stay replicated on every r
 AdaLN modulation, the final norm and projection. The processors that read head counts from the
 attention module (Cosmos' `heads`, Cosmos 3's `num_attention_heads` / `num_key_value_heads`) get
 the rank's count on the module instance (WeightSplit.head_counts); FLUX's processors infer it.
-A model's split is made for one tp degree by its adapter module (engines.flux.flux_weights, ...).
+A model's split is made for one tp degree by its adapter module (pipelines.flux.parallel.flux_weights, ...).
 
 Why our own two layer types rather than torch's DTensor tensor-parallel API (which diffusers 0.42
 offers for FLUX.1 and FLUX.2): a column-parallel layer here is a plain, smaller nn.Linear, and a

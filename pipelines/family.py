@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 
 def load(reference: str) -> Any:
-    """The object a "module:attribute" reference names (e.g. "engines.flux:parallelize_flux")."""
+    """The object a "module:attribute" reference names (e.g. "pipelines.flux.parallel:parallelize_flux")."""
     module, _, attribute = reference.partition(":")
     if not module or not attribute:
         raise ValueError(f"{reference!r} is not a 'module:attribute' reference")
@@ -127,7 +127,8 @@ class ModelFamily:
     transformer: str
     """Reference of its diffusers transformer class, e.g. "diffusers:FluxTransformer2DModel"."""
     pipeline: str
-    """Reference of our pipeline class (encode -> denoise -> decode), e.g. "pipelines.flux:FluxImagePipeline"."""
+    """Reference of our pipeline class (encode -> denoise -> decode), e.g.
+    "pipelines.flux.pipeline:FluxImagePipeline"."""
     parallelize: str
     """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer."""
     tensor_parallel: str
@@ -165,7 +166,7 @@ class ModelFamily:
     the prompt-length dimension dynamic for compiled blocks)."""
     transformer_setup: str = ""
     """Reference of a function () -> None to call before its transformer runs outside its own pipeline (the
-    work estimate's meta forward), e.g. Cosmos-style's pipelines.torchvision_shim:install; "" for none."""
+    work estimate's meta forward), e.g. Cosmos-style's pipelines.cosmos.torchvision_shim:install; "" for none."""
     bench: BenchShapes
     models: tuple[ModelSpec, ...] = field(default=())
     """Its named checkpoints."""

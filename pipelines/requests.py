@@ -17,7 +17,7 @@ from typing import Any
 
 from pipelines.family import load
 from pipelines.media_suffixes import IMAGE_SUFFIXES, VIDEO_SUFFIXES
-from pipelines.registry import ModelSpec, family_of, read_component_config
+from pipelines.registry import ModelSpec, family_of
 
 MAX_PROMPT_CHARS = 4000
 MAX_STEPS = 500
@@ -135,32 +135,6 @@ def read_limits(spec: ModelSpec, folder: Path, *, cfg_parallel: bool = False) ->
     """
     limits = load(family_of(spec).limits)(spec, folder)
     return replace(limits, guidance_split=cfg_parallel and uses_guidance_batch(spec))
-
-
-def flux_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """FLUX-style: VAE downsampling x the 2x2 latent packing. FLUX's rotary ids have no table limit;
-    4096 px is the largest size its authors report."""
-    vae = read_component_config(folder, "vae")
-    multiple = 2 ** (len(vae["block_out_channels"]) - 1) * 2
-    return MediaLimits(size_multiple=multiple, max_height=4096, max_width=4096)
-
-
-def cosmos_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
-    """Cosmos-style: the Wan VAE's compression x the transformer's patch, up to its position table
-    (max_size); frames 1 + k x the VAE's temporal factor."""
-    vae = read_component_config(folder, "vae")
-    transformer = read_component_config(folder, "transformer")
-    spatial = 2 ** len(vae["temperal_downsample"])
-    temporal = 2 ** sum(vae["temperal_downsample"])
-    max_t, max_h, max_w = transformer["max_size"]
-    _, patch_h, patch_w = transformer["patch_size"]
-    return MediaLimits(
-        size_multiple=spatial * max(patch_h, patch_w),
-        max_height=max_h * patch_h * spatial,
-        max_width=max_w * patch_w * spatial,
-        frame_multiple=temporal,
-        max_frames=(max_t - 1) * temporal + 1 if spec.media == "video" else 1,
-    )
 
 
 def _as_int(name: str, value: Any, allowed: str) -> int:

@@ -32,7 +32,7 @@ the scheduler steps with (the step's model inputs, the transformer call or calls
 
 
 class StagedPipeline:
-    """Base of the family pipelines (pipelines.flux, .cosmos, .cosmos3, .flux2)."""
+    """Base of the family pipelines (each family folder's pipeline.py)."""
 
     spec: ModelSpec
     folder: Path

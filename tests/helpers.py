@@ -92,7 +92,7 @@ def join_ranks(rank: int, world_size: int, port: int) -> None:
 # (multiprocessing's "forkserver"), so a rank starts in milliseconds where a fresh interpreter takes 6-8 s
 # on the 2-core test machine to import torch, diffusers and transformers.
 RANK_PRELOAD = ["tests.helpers", "diffusers", "transformers", "engines.parallelize", "engines.compile",
-                "pipelines.flux", "pipelines.cosmos", "app.runtime"]
+                "pipelines.flux.pipeline", "pipelines.cosmos.pipeline", "app.runtime"]
 
 
 def _rank_main(rank: int, environ: dict[str, str], worker: Callable[..., None], *args: Any) -> None:

@@ -1,11 +1,11 @@
 """FLUX single-stream blocks under Ulysses: the MLP runs inside the all-to-alls' windows, eager and compiled.
 
-engines.flux_blocks.OverlappedSingleBlock issues the q/k/v all-to-all, computes the MLP, waits, attends,
+pipelines.flux.blocks.OverlappedSingleBlock issues the q/k/v all-to-all, computes the MLP, waits, attends,
 issues the output all-to-all, computes the MLP's share of proj_out, waits. On 2 gloo ranks this test
 checks that
 - parallelize_flux installs it on every single-stream block for a Ulysses plan (and ring and
   all-gather plans: tests/test_engines_ring_overlap.py) and restore() puts diffusers' blocks back;
-- the AdaLN modulation projections are shared out over the ranks (engines.flux_modulation.SharedModulation:
+- the AdaLN modulation projections are shared out over the ranks (pipelines.flux.modulation.SharedModulation:
   both ranks own some, the norms skip theirs), and restore() puts them back too: the plain model
   then gives its original output;
 - the parallel model (eager) equals the one-process model;
@@ -68,9 +68,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
 
     from engines.compile import prepare_engine
     from engines.distributed import init_parallel, shutdown
-    from engines.flux_blocks import OverlappedSingleBlock
     from engines.options import EngineOptions
     from engines.plan import ParallelPlan
+    from pipelines.flux.blocks import OverlappedSingleBlock
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)

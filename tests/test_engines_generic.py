@@ -214,11 +214,11 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from diffusers import Flux2Transformer2DModel
 
     from engines.distributed import init_parallel, shutdown
-    from engines.flux import parallelize_flux_generic
     from engines.parallelize import parallelize_transformer
+    from pipelines.flux.parallel import parallelize_flux_generic
+    from pipelines.flux2.inputs import flux2_inputs
     from pipelines.flux2.parallel import parallelize_flux2_generic
     from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
-    from pipelines.flux2.inputs import flux2_inputs
     from tests.helpers import flux_inputs, tiny_flux
 
     ctx = init_parallel("cpu")

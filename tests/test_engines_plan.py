@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.cosmos import resize_padding_mask
 from engines.distributed import ParallelContext
 from engines.plan import ParallelPlan
 from engines.sharding import ShardLayout
+from pipelines.cosmos.parallel import resize_padding_mask
 from tests.helpers import COSMOS_TINY, flux_inputs, parallelize, randomize, tiny_flux
 
 
@@ -83,7 +83,8 @@ def test_single_process_wrapper_is_the_model() -> None:
     without torchvision through the adapter)."""
     from diffusers import CosmosTransformer3DModel
 
-    from pipelines.transformer_inputs import Shape, cosmos_inputs
+    from pipelines.cosmos.inputs import cosmos_inputs
+    from pipelines.transformer_inputs import Shape
 
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
                           control_group=None)

@@ -165,7 +165,7 @@ def test_splitting_frees_each_whole_weight_as_its_share_replaces_it(monkeypatch)
     import weakref
 
     from engines import tensor_parallel
-    from engines.flux import flux_weights
+    from pipelines.flux.parallel import flux_weights
 
     model = tiny_model("flux")
     split = flux_weights(model, 2)
@@ -190,8 +190,8 @@ def test_splitting_frees_each_whole_weight_as_its_share_replaces_it(monkeypatch)
 
 
 def test_a_model_split_for_one_degree_is_refused_for_another() -> None:
-    from engines.flux import flux_weights
     from engines.tensor_parallel import RowParallelLinear, split_weights
+    from pipelines.flux.parallel import flux_weights
 
     model = tiny_model("flux")
     whole = sum(p.numel() for p in model.parameters())

@@ -42,7 +42,9 @@ def _layers(cls, config: dict, blocks: tuple[str, ...]) -> tuple[set[str], set[s
 def test_block_linears_become_fp8_and_modulation_stays() -> None:
     from diffusers import CosmosTransformer3DModel, Flux2Transformer2DModel, FluxTransformer2DModel
 
-    from pipelines.families import FLUX2, FLUX_DEV, _cosmos_predict2
+    from pipelines.cosmos.record import _cosmos_predict2
+    from pipelines.flux.record import FLUX_DEV
+    from pipelines.flux2.record import FLUX2
 
     fp8, kept = _layers(FluxTransformer2DModel, FLUX_DEV.transformer,
                         ("transformer_blocks", "single_transformer_blocks"))

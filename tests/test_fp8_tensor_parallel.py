@@ -163,9 +163,9 @@ def test_fp8_with_tp_equals_one_fp8_process(world_size: int, tmp_path: Path) -> 
 
 def test_a_split_model_is_quantized_with_its_group_only() -> None:
     """Without the group a row-parallel shard could only take its own maxima: refused, not approximated."""
-    from engines.flux import flux_weights
     from engines.fp8 import quantize_fp8
     from engines.tensor_parallel import split_weights
+    from pipelines.flux.parallel import flux_weights
 
     model = tiny_model("flux")
     split_weights(model, flux_weights(model, 2), tp=2, rank=0)

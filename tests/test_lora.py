@@ -281,8 +281,8 @@ def lora_plans(world_size: int) -> list:
 def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str, str]) -> None:
     join_ranks(rank, world_size, port)
     from engines.distributed import init_parallel, shutdown
-    from engines.flux import flux_weights
     from engines.tensor_parallel import split_weights
+    from pipelines.flux.parallel import flux_weights
     from tests.helpers import parallelize
 
     ctx = init_parallel("cpu")

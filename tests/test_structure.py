@@ -3,8 +3,8 @@ model family is one record (no code outside a family's own modules branches on i
 
 Layers: engines <- pipelines <- app <- benchmarks. benchmarks imports the app (its lockstep service,
 its runtime); `ulysses-studio bench` reaches the harness by running `python -m benchmarks`, never by
-importing it. Per-family data and code are the record's (pipelines.families), named as
-"module:attribute" references; code elsewhere reads the record instead of asking which family it has.
+importing it. A family's data and code are its folder's (pipelines/<family>/: its record names its code as
+"module:attribute" references); code elsewhere reads the record instead of asking which family it has.
 
 No import circles: no module imports itself back, whether through imports run when a module is imported or through
 one inside a function (there to defer a heavy import, never to hide a circle). What two modules both need lives in
@@ -120,22 +120,23 @@ def test_the_scan_finds_the_branches_it_is_meant_to() -> None:
 
 
 def test_no_code_outside_a_familys_own_modules_branches_on_its_name() -> None:
-    """pipelines/families.py holds the records; the modules a record names (its pipeline, engines adapter,
-    input builder, ...) are that family's own and may speak of it, and so is every module of a family's folder
-    (a package holding its record.py, as pipelines/qwen_image/). Everywhere else reads the record.
-    training/__main__.py is exempt: its --only flux|cosmos picks one of the two embedded models it trains
-    (its own recipes, training/flux.py and training/cosmos.py), not a family's behaviour."""
+    """A family is one folder (pipelines/<family>/, holding its record.py): its modules may speak of it; every other
+    module reads the records. Every code reference of a record points into its own folder, or into the shared
+    engines (the generic path). training/__main__.py is exempt: its --only flux|cosmos picks one of the two embedded
+    models it trains (its own recipes, training/flux.py and training/cosmos.py), not a family's behaviour."""
     from pipelines.registry import FAMILIES
 
     own = {REPO / "pipelines" / "families.py", REPO / "training" / "__main__.py"}
-    shared = {"pipelines.requests", "pipelines.transformer_inputs", "training.tiny_models"}  # several families' code
     for family in FAMILIES.values():
-        references = (family.pipeline, family.parallelize, family.tensor_parallel, family.transformer_setup,
-                      family.limits, family.bench.inputs, family.bench.tiny_config, family.bench.tiny_checkpoint)
-        for module in {r.partition(":")[0] for r in references if r} - shared:
-            if module.split(".")[0] in SCANNED:
-                path = REPO / Path(*module.split(".")).with_suffix(".py")
-                own.update(path.parent.glob("*.py") if (path.parent / "record.py").exists() else {path})
+        references = (family.pipeline, family.parallelize, family.generic_parallelize, family.tensor_parallel,
+                      family.transformer_setup, family.limits, family.bench.inputs, family.bench.tiny_config,
+                      family.bench.tiny_checkpoint)
+        for module in {r.partition(":")[0] for r in references if r}:
+            folder = REPO / Path(*module.split(".")).parent
+            if module.startswith("engines."):
+                continue  # the shared machinery a record chooses (engines.generic's adapters and weight split)
+            assert (folder / "record.py").exists(), f"{family.name}: {module} is outside a family's folder"
+            own.update(folder.glob("*.py"))
     found = [f"{path.relative_to(REPO)} {branch}" for path in _sources(*SCANNED) if path not in own
              for branch in family_branches(path.read_text(), set(FAMILIES))]
     assert not found, found

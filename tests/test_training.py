@@ -164,7 +164,7 @@ def test_tiny_training_run_lowers_the_loss_and_saves_loadable_folders(tmp_path):
 
 
 def test_a_grown_transformer_computes_the_same_function_and_trains_its_new_blocks():
-    from pipelines import torchvision_shim
+    from pipelines.cosmos import torchvision_shim
     from training.cosmos import grow_transformer
     from training.tiny_models import cosmos_components
 
@@ -217,7 +217,7 @@ def test_flux_training_target_is_what_the_pipeline_integrates():
 
 def test_cosmos_training_target_is_what_the_pipeline_inverts():
     """Same for Cosmos' EDM-preconditioned loop: input (1-t) x0 + t noise at timestep t, target noise - x0."""
-    from pipelines import torchvision_shim
+    from pipelines.cosmos import torchvision_shim
 
     torchvision_shim.install()
     spec, folder = get_spec("tiny-cosmos"), default_folder(get_spec("tiny-cosmos"))

@@ -1,6 +1,7 @@
-"""Training tiny-cosmos: its AutoencoderKLWan, then its CosmosTransformer3DModel as pipelines/cosmos.py runs it.
+"""Training tiny-cosmos: its AutoencoderKLWan, then its CosmosTransformer3DModel as pipelines/cosmos/pipeline.py runs
+it.
 
-pipelines/cosmos.py's loop holds x = x0 + sigma * noise (EDM form, sigma up to 80), feeds the
+pipelines/cosmos/pipeline.py's loop holds x = x0 + sigma * noise (EDM form, sigma up to 80), feeds the
 transformer c_in * x = (1 - t) x0 + t noise with t = sigma / (sigma + 1) as the timestep, and reads
 x0 = c_skip * x + c_out * out with c_skip = 1 - t, c_out = -t. So the output that gives the true
 x0 is out = noise - x0: rectified-flow velocity on the same interpolation. That is what is trained,
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines import torchvision_shim
-from pipelines.cosmos import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
+from pipelines.cosmos import torchvision_shim
+from pipelines.cosmos.pipeline import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
 from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, run_phase, use_tf32

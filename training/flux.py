@@ -1,6 +1,6 @@
 """Training tiny-flux: its AutoencoderKL, then its FluxTransformer2DModel by rectified flow, as FLUX is trained.
 
-The transformer learns what pipelines/flux.py's loop asks of it: packed latents
+The transformer learns what pipelines/flux/pipeline.py's loop asks of it: packed latents
 x_s = (1 - s) x0 + s noise, the timestep s in [0, 1] (the loop passes scheduler timesteps / 1000),
 and the velocity noise - x0, which FlowMatchEulerDiscreteScheduler integrates. Training s is drawn
 logit-normal and moved by the same resolution-dependent shift (mu) the loop applies to its sigmas.

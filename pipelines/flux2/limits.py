@@ -6,7 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipelines.family import ModelSpec
-from pipelines.requests import MediaLimits, flux_limits
+from pipelines.flux.limits import flux_limits
+from pipelines.requests import MediaLimits
 
 
 def flux2_limits(spec: ModelSpec, folder: Path) -> MediaLimits:

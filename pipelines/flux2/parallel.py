@@ -4,14 +4,14 @@ FLUX.2 keeps FLUX.1's token layout: double-stream blocks attend over [text, imag
 weights per stream, single-stream blocks run on the concatenated sequence, the rotary embedding
 comes from position ids. Reference images (image editing) are more image tokens, concatenated to
 the latents by the pipeline with their own ids, so they shard like any image token. As for FLUX.1
-(engines/flux.py), both streams are sharded, each padded to a multiple of the sequence degree, and
+(pipelines/flux/parallel.py), both streams are sharded, each padded to a multiple of the sequence degree, and
 ParallelFlux2 runs the model's forward itself on the shards: rank s holds text chunk s and image
 chunk s, the rotary embedding is computed from the sharded ids, and the local sequence of a single
 block is [text chunk, image chunk].
 
 Where FLUX.2's blocks differ from FLUX.1's, and what this adapter does there:
 - Double-stream attention (Flux2Attention) has FLUX.1's projections, norms and output layers under
-  the same names, so FLUX.1's processor (engines.flux_attention) serves it unchanged, the
+  the same names, so FLUX.1's processor (pipelines.flux.attention) serves it unchanged, the
   all-gather reordering included.
 - Single-stream attention (Flux2ParallelSelfAttention) fuses q/k/v and the MLP's input into one
   projection and the attention and MLP outputs into one: Flux2SingleProcessor below keeps that
@@ -19,7 +19,7 @@ Where FLUX.2's blocks differ from FLUX.1's, and what this adapter does there:
   reorders FLUX.1's separate MLP around the exchanges; with the fused projections there is
   nothing left to move, so FLUX.2's single blocks stay as they are.
 - Modulation: FLUX.2 computes every block's AdaLN parameters once per forward, from shared
-  modulation layers (FLUX.1 has one per block, which engines.flux_modulation shares out), so
+  modulation layers (FLUX.1 has one per block, which pipelines.flux.modulation shares out), so
   there is nothing to share.
 - Reference-image K/V caching (kv_cache_mode) is not supported: every step attends to the
   reference tokens afresh, which is what diffusers does without the cache.
@@ -37,13 +37,13 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DMo
 from torch import nn
 
 from engines.attention import split_attention
-from engines.flux import IMAGE, shard_joint_tokens
-from engines.flux_attention import FluxContextParallelProcessor
 from engines.generic import generic_adapter
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
+from pipelines.flux.attention import FluxContextParallelProcessor
+from pipelines.flux.parallel import IMAGE, shard_joint_tokens
 
 
 class Flux2SingleProcessor:

@@ -16,7 +16,7 @@ import types
 
 import torch
 
-from engines.cosmos import resize_padding_mask
+from pipelines.cosmos.parallel import resize_padding_mask
 
 
 class InterpolationMode(enum.Enum):

@@ -10,10 +10,10 @@ from diffusers.models.transformers.transformer_flux import FluxSingleTransformer
 from torch import nn
 
 from engines.attention import split_attention
-from engines.flux_attention import query_key_value
 from engines.fp8 import is_fp8
 from engines.lora import has_lora
 from engines.mesh import ParallelMesh
+from pipelines.flux.attention import query_key_value
 
 
 class OverlappedSingleBlock(nn.Module):

@@ -24,7 +24,7 @@ from diffusers.utils import PIL_INTERPOLATION
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from pipelines import torchvision_shim
+from pipelines.cosmos import torchvision_shim
 from pipelines.guardrail import Guardrail
 from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames

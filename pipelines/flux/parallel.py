@@ -9,13 +9,13 @@ image chunk]. Owning the forward lets it hand each block its modulation (below);
 ControlNet residuals and no IP-Adapter inputs.
 
 What changes in the model, by concern (each undone by ParallelFlux.restore):
-- engines/flux_attention.py: every FluxAttention's processor, with the attention call made
+- pipelines/flux/attention.py: every FluxAttention's processor, with the attention call made
   context-parallel; the shard layout reaches it through `joint_attention_kwargs`, the channel FLUX
   already forwards to every attention call.
-- engines/flux_blocks.py: with one sequence axis (Ulysses, ring or all-gather) the 38 single-stream
+- pipelines/flux/blocks.py: with one sequence axis (Ulysses, ring or all-gather) the 38 single-stream
   blocks become OverlappedSingleBlocks: same parameters and math, ordered so that the MLP computes
   while the attention's exchanges travel (diffusers' order leaves every exchange exposed).
-- engines/flux_modulation.py: with one sequence axis the AdaLN modulations of all blocks are computed
+- pipelines/flux/modulation.py: with one sequence axis the AdaLN modulations of all blocks are computed
   once per forward and shared out over the ranks (SharedModulation).
 - engines/tensor_parallel.py: with a tp axis every block's linears are split (flux_weights says how);
   this one is not undone (the weights that are not kept are gone). The single-stream blocks then stay
@@ -32,14 +32,14 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from torch import nn
 
-from engines.flux_attention import FluxContextParallelProcessor
-from engines.flux_blocks import OverlappedSingleBlock
-from engines.flux_modulation import SharedModulation
 from engines.generic import generic_adapter
 from engines.mesh import ParallelMesh
 from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.wrapper import ParallelTransformer, replace_processors
+from pipelines.flux.attention import FluxContextParallelProcessor
+from pipelines.flux.blocks import OverlappedSingleBlock
+from pipelines.flux.modulation import SharedModulation
 
 TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
 
