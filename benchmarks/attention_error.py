@@ -101,13 +101,12 @@ def summary(records: list[dict[str, Any]], precision: str) -> dict[str, Any]:
 def random_weights(name: str, sizes: str | None, video: str | None, text_tokens: int, precisions: tuple[str, ...],
                    device: torch.device) -> list[dict[str, Any]]:
     """One forward of checkpoint `name`'s architecture with random bf16 weights, per shape."""
-    from benchmarks.inputs import bench_model, build_random, parse_shapes
+    from benchmarks.inputs import bench_model, build_random, model_shapes
     from benchmarks.step import single_process_forward
 
     spec = bench_model(name)
     bench = spec.family.bench
-    shapes = parse_shapes((video if bench.video else sizes) or ",".join(bench.sizes), video=bench.video,
-                          text_tokens=text_tokens)
+    shapes = model_shapes(spec, sizes=sizes, video=video, text_tokens=text_tokens)
     model = build_random(spec, device=device, dtype=torch.bfloat16)
     forward = single_process_forward(spec, model, device)
     rows = []

@@ -78,6 +78,16 @@ def parse_shapes(text: str, *, video: bool, text_tokens: int) -> list[Shape]:
     return shapes
 
 
+def model_shapes(spec: BenchModel, *, sizes: str | None, video: str | None, text_tokens: int,
+                 tiny: bool = False) -> list[Shape]:
+    """The shapes to run `spec` at: `video` sizes for a video family, `sizes` for an image one, else its family's
+    benchmark sizes (with `tiny`, its tiny configs' sizes)."""
+    bench = spec.family.bench
+    given = video if bench.video else sizes
+    return parse_shapes(given or ",".join(bench.tiny_sizes if tiny else bench.sizes), video=bench.video,
+                        text_tokens=text_tokens)
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device and their buffers as usual (rotary

@@ -76,8 +76,8 @@ from benchmarks.inputs import (
     benchmarkable,
     build_random,
     fill_random_,
+    model_shapes,
     parameters_on_meta,
-    parse_shapes,
 )
 from benchmarks.peers import (
     PEERS,
@@ -1022,10 +1022,8 @@ def main(argv: list[str] | None = None) -> None:
         rows: list[dict[str, Any]] = []
         for name in args.models:
             spec = bench_model(name, tiny=args.tiny)
-            bench = spec.family.bench
-            given = args.video if bench.video else args.sizes
-            sizes = given or ",".join(bench.tiny_sizes if args.tiny else bench.sizes)
-            shapes = parse_shapes(sizes, video=bench.video, text_tokens=args.text_tokens)
+            shapes = model_shapes(spec, sizes=args.sizes, video=args.video, text_tokens=args.text_tokens,
+                                  tiny=args.tiny)
             # by default only guidance-batched calls split (a family of separate guidance calls, Qwen-Image, times
             # one call unless --cfg asks for a batch of two)
             batched = spec.family.guidance_batch and not spec.family.guidance_calls
