@@ -1,3 +1,3 @@
-from app.cli import exit_with, main
+from app.commands.cli import exit_with, main
 
 exit_with(main())

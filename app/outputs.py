@@ -94,7 +94,7 @@ class Result:
 @dataclass(frozen=True)
 class ResultsCap:
     """What a server keeps in its results folder: at most a number of files, of bytes, or an age (with its jobs'
-    rows: app.job_store); any of them, together."""
+    rows: app.server.job_store); any of them, together."""
 
     files: int | None = None
     bytes: int | None = None
@@ -175,7 +175,7 @@ class ResultsFolder:
 
 
 class RecentResults:
-    """A server's latest results per model and owner (app.ui.Owners), newest first (the UI's galleries)."""
+    """A server's latest results per model and owner (app.server.ui.Owners), newest first (the UI's galleries)."""
 
     def __init__(self, keep: int = 24, owners: int = 1000) -> None:
         self._keep = keep

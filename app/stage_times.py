@@ -1,6 +1,6 @@
 """Where a request's time went: its stages (encode, each denoising step, decode, write) in seconds.
 
-Rank 0's lockstep service measures encode, steps and decode (app.lockstep); whoever writes the file adds
+Rank 0's lockstep service measures encode, steps and decode (app.ranks.lockstep); whoever writes the file adds
 the write. The UI's status line, the batch manifest and the benchmark's JSON show the same record.
 """
 
@@ -60,7 +60,7 @@ class RequestTimes:
 
 class LastRequest:
     """The times of the last client request that finished (set by one thread, read by others). The start-up
-    calibration's requests (app.serve) never count: before the first client request it holds None."""
+    calibration's requests (app.server.serve) never count: before the first client request it holds None."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

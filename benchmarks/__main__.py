@@ -1,6 +1,6 @@
 """`python -m benchmarks`: the bench command (benchmarks.cli), also run by `ulysses-studio bench`."""
 
-from app.cli import exit_with
+from app.commands.cli import exit_with
 from benchmarks.cli import main
 
 exit_with(main())

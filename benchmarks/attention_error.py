@@ -5,7 +5,7 @@
     python -m benchmarks.attention_error --embedded tiny-flux,tiny-cosmos --prompts 4 --out tiny.json  # CPU
 
 Every attention call of a forward runs at full precision, and beside it the same call (the same q, k, v) at each
-`--precisions` (engines/quantized_attention.py): the call's error is the relative norm of the quantized output's
+`--precisions` (engines/levers/quantized_attention.py): the call's error is the relative norm of the quantized output's
 difference from the full one, and the largest difference of their log-sum-exps. The model goes on with the full
 output, so each call's error is its own, not what earlier calls' errors added to its inputs (the whole output's
 error, all calls quantized, is benchmarks/step.py's rel_error_attention).
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-import engines.attention as split_attention
-import engines.quantized_attention as quantized_attention
-from engines.quantized_attention import attention_precision
+import engines.levers.quantized_attention as quantized_attention
+import engines.parallel.attention as split_attention
+from engines.levers.quantized_attention import attention_precision
 
 PRECISIONS = ("fp8", "int8")
 

@@ -12,7 +12,7 @@ operations a call, the same count for every kernel) and its error against float3
 ERROR_HEADS heads.
 
 Kernels: PyTorch's scaled_dot_product_attention in bf16 as it dispatches (flash) and with cuDNN's; ours
-(engines/quantized_attention.py), the whole call (smoothing and quantization included) compiled as the engines
+(engines/levers/quantized_attention.py), the whole call (smoothing and quantization included) compiled as the engines
 compile it: int8 (our Triton kernel; also alone, on inputs quantized beforehand) and fp8 (FlashAttention-3's FP8
 forward where fa3-fwd is installed on a Hopper GPU, else our PyTorch reference, on the shapes of FLUX alone);
 SageAttention 1.0.6's Triton kernel (`sageattn`, the registry's) and FlashAttention-3's bf16 forward (the
@@ -83,7 +83,7 @@ def kernels(small: bool) -> dict[str, Callable[..., Any]]:
     """Name -> a call of (q, k, v) BHSD bf16 returning the output, or (output, LSE)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from engines.quantized_attention import attention_precision, fa3_forward, quantized_attention_with_lse
+    from engines.levers.quantized_attention import attention_precision, fa3_forward, quantized_attention_with_lse
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
@@ -121,21 +121,21 @@ def kernels(small: bool) -> dict[str, Callable[..., Any]]:
 
 
 class KernelAlone:
-    """engines/quantized_attention_triton.py's int8_attention on inputs quantized once (the call times the kernel
+    """engines/levers/quantized_attention_triton.py's int8_attention on inputs quantized once (the call times the kernel
     alone; its error is the whole method's but for the smoothing's LSE correction, so only its output is compared):
     K in blocks of `k_block` tokens (a tile of the kernel's key loop), P·V in FP16 or, `pv_fp8`, in FP8 with V
     scaled per channel; `warps` and `stages` the launch's (default the module's)."""
 
     def __init__(self, k_block: int | None = None, pv_fp8: bool = False, warps: int | None = None,
                  stages: int | None = None) -> None:
-        from engines.quantized_attention import K_BLOCK
+        from engines.levers.quantized_attention import K_BLOCK
 
         self.k_block, self.pv_fp8, self.warps, self.stages = k_block or K_BLOCK, pv_fp8, warps, stages
         self.prepared: tuple[int, tuple[torch.Tensor, ...]] | None = None
 
     def __call__(self, q, k, v):
-        import engines.quantized_attention_triton as triton_kernel
-        from engines.quantized_attention import FP8_MAX, Q_BLOCK, _int8_blocks
+        import engines.levers.quantized_attention_triton as triton_kernel
+        from engines.levers.quantized_attention import FP8_MAX, Q_BLOCK, _int8_blocks
 
         if self.prepared is None or self.prepared[0] != id(q):
             kf = k.float() - k.float().mean(dim=2, keepdim=True)

@@ -8,7 +8,7 @@ under torchrun, plus a PNG chart.
 
 Before any rank starts, the benchmark's arguments are checked, and what this machine cannot run is refused with one
 line and exit status 2 (benchmarks/preflight.py): a CUDA-only option without CUDA, or ranks on CPUs whose random
-weights exceed the memory available. torchrun is app.torchrun, which leaves no log folder behind.
+weights exceed the memory available. torchrun is app.commands.torchrun, which leaves no log folder behind.
 
 Modes of the default benchmark (benchmarks/step.py: one transformer forward): 1 GPU, ours per
 plan (+ CFG), diffusers-native Ulysses, and with --peers the peers xDiT and cache-dit (their
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark on --ranks ranks, then draw the chart from its JSON."""
-    from app.launch import free_port
+    from app.commands.launch import free_port
 
     if args.ranks < 1:
         raise BenchError(f"--ranks must be >= 1, got {args.ranks}")
@@ -78,8 +78,8 @@ def run_bench(args: argparse.Namespace) -> int:
     benchmark_args = [*(["--tiny"] if args.tiny else []), *(a for a in args.benchmark_args if a != "--")]
     check_machine(benchmark_args, ranks=args.ranks, end_to_end=args.end_to_end)
     args.out.mkdir(parents=True, exist_ok=True)
-    # app.torchrun: torchrun that removes its log folder (plain torchrun leaves a torchelastic_* one per run)
-    cmd = [sys.executable, "-m", "app.torchrun", f"--nproc-per-node={args.ranks}", "--nnodes=1",
+    # app.commands.torchrun: torchrun that removes its log folder (plain torchrun leaves a torchelastic_* one per run)
+    cmd = [sys.executable, "-m", "app.commands.torchrun", f"--nproc-per-node={args.ranks}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *benchmark_args,
            "--out", str(result)]
     status = subprocess.call(cmd)

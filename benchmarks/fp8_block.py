@@ -5,7 +5,7 @@
 Prints, for the block's GEMM shapes at 1024² (4,608 tokens; q/k/v apart and fused): bf16 matmul against
 torch._scaled_mm with per-row and per-tensor scales (the ceiling FP8 can reach), and one eager per-row
 quantization of the activation; then one FluxSingleTransformerBlock in bf16 and with per-row FP8 linears
-(engines.fp8.quantize_fp8: the app's recipe, q/k/v fused), eager and compiled, with CUDA kernel tables. A
+(engines.levers.fp8.quantize_fp8: the app's recipe, q/k/v fused), eager and compiled, with CUDA kernel tables. A
 compiled FP8 block whose kernels add up to less GPU time than its wall time is bound by the host (per call: the
 Python of the compiled wrapper and the launches; with torchao's tensor-subclass weights, once the app's form, also
 their unwrapping).
@@ -78,7 +78,7 @@ def single_block() -> None:
     """One FluxSingleTransformerBlock: bf16 eager and compiled, FP8 (per row) eager and compiled."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 
-    from engines.fp8 import quantize_fp8
+    from engines.levers.fp8 import quantize_fp8
 
     dtype, generator = torch.bfloat16, torch.Generator("cuda").manual_seed(1)
     inputs = dict(hidden_states=torch.randn(1, 4096, WIDTH, device="cuda", dtype=dtype, generator=generator),

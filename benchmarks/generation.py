@@ -8,7 +8,7 @@
     torchrun --nproc-per-node 2 -m benchmarks.generation --tiny --out tiny.json        # CPU, gloo
 
 What runs is what `generate`, `serve` and `batch` run: FluxImagePipeline / CosmosPipeline
-(pipelines/), the transformer parallelized and turned into an engine by app.runtime's
+(pipelines/), the transformer parallelized and turned into an engine by app.ranks.runtime's
 parallelize_pipelines and build_engines, and every request through the LockstepService (rank 0
 encodes and decodes, every rank denoises, the ranks agree after every step). Only the weights
 differ: each component is the checkpoint's published architecture (its record in
@@ -59,13 +59,12 @@ import transformers
 from torch import nn
 
 from app.failures import JobFailed, describe
-from app.lockstep import LockstepService
 from app.outputs import OutputError, check_writer
-from app.runtime import build_engines, cpu_threads_per_rank, install_step_caches, parallelize_pipelines
+from app.ranks.lockstep import LockstepService
+from app.ranks.runtime import build_engines, cpu_threads_per_rank, install_step_caches, parallelize_pipelines
 from benchmarks.inputs import BenchModel, benchmarkable, build_random
 from benchmarks.step import agreed_error, comma_list, engine_labels, gather_objects, mode_label, our_plans, sync
-from engines.compile import Engine
-from engines.distributed import ParallelContext, init_parallel, shutdown
+from engines.levers.compile import Engine
 from engines.options import (
     SPLIT_VAE,
     STRATEGIES,
@@ -78,8 +77,9 @@ from engines.options import (
     set_environment,
     splits_vae,
 )
-from engines.plan import ParallelPlan
-from engines.wrapper import ParallelTransformer
+from engines.parallel.distributed import ParallelContext, init_parallel, shutdown
+from engines.parallel.plan import ParallelPlan
+from engines.parallel.wrapper import ParallelTransformer
 from pipelines.factory import default_dtype
 from pipelines.family import load
 from pipelines.loading import component_class, load_component
@@ -459,8 +459,8 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         plans = our_plans(ctx, heads, args.strategies, args.cfg)
         modes += [(mode_label(plan, args.all_to_all), plan) for plan in plans]
         for precision in ["bf16", "fp8"] if args.fp8 else ["bf16"]:
-            if precision == "fp8":  # the same weights, the blocks' linears made FP8 in place (engines/fp8.py)
-                from engines.fp8 import quantize_fp8
+            if precision == "fp8":  # the same weights, the blocks' linears made FP8 in place (engines/levers/fp8.py)
+                from engines.levers.fp8 import quantize_fp8
 
                 for model in models.values():
                     quantize_fp8(model, family_of(spec).compiled_blocks)
@@ -517,10 +517,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank-timeout", type=float, default=600.0,
                    help="seconds a rank waits for the others at an agreement point (default 600)")
     p.add_argument("--fp8", action="store_true",
-                   help="after the bf16 rows, every mode again with the blocks' linears as FP8 (engines/fp8.py)")
+                   help="after the bf16 rows, every mode again with the blocks' linears as FP8 (engines/levers/fp8.py)")
     p.add_argument("--cache", default=None, metavar="CACHE",
                    help="a step cache on every mode, as serve's --cache (e.g. fbcache, fbcache:0.12; "
-                        "engines/step_cache.py); rows record the steps computed per run. Random weights make the "
+                        "engines/levers/step_cache.py); rows record the steps computed per run. Random weights make "
+                        "the "
                         "hit rate meaningless: read the time of a skipped step from benchmarks.step --cached-step")
     p.add_argument("--tiny", action="store_true", help="embedded tiny models' configs, float32, CPU gloo ranks")
     p.add_argument("--media-dir", type=Path, default=None,
@@ -586,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from app.cli import exit_with
+    from app.commands.cli import exit_with
 
     main()
-    exit_with(0)  # at once, as the app's commands end: the ranks' teardown is done and bounded (engines.distributed)
+    # at once, as the app's commands end: the ranks' teardown is done and bounded (engines.parallel.distributed)
+    exit_with(0)

@@ -1,8 +1,8 @@
-"""Peak host memory of one rank loading its share of a transformer from safetensors (engines/sharded_loading.py),
-against diffusers' whole from_pretrained: a Cosmos 3 transformer of ~250M parameters with random bf16 weights,
-written once to --folder. Each load runs in a fresh process (the peak resident size is a high-water mark);
-the loader needs no process group, so one process per (tp, rank) shows what each rank of a real run holds.
-Growth over the process before loading, after every kept parameter was read once: peak resident size,
+"""Peak host memory of one rank loading its share of a transformer from safetensors
+(engines/weights/sharded_loading.py), against diffusers' whole from_pretrained: a Cosmos 3 transformer of ~250M
+parameters with random bf16 weights, written once to --folder. Each load runs in a fresh process (the peak resident size
+is a high-water mark); the loader needs no process group, so one process per (tp, rank) shows what each rank of a real
+run holds. Growth over the process before loading, after every kept parameter was read once: peak resident size,
 and at the end the process's own (anonymous) memory and the pages of the memory-mapped files it touched
 (safetensors maps the files: a slice along the input columns touches every page of its rows).
 
@@ -27,7 +27,7 @@ import json, re, sys, torch
 from pathlib import Path
 from diffusers import Cosmos3OmniTransformer
 from pipelines.cosmos3.parallel import cosmos3_weights
-from engines.sharded_loading import load_split, parameter_bytes
+from engines.weights.sharded_loading import load_split, parameter_bytes
 def status():
     text = Path("/proc/self/status").read_text()
     return {key: int(re.search(key + r":\\s+(\\d+)", text).group(1)) for key in ("VmHWM", "RssAnon", "RssFile")}

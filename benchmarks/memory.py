@@ -4,7 +4,7 @@
 
 Context parallelism (Ulysses, ring, all-gather, CFG) splits the tokens, not the weights: without
 tensor parallelism every rank holds the whole transformer. With --tp N each rank keeps 1/N of every
-block's linear weights (engines/tensor_parallel.py) and the small replicated layers (embedders,
+block's linear weights (engines/parallel/tensor_parallel.py) and the small replicated layers (embedders,
 modulation, norms) whole. The text encoders and the VAE live on rank 0 only and are listed apart
 (FLUX.2-dev's 24B text encoder stays in rank 0's host memory: docs/tensor-parallel.md).
 """

@@ -194,7 +194,7 @@ elif [ "$part" = 4 ]; then
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 2 \
         --cache-dir "$cache" --profile "$out/flux1-fp8-profile" --out "$out/flux1-fp8-profile.json"
 elif [ "$part" = 5 ]; then
-    # the generic context-parallel path (engines/generic.py), one step each, 1 GPU against every strategy on
+    # the generic context-parallel path (engines/parallel/generic.py), one step each, 1 GPU against every strategy on
     # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
     # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², FLUX.1-dev 1024² on the generic path
     # (against its hand-written adapter's rows of part 2: the record keeps the faster), then Wan 2.1 14B at

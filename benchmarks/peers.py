@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from benchmarks.inputs import BenchModel
-from engines.distributed import ParallelContext
+from engines.parallel.distributed import ParallelContext
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -133,7 +133,7 @@ def run_serve(args: argparse.Namespace, size: int, replicas: str, out: Path) -> 
     """A server with `replicas`; a warm-up, its GPU memory, a lone request LONE times, then `--users` users at once."""
     from gradio_client import Client
 
-    from app.launch import free_port
+    from app.commands.launch import free_port
 
     port = free_port()
     log = out / f"serve-{size}-{replicas}.log"

@@ -28,21 +28,21 @@ run gets rows whose "error" says why; its compiled rows carry a "note" with its 
 name their plan (with its K/V exchange) and transport.
 
 --lora-rank R (measure_lora): after our rows (and after the FP8 ones), the same 1 GPU and plans with a random rank-R
-LoRA: "unfused" as the app runs one (engines/lora.py: a diffusers/PEFT file read, attached, selected at scale 1),
-with the seconds LoraSet.select takes to switch it on and off (switch_s, switch_off_s); then "fused", merged into
+LoRA: "unfused" as the app runs one (engines/weights/lora.py: a diffusers/PEFT file read, attached, selected at scale
+1), with the seconds LoraSet.select takes to switch it on and off (switch_s, switch_off_s); then "fused", merged into
 the weights (merge_lora_terms), with the seconds one merge and one unmerge of the whole transformer take (merge_s,
 unmerge_s). Every row names its LoRA mode ("lora": none, unfused or fused) and rank.
 
 --attention-precision int8|fp8 (measure_attention_precision): the same 1 GPU and plans with every attention quantized
-(engines/quantized_attention.py), after the bf16 rows and again after the FP8 ones; each row carries its output's
+(engines/levers/quantized_attention.py), after the bf16 rows and again after the FP8 ones; each row carries its output's
 relative error against full precision on the same weights (rel_error_attention).
 
 --tp N (measure_tp): after every other row, each block's weights split over N ranks, for the plans of N (the one
 tp plan on N ranks), every backend; with --fp8, then the same rows with the split linears made FP8 in place, modes
-"... fp8" (each rank quantizes its shards, a row-parallel one's scales taken over whole rows: engines/fp8.py).
---tp-only: those rows alone, of a transformer built split (build_split, as engines/sharded_loading.py loads one): no
-rank ever holds the whole model, so a model too big for one GPU (Cosmos 3 Super, ~119 GiB in bf16) runs on the ranks
-that hold its shares; the rows carry each rank's peak memory (peak_gib_per_rank).
+"... fp8" (each rank quantizes its shards, a row-parallel one's scales taken over whole rows: engines/levers/fp8.py).
+--tp-only: those rows alone, of a transformer built split (build_split, as engines/weights/sharded_loading.py loads
+one): no rank ever holds the whole model, so a model too big for one GPU (Cosmos 3 Super, ~119 GiB in bf16) runs on the
+ranks that hold its shares; the rows carry each rank's peak memory (peak_gib_per_rank).
 
 Entry point: main() sets cuBLAS's variables (and with --cache-dir inductor's cache folder) as the app
 does (engines.options.run_environment), before the first cuBLAS call and the first compile.
@@ -90,10 +90,8 @@ from benchmarks.peers import (
     set_input_shape,
     unavailable_reason,
 )
-from engines.compile import prepare_engine
-from engines.distributed import ParallelContext, init_parallel, shutdown
-from engines.fp8 import is_fp8
-from engines.lora import LoraDelta, LoraFile, LoraSet, attach_loras, check_lora_files, detach_loras, meta_transformer
+from engines.levers.compile import prepare_engine
+from engines.levers.fp8 import is_fp8
 from engines.options import (
     CUBLAS_WITHOUT_WORKSPACE,
     STRATEGIES,
@@ -102,9 +100,19 @@ from engines.options import (
     run_environment,
     set_environment,
 )
-from engines.parallelize import parallelize_transformer
-from engines.plan import ParallelPlan
-from engines.tensor_parallel import split_weights, take
+from engines.parallel.distributed import ParallelContext, init_parallel, shutdown
+from engines.parallel.parallelize import parallelize_transformer
+from engines.parallel.plan import ParallelPlan
+from engines.parallel.tensor_parallel import split_weights, take
+from engines.weights.lora import (
+    LoraDelta,
+    LoraFile,
+    LoraSet,
+    attach_loras,
+    check_lora_files,
+    detach_loras,
+    meta_transformer,
+)
 from pipelines.family import load
 from pipelines.transformer_inputs import Shape
 
@@ -368,7 +376,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     for options in backends if bf16 else []:
         for shape in shapes:
             record("1 GPU", shape, 1, single, None, options)
-    if args.cached_step and bf16:  # the same, on a step that a step cache skips (engines/step_cache.py)
+    if args.cached_step and bf16:  # the same, on a step that a step cache skips (engines/levers/step_cache.py)
         for options in (b for b in backends if b.keeps_block_loop):
             for shape in shapes:
                 record("1 GPU cached step", shape, 1, single, None, options, cached=True)
@@ -416,12 +424,12 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # xDiT's process groups) and are the likeliest to fail.
     for name in args.peers if bf16 else []:
         measure_peer(PEERS[name], spec, model, shapes, ctx, record, warmup=max(args.warmup, PEER_WARMUP))
-    # 4b. --attention-precision: the same weights with quantized attention (engines/quantized_attention.py), 1 GPU
-    # and each plan of step 2, every backend; each row carries the relative error of its eager output (1 GPU)
+    # 4b. --attention-precision: the same weights with quantized attention (engines/levers/quantized_attention.py), 1
+    # GPU and each plan of step 2, every backend; each row carries the relative error of its eager output (1 GPU)
     if args.attention_precision and bf16:
         measure_attention_precision(spec, model, shapes, inputs, backends, ctx, record, args.attention_precision,
                                     modes=modes, adapter=adapter)
-    # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/fp8.py), 1 GPU (unless
+    # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/levers/fp8.py), 1 GPU (unless
     # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
     # eager output against the bf16 eager one. With --attention-precision, then the same with quantized attention.
     if args.fp8:
@@ -486,8 +494,8 @@ class CachedStep:
     layer."""
 
     def __init__(self, engine: Any, family: Any, group: Any = None) -> None:
+        from engines.levers.step_cache import install_step_cache
         from engines.options import CacheOptions
-        from engines.step_cache import install_step_cache
 
         self.engine = engine
         self.cache = install_step_cache(engine, CacheOptions(threshold=1e30), block_lists=family.repeated_blocks,
@@ -535,13 +543,13 @@ def measure_fp8(spec: BenchModel, model: torch.nn.Module, shapes: list[Shape], i
                 backends: list[EngineOptions], ctx: ParallelContext, record: Callable[..., None],
                 *, unfused: bool = False, single: bool = True,
                 modes: list[tuple[ParallelPlan, str]] = (), adapter: Any = None, linear: str = "torchao") -> None:
-    """FP8 rows: quantize `model` in place (engines.fp8.quantize_fp8, its `linear`: torchao or scaled-mm), time
+    """FP8 rows: quantize `model` in place (engines.levers.fp8.quantize_fp8, its `linear`: torchao or scaled-mm), time
     each backend on rank 0's GPU alone (`single`) and on all ranks for each (plan, transport) of `modes`; note the
     relative error ||fp8 - bf16|| / ||bf16|| of one eager call's output (1 GPU) against the unquantized model's.
     With `unfused`, rows "... fp8 unfused" come first, from a copy quantized without fusing the projections that
-    share an input (engines.fp8.quantize_fp8's fuse=False): quantizing is in place, and fusing has to come before
+    share an input (engines.levers.fp8.quantize_fp8's fuse=False): quantizing is in place, and fusing has to come before
     it."""
-    from engines.fp8 import quantize_fp8
+    from engines.levers.fp8 import quantize_fp8
 
     reference: dict[str, torch.Tensor] = {}
     if ctx.is_main:
@@ -574,7 +582,7 @@ def measure_attention_precision(spec: BenchModel, model: torch.nn.Module, shapes
     quantized_attention.attention_precision, as the app's steps between the first and last run it), modes
     "...{suffix} attention {precision}"; each carries the relative error of one eager 1-GPU call's output against
     the same model's at full precision (rel_error_attention)."""
-    from engines.quantized_attention import attention_precision
+    from engines.levers.quantized_attention import attention_precision
 
     errors: dict[str, float] = {}
     if ctx.is_main:
@@ -596,7 +604,7 @@ def measure_attention_precision(spec: BenchModel, model: torch.nn.Module, shapes
 def build_split(spec: BenchModel, *, tp: int, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0
                 ) -> nn.Module:
     """Rank `rank`'s share (of `tp`) of build_random's model (the same seed gives the same values), split by its
-    family's tensor-parallel split, built the way engines/sharded_loading.py's load_split loads a checkpoint.
+    family's tensor-parallel split, built the way engines/weights/sharded_loading.py's load_split loads a checkpoint.
 
     The model is made with its parameters on the meta device (buffers computed in __init__, such as Cosmos 3's
     rotary tables, stay real), its linears split at their local shapes (split_weights on meta tensors), and each
@@ -639,12 +647,12 @@ def measure_tp(spec: BenchModel, model: nn.Module | None, shapes: list[Shape], b
     """--tp rows: each block's weights split over `tp` ranks, each plan of `tp` (our_plans, with `strategies` for the
     other ranks), every backend; with `fp8`, then the same rows with the split linears made FP8 in place (modes
     "... fp8"; 'alone': those only), each rank's shards quantized over the ranks' group as the app does for a model
-    loaded split (engines.fp8.quantize_fp8's group: a row-parallel shard's scales over whole rows).
+    loaded split (engines.levers.fp8.quantize_fp8's group: a row-parallel shard's scales over whole rows).
 
     `model`: the whole model, split in place (not undone); None: built split (build_split), no rank holding the
     whole. Rows have no rel_error: a reference output would cost an extra eager call of a model this big, per shape.
     """
-    from engines.fp8 import quantize_fp8
+    from engines.levers.fp8 import quantize_fp8
 
     note, built = None, {}
     if model is None:
@@ -702,10 +710,10 @@ def attach_random_lora(spec: BenchModel, model: nn.Module, rank: int, folder: Pa
 def merge_lora_terms(model: nn.Module, terms: dict[str, LoraDelta], *, sign: float = 1.0) -> None:
     """Add each LoRA term B (s * A) (detach_loras' terms, sign -1: subtract it) into its layer's weight in place, in
     float32 then cast. An FP8 weight is dequantized with its per-row scales, summed, cast to bfloat16 (what FP8
-    weights are quantized from) and quantized per row again with torchao's scale and rounding (engines.fp8's), its
-    float8 data and scales written in place: the same tensors, so compiled engines and CUDA graphs keep them."""
-    from engines.fp8 import _scale_of
-    from engines.fp8_matmul import quantize_rows
+    weights are quantized from) and quantized per row again with torchao's scale and rounding (engines.levers.fp8's),
+    its float8 data and scales written in place: the same tensors, so compiled engines and CUDA graphs keep them."""
+    from engines.levers.fp8 import _scale_of
+    from engines.levers.fp8_matmul import quantize_rows
 
     for name, term in terms.items():
         layer = model.get_submodule(name)
@@ -910,7 +918,7 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
     p.add_argument("--all-to-all", default="nccl",
                    help=f"comma-separated transports of the Ulysses all-to-alls and K/V exchanges to measure: "
                         f"{', '.join(TRANSPORTS)} "
-                        "(default nccl; engines/copy_engine.py)")
+                        "(default nccl; engines/parallel/copy_engine.py)")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers-native Ulysses")
     p.add_argument("--diffusers-forward", action="store_true",
                    help="also time the diffusers model's own forward on one GPU (eager), beside ours")
@@ -922,29 +930,33 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
                    help="comma-separated engine labels (engines.options.EngineOptions): eager, inductor, "
                         "inductor-blocks, inductor+cudagraph, eager+cudagraph, tensorrt, ... (default eager)")
     p.add_argument("--fp8", nargs="?", const="all", default=None, choices=("all", "parallel", "alone"),
-                   help="after the other rows, make the blocks' linears FP8 on the same weights (engines/fp8.py) "
+                   help="after the other rows, make the blocks' linears FP8 on the same weights "
+                        "(engines/levers/fp8.py) "
                         "and time 1 GPU and every plan again with every backend ('--fp8 parallel': the plans "
                         "only; '--fp8 alone': the plans' FP8 rows and no other row, so that with an empty "
                         "--cache-dir they time a cold FP8 build; on one rank, its 1-GPU FP8 rows); rows carry the "
                         "output's relative error")
     p.add_argument("--fp8-unfused", action="store_true",
                    help="with --fp8, first the same FP8 rows without fusing the projections that share an input "
-                        "(q/k/v: engines/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
+                        "(q/k/v: engines/levers/fp8.py), on a copy of the weights, modes \"... fp8 unfused\"")
     p.add_argument("--fp8-linear", default="scaled-mm", choices=("scaled-mm", "torchao"),
-                   help="with --fp8, how the FP8 linears run (engines.fp8.quantize_fp8's linear): "
-                        "engines.fp8.Fp8Linear (the app's: plain float8 weights, torch._scaled_mm called directly) "
+                   help="with --fp8, how the FP8 linears run (engines.levers.fp8.quantize_fp8's linear): "
+                        "engines.levers.fp8.Fp8Linear (the app's: plain float8 weights, torch._scaled_mm called "
+                        "directly) "
                         "or torchao's Float8Tensor "
                         "weights (the same numbers, a tensor subclass for torch.compile to trace)")
     p.add_argument("--cached-step", action="store_true",
                    help="after the 1-GPU rows and after each plan's, time them again on a step that a step cache "
-                        "skips (--cache: engines/step_cache.py), with each backend that keeps the block loop in Python")
+                        "skips (--cache: engines/levers/step_cache.py), with each backend that keeps the block loop "
+                        "in Python")
     p.add_argument("--attention-precision", default=None, choices=("int8", "fp8"),
                    help="after the bf16 rows (and after the FP8 ones, with --fp8), the same 1 GPU and plans with "
-                        "every attention at this precision (engines/quantized_attention.py), modes \"... attention "
+                        "every attention at this precision (engines/levers/quantized_attention.py), "
+                         "modes \"... attention "
                         "int8\", each with its output's relative error against full precision")
     p.add_argument("--tp", type=int, default=1,
                    help="after every other row, split each block's weights over this many ranks (tensor "
-                        "parallelism, engines/tensor_parallel.py; the rest of the ranks split the sequence by "
+                        "parallelism, engines/parallel/tensor_parallel.py; the rest of the ranks split the sequence by "
                         "each --strategies) and time that; the split is not undone, so it runs last (not with "
                         "--peers or --lora-rank; the diffusers-native rows are left out); with --fp8, then the same "
                         "rows with the split linears made FP8 (\"ours tp-N fp8\"), on a model built split")
@@ -960,7 +972,8 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--adapter", choices=("record", "generic"), default="record",
                    help="the family record's context-parallel adapter (default), or the generic path "
-                        "(engines/generic.py) for a family whose record has a hand-written one (FLUX.1, FLUX.2)")
+                        "(engines/parallel/generic.py) for a family whose record has a hand-written one (FLUX.1, "
+                        "FLUX.2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")
@@ -986,7 +999,8 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
         p.error("--tp-only times the tp rows alone: it does not combine with --diffusers-forward, --cached-step "
                 "or --fp8-unfused")
     if args.tp > 1 and args.fp8 and args.fp8_linear != "scaled-mm":
-        p.error("--tp with --fp8 needs --fp8-linear scaled-mm (engines.fp8: torchao's form is not split by tensor "
+        p.error("--tp with --fp8 needs --fp8-linear scaled-mm (engines.levers.fp8: torchao's form is not split "
+                "by tensor "
                 "parallelism)")
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be >= 0, got {args.lora_rank}")
@@ -1038,7 +1052,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from app.cli import exit_with
+    from app.commands.cli import exit_with
 
     main()
-    exit_with(0)  # at once, as the app's commands end: the ranks' teardown is done and bounded (engines.distributed)
+    # at once, as the app's commands end: the ranks' teardown is done and bounded (engines.parallel.distributed)
+    exit_with(0)

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STRATEGIES = ("ulysses", "ring", "allgather", "ulysses-ring")
-"""How the ranks of one guidance branch split the token sequence (engines.plan.ParallelPlan):
+"""How the ranks of one guidance branch split the token sequence (engines.parallel.plan.ParallelPlan):
 ulysses = all-to-all from sequence shards to head shards; ring = K/V passed around the ranks;
 allgather = K/V gathered once, one attention over every key; ulysses-ring = both axes."""
 
 TRANSPORTS = ("nccl", "copy-engine")
 """How the context-parallel exchanges (Ulysses all-to-alls, ring K/V passes, K/V all-gathers)
 travel: the process group's collectives, or peer copies on the GPUs' copy engines
-(engines/copy_engine.py)."""
+(engines/parallel/copy_engine.py)."""
 
 BACKENDS = ("eager", "inductor", "tensorrt")
 SCOPES = ("whole", "blocks")
@@ -118,7 +118,7 @@ def _user_set(name: str, environ: MutableMapping[str, str]) -> bool:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class EngineOptions:
-    """How a rank's transformer is turned into an engine (engines.compile); written as a label,
+    """How a rank's transformer is turned into an engine (engines.levers.compile); written as a label,
     e.g. "inductor-blocks+overlap+cudagraph"."""
 
     backend: str = "eager"
@@ -184,13 +184,13 @@ class EngineOptions:
 
 
 CACHES = {"fbcache": 0.08}
-"""Step caches (engines.step_cache) and their default thresholds. fbcache: first-block cache; 0.08 is
+"""Step caches (engines.levers.step_cache) and their default thresholds. fbcache: first-block cache; 0.08 is
 ParaAttention's and cache-dit's FLUX default (diffusers' hook defaults to 0.05)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CacheOptions:
-    """A step cache and its threshold (engines.step_cache); written as "fbcache" or "fbcache:0.12"."""
+    """A step cache and its threshold (engines.levers.step_cache); written as "fbcache" or "fbcache:0.12"."""
 
     name: str = "fbcache"
     """One of CACHES."""
@@ -223,7 +223,7 @@ class CacheOptions:
 
 
 ATTENTION_PRECISIONS = ("full", "fp8", "int8")
-"""--attention-precision choices (engines/quantized_attention.py): full = the run's dtype; int8 = SageAttention's
+"""--attention-precision choices (engines/levers/quantized_attention.py): full = the run's dtype; int8 = SageAttention's
 method (K smoothed by its mean, INT8 Q·Kᵀ with per-block scales, FP16 P·V); fp8 = e4m3 Q, K, V with per-block
 scales (K smoothed too)."""
 
@@ -336,13 +336,13 @@ class RunOptions:
     rank_timeout: float = DEFAULT_RANK_TIMEOUT
     """Seconds a rank waits for the others at an agreement point."""
     fp8: bool = False
-    """The linear layers of the transformer's repeated blocks run as FP8 GEMMs (engines/fp8.py): faster,
+    """The linear layers of the transformer's repeated blocks run as FP8 GEMMs (engines/levers/fp8.py): faster,
     approximate. With `tp`, each rank quantizes its shards with the scales one process uses."""
     cache: str | None = None
     """A CacheOptions label ("fbcache", "fbcache:0.12"): steps whose first block barely changed skip the
-    other blocks (engines/step_cache.py): faster, approximate. None: every step computed."""
+    other blocks (engines/levers/step_cache.py): faster, approximate. None: every step computed."""
     tp: int = 1
-    """Ranks that split each transformer block's weights (tensor parallelism, engines/tensor_parallel.py);
+    """Ranks that split each transformer block's weights (tensor parallelism, engines/parallel/tensor_parallel.py);
     the other axes split the rest of the ranks as without it."""
     split_vae: str = "auto"
     """One of SPLIT_VAE. With several ranks, "on": each rank decodes a band of the image's rows and rank 0
@@ -350,7 +350,7 @@ class RunOptions:
     and a Cosmos-Predict2 input is encoded so; every rank then holds the VAE. "off": rank 0 alone holds
     the VAE and runs it. "auto": "on" for video models, "off" for image models (splits_vae)."""
     loras: tuple[LoraFile, ...] = ()
-    """LoRA files every transformer carries (engines/lora.py), chosen and weighted per request."""
+    """LoRA files every transformer carries (engines/weights/lora.py), chosen and weighted per request."""
     attention_precision: str = "full"
     """One of ATTENTION_PRECISIONS: the transformer's attention kernels at full precision, or quantized ("fp8",
     "int8": faster on GPUs, approximate) on every step but the first and last FULL_PRECISION_EDGE_STEPS; a

@@ -132,14 +132,14 @@ class ModelFamily:
     parallelize: str
     """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer."""
     tensor_parallel: str
-    """Reference of its tensor-parallel split, a function (model, tp) -> engines.tensor_parallel.WeightSplit
+    """Reference of its tensor-parallel split, a function (model, tp) -> engines.parallel.tensor_parallel.WeightSplit
     (its adapter splits by it; sharded loading and the memory plan read it)."""
     repeated_blocks: tuple[str, ...]
     """Names of the transformer's ModuleLists of repeated blocks: compiled one block at a time, their linears made
     FP8 by --fp8, and the step cache's block loop (its first block's change decides a step)."""
     block_outputs: tuple[tuple[str, ...], ...]
     """Per list of repeated_blocks: the block arguments its outputs replace, in return order (the step
-    cache, engines.step_cache, passes a skipped block's inputs on in that form)."""
+    cache, engines.levers.step_cache, passes a skipped block's inputs on in that form)."""
     cache_stream: str
     """The first block's argument whose residual the step cache measures: the image or video tokens."""
     limits: str
@@ -148,14 +148,14 @@ class ModelFamily:
     guidance_batch: bool
     """Classifier-free guidance's two branches can run on two halves of the ranks (--cfg-parallel applies):
     batched in one transformer call (Cosmos-Predict2, Wan) or as two calls (Cosmos 3, Qwen-Image, FLUX.3 base:
-    the transformer's forward_guided, engines.wrapper)."""
+    the transformer's forward_guided, engines.parallel.wrapper)."""
     guidance_calls: bool = False
     """Its classifier-free guidance runs the two branches as two transformer calls that cannot share a batch
     (Qwen-Image, FLUX.3): a guided request's work counts both (pipelines.work); with --cfg-parallel they run at
     once on two rank groups (StagedPipeline.predict_guided)."""
     generic_parallelize: str = ""
     """Where `parallelize` is a hand-written adapter: the reference of the same family on the generic path
-    (engines.generic), which the step benchmark runs with --adapter generic; the record keeps the hand-written
+    (engines.parallel.generic), which the step benchmark runs with --adapter generic; the record keeps the hand-written
     one only while it measures faster. "" where `parallelize` is the generic path already."""
     other_blocks: tuple[str, ...] = ()
     """More ModuleLists of repeated blocks (dotted paths reach into a ModuleDict: "mode_blocks.image"), compiled and

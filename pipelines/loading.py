@@ -67,7 +67,7 @@ def load_parts(
     Args:
         dtypes: per-component dtype where it differs from `dtype` (e.g. a VAE kept in float32).
         share: load only this rank's share of the transformer, slice by slice from its safetensors files
-            (engines/sharded_loading.py): no rank reads or holds the whole transformer.
+            (engines/weights/sharded_loading.py): no rank reads or holds the whole transformer.
     """
     index = read_model_index(folder)
     parts = {}
@@ -107,7 +107,7 @@ def place(name: str, module: torch.nn.Module, device: torch.device | str, *,
 
 def _load_share(folder: Path, index: dict, name: str, share: TransformerShare, dtype: torch.dtype,
                 device: torch.device | str) -> torch.nn.Module:
-    from engines.sharded_loading import load_split
+    from engines.weights.sharded_loading import load_split
     from pipelines.family import load
 
     return load_split(component_class(index, name), folder / name, load(share.weights), tp=share.tp, rank=share.rank,

@@ -4,7 +4,7 @@ headers (a real folder) or their published configs (benchmarks on random weights
 
 Context parallelism (Ulysses, ring, all-gather, CFG) splits the tokens, not the weights: only tensor
 parallelism divides the transformer's bytes. The text encoders and the VAE live on rank 0 only. With --fp8 the
-transformer's block linears (engines/fp8.py) keep 1 byte an element and a float32 scale per output row, and
+transformer's block linears (engines/levers/fp8.py) keep 1 byte an element and a float32 scale per output row, and
 the rest of it stays in bfloat16 (embedders, modulation, norms, the final projection).
 """
 
@@ -50,8 +50,8 @@ def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int)
     ValueError when the split does not divide (heads, K/V heads or widths)."""
     import torch
 
-    from engines.plan import ParallelPlan
-    from engines.tensor_parallel import rank_parameters
+    from engines.parallel.plan import ParallelPlan
+    from engines.parallel.tensor_parallel import rank_parameters
 
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
@@ -65,13 +65,13 @@ def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int)
 
 def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, fp8: bool = False) -> int:
     """Bytes one rank keeps of the family's transformer built from `config`, split over `tp` ranks, in bfloat16
-    (BF16_BYTES a parameter); with `fp8` its FP8 layers (engines.fp8.fp8_linear_names of the rank's shares) at
+    (BF16_BYTES a parameter); with `fp8` its FP8 layers (engines.levers.fp8.fp8_linear_names of the rank's shares) at
     FP8_BYTES an element plus one float32 scale per output row. ValueError as transformer_parameters."""
     import torch
 
-    from engines.fp8 import fp8_linear_names
-    from engines.plan import ParallelPlan
-    from engines.tensor_parallel import split_weights
+    from engines.levers.fp8 import fp8_linear_names
+    from engines.parallel.plan import ParallelPlan
+    from engines.parallel.tensor_parallel import split_weights
 
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):

@@ -73,7 +73,7 @@ class MediaLimits:
     the work estimate counts (pipelines.work): Qwen-Image-Edit's EDIT_AREA; 0: none counted."""
     loras: tuple[tuple[str, float], ...] = ()
     """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
-    names no LoRA uses (serve's requests name none by default: app.submit)."""
+    names no LoRA uses (serve's requests name none by default: app.server.submit)."""
     guidance_split: bool = False
     """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
     request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
@@ -102,7 +102,7 @@ class GenerationRequest:
     """In a run with a step cache (--cache): let it skip steps (faster, approximate); False computes every
     step. No effect without one."""
     lora: tuple[tuple[str, float], ...] = ()
-    """The run's loaded LoRAs this request uses and their scales (engines/lora.py); () none."""
+    """The run's loaded LoRAs this request uses and their scales (engines/weights/lora.py); () none."""
     quantized_attention: bool = True
     """In a run with a quantized attention precision (--attention-precision fp8 or int8): use it (faster,
     approximate); False runs every step's attention at full precision. No effect without one."""

@@ -42,7 +42,7 @@ class StagedPipeline:
     ("transformer" for the high-noise steps, "transformer_2" after the boundary). Whatever engines/ does to a
     transformer (FP8, LoRA, the parallel plan, the engine, the step cache) it does to each."""
     step_caches: dict[str, Any] = {}
-    """Each transformer's step cache (engines.step_cache.StepCache, `--cache`) by attribute name; empty: every
+    """Each transformer's step cache (engines.levers.step_cache.StepCache, `--cache`) by attribute name; empty: every
     step computed."""
     vae: Any = None
     vae_spatial_factor: int = 8
@@ -52,7 +52,8 @@ class StagedPipeline:
     prompt_cache: PromptCache | None = None
     """Rank 0's recent text encodings (use_prompt_cache), or None: every request encodes its prompt."""
     loras: list[Any] = []
-    """The LoRAs each transformer carries (engines.lora.LoraSet, use_loras; in transformer_names' order), or none."""
+    """The LoRAs each transformer carries (engines.weights.lora.LoraSet, use_loras; in transformer_names' order), or
+    none."""
     attention_precision: str = "full"
     """The run's --attention-precision (engines.options.ATTENTION_PRECISIONS), applied by cache_step per step."""
 
@@ -84,8 +85,8 @@ class StagedPipeline:
         (engines.options.LoraFile: each expert of a two-expert model its own file where the LoRA has two), all at
         scale 0 until a request chooses (apply_loras). fitting: only those that fit every transformer, the others
         left to the server's other models (none fits: no LoRA, self.loras stays empty)."""
-        from engines.fp8 import is_fp8
-        from engines.lora import attach_loras, check_lora_files, fitting_lora_files
+        from engines.levers.fp8 import is_fp8
+        from engines.weights.lora import attach_loras, check_lora_files, fitting_lora_files
         from pipelines.family import load
 
         per_transformer = []
@@ -113,9 +114,9 @@ class StagedPipeline:
             loras.select(request.lora)
 
     def use_step_cache(self, options: Any, group: Any = None) -> None:
-        """A step cache (engines.step_cache; `options`: its CacheOptions) on each transformer as it is now
+        """A step cache (engines.levers.step_cache; `options`: its CacheOptions) on each transformer as it is now
         (after use_transformer: compiled blocks are wrapped, not traced), deciding over `group`'s ranks."""
-        from engines.step_cache import install_step_cache
+        from engines.levers.step_cache import install_step_cache
 
         family = family_of(self.spec)
         self.step_caches = {name: install_step_cache(module, options, block_lists=family.repeated_blocks,
@@ -145,8 +146,8 @@ class StagedPipeline:
         precision = self.attention_precision if request.quantized_attention else "full"
         if cache is None and precision == "full":
             return nullcontext()
+        from engines.levers.quantized_attention import attention_precision
         from engines.options import attention_precision_at
-        from engines.quantized_attention import attention_precision
 
         stack = ExitStack()
         stack.enter_context(attention_precision(attention_precision_at(precision, index, total)))

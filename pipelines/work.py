@@ -5,7 +5,7 @@ on the meta device (no weights, no memory, nothing computed) and called at the r
 torch's FlopCounterMode, which adds up every matmul, convolution and attention. So the count has
 attention's quadratic term and the VAE's mid-block attention wherever the architecture has them, for
 any family whose record names a transformer input builder (ModelFamily.bench.inputs). The server's
-cost model (app.budget) turns these counts into seconds with rates it measures.
+cost model (app.server.budget) turns these counts into seconds with rates it measures.
 
 Counting takes a fraction of a second a shape (its meta forward runs the model's Python); counts are
 kept per shape.

@@ -6,7 +6,7 @@ import tempfile
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from app.runtime import cpu_threads_per_rank
+from app.ranks.runtime import cpu_threads_per_rank
 
 # Inductor's compiled-kernel cache stays the machine's (inductor finds it through the temporary directory, changed
 # below), shared by the test processes and the ranks they start.

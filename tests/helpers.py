@@ -1,6 +1,6 @@
 """What many tests share: free ports, spawned gloo ranks, tiny transformers and their inputs.
 
-free_port is the launcher's own (app.launch): one way to find a free port.
+free_port is the launcher's own (app.commands.launch): one way to find a free port.
 
     def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         join_ranks(rank, world_size, port)        # torchrun's variables, one CPU thread
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from app.launch import free_port
+from app.commands.launch import free_port
 
 __all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "IMPORT_NOISE", "import_noise", "private_tmp", "torchrun_log_folders",
            "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port",
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 IMPORT_NOISE = ("_C_mxfp8", "_C_cutlass", "Failed to load", "KernelPreference", "is an Enum subclass",
                 "Unable to import `torchao`")
 """What torchao's import (by diffusers and transformers, --fp8 or not) printed on every run: it reads like a
-broken install and concerns no run of this app (engines.fp8.quiet_torchao_import)."""
+broken install and concerns no run of this app (engines.levers.fp8.quiet_torchao_import)."""
 
 
 def import_noise(stderr: str) -> list[str]:
@@ -50,8 +50,8 @@ def private_tmp(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 
 
 def torchrun_log_folders(folder: Path) -> list[str]:
-    """The torchrun log folders in `folder`: plain torchrun's torchelastic_*, app.torchrun's while it runs."""
-    from app.torchrun import LOGS_PREFIX
+    """The torchrun log folders in `folder`: plain torchrun's torchelastic_*, app.commands.torchrun's while it runs."""
+    from app.commands.torchrun import LOGS_PREFIX
 
     return sorted(path.name for path in folder.iterdir() if path.name.startswith(("torchelastic_", LOGS_PREFIX)))
 
@@ -91,8 +91,8 @@ def join_ranks(rank: int, world_size: int, port: int) -> None:
 # What every spawned rank imports, imported once: ranks are forked from a server process that holds these
 # (multiprocessing's "forkserver"), so a rank starts in milliseconds where a fresh interpreter takes 6-8 s
 # on the 2-core test machine to import torch, diffusers and transformers.
-RANK_PRELOAD = ["tests.helpers", "diffusers", "transformers", "engines.parallelize", "engines.compile",
-                "pipelines.flux.pipeline", "pipelines.cosmos.pipeline", "app.runtime"]
+RANK_PRELOAD = ["tests.helpers", "diffusers", "transformers", "engines.parallel.parallelize", "engines.levers.compile",
+                "pipelines.flux.pipeline", "pipelines.cosmos.pipeline", "app.ranks.runtime"]
 
 
 def _rank_main(rank: int, environ: dict[str, str], worker: Callable[..., None], *args: Any) -> None:
@@ -124,9 +124,9 @@ def run_app(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
 
 
 def torchrun(world_size: int, *args: str) -> list[str]:
-    """The command line of torchrun on `world_size` local ranks and a free port: app.torchrun's, which removes its
-    log folder when it ends (plain torchrun leaves a torchelastic_* folder in the temporary folder per run)."""
-    return [PYTHON, "-m", "app.torchrun", "--nproc-per-node", str(world_size), "--master-addr",
+    """The command line of torchrun on `world_size` local ranks and a free port: app.commands.torchrun's, which removes
+    its log folder when it ends (plain torchrun leaves a torchelastic_* folder in the temporary folder per run)."""
+    return [PYTHON, "-m", "app.commands.torchrun", "--nproc-per-node", str(world_size), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), *args]
 
 
@@ -193,7 +193,7 @@ def cosmos_inputs(grid: tuple[int, int, int], batch: int = 2) -> dict:
 
 def parallelize(model: torch.nn.Module, ctx: Any, plan: Any = None, *, all_to_all: str = "nccl") -> Any:
     """parallelize_transformer with the adapter of the registered family whose transformer `model` is."""
-    from engines.parallelize import parallelize_transformer
+    from engines.parallel.parallelize import parallelize_transformer
     from pipelines.family import load
     from pipelines.registry import FAMILIES
 

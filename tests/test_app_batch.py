@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from app.prompt_files import (
+from app.commands.prompt_files import (
     BadLine,
     PromptLine,
     output_name,

@@ -52,20 +52,20 @@ def test_runtime_drops_engine_graphs_before_the_process_group(monkeypatch, tmp_p
     the runtime that serve, batch and build share drops its engines' graphs first."""
     import threading
 
-    import engines.distributed
-    from app.runtime import start_runtime
-    from engines.compile import Engine
+    import engines.parallel.distributed
+    from app.ranks.runtime import start_runtime
+    from engines.levers.compile import Engine
     from engines.options import RunOptions
     from pipelines.registry import resolve_model
 
     seen = []
-    real_shutdown = engines.distributed.shutdown
+    real_shutdown = engines.parallel.distributed.shutdown
 
     def shutdown(ctx):
         seen.append({media: dict(pipeline.transformer._graphs) for media, pipeline in pipelines.items()})
         real_shutdown(ctx)
 
-    monkeypatch.setattr(engines.distributed, "shutdown", shutdown)
+    monkeypatch.setattr(engines.parallel.distributed, "shutdown", shutdown)
     spec, folder = resolve_model("tiny-flux", None)
     options = RunOptions(device="cpu", rank_timeout=60, backend="inductor-blocks", engine_cache=tmp_path)
     with start_runtime([(spec, folder)], options, stop=threading.Event()) as runtime:
@@ -81,9 +81,9 @@ def test_cuda_graphs_on_cpus_are_refused_before_any_rank_starts():
     without --backend on a machine without a GPU compiles what CPU ranks run."""
     import pytest
 
-    from app.arguments import OptionsError, check_graphs_have_gpus
-    from app.build import check_build
-    from app.cli import build_parser
+    from app.commands.arguments import OptionsError, check_graphs_have_gpus
+    from app.commands.build import check_build
+    from app.commands.cli import build_parser
 
     for backend in ("inductor-blocks+cudagraph", "inductor-blocks+blockgraph", "inductor+cudagraph"):
         with pytest.raises(OptionsError, match="CUDA graphs need GPUs"):

@@ -25,7 +25,7 @@ FIELDS = dict(prompt="a blue square moving right on a white background", seed=4,
 
 def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
 
     spec, folder = resolve_model("tiny-cosmos", None)
     with start_runtime([(spec, folder)], RunOptions(device="cpu", rank_timeout=60, cfg_parallel=True),
@@ -62,7 +62,7 @@ def test_cfg_parallel_refuses_requests_without_guidance() -> None:
 
 def test_cfg_parallel_needs_an_even_number_of_ranks() -> None:
     from app.failures import StartupError
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
 
     spec, folder = resolve_model("tiny-cosmos", None)
     with pytest.raises(StartupError, match="even number of ranks, this run has 1"):

@@ -1,6 +1,6 @@
 """Replica groups on 4 spawned gloo ranks (2 groups of 2), with the lockstep tests' stand-in pipeline.
 
-Rank 0 keeps the queue and leads group 1; rank 2 leads group 2 (app.groups). Requests sent together run
+Rank 0 keeps the queue and leads group 1; rank 2 leads group 2 (app.ranks.groups). Requests sent together run
 side by side, a request that fails in one group is that group's alone, and a cancel reaches the other
 group's leader.
 """
@@ -45,11 +45,11 @@ class GroupStandIn(StandInPipeline):
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.groups import Layout, RemoteGroup, lead, make_links
-    from app.jobs import JobQueue, serve_jobs
-    from app.lockstep import LockstepService
-    from app.runtime import Runtime
-    from engines.distributed import ParallelContext, split_replicas
+    from app.ranks.groups import Layout, RemoteGroup, lead, make_links
+    from app.ranks.lockstep import LockstepService
+    from app.ranks.runtime import Runtime
+    from app.server.jobs import JobQueue, serve_jobs
+    from engines.parallel.distributed import ParallelContext, split_replicas
 
     dist.init_process_group("gloo")
     world = ParallelContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
@@ -121,11 +121,11 @@ def test_groups_run_requests_side_by_side_and_keep_failures_to_themselves(tmp_pa
 def _regrouping_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """`--replicas auto` on the stand-in: layouts of 1, 2 and 4 groups, moved between by rank 0's queue."""
     join_ranks(rank, world_size, port)
-    from app.groups import Layout, RemoteGroup, make_links
-    from app.jobs import JobQueue, serve_jobs
-    from app.lockstep import LockstepService
-    from app.runtime import Runtime
-    from engines.distributed import ParallelContext, split_replicas
+    from app.ranks.groups import Layout, RemoteGroup, make_links
+    from app.ranks.lockstep import LockstepService
+    from app.ranks.runtime import Runtime
+    from app.server.jobs import JobQueue, serve_jobs
+    from engines.parallel.distributed import ParallelContext, split_replicas
 
     dist.init_process_group("gloo")
     world = ParallelContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),

@@ -22,7 +22,9 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from app.access import (
+from app.commands.launch import _without_option
+from app.outputs import ResultsCap, ResultsFolder
+from app.server.access import (
     AUTH_ENV,
     FORWARDED_ALLOW_IPS,
     FREE_FAILURES,
@@ -32,11 +34,9 @@ from app.access import (
     read_logins,
     trust_forwarded_headers,
 )
-from app.budget import RateFit, RequestBudget, RequestClock, calibration_requests
-from app.launch import _without_option
-from app.outputs import ResultsCap, ResultsFolder
-from app.ui import public_message
-from app.uploads import ORPHAN_SECONDS
+from app.server.budget import RateFit, RequestBudget, RequestClock, calibration_requests
+from app.server.ui import public_message
+from app.server.uploads import ORPHAN_SECONDS
 from pipelines.media import MediaError, check_input, read_frames
 from pipelines.registry import resolve_model
 from pipelines.requests import MediaLimits, RequestError, make_request, read_limits
@@ -186,8 +186,8 @@ def test_login_throttle_locks_an_address_out_after_repeated_failures():
 
 
 def test_trusted_proxies_are_ip_addresses_or_networks_given_repeated_or_comma_separated():
-    from app.cli import build_parser
-    from app.serve import ServeError, serve_plan
+    from app.commands.cli import build_parser
+    from app.server.serve import ServeError, serve_plan
 
     assert parse_trusted_proxies(None) == []
     assert parse_trusted_proxies(["127.0.0.1", "10.0.0.7/24, ::1", ""]) == ["127.0.0.1", "10.0.0.0/24", "::1"]
@@ -280,10 +280,10 @@ def test_server_paths_are_cut_to_file_names():
 
 
 def test_server_paths_are_aliased_across_chunks_and_taken_back(tmp_path):
-    """app.gradio_paths.ServerPaths alone: an event stream whose events (and a path) are cut across chunks goes out
-    whole events at a time with the folder aliased; a JSON answer gets its new length; a JSON request's alias and a
+    """app.server.gradio_paths.ServerPaths alone: an event stream whose events (and a path) are cut across chunks goes
+    out whole events at a time with the folder aliased; a JSON answer gets its new length; a JSON request's alias and a
     file route's come back as the folder."""
-    from app.gradio_paths import ServerPaths
+    from app.server.gradio_paths import ServerPaths
 
     uploads, results = (tmp_path / "up").resolve(), (tmp_path / "out").resolve()
     stream = f'data: {{"path": "{results}/a.png"}}\n\ndata: {{"path": "{uploads}/b.png"}}\n\n'.encode()
@@ -522,7 +522,7 @@ def test_the_results_folder_keeps_its_cap(server):
 
 
 def test_a_ui_result_is_a_row_of_its_login_whose_file_route_serves_it_to_her(server):
-    from app.job_store import JobStore
+    from app.server.job_store import JobStore
 
     _client(server).predict(*_image("mine", 30, steps=1, size=64), api_name="/generate_image")
     newest = max(server.results.glob("image-*.png"), key=lambda path: path.stat().st_mtime)
@@ -557,7 +557,7 @@ def test_repeated_failed_logins_are_slowed(server):
 
 
 def test_the_ui_names_no_server_folder_and_holds_uploads_to_the_owner_quota(server):
-    """Gradio's answers name the upload and results folders by aliases (app.gradio_paths), which its routes take
+    """Gradio's answers name the upload and results folders by aliases (app.server.gradio_paths), which its routes take
     back; an owner's unused uploads count against --max-upload-mb-per-owner (2 MB here) at Gradio's upload route.
     Last but one of the module: the uploads it leaves stay for up to a minute."""
     import json

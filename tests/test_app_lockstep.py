@@ -81,8 +81,8 @@ def outcome(fn) -> str:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, scenario: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.lockstep import LockstepService
-    from engines.distributed import ParallelContext
+    from app.ranks.lockstep import LockstepService
+    from engines.parallel.distributed import ParallelContext
 
     dist.init_process_group("gloo")
     ctx = ParallelContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"),
@@ -162,9 +162,9 @@ def test_ranks_that_cannot_meet_end_the_run_within_the_rank_timeout(tmp_path):
 
 
 def test_the_cli_offers_the_engines_strategies_and_transports():
-    from app.arguments import STRATEGIES, TRANSPORTS
-    from engines.copy_engine import TRANSPORTS as ENGINE_TRANSPORTS
-    from engines.plan import STRATEGIES as ENGINE_STRATEGIES
+    from app.commands.arguments import STRATEGIES, TRANSPORTS
+    from engines.parallel.copy_engine import TRANSPORTS as ENGINE_TRANSPORTS
+    from engines.parallel.plan import STRATEGIES as ENGINE_STRATEGIES
 
     assert STRATEGIES == ENGINE_STRATEGIES
     assert TRANSPORTS == ENGINE_TRANSPORTS

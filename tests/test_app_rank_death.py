@@ -101,7 +101,7 @@ def test_a_rank_killed_during_a_request_ends_everything_within_5_s(attempt, tmp_
 
 STUCK_RANK = """
 import sys, time
-from app.stopping import stop_on_signals
+from app.ranks.stopping import stop_on_signals
 
 with stop_on_signals(grace=0.5) as stop:
     stop.abandon = lambda: "rank 0: told the clients"
@@ -133,7 +133,7 @@ def test_the_lost_message_names_a_killed_rank_and_claims_no_sender_for_the_sigte
     import subprocess
     from types import SimpleNamespace
 
-    from app.lockstep import LockstepService
+    from app.ranks.lockstep import LockstepService
 
     alive = subprocess.Popen(["sleep", "30"])
     killed = subprocess.Popen(["sleep", "30"])

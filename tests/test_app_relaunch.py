@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from gradio_client import Client
 
-from app.serve import ServeError, check_port
-from app.stopping import remove_stale_folders, temporary_folder
+from app.ranks.stopping import remove_stale_folders, temporary_folder
+from app.server.serve import ServeError, check_port
 from tests.helpers import free_port
 from tests.test_app_serve import START_SECONDS, AppProcess, descendants
 

@@ -13,7 +13,7 @@ from tests.helpers import join_ranks, spawn_ranks
 
 def _generate(rank: int, world_size: int, port: int, tp: int, out: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.cli import main
+    from app.commands.cli import main
 
     status = main(["generate", "--model", "tiny-flux", "--prompt", "a red circle", "--size", "64x64", "--steps", "3",
                    "--seed", "5", "--tp", str(tp), "--quiet", "--out", out])

@@ -1,4 +1,4 @@
-"""app.torchrun: torchrun's exit status and failure report, from a process that ends at once, and no log
+"""app.commands.torchrun: torchrun's exit status and failure report, from a process that ends at once, and no log
 folder left behind however it ends."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from app.launch import _kill_job
-from app.torchrun import remove_ended_logs
+from app.commands.launch import _kill_job
+from app.commands.torchrun import remove_ended_logs
 from tests.helpers import REPO, free_port, private_tmp, torchrun_log_folders
 
 RANK_SCRIPT = """
@@ -29,13 +29,13 @@ print("rank", os.environ["RANK"], "done", flush=True)
 
 
 def _torchrun_args(script: Path, outcome: str) -> list[str]:
-    return [sys.executable, "-m", "app.torchrun", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
+    return [sys.executable, "-m", "app.commands.torchrun", "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0",
             "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), outcome]
 
 
 def _torchrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.torchrun", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "app.commands.torchrun", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
 
 
 @pytest.mark.parametrize("outcome", ["pass", "fail"])

@@ -176,7 +176,7 @@ def test_a_gallery_is_its_owners_the_user_with_logins_else_the_browser(tmp_path)
     from types import SimpleNamespace
 
     from app.outputs import RecentResults
-    from app.ui import Owners
+    from app.server.ui import Owners
 
     owners = Owners(most=3)
     ann_here, ann_there = (SimpleNamespace(username="ann", session_hash=h) for h in ("tab1", "tab2"))
@@ -203,7 +203,7 @@ def test_a_gallery_is_its_owners_the_user_with_logins_else_the_browser(tmp_path)
 
 
 def test_the_status_lines_plain_words_for_gpus_plans_and_precisions():
-    from app.status_words import precision, processes, sharing
+    from app.server.status_words import precision, processes, sharing
 
     assert processes(2, "cuda", "NVIDIA H200") == "2 GPUs (NVIDIA H200)" and processes(1, "cpu") == "1 CPU process"
     assert sharing("ulysses-2, all-to-all gloo") == "each with half of every image"
@@ -225,8 +225,8 @@ def test_with_logins_a_result_file_goes_to_its_owners_login_alone(tmp_path):
     import httpx
     from starlette.middleware import Middleware
 
-    from app.job_store import JobRow, JobStore
-    from app.ui import OwnResults
+    from app.server.job_store import JobRow, JobStore
+    from app.server.ui import OwnResults
     from tests.helpers import free_port
 
     store = JobStore(tmp_path / "jobs.sqlite3")

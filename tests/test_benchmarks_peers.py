@@ -11,7 +11,7 @@ from diffusers import FluxTransformer2DModel
 
 from benchmarks.inputs import BenchModel, build_random
 from benchmarks.peers import PEERS, compiler_settings_restored, shared_copy, unavailable_reason
-from engines.distributed import ParallelContext
+from engines.parallel.distributed import ParallelContext
 from pipelines.registry import get_family
 from tests.helpers import COSMOS_TINY, FLUX_TINY
 

@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.inputs import bench_model, build_random
 from benchmarks.step import build_split, parse_args
-from engines.lora import meta_transformer
-from engines.tensor_parallel import rank_parameters, split_weights
+from engines.parallel.tensor_parallel import rank_parameters, split_weights
+from engines.weights.lora import meta_transformer
 from pipelines.family import load
 from tests.helpers import REPO, torchrun
 

@@ -118,7 +118,7 @@ def test_output_that_is_a_folder_is_refused(tmp_path):
 
 
 def test_help_names_every_command_and_every_batch_field() -> None:
-    from app.prompt_files import FIELDS
+    from app.commands.prompt_files import FIELDS
 
     top = cli("--help")
     for command in ("generate", "serve", "batch", "build", "bench", "launch"):
@@ -134,8 +134,8 @@ def test_help_names_every_command_and_every_batch_field() -> None:
 def test_a_video_model_is_refused_before_any_work_where_mp4_cannot_be_written(tmp_path, monkeypatch):
     """imageio-ffmpeg with no ffmpeg to run: generate, batch and serve refuse a video model up front, in one
     line, instead of computing the video and losing it at its file; image models still run."""
-    from app.cli import build_parser
-    from app.serve import ServeError, serve_plan
+    from app.commands.cli import build_parser
+    from app.server.serve import ServeError, serve_plan
 
     env = {"IMAGEIO_FFMPEG_EXE": str(tmp_path / "no-ffmpeg")}
     prompts = tmp_path / "prompts.txt"

@@ -1,4 +1,4 @@
-"""The sequence strategy is switched on once: engines/attention.py's split_attention.
+"""The sequence strategy is switched on once: engines/parallel/attention.py's split_attention.
 
 Every model family's attention is a call of the SplitAttention that split_attention(mesh) returns.
 These tests read the engines/*.py sources (no ranks spawned) and find every decision that names a
@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
-ENGINES = Path(__file__).resolve().parents[1] / "engines"
-PLAN_MODULES = {"plan.py", "mesh.py", "options.py"}  # they define and parse the plan
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = sorted([*(REPO / "engines").rglob("*.py"), *(REPO / "pipelines").rglob("*.py")])
+"""The engines and the families' own adapters."""
+ATTENTION = "engines/parallel/attention.py"
+PLAN_MODULES = {"engines/parallel/plan.py", "engines/parallel/mesh.py", "engines/options.py"}  # the plan's own
 STRATEGY_ATTRIBUTES = {"strategy", "kv_exchange", "ulysses", "ring"}  # a plan's fields that say the strategy
 DEGREES = {"ulysses", "ring"}  # numbers too: an index or a key made of them is no decision
 
@@ -29,7 +32,7 @@ def _strategy_names() -> set[str]:
 
 
 def _strategy_classes() -> set[str]:
-    import engines.attention as attention
+    import engines.parallel.attention as attention
 
     return {value.__name__ for value in vars(attention).values()
             if isinstance(value, type) and issubclass(value, attention.SplitAttention)}
@@ -90,29 +93,30 @@ def strategy_switches(source: str, classes: set[str] | None = None) -> list[tupl
 
 
 def test_the_strategy_is_switched_on_in_split_attention_only() -> None:
-    found = {path.name: strategy_switches(path.read_text()) for path in sorted(ENGINES.glob("*.py"))
-             if path.name not in PLAN_MODULES}
-    elsewhere = {name: switches for name, switches in found.items() if switches and name != "attention.py"}
-    assert not elsewhere, f"strategy switches outside engines/attention.py: {elsewhere}"
-    assert found["attention.py"], "split_attention's switch was not found: the detector is blind"
-    outside = [s for s in found["attention.py"] if s[0] != "split_attention"]
-    assert not outside, f"engines/attention.py switches on the strategy outside split_attention: {outside}"
+    found = {name: strategy_switches(path.read_text()) for path in SOURCES
+             if (name := path.relative_to(REPO).as_posix()) not in PLAN_MODULES}
+    elsewhere = {name: switches for name, switches in found.items() if switches and name != ATTENTION}
+    assert not elsewhere, f"strategy switches outside engines/parallel/attention.py: {elsewhere}"
+    assert found[ATTENTION], "split_attention's switch was not found: the detector is blind"
+    outside = [s for s in found[ATTENTION] if s[0] != "split_attention"]
+    assert not outside, f"engines/parallel/attention.py switches on the strategy outside split_attention: {outside}"
 
 
 def test_other_modules_reach_attention_through_split_attention() -> None:
     """The strategies' parts (their classes, ring steps, all-to-alls) are not assembled elsewhere."""
     allowed = {"split_attention", "SplitAttention"}
-    for path in sorted(ENGINES.glob("*.py")):
-        if path.name == "attention.py":
+    for path in SOURCES:
+        if path.relative_to(REPO).as_posix() == ATTENTION:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "engines.attention":
+            if isinstance(node, ast.ImportFrom) and node.module == "engines.parallel.attention":
                 names = {alias.name for alias in node.names}
-                assert names <= allowed, f"{path.name} imports {sorted(names - allowed)} from engines.attention"
-            elif isinstance(node, ast.ImportFrom) and node.module == "engines":
+                assert names <= allowed, \
+                    f"{path.name} imports {sorted(names - allowed)} from engines.parallel.attention"
+            elif isinstance(node, ast.ImportFrom) and node.module == "engines.parallel":
                 assert "attention" not in {alias.name for alias in node.names}, path.name
             elif isinstance(node, ast.Import):
-                assert "engines.attention" not in {alias.name for alias in node.names}, path.name
+                assert "engines.parallel.attention" not in {alias.name for alias in node.names}, path.name
 
 
 @pytest.mark.parametrize("source", [
@@ -142,9 +146,9 @@ def test_the_detector_lets_other_decisions_be(source: str) -> None:
 
 
 def test_split_attention_builds_the_plans_strategy() -> None:
-    from engines import attention
-    from engines.mesh import ParallelMesh
-    from engines.plan import ParallelPlan
+    from engines.parallel import attention
+    from engines.parallel.mesh import ParallelMesh
+    from engines.parallel.plan import ParallelPlan
 
     def mesh(plan: ParallelPlan) -> ParallelMesh:  # no process groups: choosing a strategy needs none
         return ParallelMesh(plan=plan, device_mesh=None, ulysses_group=None, ring_group=None, cfg_group=None,

@@ -9,7 +9,7 @@ torch 2.11 (the GPU image) refuses to trace torch._utils._maybe_view_chunk_cat, 
 all-gather calls for a non-zero gather dim; torch 2.13 (here) traces it. The workers make it raise,
 so the CPU test fails if the parallel layer ever reaches it again.
 
-Also: engines.compile_teardown.stop_compile_workers, which ends torch 2.11's compile-worker pool at teardown.
+Also: engines.levers.compile_teardown.stop_compile_workers, which ends torch 2.11's compile-worker pool at teardown.
 
 Compile with the default (or dynamic=False): every token count then gets its own static graph.
 With dynamic=True diffusers' CosmosLearnablePositionalEmbed (extra_pos_embed_type="learnable",
@@ -45,7 +45,7 @@ CASES = [
     ("cosmos", "ulysses", "aot_eager"),
     ("cosmos", "ring", "aot_eager"),
     ("cosmos", "cfg", "aot_eager"),
-    ("wan", "ulysses", "aot_eager"),  # the generic path (engines/generic.py): hooks and the wrapped dispatch
+    ("wan", "ulysses", "aot_eager"),  # the generic path (engines/parallel/generic.py): hooks and the wrapped dispatch
     ("wan", "ring", "aot_eager"),
     ("qwen", "allgather", "aot_eager"),
 ]
@@ -76,8 +76,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         raise RuntimeError("_maybe_view_chunk_cat reached: torch 2.11's dynamo cannot trace it")
 
     funcol._maybe_view_chunk_cat = refuse  # test-only: stand in for torch 2.11's graph break
-    from engines.distributed import init_parallel, shutdown
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     results = []
@@ -91,8 +91,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch._dynamo.reset()
         with torch.no_grad():
             if name == "qwen":  # its family's record names this adapter
-                from engines.generic import parallelize_joint
-                from engines.parallelize import parallelize_transformer
+                from engines.parallel.generic import parallelize_joint
+                from engines.parallel.parallelize import parallelize_transformer
 
                 parallel = parallelize_transformer(model, ctx, plan, parallelize_joint)
             else:
@@ -119,7 +119,7 @@ def test_stop_compile_workers_ends_a_starting_pool_and_its_workers_at_once(monke
     import torch._inductor.async_compile as async_compile
     from torch._inductor.compile_worker.subproc_pool import SubprocPool
 
-    from engines.compile_teardown import _children, _running, stop_compile_workers
+    from engines.levers.compile_teardown import _children, _running, stop_compile_workers
 
     pool = SubprocPool(2)
     monkeypatch.setattr(async_compile, "_pool_set", [pool])
@@ -138,13 +138,13 @@ def test_stop_compile_workers_ends_a_starting_pool_and_its_workers_at_once(monke
 
 
 def test_a_teardown_that_cannot_finish_is_bounded_and_says_so(monkeypatch, capsys) -> None:
-    """engines.distributed.shutdown: a process group whose destruction never returns (NCCL with a graph still
+    """engines.parallel.distributed.shutdown: a process group whose destruction never returns (NCCL with a graph still
     holding its kernels) is given up after the timeout, with a warning naming the rank, and shutdown returns False."""
     import threading
 
     import torch.distributed as dist
 
-    from engines import distributed
+    from engines.parallel import distributed
 
     never = threading.Event()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -186,7 +186,7 @@ def test_an_engine_builds_a_graph_for_every_signature_past_dynamos_default_limit
     past dynamo's default of 8 graphs a function, a fullgraph compile fails the call (a server's ninth signature on
     GPUs). Dynamo's own eager backend stands in for inductor here: the limit is dynamo's, and it compiles in
     milliseconds."""
-    from engines import compile as engines_compile
+    from engines.levers import compile as engines_compile
     from engines.options import EngineOptions
 
     monkeypatch.setattr(engines_compile, "_inductor_compile",

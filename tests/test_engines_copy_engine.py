@@ -1,4 +1,4 @@
-"""The copy-engine all-to-all transport (engines/copy_engine.py): what is refused, and where; who
+"""The copy-engine all-to-all transport (engines/parallel/copy_engine.py): what is refused, and where; who
 owns its state (the mesh's CopyEngineTransport, registered by group name until close()); when a
 grown buffer's predecessor is freed.
 
@@ -20,9 +20,9 @@ from tests.helpers import free_port
 
 
 def test_unknown_transport_is_refused_before_any_collective() -> None:
-    from engines.distributed import init_parallel
-    from engines.mesh import build_mesh
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel
+    from engines.parallel.mesh import build_mesh
+    from engines.parallel.plan import ParallelPlan
 
     ctx = init_parallel("cpu")  # no torchrun here: one process, no process group at all
     with pytest.raises(ValueError, match="unknown all-to-all transport 'carrier-pigeon'.*copy-engine"):
@@ -30,7 +30,7 @@ def test_unknown_transport_is_refused_before_any_collective() -> None:
 
 
 def test_copy_engine_needs_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engines.copy_engine import check_transport
+    from engines.parallel.copy_engine import check_transport
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -58,7 +58,7 @@ def test_replace_exchange_frees_a_buffer_unless_a_graph_was_captured_on_it() -> 
     """A buffer too small for a call is replaced; it is freed at once, unless a CUDA graph was
     captured while it was in use: that graph holds its addresses and the peers', and a server
     replays it when a request of its shape comes back, so it is kept (until the mesh closes)."""
-    from engines.copy_engine import replace_exchange
+    from engines.parallel.copy_engine import replace_exchange
 
     cpu = torch.device("cpu")
     old = FakeExchange("g", 100, cpu)
@@ -77,7 +77,7 @@ def _fake_transport(monkeypatch: pytest.MonkeyPatch, *names: str):  # -> CopyEng
     """A CopyEngineTransport over groups that only have names, with FakeExchange buffers."""
     from torch.distributed import _symmetric_memory as symm_mem
 
-    from engines import copy_engine
+    from engines.parallel import copy_engine
 
     monkeypatch.setattr(copy_engine, "_Exchange", FakeExchange)
     monkeypatch.setattr(copy_engine, "_TRANSPORTS_BY_GROUP", {})
@@ -86,7 +86,7 @@ def _fake_transport(monkeypatch: pytest.MonkeyPatch, *names: str):  # -> CopyEng
 
 
 def test_a_grown_buffer_is_freed_unless_captured_and_close_frees_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engines import copy_engine
+    from engines.parallel import copy_engine
 
     transport = _fake_transport(monkeypatch, "group")
     capturing = [False]
@@ -120,7 +120,7 @@ def test_a_group_shared_by_two_meshes_keeps_its_buffers_until_both_close(monkeyp
     """torch's DeviceMesh gives an axis that spans the whole job the default group, so two meshes
     (two models served at once) may share a group: the ops find one transport for it, and its
     buffers, which graphs of both models may hold, live until the last of those meshes closes."""
-    from engines import copy_engine
+    from engines.parallel import copy_engine
 
     first = _fake_transport(monkeypatch, "shared", "first only")
     second = copy_engine.CopyEngineTransport([SimpleNamespace(group_name="shared"),
@@ -143,12 +143,12 @@ def _worker(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from engines import copy_engine
-    from engines.collectives import finish
-    from engines.distributed import init_parallel, shutdown
-    from engines.mesh import build_mesh
-    from engines.plan import ParallelPlan
-    from engines.wrapper import ParallelTransformer
+    from engines.parallel import copy_engine
+    from engines.parallel.collectives import finish
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.mesh import build_mesh
+    from engines.parallel.plan import ParallelPlan
+    from engines.parallel.wrapper import ParallelTransformer
 
     ctx = init_parallel("cpu")
     registry = copy_engine._TRANSPORTS_BY_GROUP

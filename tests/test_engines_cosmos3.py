@@ -23,7 +23,7 @@ SHAPES = {"t2v": (7, (3, 3, 5), False), "i2v": (5, (2, 2, 6), True), "t2i": (6, 
 
 
 def plans(world_size: int) -> list:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     heads = 24
     out = [ParallelPlan.auto(world_size, heads, strategy=s) for s in ("ulysses", "ring", "allgather")]
@@ -45,8 +45,8 @@ def plans(world_size: int) -> list:
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """One rank: every plan of this world size, every input shape; errors to rank<i>.json."""
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
-    from engines.parallelize import parallelize_transformer
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.parallelize import parallelize_transformer
     from pipelines.cosmos3.parallel import parallelize_cosmos3
 
     ctx = init_parallel("cpu")
@@ -95,7 +95,7 @@ def test_cosmos3_parallel_matches_single_process(world_size: int, tmp_path: Path
 
 
 def test_kv_repeat_gives_whole_kv_heads_per_rank() -> None:
-    from engines.attention import kv_repeat
+    from engines.parallel.attention import kv_repeat
 
     assert [kv_repeat(8, u) for u in (1, 2, 4, 8)] == [1, 1, 1, 1]  # Nano: 8 K/V heads
     assert kv_repeat(8, 3) == 3 and kv_repeat(2, 8) == 4 and kv_repeat(2, 3) == 3

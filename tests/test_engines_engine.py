@@ -1,4 +1,4 @@
-"""Compiled engines (engines.compile) on 2 gloo ranks: inductor == eager, and the engine cache.
+"""Compiled engines (engines.levers.compile) on 2 gloo ranks: inductor == eager, and the engine cache.
 
 Run 1 (cold): tiny FLUX and Cosmos, sharded over 2 ranks (ulysses), compiled per block by inductor
 into an empty cache folder (Cosmos with the +overlap reordering); outputs match eager within
@@ -40,10 +40,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, cache_dir: str,
     set_environment(run_environment(Path(cache_dir)))  # as the CLI does: inductor's kernels inside the cache folder
     from torch._dynamo.utils import counters
 
-    from engines.compile import prepare_engine
-    from engines.distributed import init_parallel, shutdown
+    from engines.levers.compile import prepare_engine
     from engines.options import EngineOptions
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     results = []
@@ -99,8 +99,8 @@ def test_inductor_engine_matches_eager_and_cache_hit_skips_compile(tmp_path: Pat
 
 
 def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engines import cache as cache_module
-    from engines.cache import EngineCache, input_signature
+    from engines.levers import cache as cache_module
+    from engines.levers.cache import EngineCache, input_signature
     from engines.options import EngineOptions
 
     store = EngineCache(Path("/nonexistent"))
@@ -123,7 +123,7 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
     }
 
     class FakeMesh:
-        from engines.plan import ParallelPlan
+        from engines.parallel.plan import ParallelPlan
 
         plan = ParallelPlan(strategy="ring", ring=2)
 
@@ -145,8 +145,8 @@ def test_cache_key_changes_with_every_component(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_engine_options_validate_and_round_trip() -> None:
-    from app.arguments import backend_label
-    from engines.compile import prepare_engine
+    from app.commands.arguments import backend_label
+    from engines.levers.compile import prepare_engine
     from engines.options import EngineOptions
 
     for label in ("eager", "inductor", "inductor-blocks", "inductor+cudagraph", "eager+cudagraph", "tensorrt",
@@ -171,7 +171,7 @@ def test_engine_options_validate_and_round_trip() -> None:
 
 
 def test_tensorrt_backend() -> None:
-    from engines.compile import BackendUnavailable, prepare_engine, tensorrt_available
+    from engines.levers.compile import BackendUnavailable, prepare_engine, tensorrt_available
     from engines.options import EngineOptions
 
     model = randomize(tiny_flux())

@@ -50,7 +50,7 @@ def flux2_inputs(text: int, latent: tuple[int, int], reference: tuple[int, int] 
 
 
 def plans(world_size: int) -> list:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     out = [ParallelPlan.auto(world_size, 6, strategy=s) for s in ("ulysses", "ring", "allgather")]
     if world_size == 2:
@@ -66,8 +66,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
     from diffusers import Flux2Transformer2DModel
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.parallelize import parallelize_transformer
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.parallelize import parallelize_transformer
     from pipelines.flux2.parallel import parallelize_flux2
 
     ctx = init_parallel("cpu")
@@ -106,9 +106,9 @@ def test_flux2_parallel_matches_single_process(world_size: int, tmp_path: Path) 
 def test_restore_gives_back_diffusers_processors() -> None:
     from diffusers import Flux2Transformer2DModel
 
-    from engines.distributed import ParallelContext
-    from engines.mesh import build_mesh
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import ParallelContext
+    from engines.parallel.mesh import build_mesh
+    from engines.parallel.plan import ParallelPlan
     from pipelines.flux2.parallel import parallelize_flux2
 
     model = Flux2Transformer2DModel(**FLUX2_TINY)

@@ -12,7 +12,7 @@ checks that
 - compiled with inductor and EngineOptions.overlap, the generated code keeps a matrix multiply
   between each all-to-all and its wait (the order the GPU needs for overlap), and equals eager.
 Both all-to-all transports are checked: NCCL's (gloo here) and the copy-engine op
-(engines/copy_engine.py, which runs gloo's all-to-all on CPU): with the latter, no funcol
+(engines/parallel/copy_engine.py, which runs gloo's all-to-all on CPU): with the latter, no funcol
 all-to-all is left in the compiled code. GPU runs of the copy-engine op are in docs/benchmarks.md.
 """
 
@@ -66,10 +66,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
     join_ranks(rank, world_size, port)
     from torch._inductor.utils import run_and_get_code
 
-    from engines.compile import prepare_engine
-    from engines.distributed import init_parallel, shutdown
+    from engines.levers.compile import prepare_engine
     from engines.options import EngineOptions
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
     from pipelines.flux.blocks import OverlappedSingleBlock
 
     ctx = init_parallel("cpu")

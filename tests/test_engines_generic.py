@@ -1,4 +1,5 @@
-"""The generic context-parallel path (engines/generic.py) on spawned gloo ranks (CPU, float32) against one process.
+"""The generic context-parallel path (engines/parallel/generic.py) on spawned gloo ranks (CPU, float32) against one
+process.
 
 FLUX.1 and FLUX.2 run on it too (their records' generic_parallelize, next to the hand-written adapters).
 
@@ -36,7 +37,7 @@ LATENTS = (3, 6, 10)  # frames x height x width of the latent: 3 x 3 x 5 = 45 to
 
 
 def plans(world_size: int) -> list:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     out = [ParallelPlan.auto(world_size, HEADS, strategy=s) for s in ("ulysses", "ring", "allgather")]
     if world_size == 2:
@@ -109,9 +110,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
     from diffusers import Flux3Transformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.generic import parallelize_generic, parallelize_joint
-    from engines.parallelize import parallelize_transformer
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.generic import parallelize_generic, parallelize_joint
+    from engines.parallel.parallelize import parallelize_transformer
     from pipelines.flux3.parallel import parallelize_flux3
 
     ctx = init_parallel("cpu")
@@ -193,14 +194,14 @@ def test_wan_and_qwen_image_by_their_diffusers_plans_match_one_process(world_siz
 def test_a_model_whose_attention_normalizes_across_heads_is_refused_tensor_parallelism() -> None:
     from diffusers import WanTransformer3DModel
 
-    from engines.generic import generic_weights
+    from engines.parallel.generic import generic_weights
 
     with pytest.raises(ValueError, match=r"normalizes q and k across all heads \(blocks\.0\.attn1\.norm_q\)"):
         generic_weights(WanTransformer3DModel(**WAN_TINY), 2)
 
 
 def flux_plans(world_size: int) -> list:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     out = [ParallelPlan.auto(world_size, 6, strategy=s) for s in ("ulysses", "ring", "allgather")]
     return out + ([ParallelPlan(cfg=2), ParallelPlan(tp=2)] if world_size == 2 else [])
@@ -213,8 +214,8 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     from diffusers import Flux2Transformer2DModel
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.parallelize import parallelize_transformer
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.parallelize import parallelize_transformer
     from pipelines.flux.parallel import parallelize_flux_generic
     from pipelines.flux2.inputs import flux2_inputs
     from pipelines.flux2.parallel import parallelize_flux2_generic

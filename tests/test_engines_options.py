@@ -56,9 +56,9 @@ def test_an_inherited_default_inductor_cache_is_replaced() -> None:
 
 
 def test_library_functions_leave_the_environment_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from engines.compile import prepare_engine
-    from engines.distributed import init_parallel
+    from engines.levers.compile import prepare_engine
     from engines.options import EngineOptions
+    from engines.parallel.distributed import init_parallel
     from tests.helpers import tiny_flux
 
     # importing torch._dynamo fills in inductor's default cache folder: torch's doing, not ours
@@ -77,7 +77,7 @@ def test_the_cli_sets_the_run_environment_before_it_runs_a_model(tmp_path: Path)
     """The entry point sets the variables (the user's own are kept): seen by a bad request, which ends
     before any model is loaded but after the environment is set."""
     env = {k: v for k, v in os.environ.items() if k not in (*CUBLAS_WITHOUT_WORKSPACE, "TORCHINDUCTOR_CACHE_DIR")}
-    code = ("import os, sys\nfrom app.cli import _run\n_run(sys.argv[1:])\n"
+    code = ("import os, sys\nfrom app.commands.cli import _run\n_run(sys.argv[1:])\n"
             "print(os.environ['CUBLAS_WORKSPACE_CONFIG'], os.environ['TORCHINDUCTOR_CACHE_DIR'])")
     result = subprocess.run([PYTHON, "-c", code, "generate", "--model", "tiny-flux", "--prompt", "x", "--steps", "0",
                              "--engine-cache", str(tmp_path), "--out", str(tmp_path / "x.png")],
@@ -102,7 +102,7 @@ def test_run_options_are_checked_once() -> None:
         assert RunOptions(fp8=fp8, cache="fbcache").engine("cpu").label == "eager"
     with pytest.raises(ValueError, match="--tp must be a positive integer"):
         RunOptions(tp=0)
-    assert RunOptions(tp=2, fp8=True).fp8  # each rank quantizes its shards (engines/fp8.py)
+    assert RunOptions(tp=2, fp8=True).fp8  # each rank quantizes its shards (engines/levers/fp8.py)
     with pytest.raises(ValueError, match="unknown --split-vae"):
         RunOptions(split_vae="sometimes")
 
@@ -115,6 +115,6 @@ def test_split_vae_auto_splits_video_models_only() -> None:
 
 
 def test_help_needs_no_torch() -> None:
-    code = "import sys\nfrom app.cli import build_parser\nbuild_parser()\nprint('torch' in sys.modules)"
+    code = "import sys\nfrom app.commands.cli import build_parser\nbuild_parser()\nprint('torch' in sys.modules)"
     result = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr

@@ -29,7 +29,7 @@ COSMOS_SHAPES = [(3, 3, 5), (2, 2, 5), (1, 2, 2)]
 
 
 def cases(world_size: int) -> list[tuple[str, dict, tuple]]:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     plans = [ParallelPlan.auto(world_size, 6, strategy=s) for s in ("ulysses", "ring", "allgather")]
     if world_size == 2:
@@ -61,7 +61,7 @@ def cases(world_size: int) -> list[tuple[str, dict, tuple]]:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
+    from engines.parallel.distributed import init_parallel, shutdown
 
     ctx = init_parallel("cpu")
     results = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.distributed import ParallelContext
-from engines.plan import ParallelPlan
-from engines.sharding import ShardLayout
+from engines.parallel.distributed import ParallelContext
+from engines.parallel.plan import ParallelPlan
+from engines.parallel.sharding import ShardLayout
 from pipelines.cosmos.parallel import resize_padding_mask
 from tests.helpers import COSMOS_TINY, flux_inputs, parallelize, randomize, tiny_flux
 
@@ -102,7 +102,7 @@ def test_single_process_wrapper_is_the_model() -> None:
 
 
 def test_plan_is_checked_before_the_adapter_runs() -> None:
-    from engines.parallelize import parallelize_transformer
+    from engines.parallel.parallelize import parallelize_transformer
 
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), group=None,
                           control_group=None)
@@ -124,8 +124,8 @@ def test_plan_names_its_kv_exchange() -> None:
 
 
 def test_shard_tokens_pads_and_batch_checks() -> None:
-    from engines.mesh import ParallelMesh
-    from engines.sharding import check_batch, shard_tokens, split_batch
+    from engines.parallel.mesh import ParallelMesh
+    from engines.parallel.sharding import check_batch, shard_tokens, split_batch
 
     layout = ShardLayout(lengths=(5,), degree=3)
     x = torch.arange(5.0).reshape(1, 5, 1)

@@ -1,4 +1,4 @@
-"""Quantized attention (engines/quantized_attention.py, --attention-precision) against float attention, its LSE
+"""Quantized attention (engines/levers/quantized_attention.py, --attention-precision) against float attention, its LSE
 included; ring's merge of its partial results; N gloo ranks against one process on every strategy.
 
 Error bounds, measured on these inputs (CPU, float32, D 64, K offset by 3 standard deviations, the outlier
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.attention import attention_with_lse, merge_attention
-from engines.quantized_attention import QUERY_CHUNK, attention_precision, quantized_attention_with_lse
+from engines.levers.quantized_attention import QUERY_CHUNK, attention_precision, quantized_attention_with_lse
+from engines.parallel.attention import attention_with_lse, merge_attention
 from tests.helpers import flux_inputs, join_ranks, parallelize, randomize, spawn_ranks, tiny_flux
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,10 +77,10 @@ def test_ring_merge_of_blocks(precision: str) -> None:
 TRITON_CHECK = """
 import json, os, sys
 import torch
-from engines.attention import attention_with_lse
-from engines.quantized_attention import quantized_attention_with_lse
-import engines.quantized_attention_triton as kernel
-from engines.quantized_attention_triton import int8_attention_available
+from engines.parallel.attention import attention_with_lse
+from engines.levers.quantized_attention import quantized_attention_with_lse
+import engines.levers.quantized_attention_triton as kernel
+from engines.levers.quantized_attention_triton import int8_attention_available
 results = []
 for tokens, kv_tokens, head_dim in ((77, 77, 64), (300, 130, 32)):
     torch.manual_seed(0)
@@ -101,8 +101,8 @@ print(json.dumps(results))
 
 
 def test_triton_kernel_equals_the_reference() -> None:
-    """engines/quantized_attention_triton.py under the Triton interpreter (CPU tensors) against the reference, in a
-    process of its own (Triton reads TRITON_INTERPRET when it is imported): the same quantized values, only P's
+    """engines/levers/quantized_attention_triton.py under the Triton interpreter (CPU tensors) against the reference, in
+    a process of its own (Triton reads TRITON_INTERPRET when it is imported): the same quantized values, only P's
     FP16 rounding differs (the kernel's running row maximum against the whole row's); measured at most 1.4e-4
     (output) and 1e-6 (LSE). Against float attention, the reference's bounds hold."""
     import subprocess
@@ -120,11 +120,11 @@ def test_triton_kernel_equals_the_reference() -> None:
 
 
 def test_flashattention3_fp8_call() -> None:
-    """The FlashAttention-3 FP8 path's own work (engines.quantized_attention._fa3_fp8: smoothing, a scale per batch
-    and head, BSHD e4m3 inputs with their descales, the output's layout and the LSE's correction), through a
+    """The FlashAttention-3 FP8 path's own work (engines.levers.quantized_attention._fa3_fp8: smoothing, a scale per
+    batch and head, BSHD e4m3 inputs with their descales, the output's layout and the LSE's correction), through a
     stand-in for its CUDA kernel that computes exactly what the kernel's contract says (attention of the descaled
     e4m3 values, bf16 output, natural-log LSE): within fp8's bounds of float attention."""
-    import engines.quantized_attention as quantized
+    import engines.levers.quantized_attention as quantized
 
     def kernel(q, k, v, *, q_descale, k_descale, v_descale):  # BSHD e4m3; descales (B, H)
         values = [t.float().transpose(1, 2) * s[:, :, None, None] for t, s in ((q, q_descale), (k, k_descale),
@@ -171,14 +171,14 @@ PLANS = ("ulysses", "ring", "allgather", "cfg")
 
 
 def _plans(world_size: int) -> list:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     return [ParallelPlan(cfg=2) if name == "cfg" else ParallelPlan.auto(world_size, 6, strategy=name) for name in PLANS]
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
+    from engines.parallel.distributed import init_parallel, shutdown
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 results.append(dict(precision=precision, plan=plan.label, err=(got - one).abs().max().item(),
                                     own=(one - full).abs().max().item()))
         # --tp: each rank attends its share of the heads; the split is made in place, so on a copy, last
-        from engines.plan import ParallelPlan
+        from engines.parallel.plan import ParallelPlan
 
         plan = ParallelPlan(tp=world_size)
         split = parallelize(copy.deepcopy(model), ctx, plan)
@@ -214,7 +214,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 def test_ranks_equal_one_process(tmp_path: Path) -> None:
     """Every strategy, CFG groups and --tp on 2 ranks."""
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     spawn_ranks(_worker, 2, str(tmp_path))
     for rank in range(2):
@@ -235,7 +235,7 @@ def test_first_and_last_steps_run_full_precision() -> None:
 
 def test_each_step_and_request_choose_the_precision() -> None:
     """A pipeline's step context (StagedPipeline.cache_step) sets the step's precision; a request may ask for full."""
-    from engines.quantized_attention import precision_in_effect
+    from engines.levers.quantized_attention import precision_in_effect
     from pipelines.registry import default_folder, get_spec
     from pipelines.requests import RequestError, make_request, read_limits
     from pipelines.stages import StagedPipeline
@@ -261,7 +261,7 @@ def test_each_step_and_request_choose_the_precision() -> None:
 
 
 def test_a_batch_line_may_ask_for_full_precision(tmp_path: Path) -> None:
-    from app.prompt_files import PromptLine, read_prompt_file, request_fields
+    from app.commands.prompt_files import PromptLine, read_prompt_file, request_fields
     from pipelines.registry import default_folder, get_spec
     from pipelines.requests import make_request, read_limits
 
@@ -274,8 +274,8 @@ def test_a_batch_line_may_ask_for_full_precision(tmp_path: Path) -> None:
 
 
 def test_run_option_and_cli() -> None:
-    from app.arguments import run_options
-    from app.cli import build_parser
+    from app.commands.arguments import run_options
+    from app.commands.cli import build_parser
     from engines.options import RunOptions
 
     assert RunOptions().attention_precision == "full"
@@ -296,9 +296,9 @@ def test_each_calls_error_on_a_models_activations() -> None:
     v, the forward going on at full precision (its output equals a full-precision forward's), one record per call
     in block order, each within the kernel's bound."""
     from benchmarks.attention_error import call_errors, summary
-    from engines.distributed import ParallelContext
-    from engines.plan import ParallelPlan
-    from engines.quantized_attention import precision_in_effect
+    from engines.levers.quantized_attention import precision_in_effect
+    from engines.parallel.distributed import ParallelContext
+    from engines.parallel.plan import ParallelPlan
 
     torch.manual_seed(0)
     model = randomize(tiny_flux())

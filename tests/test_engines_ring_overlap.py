@@ -1,6 +1,6 @@
 """K/V-axis plans on 2 gloo ranks: ring passes and all-gathers run under compute, eager and compiled.
 
-"ring": engines.attention._ring_attention issues the pass of the K/V block it holds
+"ring": engines.parallel.attention._ring_attention issues the pass of the K/V block it holds
 (start_ring_shift), attends to that block, then waits (finish) before the next, in FLUX and Cosmos
 alike. "allgather": one all-gather of K/V (GatherAttention); FLUX's blocks compute before waiting:
 the single-stream blocks (OverlappedSingleBlock) their MLP and its share of proj_out, the
@@ -81,10 +81,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, transport: str)
     join_ranks(rank, world_size, port)
     from torch._inductor.utils import run_and_get_code
 
-    from engines.compile import prepare_engine
-    from engines.distributed import init_parallel, shutdown
+    from engines.levers.compile import prepare_engine
     from engines.options import EngineOptions
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
 
     ctx = init_parallel("cpu")
     results = {}

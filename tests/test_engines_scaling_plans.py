@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.plan import ParallelPlan
+from engines.parallel.plan import ParallelPlan
 
 FLUX_HEADS, COSMOS_2B_HEADS, COSMOS_14B_HEADS = 24, 16, 40
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engines/tensor_parallel.py), alone and with Ulysses, ring or CFG, on spawned gloo ranks
+"""Tensor parallelism (engines/parallel/tensor_parallel.py), alone and with Ulysses, ring or CFG, on spawned gloo ranks
 (CPU, float32) against one process, for each family's tiny transformer.
 
 The tiny configs have 8 query heads (FLUX.1, Cosmos, FLUX.2: split by tp 2 and 4, and by tp 2 x
@@ -34,7 +34,7 @@ FAMILIES = ("flux", "cosmos", "flux2", "cosmos3")
 
 
 def plans(world_size: int) -> list:
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     if world_size == 2:
         return [ParallelPlan(tp=2)]
@@ -85,7 +85,7 @@ def output(family: str, module: torch.nn.Module, kwargs: dict) -> torch.Tensor:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
+    from engines.parallel.distributed import init_parallel, shutdown
 
     ctx = init_parallel("cpu")
     results = []
@@ -136,7 +136,7 @@ def test_tensor_parallel_matches_single_process(world_size: int, tmp_path: Path)
 
 
 def test_packed_and_replicated_splits_keep_whole_parts() -> None:
-    from engines.tensor_parallel import LinearSplit
+    from engines.parallel.tensor_parallel import LinearSplit
 
     # FLUX.2's fused single-stream projection: [q, k, v, gate, up], each part split on its own
     packed = LinearSplit(style="column", blocks=(4, 4, 4, 8, 8))
@@ -164,7 +164,7 @@ def test_splitting_frees_each_whole_weight_as_its_share_replaces_it(monkeypatch)
     import gc
     import weakref
 
-    from engines import tensor_parallel
+    from engines.parallel import tensor_parallel
     from pipelines.flux.parallel import flux_weights
 
     model = tiny_model("flux")
@@ -190,7 +190,7 @@ def test_splitting_frees_each_whole_weight_as_its_share_replaces_it(monkeypatch)
 
 
 def test_a_model_split_for_one_degree_is_refused_for_another() -> None:
-    from engines.tensor_parallel import RowParallelLinear, split_weights
+    from engines.parallel.tensor_parallel import RowParallelLinear, split_weights
     from pipelines.flux.parallel import flux_weights
 
     model = tiny_model("flux")

@@ -70,7 +70,7 @@ def write_toy_checkpoint(folder: Path) -> Path:
 def _generate(rank: int, world_size: int, port: int, folder: str, strategy: str, out: str) -> None:
     join_ranks(rank, world_size, port)
     register_toy()  # each rank is a new process: the registration is the test's, not the tree's
-    from app.cli import main
+    from app.commands.cli import main
 
     status = main(["generate", "--model", "toy-tiny", "--model-path", folder, "--prompt", "a red circle",
                    "--seed", "5", "--strategy", strategy, "--quiet", "--out", out])

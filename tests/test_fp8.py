@@ -1,4 +1,4 @@
-"""--fp8 (engines/fp8.py): which layers become FP8, how many activation quantizations a block runs (fused
+"""--fp8 (engines/levers/fp8.py): which layers become FP8, how many activation quantizations a block runs (fused
 projections quantize a shared input once, eager and compiled), FP8 runs at 2 and 4 gloo ranks equal to one
 FP8 process (with --tp too: tests/test_fp8_tensor_parallel.py checks the FP8 weights bit for bit), a compiled FP8 engine
 equal to the eager one, and FP8 in the engine cache's key.
@@ -26,7 +26,7 @@ def _layers(cls, config: dict, blocks: tuple[str, ...]) -> tuple[set[str], set[s
     """(FP8 layer patterns, kept block-linear patterns) of a model, block indexes as N."""
     import torch
 
-    from engines.fp8 import fp8_linear_names
+    from engines.levers.fp8 import fp8_linear_names
 
     with torch.device("meta"):
         model = cls(**config)
@@ -109,10 +109,10 @@ def test_projections_that_share_an_input_quantize_it_once(compiled: bool) -> Non
     activation, compiled too (inductor finds a shared input's per-row maximum once, but not the copies): a
     double-stream block cast 12 activations (q, k, v of both streams, both attention outputs, both MLPs' two
     layers), a single-stream block 5 (q, k, v, proj_mlp, proj_out). Fused
-    (engines.fp8.fuse_shared_input_projections): 8 and 3, with the same output."""
+    (engines.levers.fp8.fuse_shared_input_projections): 8 and 3, with the same output."""
     import torch
 
-    from engines.fp8 import quantize_fp8
+    from engines.levers.fp8 import quantize_fp8
     from tests.helpers import flux_inputs, randomize, tiny_flux
 
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def test_flux2_double_stream_projections_are_fused() -> None:
     import torch
     from diffusers import Flux2Transformer2DModel
 
-    from engines.fp8 import quantize_fp8
+    from engines.levers.fp8 import quantize_fp8
     from tests.helpers import randomize
     from tests.test_engines_flux2 import FLUX2_TINY, flux2_inputs
 
@@ -159,7 +159,7 @@ def test_wan_cross_attention_keeps_its_query_projection() -> None:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from engines.fp8 import fuse_shared_input_projections
+    from engines.levers.fp8 import fuse_shared_input_projections
     from tests.helpers import randomize
     from tests.test_engines_generic import WAN_TINY, wan_inputs
 
@@ -185,7 +185,7 @@ def _request(name: str = "tiny-flux"):
 
 def _run(options: dict) -> np.ndarray | None:
     """One request through the app's runtime with --fp8 and `options`; the image on rank 0, None elsewhere."""
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
     from engines.options import RunOptions
 
     spec, path, req = _request()
@@ -261,8 +261,8 @@ def test_launch_generate_with_tp_and_fp8(one_process: np.ndarray, tmp_path: Path
 def test_compiled_fp8_engine_equals_eager_and_has_its_own_cache_key(one_process: np.ndarray, tmp_path: Path) -> None:
     import torch
 
-    from engines.cache import key_document
-    from engines.fp8 import quantize_fp8
+    from engines.levers.cache import key_document
+    from engines.levers.fp8 import quantize_fp8
     from engines.options import EngineOptions
     from pipelines.factory import load_pipeline
 
@@ -280,10 +280,10 @@ def test_compiled_fp8_engine_equals_eager_and_has_its_own_cache_key(one_process:
 
 def test_a_row_of_zeros_quantizes_to_zeros_not_nan() -> None:
     """Cosmos zeroes its padded prompt tokens (and shards are zero-padded): an all-zero activation row has
-    amax 0, and without engines.fp8's floor its scale is 0 and the row 0/0 = NaN; tiny-cosmos then drew black."""
+    amax 0, and without engines.levers.fp8's floor its scale is 0 and the row 0/0 = NaN; tiny-cosmos then drew black."""
     import torch
 
-    from engines.fp8 import quantize_fp8
+    from engines.levers.fp8 import quantize_fp8
 
     spec, path = resolve_model("tiny-cosmos", None)
     from pipelines.factory import load_pipeline

@@ -1,4 +1,4 @@
-"""engines.fp8.Fp8Linear (quantize_fp8's default, the app's --fp8): plain float8 weights and scales and a direct
+"""engines.levers.fp8.Fp8Linear (quantize_fp8's default, the app's --fp8): plain float8 weights and scales and a direct
 torch._scaled_mm give torchao's Float8Tensor per-row linear's numbers, bit for bit, on CPU (torch's _scaled_mm
 runs float8 there): the quantized weights, the outputs for 2D and 3D inputs, with and without bias, bfloat16
 and float32 activations, a row of zeros; eager and compiled."""
@@ -24,8 +24,8 @@ class _Blocks(nn.Module):
 
 
 def _pair(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int = 0):
-    """The same random linear quantized by torchao and as an Fp8Linear (engines.fp8.quantize_fp8 both ways)."""
-    from engines.fp8 import Fp8Linear, quantize_fp8
+    """The same random linear quantized by torchao and as an Fp8Linear (engines.levers.fp8.quantize_fp8 both ways)."""
+    from engines.levers.fp8 import Fp8Linear, quantize_fp8
 
     torch.manual_seed(seed)
     linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
@@ -46,7 +46,7 @@ def _pair(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, s
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32])
 def test_outputs_equal_torchao_exactly(in_features: int, out_features: int, bias: bool,
                                        act_dtype: torch.dtype) -> None:
-    from engines.fp8 import fp8_layers, is_fp8
+    from engines.levers.fp8 import fp8_layers, is_fp8
 
     torchao_model, plain_model = _pair(in_features, out_features, bias, act_dtype)
     reference, plain = torchao_model.blocks[0]["proj"], plain_model.blocks[0]["proj"]

@@ -1,5 +1,5 @@
-"""--fp8 with --tp (engines/fp8.py, engines/tensor_parallel.py) on spawned gloo ranks against one FP8 process,
-for each family's tiny transformer (tests/test_engines_tensor_parallel.py's models, random weights).
+"""--fp8 with --tp (engines/levers/fp8.py, engines/parallel/tensor_parallel.py) on spawned gloo ranks against one FP8
+process, for each family's tiny transformer (tests/test_engines_tensor_parallel.py's models, random weights).
 
 Each rank splits a copy of the model as sharded loading does (its tp rank's shares), quantizes it with the run's
 group, then parallelizes it. Its FP8 weights are then one process's, bit for bit: a column-parallel layer's rows
@@ -28,7 +28,7 @@ others below 1e-6). Weight scales from each shard's own maxima, the control: 0.0
 
 def _model(family: str) -> torch.nn.Module:
     """tests/test_engines_tensor_parallel.py's tiny model; Cosmos 3's with 16-wide heads, so that a rank's K/V
-    projection (one K/V head) still has rows enough for an FP8 GEMM (multiples of 16, engines.fp8)."""
+    projection (one K/V head) still has rows enough for an FP8 GEMM (multiples of 16, engines.levers.fp8)."""
     from tests.helpers import randomize, tiny_cosmos3
 
     if family != "cosmos3":
@@ -46,8 +46,8 @@ def _family(model: torch.nn.Module):
 
 def _split_and_quantize(reference: torch.nn.Module, plan, rank: int, group) -> torch.nn.Module:
     """A copy of `reference` as the app makes it on this rank: loaded split (its tp share), then FP8."""
-    from engines.fp8 import quantize_fp8
-    from engines.tensor_parallel import split_weights
+    from engines.levers.fp8 import quantize_fp8
+    from engines.parallel.tensor_parallel import split_weights
     from pipelines.family import load
 
     family = _family(reference)
@@ -61,7 +61,7 @@ def _same_fp8_bytes(model: torch.nn.Module, whole: torch.nn.Module, tp: int, tp_
     """(FP8 layers compared, names whose FP8 data or scales are not one process's share of them): a column-parallel
     layer's rows (data and scale) are rows of one process's layer; a row-parallel layer has one process's scales
     and the rank's columns of each of its packed parts."""
-    from engines.tensor_parallel import RowParallelLinear
+    from engines.parallel.tensor_parallel import RowParallelLinear
 
     compared, different = 0, []
     for name, module in model.named_modules():
@@ -90,7 +90,7 @@ def _same_fp8_bytes(model: torch.nn.Module, whole: torch.nn.Module, tp: int, tp_
 def _fp8_bytes(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An FP8 layer's float8 weight as bytes [out, in] and its per-row scales [out, 1], in either of quantize_fp8's
     forms (an Fp8Linear or a row-parallel layer with a float8 weight; torchao's Float8Tensor); None if not FP8."""
-    from engines.fp8 import is_fp8
+    from engines.levers.fp8 import is_fp8
 
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor) or not is_fp8(weight):
@@ -111,9 +111,9 @@ def _row_parts(name: str, whole: torch.nn.Module, tp: int) -> list[tuple[int, in
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
-    from engines.fp8 import quantize_fp8
-    from engines.plan import ParallelPlan
+    from engines.levers.fp8 import quantize_fp8
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
     from tests.helpers import parallelize
 
     ctx = init_parallel("cpu")
@@ -163,8 +163,8 @@ def test_fp8_with_tp_equals_one_fp8_process(world_size: int, tmp_path: Path) -> 
 
 def test_a_split_model_is_quantized_with_its_group_only() -> None:
     """Without the group a row-parallel shard could only take its own maxima: refused, not approximated."""
-    from engines.fp8 import quantize_fp8
-    from engines.tensor_parallel import split_weights
+    from engines.levers.fp8 import quantize_fp8
+    from engines.parallel.tensor_parallel import split_weights
     from pipelines.flux.parallel import flux_weights
 
     model = tiny_model("flux")

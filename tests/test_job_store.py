@@ -1,5 +1,6 @@
-"""The job store (app.job_store), the fair queue (app.jobs.JobQueue), the owners' quotas (app.submit) and the
-clean-up of uploads and results, in-process: no ranks. A kill -9 in the middle of writes is a real process killed."""
+"""The job store (app.server.job_store), the fair queue (app.server.jobs.JobQueue), the owners' quotas
+(app.server.submit) and the clean-up of uploads and results, in-process: no ranks. A kill -9 in the middle of writes is
+a real process killed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import time
 
 import pytest
 
-from app.job_store import INTERRUPTED, JobRow, JobStore
-from app.jobs import JobQueue, ServiceBusy
+from app.server.job_store import INTERRUPTED, JobRow, JobStore
+from app.server.jobs import JobQueue, ServiceBusy
 from pipelines.requests import RequestError
 from tests.helpers import REPO
 
@@ -87,7 +88,7 @@ def test_expired_jobs_and_those_whose_files_the_cap_removed_are_evicted(tmp_path
 
 WRITER = """
 import sys, time
-from app.job_store import JobRow, JobStore
+from app.server.job_store import JobRow, JobStore
 store = JobStore(__import__("pathlib").Path(sys.argv[1]))
 for n in range(1_000_000):
     store.add(JobRow(id=f"video_{n}", owner="key:a", kind="video", model="m", request={"prompt": "x" * 500}))
@@ -151,7 +152,7 @@ def test_a_full_queue_says_when_a_place_should_free_by_the_running_jobs_estimate
 
 
 def test_quotas_refuse_an_owner_over_its_uploads_or_results_before_any_job(tmp_path):
-    from app.submit import OverQuota, Quotas, submit
+    from app.server.submit import OverQuota, Quotas, submit
     from tests.test_openai_api import flux2_server
 
     model, _, server = flux2_server(tmp_path, Quotas(upload_bytes=1000, result_bytes=100))
@@ -175,7 +176,7 @@ def test_quotas_refuse_an_owner_over_its_uploads_or_results_before_any_job(tmp_p
 
 
 def test_unused_uploads_go_within_a_minute_and_used_ones_stay(tmp_path):
-    from app.uploads import UNUSED_SECONDS, Uploads
+    from app.server.uploads import UNUSED_SECONDS, Uploads
 
     uploads = Uploads(tmp_path)
     (tmp_path / "a").mkdir()
@@ -192,8 +193,8 @@ def test_unused_uploads_go_within_a_minute_and_used_ones_stay(tmp_path):
 
 
 def test_results_cap_takes_an_age_and_api_keys_may_be_marked_admin(tmp_path):
-    from app.access import AuthError, read_api_keys
     from app.outputs import ResultsCap
+    from app.server.access import AuthError, read_api_keys
 
     assert ResultsCap.parse("7d") == ResultsCap(seconds=7 * 86400)
     assert ResultsCap.parse("2GB, 24h") == ResultsCap(bytes=2_000_000_000, seconds=86400)
@@ -209,7 +210,7 @@ def test_results_cap_takes_an_age_and_api_keys_may_be_marked_admin(tmp_path):
 
 
 def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_in_their_rows(tmp_path):
-    from app.submit import submit
+    from app.server.submit import submit
     from tests.test_openai_api import flux2_server
 
     model, _, server = flux2_server(tmp_path)
@@ -222,8 +223,8 @@ def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_i
         "code": "interrupted", "message": f"{INTERRUPTED} (the server is shutting down: Ctrl-C)"}
     assert server.store.get(waiting.id).status == "queued"  # the next start runs it
     assert [job.id for job in server.store.recover()] == [waiting.id]
-    from app.lockstep import STOPPED
-    from app.submit import record
+    from app.ranks.lockstep import STOPPED
+    from app.server.submit import record
 
     stopped = server.store.add(row(status="in_progress"))
     record(server.store, stopped.id, status="failed", error=STOPPED)  # Ctrl-C while it ran: the ranks' word for it
@@ -233,7 +234,7 @@ def test_a_stop_leaves_the_waiting_jobs_queued_and_the_running_one_interrupted_i
 def test_a_start_puts_the_ui_owners_results_back_in_their_galleries(tmp_path):
     from types import SimpleNamespace
 
-    from app.submit import restore_galleries
+    from app.server.submit import restore_galleries
     from tests.test_openai_api import flux2_server
 
     model, video, server = flux2_server(tmp_path)

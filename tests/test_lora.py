@@ -1,12 +1,12 @@
-"""LoRA adapters (engines/lora.py) on tiny-flux's transformer: formats, scales, diffusers' own loader as the reference,
-gloo ranks (every strategy on 2 and 4 ranks, tp 2, ulysses 2 x tp 2), the check before any rank starts, no recompilation
-when the choice changes (compiled blocks, and a compiled one-process server switching three LoRAs), and the engine cache
-key (LoRA layout, not weights).
+"""LoRA adapters (engines/weights/lora.py) on tiny-flux's transformer: formats, scales, diffusers' own loader as the
+reference, gloo ranks (every strategy on 2 and 4 ranks, tp 2, ulysses 2 x tp 2), the check before any rank starts, no
+recompilation when the choice changes (compiled blocks, and a compiled one-process server switching three LoRAs), and
+the engine cache key (LoRA layout, not weights).
 
 The LoRAs are made here: random A/B (fixed seeds, rank 4, 2 and 3) on every linear of the double-stream blocks (their
 modulation included) and the single-stream blocks' proj_out, saved in diffusers/PEFT keys, and a kohya copy written
-by engines.lora.export_kohya. The single-stream blocks' q/k/v and proj_mlp are left out: kohya fuses them into one
-layer (linear1) that diffusers' converter splits by FLUX.1-dev's widths, which tiny-flux does not have.
+by engines.weights.lora.export_kohya. The single-stream blocks' q/k/v and proj_mlp are left out: kohya fuses them into
+one layer (linear1) that diffusers' converter splits by FLUX.1-dev's widths, which tiny-flux does not have.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def inputs(batch: int = 1, text: int = 5, grid: tuple[int, int] = (3, 4), seed: 
 def loras(tmp_path_factory) -> dict[str, Path]:
     from safetensors.torch import load_file
 
-    from engines.lora import export_kohya
+    from engines.weights.lora import export_kohya
 
     folder = tmp_path_factory.mktemp("loras")
     files = {"a": make_lora(folder / "a.safetensors", seed=0, rank=4), "b": make_lora(folder / "b.safetensors", 1, 2),
@@ -77,7 +77,7 @@ def loras(tmp_path_factory) -> dict[str, Path]:
 
 
 def adapted(files: dict[str, Path], *, split=None, tp: int = 1, rank: int = 0) -> tuple[torch.nn.Module, object]:
-    from engines.lora import LoraFile, attach_loras, check_lora_files
+    from engines.weights.lora import LoraFile, attach_loras, check_lora_files
 
     model = transformer()
     weights = check_lora_files([LoraFile(name=name, path=path) for name, path in files.items()], type(model),
@@ -128,12 +128,12 @@ def test_matches_diffusers_load_lora_weights_and_set_adapters(loras) -> None:
 
 def test_fp8_fused_projections_take_the_lora_on_their_rows(loras) -> None:
     """--fp8 fuses q/k/v (to_qkv): each LoRA lands on its projection's rows; the FP8 GEMM beside it is unchanged."""
-    from engines.fp8 import fuse_shared_input_projections
+    from engines.levers.fp8 import fuse_shared_input_projections
 
     reference, chosen_ref = adapted({"a": loras["a"]})
     model = transformer()
     fuse_shared_input_projections(model, ("transformer_blocks", "single_transformer_blocks"))
-    from engines.lora import LoraFile, attach_loras, check_lora_files
+    from engines.weights.lora import LoraFile, attach_loras, check_lora_files
 
     weights = check_lora_files([LoraFile(name="a", path=loras["a"])], type(model), dict(transformer().config))
     chosen = attach_loras(model, weights, dtype=torch.float32)
@@ -148,7 +148,7 @@ def test_a_file_that_does_not_fit_is_refused_naming_its_first_bad_key(loras, tmp
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import load_file, save_file
 
-    from engines.lora import LoraError, LoraFile, check_lora_files
+    from engines.weights.lora import LoraError, LoraFile, check_lora_files
 
     config = json.loads((TINY_FLUX / "transformer" / "config.json").read_text())
     state = load_file(str(loras["a"]))
@@ -172,7 +172,7 @@ def test_a_file_that_does_not_fit_is_refused_naming_its_first_bad_key(loras, tmp
 
 
 def test_lora_option_parses_name_path_and_scale() -> None:
-    from engines.lora import LoraError, LoraFile
+    from engines.weights.lora import LoraError, LoraFile
 
     assert LoraFile.parse("style=/x/s.safetensors:0.8") == LoraFile(name="style", path=Path("/x/s.safetensors"),
                                                                      scale=0.8)
@@ -212,7 +212,7 @@ def test_the_engine_cache_key_follows_the_loras_layout_not_their_weights_or_scal
     cache's key changes with those and stays for other weights (same rank and layers) or other scales."""
     from safetensors.torch import load_file, save_file
 
-    from engines.cache import EngineCache, input_signature
+    from engines.levers.cache import EngineCache, input_signature
     from engines.options import EngineOptions
 
     store, options = EngineCache(tmp_path), EngineOptions(backend="inductor", scope="blocks")
@@ -234,15 +234,15 @@ def test_the_engine_cache_key_follows_the_loras_layout_not_their_weights_or_scal
 
 
 def test_a_compiled_server_switches_three_loras_over_six_requests_without_recompiling(loras, tmp_path: Path) -> None:
-    """The serving path (app.runtime.start_runtime's one-process runtime, `--backend inductor-blocks`, `--lora a=..
-    b=.. c=..`): six requests of one shape that switch LoRAs and scales (none included) compile at the first request
-    only, and the LoRA chosen shows in the image."""
+    """The serving path (app.ranks.runtime.start_runtime's one-process runtime, `--backend inductor-blocks`, `--lora
+    a=.. b=.. c=..`): six requests of one shape that switch LoRAs and scales (none included) compile at the first
+    request only, and the LoRA chosen shows in the image."""
     import threading
 
     import numpy as np
     import torch._dynamo
 
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
     from engines.options import LoraFile, RunOptions
     from pipelines.registry import resolve_model
     from pipelines.requests import make_request
@@ -272,7 +272,7 @@ def test_a_compiled_server_switches_three_loras_over_six_requests_without_recomp
 
 def lora_plans(world_size: int) -> list:
     """Every strategy on `world_size` ranks, and tp (tiny-flux has 4 heads)."""
-    from engines.plan import ParallelPlan
+    from engines.parallel.plan import ParallelPlan
 
     plans = [ParallelPlan.auto(world_size, 4, strategy=s) for s in ("ulysses", "ring", "allgather")]
     return plans + [ParallelPlan(tp=2) if world_size == 2 else ParallelPlan(ulysses=2, tp=2)]
@@ -280,8 +280,8 @@ def lora_plans(world_size: int) -> list:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str, str]) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
-    from engines.tensor_parallel import split_weights
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.tensor_parallel import split_weights
     from pipelines.flux.parallel import flux_weights
     from tests.helpers import parallelize
 
@@ -296,7 +296,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str
         expected = reference(**kwargs)[0]
         for plan in lora_plans(world_size):
             model = transformer()
-            tp_rank = rank % plan.tp  # tp is the innermost axis (engines.mesh)
+            tp_rank = rank % plan.tp  # tp is the innermost axis (engines.parallel.mesh)
             if plan.tp > 1:  # loaded split as the app does: split first, then the LoRA on the shards
                 split_weights(model, flux_weights(model, plan.tp), tp=plan.tp, rank=tp_rank)
             model, chosen = adapted_model(model, paths,
@@ -311,7 +311,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str
 
 
 def adapted_model(model, files, **split):
-    from engines.lora import LoraFile, attach_loras, check_lora_files
+    from engines.weights.lora import LoraFile, attach_loras, check_lora_files
 
     weights = check_lora_files([LoraFile(name=name, path=path) for name, path in files.items()], type(model),
                                dict(model.config))
@@ -383,7 +383,7 @@ def test_the_ui_turns_its_lora_inputs_into_the_request_field_and_back() -> None:
     """A tab's LoRA choice (names, one scale) as make_request's lora field; a recent result's LoRAs back into them."""
     import gradio as gr
 
-    from app.ui import _lora_field, _restored_loras
+    from app.server.ui import _lora_field, _restored_loras
 
     assert _lora_field(None, 0.8) == () and _lora_field([], 0.8) == ()
     assert _lora_field(["a", "b"], 0.5) == [["a", 0.5], ["b", 0.5]] and _lora_field("a", None) == ["a"]

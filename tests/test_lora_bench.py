@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.inputs import bench_model, build_random, parse_shapes
 from benchmarks.step import attach_random_lora, first_output, merge_lora_terms, single_process_forward
-from engines.lora import detach_loras, has_lora
+from engines.weights.lora import detach_loras, has_lora
 
 
 def _output(spec, model, kwargs) -> torch.Tensor:
@@ -37,7 +37,7 @@ def test_fused_lora_matches_unfused(precision: str, tolerance: float, tmp_path: 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # FP8: the CPU runs' float32 model
     model = build_random(spec, device=torch.device("cpu"), dtype=dtype)
     if precision == "fp8":
-        from engines.fp8 import fp8_layers, quantize_fp8
+        from engines.levers.fp8 import fp8_layers, quantize_fp8
 
         quantize_fp8(model, spec.family.repeated_blocks)
         assert fp8_layers(model) > 0

@@ -1,4 +1,4 @@
-"""LoRA adapters (engines/lora.py) on the families of the generic path: Wan, Qwen-Image and FLUX.3.
+"""LoRA adapters (engines/weights/lora.py) on the families of the generic path: Wan, Qwen-Image and FLUX.3.
 
 For each tiny transformer a random LoRA (diffusers/PEFT keys, on every linear of its repeated blocks) gives what
 diffusers' own PEFT adapters give on the same weights (load_lora_adapter + set_adapters), and the same on two gloo
@@ -66,7 +66,7 @@ def loras(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 
 def adapted(family: str, files: dict[str, Path]) -> tuple[torch.nn.Module, object]:
-    from engines.lora import LoraFile, attach_loras, check_lora_files
+    from engines.weights.lora import LoraFile, attach_loras, check_lora_files
 
     transformer = model(family)
     weights = check_lora_files([LoraFile(name=name, path=path) for name, path in files.items()], type(transformer),
@@ -99,10 +99,10 @@ def test_matches_diffusers_peft_adapters(family: str, loras) -> None:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, files: dict[str, dict[str, str]]) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
-    from engines.generic import parallelize_generic, parallelize_joint
-    from engines.parallelize import parallelize_transformer
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.generic import parallelize_generic, parallelize_joint
+    from engines.parallel.parallelize import parallelize_transformer
+    from engines.parallel.plan import ParallelPlan
     from pipelines.flux3.parallel import parallelize_flux3
 
     adapters = {"wan": parallelize_generic, "qwen-image": parallelize_joint, "flux3": parallelize_flux3}

@@ -1,4 +1,4 @@
-"""The launch's memory plan (app/memory_plan.py, pipelines/memory.py): the smallest tp degree whose weights
+"""The launch's memory plan (app/commands/memory_plan.py, pipelines/memory.py): the smallest tp degree whose weights
 fit the GPUs, given as `launch --gpu-memory` here (no GPU); a model that fits no degree is refused before
 any rank starts, with the memory it would need. Counted on the meta device: no weights are read."""
 
@@ -14,7 +14,7 @@ MIB = 1024**2
 
 
 def test_the_smallest_tp_that_fits_real_architectures() -> None:
-    from app.memory_plan import MemoryPlanError, choose_tp
+    from app.commands.memory_plan import MemoryPlanError, choose_tp
     from pipelines.memory import GIB
     from pipelines.registry import get_spec
 
@@ -38,7 +38,7 @@ def test_fp8_weights_count_a_byte_an_element_and_a_scale_a_row() -> None:
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from engines.fp8 import fp8_linear_names
+    from engines.levers.fp8 import fp8_linear_names
     from pipelines.memory import GIB, transformer_bytes, transformer_parameters
     from pipelines.registry import family_of, get_spec
 
@@ -57,7 +57,7 @@ def test_launch_picks_tp_for_fp8_weights() -> None:
     """On 80 GB GPUs: Cosmos 3 Super (119 GiB in bfloat16) needs tp 2, its FP8 weights (61 GiB) fit one GPU;
     FLUX.2-dev's transformer fits one GPU either way (60.2 / 30.9 GiB on rank 0). On 32 GB: FLUX.2-dev needs
     tp 4 in bfloat16 (30.9 GiB at tp 2 is more than 85%), tp 2 in FP8 (16.3 GiB)."""
-    from app.memory_plan import choose_tp
+    from app.commands.memory_plan import choose_tp
     from pipelines.memory import GIB
     from pipelines.registry import get_spec
 
@@ -90,8 +90,8 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 def test_launch_picks_tp_and_refuses_what_cannot_fit() -> None:
     """tiny-flux: 6.6 MiB of weights on rank 0 at tp 1, 5.1 MiB at tp 2 (its text encoders and VAE stay whole)."""
-    from app.cli import build_parser
-    from app.launch import plan_memory
+    from app.commands.cli import build_parser
+    from app.commands.launch import plan_memory
 
     inner = build_parser().parse_args(["generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png"])
     checked = inner.check(inner)
@@ -130,8 +130,8 @@ def test_the_memory_command_prints_per_rank_bytes_at_each_tp(capsys: pytest.Capt
 
 
 def test_launch_checks_a_given_tp_against_the_models_heads_without_a_gpu() -> None:
-    from app.cli import build_parser
-    from app.launch import LaunchError, plan_memory
+    from app.commands.cli import build_parser
+    from app.commands.launch import LaunchError, plan_memory
 
     inner = build_parser().parse_args(["generate", "--model", "tiny-flux", "--prompt", "x", "--out", "/tmp/x.png"])
     with pytest.raises(LaunchError, match="--tp 3: tp degree 3 does not divide the model's 4 attention heads"):
@@ -149,7 +149,7 @@ def test_a_large_text_encoder_goes_on_the_gpu_only_with_room_to_spare() -> None:
 def test_two_experts_count_twice() -> None:
     """Wan 2.2 A14B keeps both experts resident: its transformer weights are twice Wan 2.1 14B's (same
     architecture), its text encoder and VAE the same."""
-    from app.memory_plan import rank_bytes
+    from app.commands.memory_plan import rank_bytes
     from pipelines.memory import transformer_bytes
     from pipelines.registry import family_of, get_spec
 
@@ -158,7 +158,7 @@ def test_two_experts_count_twice() -> None:
     assert rank_bytes([(two, None)], 1) - rank_bytes([(one, None)], 1) == expert
     assert round(expert / 1024**3, 1) == 26.6  # 14.3B parameters in bfloat16
     # tp cannot split Wan's attention: the plan runs it whole (it refused every degree, tp 1 included, before)
-    from app.memory_plan import choose_tp
+    from app.commands.memory_plan import choose_tp
     from pipelines.memory import GIB
 
     assert choose_tp([(two, None)], nproc=2, gpu_bytes=141 * GIB).tp == 1
@@ -166,7 +166,7 @@ def test_two_experts_count_twice() -> None:
 
 def test_a_whole_transformer_is_sized_from_its_files_as_the_model_counts_it():
     """tp 1 without FP8: the folder's safetensors headers give the bytes that building the model would."""
-    from app.memory_plan import _stored_transformer_parameters
+    from app.commands.memory_plan import _stored_transformer_parameters
     from pipelines.memory import BF16_BYTES, folder_transformer_config, transformer_bytes
     from pipelines.registry import family_of, resolve_model
 
@@ -184,9 +184,9 @@ def test_the_launchers_checks_import_neither_torch_nor_diffusers():
     from tests.helpers import PYTHON, REPO
 
     script = ("import sys\n"
-              "import app.launch as launch\n"
+              "import app.commands.launch as launch\n"
               "launch._run_torchrun = lambda command, env: (0, 0)\n"
-              "from app.cli import main\n"
+              "from app.commands.cli import main\n"
               "status = main(['launch', '--nproc', '2', '--gpu-memory', '80', 'generate', '--model', 'tiny-flux',\n"
               "               '--prompt', 'x', '--size', '64x64', '--steps', '1', '--out', 'unused.png'])\n"
               "print(status, sorted(name for name in ('torch', 'diffusers', 'transformers') if name in sys.modules))\n")

@@ -1,7 +1,7 @@
-"""The OpenAI-compatible API (app.openai_api), driven by the official `openai` package.
+"""The OpenAI-compatible API (app.server.openai_api), driven by the official `openai` package.
 
 Most tests share one `launch --nproc 2 serve --no-ui --api-key-file ... --max-queue 2` server (2 gloo CPU
-ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.api_server),
+ranks, tiny-flux and tiny-cosmos, small sizes and few steps): the API alone, without Gradio (app.server.api_server),
 with a webhook receiver on 127.0.0.1 (`--webhook-url`) and its log in JSON (`--log-format json`); its start is
 watched from GET /ready.
 The API beside the UI, on Gradio's server, is driven by tests/test_app_serve.py. The image edits, the upload
@@ -143,7 +143,7 @@ def test_the_api_alone_answers_health_and_status_and_404_elsewhere(server):
 
 def test_no_process_of_the_api_alone_imports_gradio(server):
     imported = [line.rpartition("|")[2].strip() for line in server.lines if line.startswith("import time:")]
-    assert "app.api_server" in imported and "uvicorn" in imported  # rank 0's imports are among those seen
+    assert "app.server.api_server" in imported and "uvicorn" in imported  # rank 0's imports are among those seen
     assert not [name for name in imported if name.split(".")[0] in ("gradio", "gradio_client")]
 
 
@@ -353,8 +353,8 @@ def test_ctrl_c_stops_the_api_alone_cleanly(server):
 
 
 def test_no_ui_refuses_a_command_line_that_needs_the_ui_before_starting_ranks(tmp_path):
-    from app.cli import build_parser
-    from app.serve import ServeError, serve_plan
+    from app.commands.cli import build_parser
+    from app.server.serve import ServeError, serve_plan
 
     result = subprocess.run([sys.executable, "-m", "app", "launch", "--nproc", "2", "serve", "--no-ui", "--share"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -379,13 +379,13 @@ def flux2_server(tmp_path: Path, quotas=None, max_seconds: float | None = None):
     """A FLUX.2 model's limits (a reference image allowed; no weights), tiny-cosmos' for videos, and a Server of 24
     places (20 an owner), its job store in `tmp_path`; with `max_seconds`, a time limit, each model's cost model fed
     one measurement: a step 1 s, a decode 0.1 s."""
-    from app.budget import RequestBudget
-    from app.job_store import JobStore
-    from app.jobs import JobQueue
     from app.outputs import ResultsFolder
-    from app.runtime import ServedModel
-    from app.submit import Quotas, Server
-    from app.uploads import Uploads
+    from app.ranks.runtime import ServedModel
+    from app.server.budget import RequestBudget
+    from app.server.job_store import JobStore
+    from app.server.jobs import JobQueue
+    from app.server.submit import Quotas, Server
+    from app.server.uploads import Uploads
     from pipelines.registry import get_spec
     from pipelines.requests import MediaLimits, make_request
     from pipelines.work import Work
@@ -416,9 +416,9 @@ def local(tmp_path):
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
 
-    from app.access import LoginFailures
-    from app.lockstep import Generation
-    from app.openai_api import api_access, api_routes
+    from app.ranks.lockstep import Generation
+    from app.server.access import LoginFailures
+    from app.server.openai_api import api_access, api_routes
 
     model, video, server = flux2_server(tmp_path, max_seconds=100.0)
     runtime = type("Runtime", (), {"models": {"image": model, "video": video}})()
@@ -541,7 +541,7 @@ def test_bodies_that_cannot_be_read_say_why(local):
 
 
 def test_failed_keys_lock_the_address_out_as_failed_logins_do(local):
-    from app.access import FREE_FAILURES, LoginFailures
+    from app.server.access import FREE_FAILURES, LoginFailures
 
     failures = LoginFailures()
     for _ in range(FREE_FAILURES):
@@ -555,10 +555,10 @@ def test_failed_keys_lock_the_address_out_as_failed_logins_do(local):
 def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_ends(tmp_path):
     from starlette.testclient import TestClient
 
-    from app.access import LoginFailures
-    from app.api_server import Probes, api_app, serving_health, serving_readiness
-    from app.metrics import ServerMetrics
-    from app.openai_api import api_access
+    from app.server.access import LoginFailures
+    from app.server.api_server import Probes, api_app, serving_health, serving_readiness
+    from app.server.metrics import ServerMetrics
+    from app.server.openai_api import api_access
     from pipelines.requests import make_request
 
     model, _, server = flux2_server(tmp_path)
@@ -605,13 +605,13 @@ def test_status_names_what_runs_and_waits_and_health_turns_503_as_the_server_end
 
 
 def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
-    """The queue tells the metrics of every job's end (app.jobs.JobQueue's on_end): a finished one's stages,
+    """The queue tells the metrics of every job's end (app.server.jobs.JobQueue's on_end): a finished one's stages,
     step-cache hits and ranks' memory, a cancelled one as a failure; the write is counted as the file is written."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from app.jobs import JobQueue
-    from app.lockstep import Generation
-    from app.metrics import ServerMetrics
+    from app.ranks.lockstep import Generation
+    from app.server.jobs import JobQueue
+    from app.server.metrics import ServerMetrics
     from app.stage_times import StageSeconds
     from pipelines.requests import make_request
 
@@ -650,8 +650,8 @@ def test_metrics_count_a_job_s_stages_cache_hits_and_ranks_as_it_ends(tmp_path):
 def test_a_job_is_followed_from_another_thread_and_cancelled_as_its_client_goes_or_cancels(tmp_path):
     """Job.follow yields the events a ranks' thread adds, in order, to its last (Finished); a follower whose client
     is gone cancels its job, and one that is cancelled cancels its job too."""
-    from app.jobs import Failed, Finished, JobQueue, Started, Step
-    from app.lockstep import Generation
+    from app.ranks.lockstep import Generation
+    from app.server.jobs import Failed, Finished, JobQueue, Started, Step
     from pipelines.requests import make_request
 
     model, _, _ = flux2_server(tmp_path)
@@ -706,7 +706,7 @@ async def _events_of(job, gone=None, every: float = 0.5) -> list:
 
 
 def test_webhooks_are_sent_without_waiting_and_retried_with_growing_delays():
-    from app.webhooks import Webhooks
+    from app.server.webhooks import Webhooks
 
     receiver = WebhookReceiver(refuse=2, delay=0.1)  # a slow receiver that refuses every event's first two tries
     webhooks = Webhooks(receiver.url, WEBHOOK_SECRET, attempts=3, first_retry_seconds=0.1)
@@ -762,7 +762,7 @@ def test_each_key_sees_its_own_jobs_and_files_alone_an_admin_all(local):
     assert anyone.get(url.replace("sig=", "sig=0")).status_code == 404
     expires = int(re.search(r"expires=(\d+)", url)[1])
     assert time.time() + 3500 < expires <= time.time() + 3600  # an hour by default
-    from app.openai_api import FileLinks
+    from app.server.openai_api import FileLinks
 
     name = url.rpartition("/")[2].partition("?")[0]
     old = FileLinks(local.server.store.secret(), 60).url(anyone, local.server.results.folder / name,
@@ -825,7 +825,7 @@ def test_owners_take_turns_one_owners_20_jobs_hold_back_no_other_owners_one(loca
 def test_a_restart_keeps_completed_jobs_runs_queued_ones_and_fails_the_running_one(tmp_path):
     """One small server (one process, the API alone, no time limit: no calibration) killed with kill -9 while a job
     runs and another waits, then started again on the same results folder: its job store."""
-    from app.job_store import INTERRUPTED
+    from app.server.job_store import INTERRUPTED
 
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{KEY}\n{OTHER}\n")

@@ -44,8 +44,8 @@ def generate_one_process(model: str, fields: dict) -> np.ndarray:
 
 def _rank(rank: int, world_size: int, port: int, case: str, out: str) -> None:
     join_ranks(rank, world_size, port)
-    from engines.distributed import init_parallel, shutdown
-    from engines.plan import ParallelPlan
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
 
     model, fields, plan_args = CASES[case]
     ctx = init_parallel("cpu")

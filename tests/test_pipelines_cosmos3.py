@@ -131,7 +131,7 @@ RANK_CASES = {
 
 def _rank(rank: int, world_size: int, port: int, folder: str, case: str, out: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
     from engines.options import RunOptions
 
     _, options, fields = RANK_CASES[case]
@@ -164,7 +164,7 @@ def test_one_rank_compiled_blocks_take_any_prompt_length(folder: Path) -> None:
     lengths), and the compiled run equals the eager one."""
     import torch._dynamo
 
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
     from engines.options import RunOptions
 
     prompts = ["a red circle", "a big blue square moving left on a white background", "a star"]

@@ -133,7 +133,7 @@ RANK_CASES = {
 
 def _rank(rank: int, world_size: int, port: int, folders: dict[str, Path], case: str, out: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
     from engines.options import RunOptions
 
     name, options, fields = RANK_CASES[case]

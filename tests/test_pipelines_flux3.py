@@ -131,8 +131,8 @@ def test_every_block_list_compiles_and_goes_fp8_one_block_at_a_time() -> None:
     over the joint blocks alone. The compiled engine equals eager."""
     from diffusers import Flux3Transformer2DModel
 
-    from engines.compile import prepare_engine
-    from engines.fp8 import fp8_linear_names
+    from engines.levers.compile import prepare_engine
+    from engines.levers.fp8 import fp8_linear_names
     from engines.options import EngineOptions
     from pipelines.families import FLUX3
     from pipelines.flux3.inputs import flux3_inputs

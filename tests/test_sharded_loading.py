@@ -1,4 +1,4 @@
-"""Sharded loading (engines/sharded_loading.py): a tiny Cosmos 3 transformer saved as several safetensors
+"""Sharded loading (engines/weights/sharded_loading.py): a tiny Cosmos 3 transformer saved as several safetensors
 files, loaded with tp 2 on two gloo ranks. Each rank keeps about half of the parameter bytes, reads
 exactly the elements it keeps (split tensors only by their slices, never whole), and the loaded
 model, parallelized, gives the output of the whole model in one process. And for every family, what a
@@ -23,9 +23,9 @@ def _worker(rank: int, world_size: int, port: int, folder: str, out_dir: str) ->
     join_ranks(rank, world_size, port)
     from diffusers import Cosmos3OmniTransformer
 
-    from engines.distributed import init_parallel, shutdown
-    from engines.plan import ParallelPlan
-    from engines.sharded_loading import SafetensorsReader, load_split, parameter_bytes
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
+    from engines.weights.sharded_loading import SafetensorsReader, load_split, parameter_bytes
     from pipelines.cosmos3.parallel import cosmos3_weights
 
     ctx = init_parallel("cpu")
@@ -75,8 +75,8 @@ def test_each_family_loads_the_share_that_splitting_the_whole_model_keeps(family
     loaded whole model keeps on rank r (packed parts, K/V heads kept by two ranks, row-parallel biases)."""
     import copy
 
-    from engines.sharded_loading import load_split
-    from engines.tensor_parallel import split_weights
+    from engines.parallel.tensor_parallel import split_weights
+    from engines.weights.sharded_loading import load_split
     from pipelines.family import load
     from pipelines.registry import FAMILIES
     from tests.test_engines_tensor_parallel import tiny_model

@@ -96,7 +96,7 @@ def _rank(rank: int, world_size: int, port: int, out: str, inputs: dict[str, str
     join_ranks(rank, world_size, port)
     import torch.distributed as dist
 
-    from engines.distributed import init_parallel, shutdown
+    from engines.parallel.distributed import init_parallel, shutdown
     from pipelines.factory import load_pipeline
     from pipelines.registry import resolve_model
     from pipelines.requests import make_request, read_limits

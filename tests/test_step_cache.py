@@ -1,4 +1,4 @@
-"""--cache (engines/step_cache.py): every rank skips exactly the steps one process skips and draws the same,
+"""--cache (engines/levers/step_cache.py): every rank skips exactly the steps one process skips and draws the same,
 for each family, under every kind of split (sequence shards with padding, guidance halves in one batch or
 as separate calls); a metric that differs between ranks still gives one decision; the options' checks.
 
@@ -62,7 +62,7 @@ def folders(tmp_path_factory) -> dict[str, str | None]:
 def _generate(model: str, folder: str | None, options: dict) -> tuple[np.ndarray | None, list[int]]:
     """One request through the app's runtime with a step cache: (the media on rank 0, else None; the steps
     this rank skipped)."""
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
     from engines.options import RunOptions
 
     fields = dict(FIELDS[model])
@@ -111,10 +111,10 @@ def _disagreeing_rank(rank: int, world_size: int, port: int, out: str) -> None:
     join_ranks(rank, world_size, port)
     import torch
 
-    from engines.distributed import init_parallel, shutdown
+    from engines.levers.step_cache import install_step_cache
     from engines.options import CacheOptions
-    from engines.plan import ParallelPlan
-    from engines.step_cache import install_step_cache
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.plan import ParallelPlan
     from tests.helpers import flux_inputs, parallelize, tiny_flux
 
     ctx = init_parallel("cpu")
@@ -188,8 +188,8 @@ class _GraphLike(torch.nn.Module):
 def test_the_cache_keeps_copies_of_what_a_graph_overwrites() -> None:
     """Blocks whose outputs are overwritten at their next call (a CUDA graph per block) give the outputs and
     decisions of plain blocks: the cache keeps copies of the first and last blocks' outputs across steps."""
+    from engines.levers.step_cache import install_step_cache
     from engines.options import CacheOptions
-    from engines.step_cache import install_step_cache
     from tests.helpers import flux_inputs, tiny_flux
 
     torch.manual_seed(0)

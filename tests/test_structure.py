@@ -8,7 +8,8 @@ importing it. A family's data and code are its folder's (pipelines/<family>/: it
 
 No import circles: no module imports itself back, whether through imports run when a module is imported or through
 one inside a function (there to defer a heavy import, never to hide a circle). What two modules both need lives in
-a module both import (engines.fp8_matmul, engines.compile_teardown, pipelines.media_suffixes, training.lora_folder).
+a module both import (engines.levers.fp8_matmul, engines.levers.compile_teardown, pipelines.media_suffixes,
+training.lora_folder).
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def test_no_family_record_names_benchmarks_code() -> None:
 
 def test_importing_every_app_module_imports_no_benchmarks_module() -> None:
     """Every module of app/ imported in one fresh process; then no benchmarks module is in sys.modules."""
-    modules = sorted(f"app.{path.stem}" for path in (REPO / "app").glob("*.py")
+    modules = sorted(".".join(path.relative_to(REPO).with_suffix("").parts) for path in (REPO / "app").rglob("*.py")
                      if path.stem not in ("__init__", "__main__"))  # __main__ runs the command line
-    assert "app.cli" in modules and "app.serve" in modules
+    assert "app.commands.cli" in modules and "app.server.serve" in modules
     script = ("import importlib, sys\n"
               f"for name in {modules!r}:\n"
               "    importlib.import_module(name)\n"
@@ -134,7 +135,7 @@ def test_no_code_outside_a_familys_own_modules_branches_on_its_name() -> None:
         for module in {r.partition(":")[0] for r in references if r}:
             folder = REPO / Path(*module.split(".")).parent
             if module.startswith("engines."):
-                continue  # the shared machinery a record chooses (engines.generic's adapters and weight split)
+                continue  # the shared machinery a record chooses (engines.parallel.generic's adapters and weight split)
             assert (folder / "record.py").exists(), f"{family.name}: {module} is outside a family's folder"
             own.update(folder.glob("*.py"))
     found = [f"{path.relative_to(REPO)} {branch}" for path in _sources(*SCANNED) if path not in own

@@ -4,7 +4,7 @@ The first 20 held-out video prompts combine colours, shapes and motions never sh
 (training/shapes.py HELD_OUT_VIDEOS), at the registry's default size, frames, steps and guidance, seed =
 prompt index. The bars: the middle frame's object has the asked colour in >= 80% and the asked shape in
 >= 60%, and the object moves the asked way in >= 90%. The first 8 prompts run again on 2 gloo ranks through
-the runtime that `ulysses-studio launch --nproc 2 batch` uses (app.runtime.start_runtime and its lockstep
+the runtime that `ulysses-studio launch --nproc 2 batch` uses (app.ranks.runtime.start_runtime and its lockstep
 service). Batch writes MP4s, which are lossy, so the ranks' frames are saved raw here instead: they equal the
 one-process frames within one level, so the scores hold there. (tiny-flux's check is tests/test_tiny_quality.py.)
 """
@@ -55,8 +55,8 @@ held-out prompts (on these 10: colour, shape and motion 100%, 36% of the steps s
 
 
 def test_tiny_cosmos_keeps_its_bars_with_fp8_and_the_step_cache():
-    """--fp8 and --cache fbcache together (engines/fp8.py, engines/step_cache.py), at Cosmos-Predict2's 35 steps (at
-    the registry's 8 the cache skips none): the same bars as every step in float32, and steps skipped."""
+    """--fp8 and --cache fbcache together (engines/levers/fp8.py, engines/levers/step_cache.py), at Cosmos-Predict2's 35
+    steps (at the registry's 8 the cache skips none): the same bars as every step in float32, and steps skipped."""
     steps = get_spec("cosmos-predict2-2b-video2world").steps
     computed: list[int] = []
     videos = generate("tiny-cosmos", default_folder(get_spec("tiny-cosmos")), FP8_CACHE_PROMPTS, fp8=True,
@@ -83,7 +83,7 @@ def test_the_first_frame_is_no_smear(one_process_videos):
 
 def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     join_ranks(rank, world_size, port)
-    from app.runtime import start_runtime
+    from app.ranks.runtime import start_runtime
 
     spec = get_spec("tiny-cosmos")
     with start_runtime([(spec, default_folder(spec))], RunOptions(device="cpu", rank_timeout=120),

@@ -1,12 +1,12 @@
 """The embedded LoRA assets/tiny-flux-lora-gray (trained by `python -m training lora`, training/lora.py) does what
 it teaches on tests/test_tiny_quality.py's held-out prompts (same prompts, seeds, registry size and steps), loaded
-as the app loads `--lora` files (training.evaluate.generate: StagedPipeline.use_loras, engines/lora.py):
+as the app loads `--lora` files (training.evaluate.generate: StagedPipeline.use_loras, engines/weights/lora.py):
 
 - at scale 1 the background is gray (training.judge.judge_gray_background) in >= 80% of the images; without the
   LoRA and at scale 0 in <= 10% (one prompt asks for gray);
 - scale 0 draws what no LoRA draws, within one level;
 - colour and shape stay what the prompt asks (>= 90% and >= 80%, tiny-flux's own bars);
-- the kohya copy (engines.lora.export_kohya) draws what the diffusers file draws, within one level.
+- the kohya copy (engines.weights.lora.export_kohya) draws what the diffusers file draws, within one level.
 
 The scale-0 and kohya comparisons run on the first SUBSET (training.evaluate.LORA_SUBSET) prompts, to keep the
 test short on a CPU; the generations are made once per module and shared by the checks. Measured numbers: the

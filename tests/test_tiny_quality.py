@@ -44,7 +44,7 @@ def test_tiny_flux_draws_the_asked_colour_and_shape(one_process_images):
 
 
 def test_tiny_flux_keeps_its_scores_with_fp8(one_process_images):
-    """--fp8 (engines/fp8.py): the held-out colour and shape scores within one prompt of float32's."""
+    """--fp8 (engines/levers/fp8.py): the held-out colour and shape scores within one prompt of float32's."""
     colour, shape, _ = _scores(one_process_images)
     fp8_colour, fp8_shape, table = _scores(generate("tiny-flux", default_folder(get_spec("tiny-flux")), PROMPTS,
                                                     fp8=True))
@@ -59,7 +59,7 @@ MAX_MEAN_LEVELS = 3.0
 
 
 def test_tiny_flux_int8_attention_draws_what_full_precision_draws(one_process_images):
-    """--attention-precision int8 (engines/quantized_attention.py; first and last steps full): each image's mean
+    """--attention-precision int8 (engines/levers/quantized_attention.py; first and last steps full): each image's mean
     difference from the float32 one within 3 levels of 255."""
     images = generate("tiny-flux", default_folder(get_spec("tiny-flux")), QUANTIZED_PROMPTS,
                       attention_precision="int8")
@@ -77,7 +77,7 @@ def every_step_28() -> tuple[float, float]:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache", "fp8-and-cache"])
 def test_tiny_flux_keeps_its_scores_with_the_step_cache(every_step_28, fp8):
-    """--cache fbcache at its default threshold (engines/step_cache.py), alone and with --fp8, at FLUX.1-dev's 28
+    """--cache fbcache at its default threshold (engines/levers/step_cache.py), alone and with --fp8, at FLUX.1-dev's 28
     steps (at the registry's 8 steps it skips none): the held-out scores within one prompt of every step computed
     in float32, and it skips steps (measured: 38% of them alone, colour 100% and shape 92% against 100% and 88%
     without)."""

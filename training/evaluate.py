@@ -39,21 +39,21 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
     in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3].
 
     Args:
-        fp8: the transformer blocks' linears as FP8, as `--fp8` runs them (engines/fp8.py).
-        cache: a step cache, as `--cache` runs it (engines/step_cache.py); `computed` then receives each
+        fp8: the transformer blocks' linears as FP8, as `--fp8` runs them (engines/levers/fp8.py).
+        cache: a step cache, as `--cache` runs it (engines/levers/step_cache.py); `computed` then receives each
             prompt's number of computed steps.
         steps: denoising steps instead of the registry's.
         loras: LoRA files (engines.options.LoraFile) loaded as `--lora NAME=PATH[:SCALE]` loads them
-            (StagedPipeline.use_loras, engines/lora.py); `lora`: the (name, scale) pairs every request chooses
+            (StagedPipeline.use_loras, engines/weights/lora.py); `lora`: the (name, scale) pairs every request chooses
             (GenerationRequest.lora; None: every loaded one at its file's scale, as a request that names none).
-        attention_precision: as `--attention-precision` runs it (engines/quantized_attention.py; the first and
+        attention_precision: as `--attention-precision` runs it (engines/levers/quantized_attention.py; the first and
             last steps at full precision).
     """
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
     pipe.attention_precision = attention_precision
     if fp8:
-        from engines.fp8 import quantize_fp8
+        from engines.levers.fp8 import quantize_fp8
 
         quantize_fp8(pipe.transformer, family_of(spec).compiled_blocks)
     if cache is not None:

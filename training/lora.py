@@ -14,7 +14,7 @@ all (a faint blur), so no transformer LoRA can make it. A plain background of an
 
 The LoRA: rank R (default 4) on the double-stream blocks' image attention (to_q, to_k, to_v, to_out.0), image
 feed-forward (ff.net.0.proj, ff.net.2) and modulation (norm1.linear), and the single-stream blocks' proj_out (the
-layers engines.lora.export_kohya maps one to one or whole, see tests/test_lora.py). A starts random, B at zero
+layers engines.weights.lora.export_kohya maps one to one or whole, see tests/test_lora.py). A starts random, B at zero
 (the LoRA adds nothing at step 0), alpha = R (scale 1). Loss: tiny-flux's own rectified flow (training/flux.py) on
 latents of the changed scenes from the frozen VAE, prompts through the frozen text encoders, each latent token's
 squared error weighted by --foreground-weight (default 1: plain mean) where the scene's shape covers any pixel of
@@ -23,7 +23,7 @@ with equal weights the LoRA, which sees far more background tokens than shape to
 the cost of fine shape detail (small stars drawn as diamonds, a triangle's tips rounded off into a circle).
 
 Written: pytorch_lora_weights.safetensors (diffusers' FluxPipeline.save_lora_weights: transformer.* keys),
-pytorch_lora_weights_kohya.safetensors (engines.lora.export_kohya), training.json and README.md (model card with
+pytorch_lora_weights_kohya.safetensors (engines.weights.lora.export_kohya), training.json and README.md (model card with
 the held-out scores of training.evaluate.score_lora).
 """
 
@@ -199,11 +199,11 @@ def train_lora(parts: dict, *, device: torch.device, generator: torch.Generator,
 
 
 def save_lora(out: Path, layers: dict[str, TrainableLora], rank: int) -> tuple[Path, Path]:
-    """diffusers' own save_lora_weights file, and engines.lora.export_kohya's copy of it."""
+    """diffusers' own save_lora_weights file, and engines.weights.lora.export_kohya's copy of it."""
     from diffusers import FluxPipeline
     from safetensors.torch import load_file
 
-    from engines.lora import export_kohya
+    from engines.weights.lora import export_kohya
 
     out.mkdir(parents=True, exist_ok=True)
     FluxPipeline.save_lora_weights(out, transformer_lora_layers=lora_state(layers), weight_name=DIFFUSERS_FILE,
@@ -318,7 +318,7 @@ def write_lora_card(out: Path, run: dict, scores) -> None:
         f"- `{DIFFUSERS_FILE}`: diffusers/PEFT format, written by `FluxPipeline.save_lora_weights` "
         "(`transformer.<module>.lora_A/B.weight`)",
         f"- `{KOHYA_FILE}`: the same LoRA in kohya's format (`lora_unet_...lora_down/up.weight` + `.alpha`), "
-        "written by engines.lora.export_kohya",
+        "written by engines.weights.lora.export_kohya",
         "- `training.json`: the run's settings and numbers", "",
     ]
     if scores is not None:

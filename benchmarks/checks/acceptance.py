@@ -487,7 +487,7 @@ TINY_FAMILIES = [
 def two_hosts(run: Run, model_args: list[str], out: Path, reference: Path) -> None:
     """`launch --nnodes 2` twice on this host, one GPU each (CUDA_VISIBLE_DEVICES), meeting at one rendezvous, as two
     hosts would: host 0 writes the image; both end within EXIT_SECONDS of their last output."""
-    from app.launch import free_port
+    from app.commands.launch import free_port
 
     row = Row(part=run.args.part, name="tiny-flux-2-hosts")
     before_temp, before_gpu = temp_entries(), gpu_memory_mib()
@@ -655,7 +655,7 @@ def part_batch(run: Run) -> None:
 
 def part_serve(run: Run) -> None:
     n, files = run.gpus, run.files
-    from app.launch import free_port
+    from app.commands.launch import free_port
 
     def server(row: Row, *args: str) -> tuple[Command, str]:
         port = free_port()
@@ -807,7 +807,7 @@ def _is_rank(pid: int, rank: int) -> bool:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return f"RANK={rank}".encode() in environ and b"app" in command and b"app.torchrun" not in command
+    return f"RANK={rank}".encode() in environ and b"app" in command and b"app.commands.torchrun" not in command
 
 
 def environment() -> dict[str, Any]:
@@ -884,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     # A SIGTERM (`timeout`) unwinds like Ctrl-C, so that the command in flight is killed by its row's `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.gpus is None:
-        from app.launch import default_nproc
+        from app.commands.launch import default_nproc
 
         args.gpus = default_nproc()
     args.out.mkdir(parents=True, exist_ok=True)

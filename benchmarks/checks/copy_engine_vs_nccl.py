@@ -1,4 +1,4 @@
-"""GPU check of the copy-engine all-to-all (engines/copy_engine.py) against NCCL, on one host.
+"""GPU check of the copy-engine all-to-all (engines/parallel/copy_engine.py) against NCCL, on one host.
 
     torchrun --nproc-per-node 2 -m benchmarks.checks.copy_engine_vs_nccl [--out result.json]
 
@@ -26,8 +26,9 @@ import torch
 
 from benchmarks.inputs import bench_model, build_random
 from benchmarks.step import gather_objects
-from engines.attention import _kv_attention, gathered_attention
-from engines.collectives import (
+from engines.options import CUBLAS_WITHOUT_WORKSPACE, set_environment
+from engines.parallel.attention import _kv_attention, gathered_attention
+from engines.parallel.collectives import (
     all_to_all,
     finish,
     finish_all_gather,
@@ -35,11 +36,10 @@ from engines.collectives import (
     start_all_to_all,
     start_ring_shift,
 )
-from engines.copy_engine import CopyEngineTransport, start_gather_kv
-from engines.distributed import init_parallel, shutdown
-from engines.options import CUBLAS_WITHOUT_WORKSPACE, set_environment
-from engines.parallelize import parallelize_transformer
-from engines.plan import ParallelPlan
+from engines.parallel.copy_engine import CopyEngineTransport, start_gather_kv
+from engines.parallel.distributed import init_parallel, shutdown
+from engines.parallel.parallelize import parallelize_transformer
+from engines.parallel.plan import ParallelPlan
 from pipelines.family import load
 from pipelines.transformer_inputs import Shape
 

@@ -1,4 +1,4 @@
-"""What differs between two engine caches (engines/cache.py): their keys, and per key and rank the compiler
+"""What differs between two engine caches (engines/levers/cache.py): their keys, and per key and rank the compiler
 artifacts torch saved (FX graphs, autotuning results, ...), artifact by artifact.
 
     python -m benchmarks.checks.engine_cache_diff CACHE_A CACHE_B --out diff.json

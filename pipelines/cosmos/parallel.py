@@ -24,11 +24,11 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
-from engines.attention import split_attention
-from engines.mesh import ParallelMesh
-from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
-from engines.wrapper import ParallelTransformer, replace_processors
+from engines.parallel.attention import split_attention
+from engines.parallel.mesh import ParallelMesh
+from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
+from engines.parallel.wrapper import ParallelTransformer, replace_processors
 
 VIDEO = 0  # the only segment of Cosmos' self-attention sequence
 
@@ -205,7 +205,7 @@ class ParallelCosmos(ParallelTransformer):
 
 
 def cosmos_weights(model: CosmosTransformer3DModel, tp: int) -> WeightSplit:
-    """Cosmos' tensor-parallel split (engines.tensor_parallel): per block, the self- and cross-attention's
+    """Cosmos' tensor-parallel split (engines.parallel.tensor_parallel): per block, the self- and cross-attention's
     q/k/v (the cross-attention's k/v from the replicated text) and the MLP-in column-parallel, their
     outputs and the MLP-out row-parallel; the AdaLN(-LoRA) modulation stays whole. diffusers' processor
     reads `heads` from the attention module: each rank's count is set there."""

@@ -13,13 +13,13 @@ not cover this packed, ragged, two-stream structure; its docstring says so.)
 
 The split:
 - gen (tens of thousands of tokens at 720p) is sharded like every sequence here: padded to a
-  multiple of the sequence degree (engines.sharding), padded keys left out of the softmax.
+  multiple of the sequence degree (engines.parallel.sharding), padded keys left out of the softmax.
 - und (a few hundred text tokens) is replicated: every rank runs its layers and its causal
   attention whole, without communication, and serves its K/V to the gen queries locally. That
   costs every rank the text stream's compute (189 frames at 720p are about 44,000 gen tokens; 300
   text tokens add about 5% to each of 8 ranks' 5,500), and saves a causal ring and a second
   exchange per layer.
-- The gen stream's attention is engines.attention's split_attention, as for every model, with the
+- The gen stream's attention is engines.parallel.attention's split_attention, as for every model, with the
   und keys/values as its replicated `extra_kv` and the K/V heads as they are (grouped-query):
   Ulysses: one all-to-all carries this shard's gen q, k and v to head shards. When the Ulysses
   degree does not divide the K/V heads (8 ranks of a model with fewer than 8 K/V heads, or 3
@@ -30,7 +30,7 @@ The split:
   heads only (widened to the query heads on arrival); the replicated und keys are one more block,
   merged by log-sum-exp (ring) or concatenated (allgather; over the group's collectives also when
   the run's transport is copy-engine, whose K/V gather takes no replicated keys).
-- CFG: `forward_guided` (engines.wrapper) runs the conditional and unconditional calls on different
+- CFG: `forward_guided` (engines.parallel.wrapper) runs the conditional and unconditional calls on different
   rank groups at once and exchanges the predictions.
 - Compiled engines: the text stream's length changes with every prompt, so the shard seam marks it
   dynamic (also on one rank, where nothing is sharded): blocks compiled per layer take it as a
@@ -48,11 +48,11 @@ from diffusers.models.transformers.transformer_cosmos3 import (
     _rotate_half,
 )
 
-from engines.attention import split_attention
-from engines.mesh import ParallelMesh
-from engines.sharding import ShardLayout, gather_tokens, shard_tokens
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
-from engines.wrapper import ParallelTransformer, replace_processors
+from engines.parallel.attention import split_attention
+from engines.parallel.mesh import ParallelMesh
+from engines.parallel.sharding import ShardLayout, gather_tokens, shard_tokens
+from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
+from engines.parallel.wrapper import ParallelTransformer, replace_processors
 
 GEN = 0  # the only sharded segment: the generation stream
 
@@ -120,7 +120,7 @@ class ParallelCosmos3(ParallelTransformer):
         mesh = self.mesh
         cos_und, sin_und, cos_gen, sin_gen = rotary_emb
         if not torch.compiler.is_compiling() and und_seq.shape[0] > 1:
-            # The prompt's token count varies by request: blocks compiled per layer (engines.compile) take
+            # The prompt's token count varies by request: blocks compiled per layer (engines.levers.compile) take
             # it as a symbolic size, so a new prompt length does not compile the layers again.
             for tensor in (und_seq, cos_und, sin_und):
                 torch._dynamo.mark_dynamic(tensor, 0)
@@ -152,7 +152,7 @@ class ParallelCosmos3(ParallelTransformer):
 
 
 def cosmos3_weights(model: Cosmos3OmniTransformer, tp: int) -> WeightSplit:
-    """Cosmos 3's tensor-parallel split (engines.tensor_parallel): per layer and for both streams (und and
+    """Cosmos 3's tensor-parallel split (engines.parallel.tensor_parallel): per layer and for both streams (und and
     gen weights), q/k/v and the MLP's gate and up projections column-parallel, the attention outputs and the
     MLP's down projection row-parallel. The K/V heads are split like the query heads where tp divides them;
     where tp is a multiple of them, each K/V head is kept by the tp / kv ranks whose query heads read it.

@@ -1,6 +1,6 @@
 """FLUX's attention made context-parallel: q/k/v as diffusers' FluxAttnProcessor makes them, and the
 processor that installs in each FluxAttention of a parallelized FluxTransformer2DModel (its attention
-call is engines.attention's split_attention, whatever the strategy).
+call is engines.parallel.attention's split_attention, whatever the strategy).
 
 The projections are written here, not imported (diffusers keeps its own helper private): plain
 to_q/to_k/to_v and add_*_proj, or diffusers' fused to_qkv/to_added_qkv after fuse_qkv_projections().
@@ -14,11 +14,11 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
-from engines.attention import split_attention
-from engines.collectives import linear_after
-from engines.fp8 import is_fp8
-from engines.mesh import ParallelMesh
-from engines.sharding import ShardLayout
+from engines.levers.fp8 import is_fp8
+from engines.parallel.attention import split_attention
+from engines.parallel.collectives import linear_after
+from engines.parallel.mesh import ParallelMesh
+from engines.parallel.sharding import ShardLayout
 
 
 def _projections(attn: Any, x: torch.Tensor, *, fused: str, plain: tuple[str, str, str]
@@ -106,7 +106,7 @@ def _plain_projections(attn: Any) -> bool:
     """Whether q and v come from plain nn.Linear projections in the run's dtype (not fused, not FP8, not
     wrapped by an adapter), which the all-gather attention reorders with collectives.linear_after.
 
-    --fp8 fuses the projections (engines.fp8), so its double-stream blocks take the plain path: the input
+    --fp8 fuses the projections (engines.levers.fp8), so its double-stream blocks take the plain path: the input
     quantized once and one GEMM per stream are a sure saving, while the reordering gained little under FP8,
     whose layers (Fp8Linear modules, or torchao's tensor subclass as the weight) are no plain weight for linear_after's
     custom op, leaving the projections' order to inductor."""
@@ -142,7 +142,7 @@ class FluxContextParallelProcessor:
     """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope).
 
     A double-stream block with plain projections hands its keys to the attention and its values and
-    queries as functions that make them: the all-gather strategy (engines.attention.GatherAttention)
+    queries as functions that make them: the all-gather strategy (engines.parallel.attention.GatherAttention)
     projects the keys of both streams first and issues their all-gather, projects the values while
     the keys travel (on copy engines; NCCL gathers both at once) and issues theirs, projects the
     queries while the values travel, then runs one attention kernel over every key; the other

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 from torch import nn
 
-from engines.attention import split_attention
-from engines.fp8 import is_fp8
-from engines.lora import has_lora
-from engines.mesh import ParallelMesh
+from engines.levers.fp8 import is_fp8
+from engines.parallel.attention import split_attention
+from engines.parallel.mesh import ParallelMesh
+from engines.weights.lora import has_lora
 from pipelines.flux.attention import query_key_value
 
 
@@ -22,7 +22,7 @@ class OverlappedSingleBlock(nn.Module):
 
     The block computes mlp = GELU(proj_mlp(x)) and attention(x) side by side, then
     proj_out(cat(attention, mlp)). diffusers runs the MLP first and the attention after, so each
-    exchange of the attention waits with nothing to do. Here the attention (engines.attention's
+    exchange of the attention waits with nothing to do. Here the attention (engines.parallel.attention's
     split_attention: the plan's strategy) runs the MLP's two steps as its while_waiting work:
     1. q/k/v are projected and the attention's first exchange is issued: the head-scatter
        all-to-all (Ulysses), the all-gather of this rank's K/V (allgather) or its first K/V pass (ring);
@@ -75,7 +75,7 @@ class OverlappedSingleBlock(nn.Module):
         def mlp_share(activation: torch.Tensor) -> torch.Tensor:  # the MLP's share of proj_out
             return F.linear(activation, weight[:, width:], block.proj_out.bias)
 
-        if is_fp8(weight) or has_lora(block.proj_out):  # a LoRA term (engines.lora) takes proj_out whole too
+        if is_fp8(weight) or has_lora(block.proj_out):  # a LoRA term (engines.weights.lora) takes proj_out whole too
             # FP8 (--fp8): proj_out runs whole, as in diffusers' block. Its activation is quantized with one
             # scale per token over [attention, MLP]; the two shares quantized apart would round differently
             # from one process (2 gloo ranks: 23 levels off after 3 steps of tiny-flux).

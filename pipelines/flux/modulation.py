@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from torch import nn
 
-from engines.collectives import all_gather
+from engines.parallel.collectives import all_gather
 
 
 class _Precomputed(nn.Module):
@@ -66,7 +66,7 @@ class SharedModulation:
     def __call__(self, temb: torch.Tensor) -> list[torch.Tensor]:
         """Each consumer's modulation (B, width), in call order, from the model's temb."""
         condition = F.silu(temb)
-        mine = [linear(condition)  # the module: a LoRA term on it (engines.lora) applies
+        mine = [linear(condition)  # the module: a LoRA term on it (engines.weights.lora) applies
                 for index, linears in enumerate(self.linears) if self.owner[index] == self.rank
                 for linear in linears]
         missing = self.width - sum(m.shape[1] for m in mine)  # a rank may own less, or (tiny models) nothing

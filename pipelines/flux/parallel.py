@@ -17,7 +17,7 @@ What changes in the model, by concern (each undone by ParallelFlux.restore):
   while the attention's exchanges travel (diffusers' order leaves every exchange exposed).
 - pipelines/flux/modulation.py: with one sequence axis the AdaLN modulations of all blocks are computed
   once per forward and shared out over the ranks (SharedModulation).
-- engines/tensor_parallel.py: with a tp axis every block's linears are split (flux_weights says how);
+- engines/parallel/tensor_parallel.py: with a tp axis every block's linears are split (flux_weights says how);
   this one is not undone (the weights that are not kept are gone). The single-stream blocks then stay
   diffusers' own: OverlappedSingleBlock splits proj_out by input columns itself, which the row-parallel
   proj_out already is.
@@ -32,11 +32,11 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from torch import nn
 
-from engines.generic import generic_adapter
-from engines.mesh import ParallelMesh
-from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
-from engines.wrapper import ParallelTransformer, replace_processors
+from engines.parallel.generic import generic_adapter
+from engines.parallel.mesh import ParallelMesh
+from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
+from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
+from engines.parallel.wrapper import ParallelTransformer, replace_processors
 from pipelines.flux.attention import FluxContextParallelProcessor
 from pipelines.flux.blocks import OverlappedSingleBlock
 from pipelines.flux.modulation import SharedModulation
@@ -168,7 +168,7 @@ def _attention_weights(prefix: str, attn: nn.Module, streams: tuple[str, ...]) -
 
 
 def flux_weights(model: FluxTransformer2DModel, tp: int) -> WeightSplit:
-    """FLUX.1's tensor-parallel split (engines.tensor_parallel): per double-stream block, both streams'
+    """FLUX.1's tensor-parallel split (engines.parallel.tensor_parallel): per double-stream block, both streams'
     q/k/v and MLP-in column-parallel, their attention outputs and MLP-out row-parallel; per single-stream
     block, q/k/v and proj_mlp column-parallel and proj_out row-parallel over its two input parts,
     [attention, MLP]. The AdaLN modulation linears (norm*.linear) stay whole."""
@@ -218,6 +218,6 @@ def parallelize_flux(model: FluxTransformer2DModel, mesh: ParallelMesh) -> Paral
 
 parallelize_flux_generic = generic_adapter(segments=("encoder_hidden_states", "hidden_states"),
                                            shared=("img_ids", "txt_ids"), weights=flux_weights)
-"""FLUX.1 on the generic path (engines/generic.py), by diffusers' own plan: no overlapped single blocks, no shared
-modulation. The family's record keeps parallelize_flux until a GPU run of the step benchmark (--adapter generic)
+"""FLUX.1 on the generic path (engines/parallel/generic.py), by diffusers' own plan: no overlapped single blocks, no
+shared modulation. The family's record keeps parallelize_flux until a GPU run of the step benchmark (--adapter generic)
 shows which is faster."""

@@ -36,12 +36,12 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 from torch import nn
 
-from engines.attention import split_attention
-from engines.generic import generic_adapter
-from engines.mesh import ParallelMesh
-from engines.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
-from engines.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
-from engines.wrapper import ParallelTransformer, replace_processors
+from engines.parallel.attention import split_attention
+from engines.parallel.generic import generic_adapter
+from engines.parallel.mesh import ParallelMesh
+from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
+from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
+from engines.parallel.wrapper import ParallelTransformer, replace_processors
 from pipelines.flux.attention import FluxContextParallelProcessor
 from pipelines.flux.parallel import IMAGE, shard_joint_tokens
 
@@ -160,7 +160,7 @@ class ParallelFlux2(ParallelTransformer):
 
 
 def flux2_weights(model: Flux2Transformer2DModel, tp: int) -> WeightSplit:
-    """FLUX.2's tensor-parallel split (engines.tensor_parallel): per double-stream block, both streams'
+    """FLUX.2's tensor-parallel split (engines.parallel.tensor_parallel): per double-stream block, both streams'
     q/k/v column-parallel and attention outputs row-parallel, the SwiGLU MLP-in column-parallel over its
     [gate, up] halves and MLP-out row-parallel; per single-stream block, the fused projection
     column-parallel over its [q, k, v, gate, up] parts and the fused output row-parallel over
@@ -206,7 +206,7 @@ parallelize_flux2_generic = generic_adapter(
     plan={"": {"hidden_states": _TOKENS, "encoder_hidden_states": _TOKENS, "img_ids": _IDS, "txt_ids": _IDS},
           "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)},
     segments=("encoder_hidden_states", "hidden_states"), shared=("img_ids", "txt_ids"), weights=flux2_weights)
-"""FLUX.2 on the generic path (engines/generic.py). diffusers' plan splits ids with a batch dimension ([B, S, 4]);
-our pipeline passes them without one ([S, 4], shared by the batch), so this plan splits them along their first.
+"""FLUX.2 on the generic path (engines/parallel/generic.py). diffusers' plan splits ids with a batch dimension ([B, S,
+4]); our pipeline passes them without one ([S, 4], shared by the batch), so this plan splits them along their first.
 The family's record keeps parallelize_flux2 until a GPU run of the step benchmark (--adapter generic) shows which
 is faster."""

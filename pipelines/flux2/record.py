@@ -67,7 +67,7 @@ FLUX2 = ModelFamily(
     generic_parallelize="pipelines.flux2.parallel:parallelize_flux2_generic",
     tensor_parallel="pipelines.flux2.parallel:flux2_weights",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
-    # the single-stream blocks take [text, image] concatenated (engines.step_cache: why that is fine)
+    # the single-stream blocks take [text, image] concatenated (engines.levers.step_cache: why that is fine)
     block_outputs=(("encoder_hidden_states", "hidden_states"), ("hidden_states",)),
     cache_stream="hidden_states",
     limits="pipelines.flux2.limits:flux2_limits",

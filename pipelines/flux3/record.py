@@ -48,7 +48,7 @@ FLUX3 = ModelFamily(
     transformer="diffusers:Flux3Transformer2DModel",
     pipeline="pipelines.flux3.pipeline:Flux3ImagePipeline",
     parallelize="pipelines.flux3.parallel:parallelize_flux3",
-    tensor_parallel="engines.generic:generic_weights",  # the SwiGLU feed-forward stays whole
+    tensor_parallel="engines.parallel.generic:generic_weights",  # the SwiGLU feed-forward stays whole
     # The step cache loops over the joint blocks only: the per-mode blocks run text first, then image, then the
     # reference, and a cache over them would measure the text's change; the joint blocks' first one takes the image
     # (and reference) tokens as hidden_states. The per-mode blocks compile and go FP8 one block at a time all the same.

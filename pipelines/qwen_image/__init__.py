@@ -6,5 +6,5 @@
 - inputs.py: its transformer's keyword arguments at one size (the benchmarks, the work estimate);
 - tiny.py: tiny random checkpoints of each of its pipeline classes (tests, CPU benchmarks).
 
-Its parallel plan and weight split are the generic path's (engines.generic), as the record names them.
+Its parallel plan and weight split are the generic path's (engines.parallel.generic), as the record names them.
 """

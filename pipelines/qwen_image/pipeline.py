@@ -10,7 +10,7 @@ every rank uses its static packing helpers and calculate_shift), so our image eq
 (tests/test_pipelines_qwen_image.py). What differs is where things run, and how the text is masked:
 - only rank 0 loads the text encoder and the VAE;
 - the transformer is called without an attention mask (encoder_hidden_states_mask=None), which the split
-  attention of engines.generic requires: each prompt is encoded on its own and kept to its real tokens, so
+  attention of engines.parallel.generic requires: each prompt is encoded on its own and kept to its real tokens, so
   every text token is real and the mask would be all True (diffusers then passes None too);
 - classifier-free guidance (`guidance` above 1 is Qwen-Image's true_cfg_scale) makes two transformer calls
   a step, the prompt's and the negative prompt's, as diffusers does: the two have their own lengths, and

@@ -5,5 +5,5 @@ Wan 2.2 TI2V share diffusers' WanTransformer3DModel and this pipeline.
 - pipeline.py: their pipeline, diffusers' WanPipeline and WanImageToVideoPipeline stages;
 - limits.py, inputs.py, tiny.py: what a request may ask, the transformer's inputs at one size, tiny checkpoints.
 
-Their parallel plan and weight split are the generic path's (engines.generic), as the records name them.
+Their parallel plan and weight split are the generic path's (engines.parallel.generic), as the records name them.
 """

@@ -1,0 +1,79 @@
+"""torchrun (torch.distributed.run, same arguments) without the second its interpreter spends ending.
+
+Once its ranks are gone, torchrun's process still takes about 1 s to exit: the interpreter's last garbage
+collection over torch's objects (py-spy shows gc_collect_main, after the atexit handlers). Measured with
+two trivial ranks on the 2-core CPU machine: 1.06 s from torchrun's failure report to its exit, 0.06 s
+when it ends with os._exit. Every Ctrl-C and every failed run of `launch` and `build` waited through it.
+So this runs torchrun's own main() and then ends the process with os._exit, once the output is flushed:
+by then torchrun has stopped its ranks and closed its rendezvous store, and nothing else is left to do.
+
+A failed run prints torchrun's failure table (which rank, its exit code or signal, when) without the
+Python traceback around it; the launcher's next line says that a rank failed.
+
+torchrun keeps its ranks' error files in a log folder, by default a new tempfile.mkdtemp("torchelastic_")
+folder per run (torch.distributed.elastic's DefaultLogsSpecs) that nothing ever removes: one more in the
+temporary folder for every launch. So its log folder is one of this process's (app.ranks.stopping.temporary_folder),
+removed once torchrun's main() has returned or raised: after a normal end, a failed rank, an interrupt.
+A torchrun killed outright (SIGKILL) cannot remove its own; the launcher removes it once torchrun has exited
+(remove_ended_logs), and otherwise the next run does. A --log-dir given on the command line is used instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from app.ranks.stopping import remove_stale_folders, temporary_folder
+
+LOGS_PREFIX = "ulysses-studio-torchrun"
+"""torchrun's log folders: LOGS_PREFIX-<pid of its process>-XXXX in the temporary folder."""
+
+
+def run(argv: list[str] | None = None) -> int:
+    """torchrun's exit status: 0, 1 where a rank failed, argparse's 2 for a bad command line.
+    `argv`: torchrun's arguments (default: this process's)."""
+    argv = sys.argv[1:] if argv is None else argv
+    log_dir = temporary_folder(LOGS_PREFIX)
+    try:
+        # First, so that a --log-dir of the caller's (parsed later) wins, and before the script and its arguments.
+        return _torchrun([f"--log-dir={log_dir}", *argv])
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def remove_ended_logs() -> None:
+    """Remove the log folders of torchrun processes that have ended without removing them (killed outright)."""
+    remove_stale_folders(LOGS_PREFIX, Path(tempfile.gettempdir()))
+
+
+def _torchrun(argv: list[str]) -> int:
+    # torch here, not at the module's top: the launcher imports this module for remove_ended_logs once its ranks have
+    # ended, and torch's import (1.5 s on a 2-core CPU) would come between their last output and its exit.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            return exit.code or 0
+        print(exit.code, file=sys.stderr)
+        return 1
+    except ChildFailedError as error:
+        print(error, file=sys.stderr)
+        return 1
+    except BaseException:  # reported as the interpreter would, then the same fast exit
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    status = run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
