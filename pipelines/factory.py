@@ -36,6 +36,12 @@ def load_pipeline(
                            share=share)
 
 
+def import_pipeline_code(spec: ModelSpec) -> None:
+    """Import `spec`'s pipeline module, and with it diffusers' and transformers' code it runs: the largest part of
+    a start-up's seconds (start-up times it apart from reading the weights)."""
+    load(family_of(spec).pipeline)
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """bfloat16 on GPUs (what the checkpoints are trained in), float32 on CPUs (exact, and faster there)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
