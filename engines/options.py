@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,26 @@ def engine_cache_dir(given: Path | str | None) -> Path:
     if given is not None:
         return Path(given).expanduser()
     return Path(os.environ.get(ENGINE_CACHE_ENV) or DEFAULT_ENGINE_CACHE).expanduser()
+
+
+BYTECODE_CACHE = Path("~/.cache/ulysses-studio/bytecode")
+
+
+def bytecode_outside_sources(environ: MutableMapping[str, str] = os.environ) -> Path | None:
+    """Where this process may not write bytecode beside the sources (PYTHONDONTWRITEBYTECODE=1, as container images
+    set), write and read it in BYTECODE_CACHE instead (sys.pycache_prefix), and let the processes it starts (torchrun,
+    the ranks) do the same; returns that folder, or None where nothing changed (bytecode allowed, or a prefix the user
+    set). Otherwise every process compiles torch's, transformers' and diffusers' Python from source again: on a GPU
+    machine's image that sets the variable and ships torch without bytecode, a rank's imports took 20 s, and 8 s once
+    its bytecode was kept (docs/app-on-gpus.md). The sources' folders stay unwritten, as the variable asks."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix is not None:
+        return None
+    folder = BYTECODE_CACHE.expanduser()
+    sys.pycache_prefix = str(folder)
+    sys.dont_write_bytecode = False
+    environ["PYTHONPYCACHEPREFIX"] = str(folder)
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    return folder
 
 
 def run_environment(engine_cache: Path, local_ranks: int | None = None) -> dict[str, str]:

@@ -118,3 +118,39 @@ def test_help_needs_no_torch() -> None:
     code = "import sys\nfrom app.commands.cli import build_parser\nbuild_parser()\nprint('torch' in sys.modules)"
     result = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+BYTECODE_PROBE = """
+import subprocess, sys
+from engines.options import bytecode_outside_sources
+print(bytecode_outside_sources())
+import colorsys  # a module nothing imported before: its bytecode is written now
+child = "import sys; print(sys.pycache_prefix, sys.dont_write_bytecode)"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+"""
+
+
+@pytest.mark.parametrize("setting", ["no bytecode", "a prefix of the user's", "bytecode allowed"])
+def test_bytecode_is_kept_outside_the_sources_where_it_may_not_be_written_beside_them(tmp_path: Path,
+                                                                                      setting: str) -> None:
+    """PYTHONDONTWRITEBYTECODE=1 (container images set it): the bytecode goes to the app's cache folder, for this
+    process and the processes it starts; a prefix the user chose, or bytecode allowed, changes nothing."""
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if setting != "bytecode allowed":
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if setting == "a prefix of the user's":
+        env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "mine")
+    proc = subprocess.run([PYTHON, "-c", BYTECODE_PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    returned, child = proc.stdout.strip().splitlines()
+    folder = tmp_path / ".cache" / "ulysses-studio" / "bytecode"
+    if setting == "no bytecode":
+        assert returned == str(folder) and child == f"{folder} False"
+        assert list(folder.rglob("colorsys*.pyc"))  # written there, not beside the sources
+    else:
+        assert returned == "None" and not folder.exists()
+        prefix = str(tmp_path / "mine") if setting == "a prefix of the user's" else "None"
+        assert child == f"{prefix} {setting != 'bytecode allowed'}"

@@ -5,7 +5,9 @@ imports the app, never the other way round.
 
 Environment: HF_HUB_OFFLINE=1, and for the commands that run models the variables of
 engines.options.run_environment (cuBLAS without a workspace, inductor's kernels beside the engine
-cache), each set here, before the first model is loaded, unless the user set it.
+cache), each set here, before the first model is loaded, unless the user set it. Where bytecode may not be
+written beside the sources (PYTHONDONTWRITEBYTECODE), it is kept in the app's own cache folder instead
+(engines.options.bytecode_outside_sources).
 
 User mistakes (unknown model, missing weights, bad sizes, unwritable output, a busy port, a missing
 prompt file) end with one line on stderr and exit status 2, before any model is loaded. A rank that
@@ -36,7 +38,7 @@ from app.outputs import OutputError
 from app.ranks.stopping import end_process
 from app.server import serve as serve_module
 from app.server.serve import ServeError, add_serve_arguments, check_serve, run_serve
-from engines.options import engine_cache_dir, run_environment, set_environment
+from engines.options import bytecode_outside_sources, engine_cache_dir, run_environment, set_environment
 from pipelines.registry import ModelNotFoundError
 from pipelines.requests import RequestError
 
@@ -127,6 +129,7 @@ def _run(argv: list[str] | None) -> int:
     # Never reach for the hub by surprise: every model is a local folder. A user who wants downloads
     # can still set HF_HUB_OFFLINE=0 explicitly.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    bytecode_outside_sources()  # before torch's import: its bytecode kept where the sources' folders may not hold it
     args = build_parser().parse_args(argv)
     if hasattr(args, "engine_cache"):  # a command that runs models here (launch and bench start processes that do)
         set_environment(run_environment(engine_cache_dir(args.engine_cache)))
