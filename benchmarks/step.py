@@ -952,7 +952,7 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
     p.add_argument("--attention-precision", default=None, choices=("int8", "fp8"),
                    help="after the bf16 rows (and after the FP8 ones, with --fp8), the same 1 GPU and plans with "
                         "every attention at this precision (engines/levers/quantized_attention.py), "
-                         "modes \"... attention "
+                        "modes \"... attention "
                         "int8\", each with its output's relative error against full precision")
     p.add_argument("--tp", type=int, default=1,
                    help="after every other row, split each block's weights over this many ranks (tensor "

@@ -208,3 +208,25 @@ def test_an_engine_builds_a_graph_for_every_signature_past_dynamos_default_limit
     for engine in engines:
         engine.release()
     torch._dynamo.reset()
+
+
+def test_generate_says_what_building_its_engines_took() -> None:
+    """`generate`'s last line: the seconds of its engines' builds (app.commands.generate.engine_builds), loaded from
+    the engine cache or compiled; nothing for an eager transformer or one not built yet."""
+    from app.commands.generate import engine_builds
+    from engines.levers.compile import BuildRecord, Engine
+    from engines.options import EngineOptions
+
+    compiled = Engine(module=torch.nn.Linear(2, 2), options=EngineOptions.parse("inductor-blocks"))
+    eager = Engine(module=torch.nn.Linear(2, 2), options=EngineOptions.parse("eager"))
+    eager.builds["x"] = BuildRecord(key="", cache_hit=False, seconds=9.0)
+
+    class Pipeline:
+        def transformers(self) -> list[tuple[str, Engine]]:
+            return [("transformer", compiled), ("transformer_2", eager)]
+
+    assert engine_builds(Pipeline()) == ""
+    compiled.builds["a"] = BuildRecord(key="k", cache_hit=True, seconds=1.5)
+    assert engine_builds(Pipeline()) == "; engine built in 1.5 s from the engine cache"
+    compiled.builds["b"] = BuildRecord(key="k2", cache_hit=False, seconds=2.0)
+    assert engine_builds(Pipeline()) == "; engines built in 3.5 s compiled in part"
