@@ -130,20 +130,21 @@ def random_weights(name: str, sizes: str | None, video: str | None, text_tokens:
 def embedded(name: str, prompts: int, precisions: tuple[str, ...], device: torch.device) -> list[dict[str, Any]]:
     """Model `name` (embedded in assets/) generating `prompts` held-out prompts at the first of `precisions`' schedule,
     every quantized call's error at each of them."""
-    from pipelines.factory import load_pipeline
     from pipelines.registry import default_folder, get_spec
-    from pipelines.requests import make_request, read_limits
+    from training.evaluate import generate
     from training.shapes import held_out_image_prompts, held_out_video_prompts
 
     spec = get_spec(name)
-    folder = default_folder(spec)
-    pipe = load_pipeline(spec, folder, device=str(device))
-    pipe.attention_precision = precisions[0]
-    limits = read_limits(spec, folder)
-    texts = [p[0] for p in (held_out_video_prompts() if spec.media == "video" else held_out_image_prompts())][:prompts]
-    with call_errors(precisions, pipe.transformer) as records:
-        for seed, text in enumerate(texts):
-            pipe.generate(make_request(spec, limits, prompt=text, seed=seed))
+    texts = (held_out_video_prompts() if spec.media == "video" else held_out_image_prompts())[:prompts]
+    records: list[dict[str, Any]] = []
+
+    @contextmanager
+    def watch(pipe: Any) -> Iterator[None]:
+        with call_errors(precisions, pipe.transformer) as found:
+            yield
+        records.extend(found)
+
+    generate(name, default_folder(spec), texts, device=str(device), attention_precision=precisions[0], watch=watch)
     rows = []
     for p in precisions:
         per_call: dict[int, list[float]] = {}

@@ -7,8 +7,11 @@ the numbers the tests check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +37,8 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
              fp8: bool = False, cache: str | None = None, steps: int | None = None,
              computed: list[int] | None = None, loras: tuple = (),
              lora: tuple[tuple[str, float], ...] | None = None,
-             attention_precision: str = "full") -> list[np.ndarray]:
+             attention_precision: str = "full",
+             watch: Callable[[Any], AbstractContextManager] | None = None) -> list[np.ndarray]:
     """What model `name` (a registry name) in `folder` makes for each of `prompts` (the prompt text first
     in each tuple), seed = prompt index, registry defaults: uint8 images [H, W, 3] or videos [T, H, W, 3].
 
@@ -48,6 +52,8 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
             (GenerationRequest.lora; None: every loaded one at its file's scale, as a request that names none).
         attention_precision: as `--attention-precision` runs it (engines/levers/quantized_attention.py; the first and
             last steps at full precision).
+        watch: given the loaded pipeline, a context the generations run in (benchmarks/attention_error.py records
+            every attention call of them).
     """
     spec = get_spec(name)
     pipe = load_pipeline(spec, folder, device=device)
@@ -68,11 +74,12 @@ def generate(name: str, folder: Path, prompts: list[tuple[str, ...]], *, device:
         if lora is not None:
             extra["lora"] = {name: scale for name, scale in lora}
     media = []
-    for i, prompt in enumerate(prompts):
-        media.append(np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i, steps=steps,
-                                                           **extra))))
-        if computed is not None and pipe.step_caches:
-            computed.append(pipe.computed_steps())
+    with watch(pipe) if watch is not None else nullcontext():
+        for i, prompt in enumerate(prompts):
+            media.append(np.asarray(pipe.generate(make_request(spec, limits, prompt=prompt[0], seed=i, steps=steps,
+                                                               **extra))))
+            if computed is not None and pipe.step_caches:
+                computed.append(pipe.computed_steps())
     return media
 
 

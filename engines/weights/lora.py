@@ -2,8 +2,9 @@
 
 Files (`--lora NAME=PATH[:SCALE]`): any format diffusers' loader of the model reads (diffusers/PEFT, kohya, BFL,
 XLabs for FLUX.1), converted to diffusers/PEFT keys by diffusers' own `<Family>LoraLoaderMixin.lora_state_dict`
-(LOADERS: by the transformer's class). `read_lora` checks a file against the transformer's config alone (the module
-built on the meta device: names and shapes, no weights) and refuses it naming the first key that does not fit.
+(loader_name: named after the transformer's class). `read_lora` checks a file against the transformer's config alone
+(the module built on the meta device: names and shapes, no weights) and refuses it naming the first key that does not
+fit.
 
 Application (`attach_loras`, after tensor-parallel splitting and FP8 quantization): every targeted nn.Linear gets
   down  A: (R x in)   the LoRAs' A matrices stacked along the rank, each zero-padded to r_max rows
@@ -49,15 +50,12 @@ from engines.parallel.tensor_parallel import RowParallelLinear, WeightSplit, tak
 __all__ = ["LoraDelta", "LoraError", "LoraFile", "LoraLinear", "LoraSet", "LoraWeights", "attach_loras",
            "check_lora_files", "detach_loras", "export_kohya", "has_lora", "lora_layout", "read_lora"]
 
-LOADERS = {
-    "FluxTransformer2DModel": "FluxLoraLoaderMixin",
-    "Flux2Transformer2DModel": "Flux2LoraLoaderMixin",
-    "CosmosTransformer3DModel": "CosmosLoraLoaderMixin",
-    "WanTransformer3DModel": "WanLoraLoaderMixin",
-    "QwenImageTransformer2DModel": "QwenImageLoraLoaderMixin",
-    "Flux3Transformer2DModel": "Flux3LoraLoaderMixin",
-}
-"""diffusers transformer class -> the diffusers LoRA loader whose lora_state_dict converts its files."""
+
+def loader_name(transformer_class: str) -> str:
+    """The diffusers LoRA loader whose lora_state_dict converts the files of a transformer class, by diffusers' own
+    naming (diffusers.loaders.lora_pipeline names each loader after its model): FluxTransformer2DModel ->
+    FluxLoraLoaderMixin, WanTransformer3DModel -> WanLoraLoaderMixin."""
+    return re.sub(r"Transformer[23]DModel$", "", transformer_class) + "LoraLoaderMixin"
 
 FUSED = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
          "add_q_proj": ("to_added_qkv", 0), "add_k_proj": ("to_added_qkv", 1), "add_v_proj": ("to_added_qkv", 2)}
@@ -89,7 +87,7 @@ def _state_dict(path: Path, transformer_class: str) -> tuple[dict[str, torch.Ten
     quiet_torchao_import()
     import diffusers.loaders.lora_pipeline as lora_pipeline
 
-    loader = getattr(lora_pipeline, LOADERS[transformer_class])
+    loader = getattr(lora_pipeline, loader_name(transformer_class))
     accepts = inspect.signature(loader.lora_state_dict).parameters
     kwargs = {"return_lora_metadata": True}
     if "return_alphas" in accepts:
@@ -117,9 +115,14 @@ def read_lora(file: LoraFile, transformer: nn.Module) -> LoraWeights:
     """`file`'s transformer LoRA in diffusers/PEFT module names, checked against `transformer` (on the meta device
     is enough): LoraError naming the first key whose module the transformer lacks or whose shape differs."""
     kind = type(transformer).__name__
-    if kind not in LOADERS:
-        raise LoraError(f"LoRA {file.name}: diffusers has no LoRA loader for {kind}, so this model takes no LoRA "
-                        f"(LoRAs load for {', '.join(LOADERS)})")
+    from engines.levers.fp8 import quiet_torchao_import
+
+    quiet_torchao_import()
+    import diffusers.loaders.lora_pipeline as lora_pipeline
+
+    if not hasattr(lora_pipeline, loader_name(kind)):
+        raise LoraError(f"LoRA {file.name}: diffusers has no LoRA loader for {kind} (no {loader_name(kind)}), so "
+                        "this model takes no LoRA")
     if not file.path.is_file():
         raise LoraError(f"LoRA {file.name}: file {file.path} does not exist")
     try:
