@@ -130,10 +130,6 @@ class Runtime:
         """Whether rank 0 moves the ranks between layouts as its queue grows and drains (`--replicas auto`)."""
         return len(self.layouts) > 1
 
-    def group_label(self, replica: int) -> str:
-        """E.g. "group 2 of 2 (ranks 2-3)"; "" with one group."""
-        return self.layouts[0].label(replica)
-
     def regroup(self, index: int) -> None:
         """Rank 0: move every rank to layout `index`. The groups of the layout they are in must be idle: each is
         handed over (its leader answers once its group has left it) and every rank meets on the first layout's

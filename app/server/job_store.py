@@ -158,12 +158,6 @@ class JobStore:
                                      "WHERE files.name = ?", (name,)).fetchone()
         return None if found is None else found[0]
 
-    def expiry_of_file(self, name: str) -> float | None:
-        with self._lock:
-            found = self._db.execute("SELECT jobs.expires_at FROM files JOIN jobs ON jobs.id = files.job "
-                                     "WHERE files.name = ?", (name,)).fetchone()
-        return None if found is None else found[0]
-
     def page(self, owner: str | None, kind: str, *, after: str | None = None, limit: int = 20,
              order: str = "desc") -> tuple[list[JobRow], bool]:
         """`owner`'s jobs of `kind` (None: everyone's), `limit` of them after the job `after` in `order` of creation;

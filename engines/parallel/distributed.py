@@ -68,14 +68,6 @@ class ParallelContext:
     def global_rank(self) -> int:
         return self.first_rank + self.rank
 
-    def describe_group(self) -> str:
-        """E.g. "group 2 of 2 (ranks 2-3)"; "" for a run of one group."""
-        if self.replicas == 1:
-            return ""
-        last = self.first_rank + self.world_size - 1
-        ranks = f"rank {self.first_rank}" if last == self.first_rank else f"ranks {self.first_rank}-{last}"
-        return f"group {self.replica + 1} of {self.replicas} ({ranks})"
-
 
 def cpu_group(ranks: list[int]) -> dist.ProcessGroup | None:
     """A gloo group of `ranks` (collective: every rank calls it, in the same order; not a member: no group).
