@@ -408,14 +408,15 @@ class LockstepService:
         except Exception as error:  # gloo raises RuntimeError when a peer is gone
             raise self._peer_lost(_short(error)) from error
 
-    def lost_message(self) -> str:
-        """Why this rank ends, for a SIGTERM that came while it was busy (app.ranks.stopping's watchdog).
+    def lost_message(self, detail: str = "this rank was waiting for it when SIGTERM came") -> str:
+        """Why this rank ends, for a SIGTERM that came while it was busy (app.ranks.stopping's watchdog; `detail`: what
+        this rank was doing).
 
         Who sent the SIGTERM cannot be seen from here (torchrun after a rank's death, a person, a scheduler),
         so the message names only what is known: which rank's process is gone, and that SIGTERM came.
         """
         if self.dead_ranks(wait=0.0):
-            return str(self._peer_lost("this rank was waiting for it when SIGTERM came"))
+            return str(self._peer_lost(detail))
         return f"rank {self.ctx.global_rank}: stopped by SIGTERM while busy"
 
     def dead_ranks(self, wait: float = DEAD_RANK_WAIT_SECONDS) -> list[int]:

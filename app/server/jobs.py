@@ -281,6 +281,9 @@ class JobQueue:
         self._arrived = threading.Condition(self._lock)
         """Notified as a job is queued or the queue closes: wakes the idle groups (wait_for_job)."""
         self._closed_because: str | None = None
+        self.failed_at_close = 0
+        """How many waiting jobs closing it failed: their clients are being told why (app.server.serve waits a moment
+        for them before it closes the server)."""
         self._taken: list[Job] = []
         """Jobs taken by a group (the ended ones are dropped as more are taken): what runs, and what a
         SIGTERM that finds the main thread stuck must fail (app.server.serve's abandon)."""
@@ -400,6 +403,7 @@ class JobQueue:
         with self._lock:
             self._closed_because = reason
             waiting, self._waiting = self._waiting, []
+            self.failed_at_close += len(waiting)
             self._arrived.notify_all()
         for job in waiting:
             job.fail(reason, record=False)
@@ -482,7 +486,19 @@ def serve_jobs(runtime: Runtime, jobs: JobQueue, stop: threading.Event, budget: 
                 return
             runtime.regroup(target)
     finally:
-        jobs.close("the server is shutting down")
+        jobs.close(closing_reason(runtime))
+
+
+def closing_reason(runtime: Runtime) -> str:
+    """What the jobs still waiting are told as the queue closes: that a rank is gone where one is (torchrun's SIGTERM
+    after a rank's death can end the loop before any collective finds the dead rank: the request then waiting never
+    reached one), else that the server is shutting down."""
+    if runtime.service.dead_ranks(wait=0.0):
+        return f"the server lost a rank and is ending: {runtime.service.lost_message('SIGTERM came')}"
+    return SHUTTING_DOWN
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 def _serve_layout(workers: list[Worker], jobs: JobQueue, stop: threading.Event, budget: RequestBudget | None,

@@ -323,7 +323,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from app.server.api_server import Probes, serving_health, serving_readiness
         from app.server.budget import RequestBudget, counted_work
         from app.server.job_store import STORE_NAME, JobStore
-        from app.server.jobs import JobQueue, serve_jobs
+        from app.server.jobs import SHUTTING_DOWN, JobQueue, closing_reason, serve_jobs
         from app.server.metrics import ServerMetrics
         from app.server.openai_api import api_access
         from app.server.submit import Quotas, Server, keep_house, requeue, restore_galleries
@@ -392,6 +392,7 @@ def run_serve(args: argparse.Namespace) -> int:
         def close() -> None:  # replaced by the server's own once one has started
             pass
 
+        lost = False
         try:
             try:
                 if args.no_ui:
@@ -407,11 +408,15 @@ def run_serve(args: argparse.Namespace) -> int:
                   flush=True)
             serve_jobs(runtime, jobs, stop, budget)
         except RankLost:
-            # Let the handler threads hand the failure to their clients before the server closes.
-            time.sleep(CLIENT_GRACE_SECONDS)
+            lost = True
             raise
         finally:
-            jobs.close("the server is shutting down")
+            reason = closing_reason(runtime)
+            jobs.close(reason)
+            if lost or jobs.failed_at_close or reason != SHUTTING_DOWN:
+                # Let the handler threads hand the failure to their clients before the server closes (where a rank
+                # is gone, also a request still on its way to the queue: its handler is refused with the reason).
+                time.sleep(CLIENT_GRACE_SECONDS)
             close()
             housekeeping.set()  # the store stays open: handlers may still write the rows of jobs that ended
             if webhooks is not None:
