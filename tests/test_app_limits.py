@@ -47,6 +47,7 @@ PASSWORD = "s3cret-Pa55word"
 LIMIT_SECONDS = 20
 """The server's --max-request-seconds: tiny-flux at 256x256 takes about 0.05 s a step here (200 steps: under it)."""
 MEMORY_MARGIN = 300e6
+ESTIMATE_SLACK_SECONDS = 0.5
 
 
 # --- the pieces -------------------------------------------------------------------------------------
@@ -439,7 +440,8 @@ SIZES = [  # (tab, side, frames, steps): the two that held a 60 s server for min
 
 def test_no_request_holds_the_ranks_past_the_limit_and_none_that_fits_is_refused(server):
     """Every request is estimated (sizes never served included), refused up front over the limit, and run
-    otherwise; what runs holds the ranks at most 1.25x the limit, and its estimate is within 2x of its time."""
+    otherwise; what runs holds the ranks at most 1.25x the limit, and its estimate is within 2x of its time (or within
+    ESTIMATE_SLACK_SECONDS of it: a busy 2-core machine can halve a sub-second request's time either way)."""
     client = _client(server)
     for tab, side, frames, steps in SIZES:
         started = time.monotonic()
@@ -463,7 +465,7 @@ def test_no_request_holds_the_ranks_past_the_limit_and_none_that_fits_is_refused
         print(f"{tab} {side}x{side}x{frames}, {steps} steps: held the ranks {held:.1f} s, estimate {estimate:.1f} s "
               f"({estimate / held:.2f}x)")
         assert held <= 1.25 * LIMIT_SECONDS
-        assert 0.5 <= estimate / held <= 2.0
+        assert 0.5 <= estimate / held <= 2.0 or abs(estimate - held) <= ESTIMATE_SLACK_SECONDS
 
 
 def _peak_rss(pid: int) -> int:

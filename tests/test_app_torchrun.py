@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,27 @@ def test_exit_status_and_failure_report(tmp_path, outcome):
         # torchrun's table names the rank that failed first and how; no Python traceback around it
         assert "Root Cause (first observed failure)" in done.stderr and "Signal 9 (SIGKILL)" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_rendezvous_port_taken_by_another_program(tmp_path, hosts):
+    """On one host the ranks meet on another free port; on several, host 0 says that the user's port is taken."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _torchrun(f"--nproc-per-node={3 - hosts}", f"--nnodes={hosts}", "--node-rank=0", "--max-restarts=0",
+                         "--master-addr=127.0.0.1", f"--master-port={port}", str(script), "pass")
+    if hosts == 1:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count("done") == 2, done.stdout
+    else:
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip().splitlines()[-1] == (
+            f"error: the rendezvous port {port} is taken on this host by another program: give --rdzv-endpoint a "
+            "port that is free here"), done.stderr
 
 
 def test_a_bad_command_line_gets_argparse_status():

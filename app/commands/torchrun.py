@@ -16,6 +16,11 @@ temporary folder for every launch. So its log folder is one of this process's (a
 removed once torchrun's main() has returned or raised: after a normal end, a failed rank, an interrupt.
 A torchrun killed outright (SIGKILL) cannot remove its own; the launcher removes it once torchrun has exited
 (remove_ended_logs), and otherwise the next run does. A --log-dir given on the command line is used instead.
+
+On one host the rendezvous port is one the launcher found free (app.commands.launch.free_port); torchrun binds it a
+second or two later, once torch is imported, and another program may have taken it in between. Then torchrun's
+store fails with EADDRINUSE before any rank has started, and this runs torchrun again on another free port (up to
+PORT_ATTEMPTS times). On several hosts the port is the user's (--rdzv-endpoint), so host 0 says it is taken instead.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import traceback
 from pathlib import Path
 
 from app.ranks.stopping import remove_stale_folders, temporary_folder
+
+PORT_ATTEMPTS = 5
+"""Ports tried on one host before a rendezvous port taken by another program ends the run."""
 
 LOGS_PREFIX = "ulysses-studio-torchrun"
 """torchrun's log folders: LOGS_PREFIX-<pid of its process>-XXXX in the temporary folder."""
@@ -53,11 +61,29 @@ def remove_ended_logs() -> None:
 def _torchrun(argv: list[str]) -> int:
     # torch here, not at the module's top: the launcher imports this module for remove_ended_logs once its ranks have
     # ended, and torch's import (1.5 s on a 2-core CPU) would come between their last output and its exit.
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main(argv)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                torchrun_main(argv)
+                break
+            except DistNetworkError as error:  # raised by the rendezvous store's bind, before any rank starts
+                if "EADDRINUSE" not in str(error):
+                    raise
+                port = _option(argv, "--master-port")
+                if _option(argv, "--nnodes") != "1":
+                    print(f"error: the rendezvous port {port} is taken on this host by another program: give "
+                          "--rdzv-endpoint a port that is free here", file=sys.stderr)
+                    return 1
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                from app.commands.launch import free_port
+
+                argv = [option for option in argv if not option.startswith("--master-port=")]
+                argv.insert(0, f"--master-port={free_port()}")
     except SystemExit as exit:
         if exit.code is None or isinstance(exit.code, int):
             return exit.code or 0
@@ -70,6 +96,11 @@ def _torchrun(argv: list[str]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of `name`=VALUE in a torchrun command line (the launcher writes each option so), or None."""
+    return next((option.split("=", 1)[1] for option in argv if option.startswith(f"{name}=")), None)
 
 
 if __name__ == "__main__":
