@@ -1,6 +1,6 @@
 """What many tests share: free ports, spawned gloo ranks, tiny transformers and their inputs.
 
-free_port is the launcher's own (app.commands.launch): one way to find a free port.
+free_port is the launcher's own (app.commands.torchrun): one way to find a free port.
 
     def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         join_ranks(rank, world_size, port)        # torchrun's variables, one CPU thread
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from app.commands.launch import free_port
+from app.commands.torchrun import free_port
 
 __all__ = ["run_app", "COSMOS_TINY", "FLUX_TINY", "IMPORT_NOISE", "import_noise", "private_tmp", "torchrun_log_folders",
            "cosmos3_inputs", "tiny_cosmos3", "PYTHON", "REPO", "cosmos_inputs", "flux_inputs", "free_port",

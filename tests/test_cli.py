@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,40 +75,68 @@ def test_generate_video_to_world_from_an_image(tmp_path):
     assert len(frames) == 5
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-        (["--model", "flux-dev"], "weights for 'flux-dev' not found in"),
-        (["--model-path", "/nonexistent/folder"], "does not exist"),
-        (["--height", "250"], "height 250 is not a multiple of 16"),
-        (["--width", "0"], "width 0 is too small: at least 16"),
-        (["--steps", "0"], "steps must be between 1"),
-        (["--steps", "-3"], "steps must be between 1"),
-        (["--size", "12by12"], "--size must look like"),
-        (["--guidance", "nan"], "guidance must be a finite number"),
-        (["--prompt", "   "], "prompt is empty"),
-        (["--out", "/proc/forbidden/x.png"], "does not exist"),
-        (["--out", "OUT_DIR/image.mp4"], "should end in .png"),
-        (["--model", "tiny-cosmos", "--frames", "0", "--out", "OUT_DIR/v.mp4"], "frames 0 is too small: at least 1"),
-        (["--model", "tiny-cosmos", "--frames", "16", "--out", "OUT_DIR/v.mp4"], tiny_cosmos_frames_problem(16)),
-        (["--model", "tiny-cosmos", "--input", "/nonexistent.png", "--out", "OUT_DIR/v.mp4"], "does not exist"),
-        (["--frames", "9"], "makes images; frames must be 1"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    args = [a.replace("OUT_DIR", str(tmp_path)) for a in args]
-    base = {"--prompt": "a circle", "--out": str(tmp_path / "x.png")}
-    for flag, value in base.items():
-        if flag not in args:
-            args += [flag, value]
-    result = cli("generate", *args, env={"ULYSSES_STUDIO_MODELS": str(tmp_path / "models")})
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert message in lines[0]
-    assert "Traceback" not in result.stderr
-    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.mp4"))
+BAD_INPUTS = [  # (arguments, the one line's words)
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--model", "flux-dev"], "weights for 'flux-dev' not found in"),
+    (["--model-path", "/nonexistent/folder"], "does not exist"),
+    (["--height", "250"], "height 250 is not a multiple of 16"),
+    (["--width", "0"], "width 0 is too small: at least 16"),
+    (["--steps", "0"], "steps must be between 1"),
+    (["--steps", "-3"], "steps must be between 1"),
+    (["--size", "12by12"], "--size must look like"),
+    (["--guidance", "nan"], "guidance must be a finite number"),
+    (["--prompt", "   "], "prompt is empty"),
+    (["--out", "/proc/forbidden/x.png"], "does not exist"),
+    (["--out", "OUT_DIR/image.mp4"], "should end in .png"),
+    (["--model", "tiny-cosmos", "--frames", "0", "--out", "OUT_DIR/v.mp4"], "frames 0 is too small: at least 1"),
+    (["--model", "tiny-cosmos", "--frames", "16", "--out", "OUT_DIR/v.mp4"], tiny_cosmos_frames_problem(16)),
+    (["--model", "tiny-cosmos", "--input", "/nonexistent.png", "--out", "OUT_DIR/v.mp4"], "does not exist"),
+    (["--frames", "9"], "makes images; frames must be 1"),
+]
+
+CALLS = """
+import contextlib, io, json, sys
+from app.commands.cli import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = main(argv)
+    results.append([status, stderr.getvalue()])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory) -> tuple[Path, list[tuple[int, str]]]:
+    """Each of BAD_INPUTS through the command line's main(), in one process (a process each took 5 s of imports):
+    its exit status and what it wrote to stderr."""
+    import json
+
+    out_dir = tmp_path_factory.mktemp("bad-inputs")
+    argvs = []
+    for args, _ in BAD_INPUTS:
+        args = [a.replace("OUT_DIR", str(out_dir)) for a in args]
+        base = {"--prompt": "a circle", "--out": str(out_dir / "x.png")}
+        argvs.append(["generate", *args, *(item for flag, value in base.items() if flag not in args
+                                           for item in (flag, value))])
+    done = subprocess.run([sys.executable, "-c", CALLS, json.dumps(argvs)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "ULYSSES_STUDIO_MODELS": str(out_dir / "models")})
+    assert done.returncode == 0, done.stderr
+    return out_dir, [tuple(result) for result in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=[message[:40] for _, message in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(bad_input_runs, case):
+    out_dir, runs = bad_input_runs
+    status, stderr = runs[case]
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert BAD_INPUTS[case][1] in lines[0]
+    assert "Traceback" not in stderr
+    assert not list(out_dir.glob("*.png")) and not list(out_dir.glob("*.mp4"))
 
 
 def test_output_that_is_a_folder_is_refused(tmp_path):

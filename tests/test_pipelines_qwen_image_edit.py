@@ -1,6 +1,6 @@
-"""Qwen-Image-Edit through our pipeline: equal to diffusers' QwenImageEditPipeline (over the same components and
-our torchvision-free processor) on a tiny random checkpoint, with classifier-free guidance and without; its
-limits (an input image required); the PIL image processor against Qwen2-VL's preprocessing arithmetic.
+"""Qwen-Image-Edit through our pipeline, beyond its equality with diffusers (tests/test_conformance.py): the
+reference seen at about 1024², the Plus folders told apart, its limits (an input image required), the PIL image
+processor against Qwen2-VL's preprocessing arithmetic, the work estimate.
 
 The checkpoint is pipelines.qwen_image.tiny' Qwen-Image-Edit folder: the tiny Qwen-Image parts with a Qwen2.5-VL whose
 one-layer vision tower sees the reference, and a processor/ folder (PIL image processor config, tokenizer).
@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import pytest
-import torch
 
 from pipelines.factory import load_pipeline
 from pipelines.registry import resolve_model
@@ -41,74 +40,22 @@ def reference(tmp_path_factory) -> Path:
     return path
 
 
-def diffusers_run(path: Path, req, plus: bool = False) -> tuple[torch.Tensor, PIL.Image.Image]:
-    """diffusers' QwenImageEditPipeline (QwenImageEditPlusPipeline with `plus`) on the same request: its final
-    packed latents and its image."""
-    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
-
-    from pipelines.loading import load_parts
-    from pipelines.qwen_image.pipeline import load_edit_processor
-
-    parts = load_parts(path, ["transformer", "scheduler", "text_encoder", "tokenizer", "vae"], dtype=torch.float32,
-                       device="cpu")
-    pipe = (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(processor=load_edit_processor(path), **parts)
-    pipe.set_progress_bar_config(disable=True)
-    final = {}
-
-    def keep(_pipe, _step, _t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-
-    with PIL.Image.open(req.condition) as opened:
-        image = opened.convert("RGB")
-    out = pipe(image=image, prompt=req.prompt, negative_prompt=req.negative_prompt, true_cfg_scale=req.guidance,
-               height=req.height, width=req.width, num_inference_steps=req.steps,
-               generator=torch.Generator().manual_seed(req.seed), output_type="pil", callback_on_step_end=keep)
-    return final["latents"], out.images[0]
-
-
-@pytest.mark.parametrize("guidance", [4.0, 1.0])
-def test_equals_diffusers_pipeline(folder: Path, reference: Path, guidance: float) -> None:
+def test_the_reference_is_seen_at_about_1024_squared_in_its_aspect_ratio(folder: Path, reference: Path) -> None:
     spec, path = resolve_model("qwen-image-edit", folder)
-    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=2, height=64, width=48,
-                       guidance=guidance, negative_prompt="blurry", condition=str(reference))
-    pipeline = load_pipeline(spec, path)
-    cond = pipeline.encode(req)
-    assert (cond.negative_embeds is not None) == (guidance > 1)
-    assert cond.reference_grid == (832 // 16, 1248 // 16)  # the reference at ~1024² in the input's aspect ratio
-    assert cond.image_latents.shape[1] == 52 * 78
-    ours = pipeline.denoise(req, cond)
-    latents, image = diffusers_run(path, req)
-    assert ours.shape == latents.shape
-    assert (ours - latents).abs().max().item() < 1e-5
-    result = pipeline.decode(req, ours)
-    assert result.size == (48, 64)
-    assert np.abs(np.asarray(result, np.int16) - np.asarray(image, np.int16)).max() <= 1
+    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, steps=2, height=64, width=48, guidance=1.0,
+                       condition=str(reference))
+    cond = load_pipeline(spec, path).encode(req)
+    assert cond.reference_grid == (832 // 16, 1248 // 16) and cond.image_latents.shape[1] == 52 * 78
 
 
 @pytest.mark.parametrize("name", ["qwen-image-edit-2509", "qwen-image-edit-2511"])
-def test_plus_checkpoints_equal_diffusers_pipeline(name: str, reference: Path, tmp_path: Path) -> None:
-    """Qwen-Image-Edit-2509 and -2511 folders (QwenImageEditPlusPipeline; 2511's transformer with zero_cond_t):
-    QwenImageEditPlusPipeline's reference, the vision tower's at ~384² and the VAE's at ~1024², and its output;
-    a folder alone resolves to its name (zero_cond_t tells them apart)."""
+def test_plus_folders_resolve_to_their_names(name: str, tmp_path: Path) -> None:
+    """Qwen-Image-Edit-2509 and -2511 folders (QwenImageEditPlusPipeline) are told apart by 2511's zero_cond_t."""
     from pipelines.qwen_image.tiny import write_tiny_qwen_image
     from pipelines.registry import get_spec, spec_for_folder
 
-    path = tmp_path / name
-    write_tiny_qwen_image(get_spec(name), path)
-    assert spec_for_folder(path).name == name
-    spec, path = resolve_model(name, path)
-    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=2, height=64, width=48,
-                       guidance=4.0, negative_prompt="blurry", condition=str(reference))
-    assert spec.steps == 40 and req.condition == str(reference)
-    pipeline = load_pipeline(spec, path)
-    cond = pipeline.encode(req)
-    assert cond.reference_grid == (832 // 16, 1248 // 16)  # the VAE's reference at ~1024², as the Edit's
-    ours = pipeline.denoise(req, cond)
-    latents, image = diffusers_run(path, req, plus=True)
-    assert (ours - latents).abs().max().item() < 1e-5
-    result = pipeline.decode(req, ours)
-    assert np.abs(np.asarray(result, np.int16) - np.asarray(image, np.int16)).max() <= 1
+    write_tiny_qwen_image(get_spec(name), tmp_path / name)
+    assert spec_for_folder(tmp_path / name).name == name
 
 
 def test_limits_require_an_input_image(folder: Path, reference: Path) -> None:

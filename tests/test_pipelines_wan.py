@@ -1,8 +1,7 @@
-"""Wan 2.1 text-to-video through our pipeline: equal to diffusers' WanPipeline on a tiny random checkpoint, with
-classifier-free guidance (our one batch-2 call against diffusers' two calls) and without; the checkpoint's
-limits read from its configs; bad requests refused by the checks. Wan 2.1 image-to-video equal to diffusers'
-WanImageToVideoPipeline on a tiny random I2V folder (the same parts with a CLIP vision encoder, a 20-channel
-transformer with image context), which needs one input image.
+"""Wan 2.1 and Wan 2.2 A14B through our pipeline, beyond their equality with diffusers (tests/test_conformance.py):
+the checkpoint's limits read from its configs; bad requests refused by the checks; image-to-video needs one input
+image; a folder resolves to its name; two experts take the steps either side of their boundary, each with its step
+cache and its LoRA file (equal to diffusers' PEFT adapters).
 
 The checkpoint is pipelines.wan.tiny' tiny Wan folder: a UMT5 encoder, a Wan 2.1-style VAE (8x space, 4x
 time) with per-channel latent statistics, a 12-head transformer, UniPC with flow sigmas.
@@ -24,10 +23,8 @@ from pipelines.requests import RequestError, make_request, read_limits
 PROMPT = "a red circle moving right"
 SEQUENCE = 32  # text tokens: the pipelines pad to max_sequence_length; 32 keeps the tiny runs quick
 RELATIVE_TOLERANCE = 1e-5
-"""Largest difference of the final latents with guidance, relative to their largest magnitude: the batch-2 call
-rounds differently from diffusers' two batch-1 calls, and guidance 5 amplifies the difference of the branches
-(measured 8.6e-6 on latents up to 5.6, 1.5e-6 relative, after 3 steps). Without guidance the loops are the
-same operations and the latents equal to the bit."""
+"""Largest difference of the final latents from diffusers', relative to their largest magnitude (as in
+pipelines.wan.conformance)."""
 
 
 @pytest.fixture(scope="module")
@@ -45,46 +42,6 @@ def request(folder: Path, **fields):
     fields = {"prompt": PROMPT, "seed": 7, "steps": 3, "height": 48, "width": 64, "frames": 9,
               "negative_prompt": "blurry, static", **fields}
     return spec, path, make_request(spec, read_limits(spec, path), **fields)
-
-
-def diffusers_run(path: Path, req) -> tuple[torch.Tensor, np.ndarray]:
-    """diffusers' own WanPipeline on the same request: its final latents and its frames (float, [T, H, W, 3])."""
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    final = {}
-
-    def keep(_pipe, _step, _t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-
-    second = {} if req.guidance_2 is None else {"guidance_scale_2": req.guidance_2}  # a two-expert model's
-    out = pipe(prompt=req.prompt, negative_prompt=req.negative_prompt, height=req.height, width=req.width,
-               num_frames=req.frames, num_inference_steps=req.steps, guidance_scale=req.guidance,
-               generator=torch.Generator().manual_seed(req.seed), max_sequence_length=SEQUENCE, output_type="np",
-               callback_on_step_end=keep, **second)
-    return final["latents"], out.frames[0]
-
-
-@pytest.mark.parametrize("guidance", [5.0, 1.0], ids=["guidance", "no-guidance"])
-def test_equals_diffusers_pipeline(folder: Path, guidance: float) -> None:
-    spec, path, req = request(folder, guidance=guidance)
-    pipeline = load_pipeline(spec, path)
-    cond = pipeline.encode(req)
-    assert tuple(cond.prompt_embeds.shape) == (2 if guidance > 1 else 1, SEQUENCE, 64)
-    ours = pipeline.denoise(req, cond)
-    latents, frames = diffusers_run(path, req)
-    assert ours.shape == latents.shape == (1, 8, 3, 6, 8)
-    if guidance > 1:
-        assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
-    else:
-        assert torch.equal(ours, latents)
-    video = pipeline.decode(req, ours)
-    assert video.shape == (9, 48, 64, 3) and video.dtype == np.uint8
-    expected = (np.clip(frames, 0.0, 1.0) * 255).round()
-    assert np.abs(video.astype(np.float64) - expected).max() <= 1
-    assert video.std() > 1  # random weights still draw something
 
 
 def test_limits_from_the_configs_and_bad_requests_refused(folder: Path) -> None:
@@ -139,48 +96,6 @@ def image(tmp_path_factory) -> Path:
     return path
 
 
-def diffusers_image_to_video(path: Path, image: Path, cond, req) -> tuple[torch.Tensor, np.ndarray]:
-    """diffusers' own WanImageToVideoPipeline on the same request, given our prompt embeddings (its I2V prompt
-    cleaning needs ftfy, which WanPipeline's, ours, does without): its final latents and its frames."""
-    from diffusers import WanImageToVideoPipeline
-    from PIL import Image
-
-    pipe = WanImageToVideoPipeline.from_pretrained(path, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    final = {}
-
-    def keep(_pipe, _step, _t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-
-    out = pipe(image=Image.open(image).convert("RGB"), prompt_embeds=cond.prompt_embeds[:1],
-               negative_prompt_embeds=cond.prompt_embeds[1:], height=req.height, width=req.width,
-               num_frames=req.frames, num_inference_steps=req.steps, guidance_scale=req.guidance,
-               generator=torch.Generator().manual_seed(req.seed), output_type="np", callback_on_step_end=keep)
-    return final["latents"], out.frames[0]
-
-
-def test_image_to_video_equals_diffusers_pipeline(i2v_folder: Path, image: Path) -> None:
-    """WanImageToVideoPipeline's video from the same image: CLIP image context, the first frame's latents and mask
-    as extra channels. Measured 1.6e-6 relative after 3 steps at guidance 5."""
-    spec, path = resolve_model(None, i2v_folder)
-    assert spec.name == "wan2.1-i2v-14b"  # the folder's class picks the name
-    spec = replace(spec, max_sequence_length=SEQUENCE)
-    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=3, height=48, width=64, frames=9,
-                       negative_prompt="blurry, static", condition=str(image))
-    pipeline = load_pipeline(spec, path)
-    cond = pipeline.encode(req)
-    assert tuple(cond.image_embeds.shape) == (1, 17, 32)  # CLIP's class token and 4 x 4 patches
-    assert tuple(cond.image_latents.shape) == (1, 4 + 8, 3, 6, 8)
-    ours = pipeline.denoise(req, cond)
-    latents, frames = diffusers_image_to_video(path, image, cond, req)
-    assert ours.shape == latents.shape == (1, 8, 3, 6, 8)
-    assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
-    video = pipeline.decode(req, ours)
-    expected = (np.clip(frames, 0.0, 1.0) * 255).round()
-    assert video.shape == (9, 48, 64, 3) and np.abs(video.astype(np.float64) - expected).max() <= 1
-
-
 def test_image_to_video_needs_one_image(i2v_folder: Path, image: Path, tmp_path: Path) -> None:
     spec, path = resolve_model("wan2.1-i2v-14b", i2v_folder)
     limits = read_limits(spec, path)
@@ -215,10 +130,10 @@ def expert_calls(pipeline) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("guidance_2", [None, 6.0], ids=["default-guidance-2", "guidance-2"])
-def test_two_experts_equal_diffusers_pipeline(a14b_folder: Path, guidance_2: float | None) -> None:
+def test_two_experts_take_the_steps_either_side_of_the_boundary(a14b_folder: Path, guidance_2: float | None) -> None:
     """Wan 2.2 A14B text-to-video: the high-noise expert takes the steps at or above the boundary timestep, the
-    low-noise one the rest with its own guidance scale (the model's 3.0, or the request's guidance_2), as diffusers'
-    WanPipeline switches them (guidance_scale_2); a folder alone resolves to its name."""
+    low-noise one the rest with its own guidance scale (the model's 3.0, or the request's guidance_2); a folder
+    alone resolves to its name. (Equal to diffusers' WanPipeline, which switches them so: tests/test_conformance.py.)"""
     spec, path = resolve_model(None, a14b_folder)
     assert spec.name == "wan2.2-t2v-a14b" and spec.experts == 2
     spec = replace(spec, max_sequence_length=SEQUENCE)
@@ -228,12 +143,8 @@ def test_two_experts_equal_diffusers_pipeline(a14b_folder: Path, guidance_2: flo
     pipeline = load_pipeline(spec, path)
     assert pipeline.transformer_names == ("transformer", "transformer_2") and pipeline.boundary_ratio == 0.875
     calls = expert_calls(pipeline)
-    ours = pipeline.denoise(req, pipeline.encode(req))
+    pipeline.denoise(req, pipeline.encode(req))
     assert calls["transformer"] > 0 and calls["transformer_2"] > 0 and sum(calls.values()) == 4, calls
-    latents, frames = diffusers_run(path, req)
-    assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
-    expected = (np.clip(frames, 0.0, 1.0) * 255).round()
-    assert np.abs(pipeline.decode(req, ours).astype(np.float64) - expected).max() <= 1
 
 
 def test_guidance_2_is_refused_by_a_model_of_one_transformer(folder: Path, a14b_folder: Path) -> None:
@@ -269,29 +180,6 @@ def test_two_experts_each_have_their_step_cache(a14b_folder: Path) -> None:
             assert cache.skipped == list(range(1, cache.steps - 1)), (steps, cache.steps, cache.skipped)
     pipeline.remove_step_caches()
     assert pipeline.computed_steps() is None
-
-
-def test_two_experts_image_to_video_equals_diffusers_pipeline(image: Path, tmp_path: Path) -> None:
-    """Wan 2.2 I2V-A14B: WanImageToVideoPipeline's video from two experts, the image's latents and first-frame
-    mask as extra channels and no CLIP image context."""
-    from pipelines.registry import get_spec
-    from pipelines.wan.tiny import write_tiny_wan
-
-    folder = tmp_path / "Wan2.2-I2V-A14B-Diffusers"
-    write_tiny_wan(get_spec("wan2.2-i2v-a14b"), folder)
-    spec, path = resolve_model(None, folder)
-    assert spec.name == "wan2.2-i2v-a14b"
-    spec = replace(spec, max_sequence_length=SEQUENCE)
-    req = make_request(spec, read_limits(spec, path), prompt=PROMPT, seed=7, steps=4, height=48, width=64, frames=9,
-                       negative_prompt="blurry, static", condition=str(image))
-    pipeline = load_pipeline(spec, path)
-    cond = pipeline.encode(req)
-    assert cond.image_embeds is None and tuple(cond.image_latents.shape) == (1, 4 + 8, 3, 6, 8)
-    calls = expert_calls(pipeline)
-    ours = pipeline.denoise(req, cond)
-    assert calls["transformer"] > 0 and calls["transformer_2"] > 0, calls
-    latents, _ = diffusers_image_to_video(path, image, cond, req)
-    assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
 
 
 def test_a_name_and_a_folder_with_other_expert_counts_are_refused(folder: Path, a14b_folder: Path) -> None:
@@ -331,6 +219,7 @@ def test_two_experts_take_a_lora_file_each(a14b_folder: Path, tmp_path: Path) ->
     from diffusers import DiffusionPipeline
 
     from engines.options import LoraFile
+    from pipelines.conformance import diffusers_run, seeded
 
     high = expert_lora(a14b_folder, "transformer", tmp_path / "high.safetensors", 0)
     low = expert_lora(a14b_folder, "transformer_2", tmp_path / "low.safetensors", 1)
@@ -347,20 +236,12 @@ def test_two_experts_take_a_lora_file_each(a14b_folder: Path, tmp_path: Path) ->
     ours = pipeline.denoise(req, pipeline.encode(req))
 
     pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(high), adapter_name="fast")
     pipe.load_lora_weights(str(low), adapter_name="fast", load_into_transformer_2=True)
     pipe.set_adapters(["fast"], adapter_weights=[0.7])
-    final = {}
-
-    def keep(_pipe, _step, _t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-
-    pipe(prompt=req.prompt, height=req.height, width=req.width, num_frames=req.frames, num_inference_steps=req.steps,
-         guidance_scale=req.guidance, generator=torch.Generator().manual_seed(req.seed), max_sequence_length=SEQUENCE,
-         output_type="latent", callback_on_step_end=keep)
-    latents = final["latents"]
+    latents, _ = diffusers_run(pipe, prompt=req.prompt, height=req.height, width=req.width, num_frames=req.frames,
+                               num_inference_steps=req.steps, guidance_scale=req.guidance, generator=seeded(req.seed),
+                               max_sequence_length=SEQUENCE, output_type="latent")
     assert (ours - latents).abs().max().item() <= RELATIVE_TOLERANCE * latents.abs().max().item()
     plain = load_pipeline(spec, path).denoise(replace(req, lora=()), pipeline.encode(req))
     assert (ours - plain).abs().max().item() > 100 * RELATIVE_TOLERANCE * plain.abs().max().item()  # it acts

@@ -89,7 +89,8 @@ def run_build(args: argparse.Namespace) -> int:
     """
     spec, folder, request, engine = check_build(args)
     if args.ranks > 1 and "WORLD_SIZE" not in os.environ:
-        from app.commands.launch import free_port, torchrun_command
+        from app.commands.launch import torchrun_command
+        from app.commands.torchrun import free_port
 
         return subprocess.call(torchrun_command(args.ranks, sys.argv[1:], free_port()))
     if int(os.environ.get("WORLD_SIZE", "1")) != args.ranks:

@@ -34,13 +34,13 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from app.commands.arguments import run_options
+from app.commands.torchrun import free_port, remove_ended_logs
 from app.ranks.stopping import process_running, temporary_folder
 from app.server.access import AUTH_ENV, read_logins, write_private_auth_file
 
@@ -81,13 +81,6 @@ def default_nproc() -> int:
     from app.commands.memory_plan import visible_gpus
 
     return visible_gpus() or DEFAULT_CPU_RANKS
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for torchrun's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun_command(nproc: int, command_line: list[str], port: int, *, nnodes: int = 1, node_rank: int = 0,
@@ -271,8 +264,6 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, int]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from app.commands.torchrun import remove_ended_logs
-
     remove_ended_logs()  # the log folder of a torchrun that _kill_job ended, which could not remove it itself
     return status, len(interrupts)
 

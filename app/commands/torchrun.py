@@ -17,7 +17,7 @@ removed once torchrun's main() has returned or raised: after a normal end, a fai
 A torchrun killed outright (SIGKILL) cannot remove its own; the launcher removes it once torchrun has exited
 (remove_ended_logs), and otherwise the next run does. A --log-dir given on the command line is used instead.
 
-On one host the rendezvous port is one the launcher found free (app.commands.launch.free_port); torchrun binds it a
+On one host the rendezvous port is one the launcher found free (free_port); torchrun binds it a
 second or two later, once torch is imported, and another program may have taken it in between. Then torchrun's
 store fails with EADDRINUSE before any rank has started, and this runs torchrun again on another free port (up to
 PORT_ATTEMPTS times). On several hosts the port is the user's (--rdzv-endpoint), so host 0 says it is taken instead.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import traceback
@@ -51,6 +52,13 @@ def run(argv: list[str] | None = None) -> int:
         return _torchrun([f"--log-dir={log_dir}", *argv])
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for torchrun's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def remove_ended_logs() -> None:
@@ -80,8 +88,6 @@ def _torchrun(argv: list[str]) -> int:
                     return 1
                 if attempt == PORT_ATTEMPTS:
                     raise
-                from app.commands.launch import free_port
-
                 argv = [option for option in argv if not option.startswith("--master-port=")]
                 argv.insert(0, f"--master-port={free_port()}")
     except SystemExit as exit:

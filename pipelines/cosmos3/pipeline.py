@@ -6,7 +6,7 @@ Cosmos 3 has no separate text encoder: its transformer embeds the prompt's token
 "und" stream packed before the vision tokens), so encoding is tokenizing plus packing. The packing,
 the templates appended to the prompt, the conditioning latents and the UniPC loop are diffusers'
 Cosmos3OmniPipeline's own (rank 0 builds one over the loaded parts and calls its helpers), so our
-output equals its output (tests/test_pipelines_cosmos3.py). What differs is where things run:
+output equals its output (tests/test_conformance.py). What differs is where things run:
 - ranks > 0 load the transformer and scheduler only, and receive the packed prompt from rank 0;
 - the seed's noise is drawn on every rank from a CPU generator (the same numbers everywhere), and
   text-only requests skip diffusers' VAE encode of an all-black video, which only gave the shape;

@@ -7,7 +7,7 @@ FLUX.2 components, in three stages.
 The prompt encoding (Mistral Small 3.1 for dev, Qwen3 for Klein: stacked hidden layers), the
 reference image's preprocessing and latents, the noise, ids, timesteps and the unpacking are
 diffusers' Flux2Pipeline's and Flux2KleinPipeline's own (rank 0 builds the one its folder names over
-the loaded parts and calls its helpers), so our image equals theirs (tests/test_pipelines_flux2.py).
+the loaded parts and calls its helpers), so our image equals theirs (tests/test_conformance.py).
 What differs is where things run:
 - only rank 0 loads the text encoder and VAE; FLUX.2-dev's 24B encoder is never on another rank;
 - Klein base checkpoints' classifier-free guidance runs its two branches as one batch-2 transformer

@@ -12,7 +12,7 @@ own helpers (diffusers.modular_pipelines.flux3), called with the defaults its bl
 is called with the keyword arguments its loop denoisers pass: classifier-free guidance as the base model's
 guider combines two calls (prompt, then negative prompt, each with its own text length), and a
 distilled (flow-map) checkpoint's single call with the timestep each step jumps to. So our image equals
-the modular pipeline's (tests/test_pipelines_flux3.py). What differs:
+the modular pipeline's (tests/test_conformance.py). What differs:
 - only rank 0 loads the text encoder and the VAE;
 - prompt upsampling (the auto blocks' first step, a separate Qwen3.5 model that rewrites the prompt) is not
   offered: the prompt is encoded as given, as diffusers does with that step popped;

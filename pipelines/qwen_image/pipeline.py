@@ -7,7 +7,7 @@ the noise's shape and packing, the timesteps (dynamic shift from the image's tok
 classifier-free guidance with its norm rescaling, the unpacking and the latent de-normalisation are
 diffusers' QwenImagePipeline's own (rank 0 builds one over the loaded parts and calls its encode_prompt;
 every rank uses its static packing helpers and calculate_shift), so our image equals its image
-(tests/test_pipelines_qwen_image.py). What differs is where things run, and how the text is masked:
+(tests/test_conformance.py). What differs is where things run, and how the text is masked:
 - only rank 0 loads the text encoder and the VAE;
 - the transformer is called without an attention mask (encoder_hidden_states_mask=None), which the split
   attention of engines.parallel.generic requires: each prompt is encoded on its own and kept to its real tokens, so

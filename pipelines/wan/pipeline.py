@@ -6,7 +6,7 @@
 The prompt encoding (cleaned, padded to max_sequence_length with zeros), the noise's shape, the UniPC
 flow-matching loop and the latent de-normalisation are diffusers' WanPipeline's own (rank 0 builds one
 over the loaded parts and calls its encode_prompt; every rank draws the noise with its prepare_latents),
-so our video equals its video (tests/test_pipelines_wan.py). What differs is where things run:
+so our video equals its video (tests/test_conformance.py). What differs is where things run:
 - only rank 0 loads the text encoder, and the VAE (unless the decode is split over the ranks);
 - classifier-free guidance runs its two branches as one batch-2 transformer call (prompt and negative
   prompt are both padded to max_sequence_length), which a CFG-parallel run splits over two rank

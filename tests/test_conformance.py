@@ -1,0 +1,192 @@
+"""The family conformance suite: for every registered family, its cases (the conformance.py of its folder:
+pipelines.conformance says what one holds) on its tiny checkpoints.
+
+- Our pipeline's final latents and output equal those of diffusers' own pipeline on the same request.
+- Several gloo ranks through the app's runtime answer a request as one process does (within 1/255).
+- Through the app, as users run it: `generate` writes the output with the checkpoint's defaults in its settings,
+  and `launch --nproc 2 generate` with each plan writes the same output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from pipelines.conformance import INPUTS, tiny_folder
+from pipelines.factory import load_pipeline
+from pipelines.media import read_mp4_settings, read_png_settings, read_video
+from pipelines.registry import FAMILIES, get_spec
+from pipelines.requests import make_request, read_limits
+from tests.helpers import join_ranks, run_app, spawn_ranks
+
+DEFAULTS = dict(prompt="a red circle moving right", seed=7)
+
+
+def family_module(family) -> str:
+    """The conformance module of a family: conformance.py in the folder of its pipeline."""
+    return family.pipeline.partition(":")[0].rpartition(".")[0] + ".conformance"
+
+
+MODULES = sorted({family_module(family) for family in FAMILIES.values()})
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(name)
+
+
+def _cases(kind: str) -> list:
+    return [pytest.param(module, case, id=f"{module.split('.')[1]}: {case}")
+            for module in MODULES for case in getattr(_module(module), kind, {})]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The tiny checkpoints (written as cases need them) and INPUTS."""
+    from pipelines.media import save_mp4
+
+    root = tmp_path_factory.mktemp("conformance")
+    image = np.zeros((64, 96, 3), np.uint8)
+    image[16:40, 20:60] = (200, 30, 30)
+    PIL.Image.fromarray(image).save(root / "image.png")
+    PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (72, 88, 3), dtype=np.uint8)).save(root / "odd.png")
+    save_mp4(np.stack([np.roll(image, 6 * i, axis=1) for i in range(9)]), root / "clip.mp4", fps=8)
+    assert sorted(path.name for path in root.iterdir()) == sorted(INPUTS)
+    return root
+
+
+def request(module: ModuleType, model: str, fields: dict, root: Path):
+    """The case's spec (with the module's SPEC changes), its tiny checkpoint and its request."""
+    spec = get_spec(model)
+    folder = tiny_folder(spec, root)
+    spec = replace(spec, **getattr(module, "SPEC", {}))
+    fields = {**DEFAULTS, **fields}
+    if "condition" in fields:
+        fields["condition"] = str(root / fields["condition"])
+    return spec, folder, make_request(spec, read_limits(spec, folder), **fields)
+
+
+def test_every_family_has_its_cases_or_says_why_not() -> None:
+    for name in MODULES:
+        module = _module(name)
+        assert bool(module.CASES) != bool(getattr(module, "NO_REFERENCE", "")), name
+
+
+@pytest.mark.parametrize(("module_name", "case"), _cases("CASES"))
+def test_equals_diffusers(root: Path, module_name: str, case: str) -> None:
+    module = _module(module_name)
+    expected = module.CASES[case]
+    spec, folder, req = request(module, expected.model, expected.fields, root)
+    pipeline = load_pipeline(spec, folder)
+    cond = pipeline.encode(req)
+    ours = pipeline.denoise(req, cond)
+    latents, output = module.reference(spec, folder, req, cond)
+    assert ours.shape == latents.shape
+    bound = expected.tolerance * (latents.abs().max().item() if expected.relative else 1.0)
+    assert (ours - latents).abs().max().item() <= bound, f"latents differ by {(ours - latents).abs().max().item()}"
+    result = np.asarray(pipeline.decode(req, ours), np.float64)
+    frames = req.frames if spec.media == "video" else None
+    assert result.shape == ((frames,) if frames else ()) + (req.height, req.width, 3)
+    assert result.std() > 1  # random weights still draw something
+    if output is not None:
+        assert np.abs(result - np.asarray(output, np.float64)).max() <= 1
+
+
+def _rank(rank: int, world_size: int, port: int, module_name: str, case: str, root: str, out: str) -> None:
+    join_ranks(rank, world_size, port)
+    from app.ranks.runtime import start_runtime
+    from engines.options import RunOptions
+
+    module = _module(module_name)
+    expected = module.RANK_CASES[case]
+    spec, folder, req = request(module, expected.model, expected.fields, Path(root))
+    with start_runtime([(spec, folder)], RunOptions(device="cpu", rank_timeout=120, **expected.options),
+                       stop=threading.Event()) as runtime:
+        if not runtime.is_main:
+            runtime.service.follow()
+            return
+        assert ("cfg-2" in runtime.plan) == bool(expected.options.get("cfg_parallel")), runtime.plan
+        np.save(out, np.asarray(runtime.service.run(spec.media, req).result))
+
+
+@pytest.mark.parametrize(("module_name", "case"), _cases("RANK_CASES"))
+def test_ranks_equal_one_process(root: Path, module_name: str, case: str, tmp_path: Path) -> None:
+    module = _module(module_name)
+    expected = module.RANK_CASES[case]
+    spec, folder, req = request(module, expected.model, expected.fields, root)  # the checkpoint, before the ranks
+    out = tmp_path / "ranks.npy"
+    spawn_ranks(_rank, expected.ranks, module_name, case, str(root), str(out))
+    with torch.no_grad():
+        single = np.asarray(load_pipeline(spec, folder).generate(req), np.int16)
+    parallel = np.load(out).astype(np.int16)
+    assert parallel.shape == single.shape
+    assert np.abs(parallel - single).max() <= 1, f"max pixel difference {np.abs(parallel - single).max()}"
+
+
+def _pixels(path: Path) -> np.ndarray:
+    if path.suffix == ".mp4":
+        return np.asarray(read_video(path)[0], np.int16)
+    return np.asarray(PIL.Image.open(path), np.int16)
+
+
+def _generate(root: Path, case, out: Path, plan: tuple[str, ...] = ()) -> Path:
+    """`generate` on one rank, or with `plan` on 2 (launch --nproc 2)."""
+    spec = get_spec(case.model)
+    options = [str(root / option) if option in INPUTS else option for option in case.options]
+    launch = ("launch", "--nproc", "2") if plan else ()
+    result = run_app(*launch, "generate", "--model", case.model, "--model-path", str(tiny_folder(spec, root)),
+                     *options, *plan, "--prompt", "a red circle", "--seed", "3", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(root: Path):
+    """Each app case's output from `generate` on one rank (made once, by the first test that asks)."""
+    made = {}
+
+    def output(module_name: str, case: str) -> Path:
+        if (module_name, case) not in made:
+            expected = _module(module_name).APP_CASES[case]
+            suffix = ".mp4" if get_spec(expected.model).media == "video" else ".png"
+            made[module_name, case] = _generate(root, expected, root / f"one-{len(made)}{suffix}")
+        return made[module_name, case]
+
+    return output
+
+
+@pytest.mark.parametrize(("module_name", "case"), _cases("APP_CASES"))
+def test_app_generate_writes_the_checkpoints_defaults(one_rank, module_name: str, case: str) -> None:
+    expected = _module(module_name).APP_CASES[case]
+    spec, out = get_spec(expected.model), one_rank(module_name, case)
+    pixels = _pixels(out)
+    assert pixels.std() > 1  # random weights still draw something
+    settings = (read_mp4_settings if out.suffix == ".mp4" else read_png_settings)(out)
+    assert (settings["model"], settings["guidance"], settings["steps"]) == (spec.name, spec.guidance, 2)
+    assert settings["negative_prompt"] == spec.negative_prompt
+    if out.suffix == ".mp4":
+        assert read_video(out)[1] == pytest.approx(spec.fps)
+
+
+def _plans(module_name: str, case: str) -> list:
+    return [pytest.param(module_name, case, plan, id=f"{module_name.split('.')[1]}: {case}: {plan}")
+            for plan in _module(module_name).APP_CASES[case].plans]
+
+
+@pytest.mark.parametrize(("module_name", "case", "plan"),
+                         [p for param in _cases("APP_CASES") for p in _plans(*param.values)])
+def test_app_two_ranks_equal_one_rank(root: Path, one_rank, module_name: str, case: str, plan: str,
+                                      tmp_path: Path) -> None:
+    expected = _module(module_name).APP_CASES[case]
+    one = one_rank(module_name, case)
+    two = _generate(root, expected, tmp_path / f"two{one.suffix}", expected.plans[plan])
+    difference = np.abs(_pixels(two) - _pixels(one))
+    assert difference.max() <= expected.tolerance and difference.mean() <= 0.1, (
+        f"pixel difference: max {difference.max()}, mean {difference.mean():.3f}")
