@@ -52,7 +52,9 @@ class RankCase:
     model: str
     ranks: int
     options: dict[str, Any]
-    """engines.options.RunOptions fields (strategy, cfg_parallel, ...)."""
+    """engines.options.RunOptions fields (strategy, cfg_parallel, ...). With a step cache (cache, as --cache takes
+    it), every rank skips exactly the steps one process with that cache skips, and one process skips some steps but
+    not all (a threshold the family's tiny weights make do so)."""
     fields: dict[str, Any] = field(default_factory=dict)
 
 

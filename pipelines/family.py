@@ -147,12 +147,12 @@ class ModelFamily:
     what sizes and frame counts a checkpoint accepts from its configs."""
     guidance_batch: bool
     """Classifier-free guidance's two branches can run on two halves of the ranks (--cfg-parallel applies):
-    batched in one transformer call (Cosmos-Predict2, Wan) or as two calls (Cosmos 3, Qwen-Image, FLUX.3 base:
+    batched in one transformer call (Cosmos-Predict2, Wan) or as two calls (Cosmos 3, FLUX.3 base:
     the transformer's forward_guided, engines.parallel.wrapper)."""
     guidance_calls: bool = False
     """Its classifier-free guidance runs the two branches as two transformer calls that cannot share a batch
-    (Qwen-Image, FLUX.3): a guided request's work counts both (pipelines.work); with --cfg-parallel they run at
-    once on two rank groups (StagedPipeline.predict_guided)."""
+    (their text lengths differ, FLUX.3 base's for one): a guided request's work counts both (pipelines.work); with
+    --cfg-parallel they run at once on two rank groups (StagedPipeline.predict_guided)."""
     generic_parallelize: str = ""
     """Where `parallelize` is a hand-written adapter: the reference of the same family on the generic path
     (engines.parallel.generic), which the step benchmark runs with --adapter generic; the record keeps the hand-written

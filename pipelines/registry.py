@@ -105,7 +105,7 @@ def spec_for_folder(folder: Path, name: str | None = None) -> ModelSpec:
     if len(candidates) > 1:  # sizes of one class (Wan 2.1 1.3B and 14B): the name whose published transformer it is
         candidates = [spec for spec in candidates if _has_architecture(folder, spec)] or candidates
     if len(candidates) > 1:  # none whole (a shrunk folder): the names that agree on the keys where they differ
-        # (Qwen-Image-Edit-2509 and -2511: zero_cond_t)
+        # (two editing checkpoints of one class told apart by one transformer key)
         differing = _differing_keys(candidates)
         candidates = [spec for spec in candidates if _has_architecture(folder, spec, differing)] or candidates
     if candidates:

@@ -67,10 +67,10 @@ class MediaLimits:
     it continues: a video file is refused."""
     input_required: bool = False
     """A video request must bring its input (an image-to-video checkpoint makes no video from text alone); an
-    image request its reference image (reference_image: an editing checkpoint, Qwen-Image-Edit)."""
+    image request its reference image (reference_image: an editing checkpoint)."""
     reference_area: int = 0
     """Pixels a reference image is resized to (about, its aspect kept) before its tokens join the image's, which
-    the work estimate counts (pipelines.work): Qwen-Image-Edit's EDIT_AREA; 0: none counted."""
+    the work estimate counts (pipelines.work): an editing checkpoint's, from its limits; 0: none counted."""
     loras: tuple[tuple[str, float], ...] = ()
     """The LoRAs this run loaded (--lora) for this model and their scales: what a generate or batch request that
     names no LoRA uses (serve's requests name none by default: app.server.submit)."""

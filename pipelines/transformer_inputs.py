@@ -23,8 +23,8 @@ class Shape:
     frames: int = 1
     text_tokens: int = 512
     reference: tuple[int, int] | None = None
-    """A reference image's height and width in pixels, whose tokens follow the image's (Qwen-Image-Edit), or None;
-    the builders of families without one leave it out."""
+    """A reference image's height and width in pixels, whose tokens follow the image's (an editing checkpoint's), or
+    None; the builders of families without one leave it out."""
 
     @property
     def label(self) -> str:

@@ -104,10 +104,7 @@ def test_build_fills_the_cache_that_generate_uses(folder: Path, tmp_path: Path) 
               "--backend", "inductor-blocks", "--engine-cache", str(cache)]
     cold = run_app("build", *common, "--steps", "2")
     assert cold.returncode == 0, cold.stderr
-    assert "rank 0: built in" in cold.stderr
-    warm = run_app("build", *common, "--steps", "2")
-    assert warm.returncode == 0, warm.stderr
-    assert "rank 0: cache hit in" in warm.stderr
+    assert "rank 0: built in" in cold.stderr  # (a second build's cache hit: tests/test_app_build.py)
 
     # a prompt of another length than build's runs on the compiled layers (their equality with eager:
     # tests/test_pipelines_cosmos3.py)

@@ -1,8 +1,10 @@
 """The family conformance suite: for every registered family, its cases (the conformance.py of its folder:
 pipelines.conformance says what one holds) on its tiny checkpoints.
 
+- Each checkpoint's limits refuse what it cannot make.
 - Our pipeline's final latents and output equal those of diffusers' own pipeline on the same request.
-- Several gloo ranks through the app's runtime answer a request as one process does (within 1/255).
+- Several gloo ranks through the app's runtime answer a request as one process does (within 1/255); with a step
+  cache, every rank skips the steps one process skips.
 - Through the app, as users run it: `generate` writes the output with the checkpoint's defaults in its settings,
   and `launch --nproc 2 generate` with each plan writes the same output.
 """
@@ -24,7 +26,7 @@ from pipelines.conformance import INPUTS, tiny_folder
 from pipelines.factory import load_pipeline
 from pipelines.media import read_mp4_settings, read_png_settings, read_video
 from pipelines.registry import FAMILIES, get_spec
-from pipelines.requests import make_request, read_limits
+from pipelines.requests import RequestError, make_request, read_limits
 from tests.helpers import join_ranks, run_app, spawn_ranks
 
 DEFAULTS = dict(prompt="a red circle moving right", seed=7)
@@ -73,6 +75,31 @@ def request(module: ModuleType, model: str, fields: dict, root: Path):
     return spec, folder, make_request(spec, read_limits(spec, folder), **fields)
 
 
+def _models() -> list:
+    """Each model of the families' cases, once."""
+    models = {(module, case.model) for module in MODULES
+              for kind in ("CASES", "RANK_CASES", "APP_CASES") for case in getattr(_module(module), kind, {}).values()}
+    return [pytest.param(module, model, id=model) for module, model in sorted(models)]
+
+
+@pytest.mark.parametrize(("module_name", "model"), _models())
+def test_limits_refuse_what_the_checkpoint_cannot_make(root: Path, module_name: str, model: str) -> None:
+    """The limits read from each tiny checkpoint's configs: a size off the family's grid or over its largest, and a
+    video's frame count off its grid, refused with the message that names the rule."""
+    spec = get_spec(model)
+    limits = read_limits(spec, tiny_folder(spec, root))
+    step = limits.size_multiple
+    with pytest.raises(RequestError, match=f"width {step + 1} is not a multiple of {step}"):
+        make_request(spec, limits, prompt="x", width=step + 1)
+    with pytest.raises(RequestError, match=f"height {limits.max_height + step} is too large: at most "
+                                           f"{limits.max_height}"):
+        make_request(spec, limits, prompt="x", height=limits.max_height + step)
+    if spec.media == "video" and limits.frame_multiple > 1:
+        frames = limits.min_frames + 1
+        with pytest.raises(RequestError, match=f"frames {frames} is not 1 \\+ a multiple of {limits.frame_multiple}"):
+            make_request(spec, limits, prompt="x", frames=frames)
+
+
 def test_every_family_has_its_cases_or_says_why_not() -> None:
     for name in MODULES:
         module = _module(name)
@@ -109,11 +136,14 @@ def _rank(rank: int, world_size: int, port: int, module_name: str, case: str, ro
     spec, folder, req = request(module, expected.model, expected.fields, Path(root))
     with start_runtime([(spec, folder)], RunOptions(device="cpu", rank_timeout=120, **expected.options),
                        stop=threading.Event()) as runtime:
-        if not runtime.is_main:
+        if runtime.is_main:
+            assert ("cfg-2" in runtime.plan) == bool(expected.options.get("cfg_parallel")), runtime.plan
+            np.save(out, np.asarray(runtime.service.run(spec.media, req).result))
+        else:
             runtime.service.follow()
-            return
-        assert ("cfg-2" in runtime.plan) == bool(expected.options.get("cfg_parallel")), runtime.plan
-        np.save(out, np.asarray(runtime.service.run(spec.media, req).result))
+        if expected.options.get("cache"):
+            skipped = runtime.service.pipelines[spec.media].step_caches["transformer"].skipped
+            np.save(f"{out}.skipped{rank}.npy", np.asarray(skipped, np.int64))
 
 
 @pytest.mark.parametrize(("module_name", "case"), _cases("RANK_CASES"))
@@ -123,8 +153,18 @@ def test_ranks_equal_one_process(root: Path, module_name: str, case: str, tmp_pa
     spec, folder, req = request(module, expected.model, expected.fields, root)  # the checkpoint, before the ranks
     out = tmp_path / "ranks.npy"
     spawn_ranks(_rank, expected.ranks, module_name, case, str(root), str(out))
+    pipeline = load_pipeline(spec, folder)
+    if expected.options.get("cache"):
+        from engines.options import CacheOptions
+
+        pipeline.use_step_cache(CacheOptions.parse(expected.options["cache"]))
     with torch.no_grad():
-        single = np.asarray(load_pipeline(spec, folder).generate(req), np.int16)
+        single = np.asarray(pipeline.generate(req), np.int16)
+    if expected.options.get("cache"):
+        skipped = pipeline.step_caches["transformer"].skipped
+        assert 0 < len(skipped) < req.steps - 2, f"one process skipped steps {skipped}: no test of skipping"
+        for rank in range(expected.ranks):
+            assert np.load(f"{out}.skipped{rank}.npy").tolist() == skipped, f"rank {rank} skipped other steps"
     parallel = np.load(out).astype(np.int16)
     assert parallel.shape == single.shape
     assert np.abs(parallel - single).max() <= 1, f"max pixel difference {np.abs(parallel - single).max()}"

@@ -1,107 +1,21 @@
-"""--cache (engines/levers/step_cache.py): every rank skips exactly the steps one process skips and draws the same,
-for each family, under every kind of split (sequence shards with padding, guidance halves in one batch or
-as separate calls); a metric that differs between ranks still gives one decision; the options' checks.
+"""--cache (engines/levers/step_cache.py): a metric that differs between ranks still gives one decision; the options'
+checks; what a graph overwrites is kept.
+
+(Every rank skips exactly the steps one process skips and draws the same, for each family, under every kind of split:
+the step-cache cases of tests/test_conformance.py.)
 
 (tiny-flux keeps its held-out scores with the default threshold: tests/test_tiny_quality.py.)
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pipelines.registry import resolve_model
-from pipelines.requests import make_request, read_limits
 from tests.helpers import join_ranks, spawn_ranks
-
-# Thresholds that make 6-8 step requests skip some steps but not all (each case asserts it): above the default
-# for the trained tiny models, far below it for Cosmos 3's tiny random weights, far above for FLUX.2's.
-CASES = {
-    # name: (model, world size, run options); each model's request: FIELDS
-    "flux ulysses-2": ("tiny-flux", 2, dict(strategy="ulysses")),  # 35 image tokens: the last shard is padded
-    "flux allgather-4": ("tiny-flux", 4, dict(strategy="allgather")),
-    "cosmos cfg-2": ("tiny-cosmos", 2, dict(cfg_parallel=True)),  # guidance halves of one batch on two groups
-    "cosmos3 cfg-2": ("cosmos3-nano", 2, dict(cfg_parallel=True)),  # one call per branch, one per group
-    "cosmos3 ulysses-2": ("cosmos3-nano", 2, dict(strategy="ulysses")),  # both branches' calls on every rank
-    "flux2 ulysses-2": ("flux2-klein-4b", 2, dict(strategy="ulysses")),
-    "wan ulysses-2": ("wan2.1-t2v-1.3b", 2, dict(strategy="ulysses")),  # the generic path: 2 x 3 x 5 tokens, padded
-}
-FIELDS = {
-    "tiny-flux": dict(prompt="a big red star in the center on a white background", seed=3, steps=8, height=80,
-                      width=112, cache="fbcache:0.25"),
-    "tiny-cosmos": dict(prompt="a red circle moving right on a black background", seed=5, steps=8, frames=9,
-                        height=48, width=80, cache="fbcache:0.3"),
-    "cosmos3-nano": dict(prompt="a red circle moving right", negative_prompt="blurry", seed=7, steps=6, frames=9,
-                         height=64, width=96, fps=8, cache="fbcache:0.005"),
-    # random weights: its first block's residual changes by more than itself from step to step
-    "flux2-klein-4b": dict(prompt="a red circle", seed=2, steps=6, height=80, width=112, cache="fbcache:1.1"),
-    "wan2.1-t2v-1.3b": dict(prompt="a red circle moving right", seed=2, steps=8, frames=5, height=48, width=80,
-                            cache="fbcache:0.6"),
-}
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, str | None]:
-    """Model name -> checkpoint folder (None: the embedded one): tiny random Cosmos 3, FLUX.2 and Wan checkpoints."""
-    from pipelines.cosmos3.tiny import cosmos3_components, save_cosmos3
-    from pipelines.flux2.tiny import flux2_components, save_flux2
-    from pipelines.wan.tiny import save_wan, wan_components
-
-    root = tmp_path_factory.mktemp("cached")
-    save_cosmos3(root / "cosmos3", cosmos3_components(seed=3))
-    save_flux2(root / "flux2", flux2_components(seed=1, variant="klein"))
-    save_wan(root / "wan", wan_components(seed=4))
-    return {"tiny-flux": None, "tiny-cosmos": None, "cosmos3-nano": str(root / "cosmos3"),
-            "flux2-klein-4b": str(root / "flux2"), "wan2.1-t2v-1.3b": str(root / "wan")}
-
-
-def _generate(model: str, folder: str | None, options: dict) -> tuple[np.ndarray | None, list[int]]:
-    """One request through the app's runtime with a step cache: (the media on rank 0, else None; the steps
-    this rank skipped)."""
-    from app.ranks.runtime import start_runtime
-    from engines.options import RunOptions
-
-    fields = dict(FIELDS[model])
-    cache = fields.pop("cache")
-    spec, path = resolve_model(model, Path(folder) if folder else None)
-    request = make_request(spec, read_limits(spec, path), **fields)
-    with start_runtime([(spec, path)], RunOptions(device="cpu", rank_timeout=120, cache=cache, **options),
-                       stop=threading.Event()) as runtime:
-        assert "cache fbcache" in runtime.backend
-        pipeline = runtime.service.pipelines[spec.media]
-        if not runtime.is_main:
-            runtime.service.follow()
-            return None, pipeline.step_caches['transformer'].skipped
-        generation = runtime.service.run(spec.media, request)
-        assert generation.computed_steps == request.steps - len(pipeline.step_caches['transformer'].skipped)
-        return np.asarray(generation.result), pipeline.step_caches['transformer'].skipped
-
-
-def _rank(rank: int, world_size: int, port: int, case: str, folder: str | None, out: str) -> None:
-    join_ranks(rank, world_size, port)
-    model, _, options = CASES[case]
-    media, skipped = _generate(model, folder, options)
-    np.save(f"{out}.skipped{rank}.npy", np.asarray(skipped, dtype=np.int64))
-    if media is not None:
-        np.save(f"{out}.media.npy", media)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_ranks_skip_the_steps_one_process_skips(case: str, folders: dict, tmp_path: Path) -> None:
-    model, world_size, _ = CASES[case]
-    single, skipped = _generate(model, folders[model], {})
-    assert 0 < len(skipped) < FIELDS[model]["steps"] - 2, f"one process skipped steps {skipped}: no test of skipping"
-    out = str(tmp_path / "ranks")
-    spawn_ranks(_rank, world_size, case, folders[model], out)
-    for rank in range(world_size):
-        assert np.load(f"{out}.skipped{rank}.npy").tolist() == skipped, f"rank {rank} skipped other steps"
-    parallel = np.load(f"{out}.media.npy").astype(np.int16)
-    difference = np.abs(parallel - single.astype(np.int16)).max()
-    assert difference <= 1, f"{case} with a step cache differs from one process by {difference} levels"
 
 
 def _disagreeing_rank(rank: int, world_size: int, port: int, out: str) -> None:

@@ -26,6 +26,7 @@ PORT_ATTEMPTS times). On several hosts the port is the user's (--rdzv-endpoint),
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
@@ -55,10 +56,32 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now (for torchrun's rendezvous)."""
+    """A TCP port nobody listens on right now (for torchrun's rendezvous), below the kernel's ephemeral range.
+
+    A port the kernel hands out itself (bind to port 0) is one of its ephemeral ports, which it also gives to the
+    outgoing end of every connection: between this choice and the listener's bind, any connection on the machine
+    (gloo's, a rank's to the store, a browser's) may take it. Below that range only another program's explicit
+    choice can. Where no such port is found, any free one."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > 2048 else 0):
+        port = random.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's ip_local_port_range; its default elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def remove_ended_logs() -> None:

@@ -1,7 +1,7 @@
 """Context parallelism for any diffusers transformer with a declared split plan (diffusers' `_cp_plan`).
 
 A transformer class that diffusers can run context-parallel says where its tokens are split and gathered
-(`_cp_plan`: WanTransformer3DModel, QwenImageTransformer2DModel, ...):
+(`_cp_plan`; WanTransformer3DModel's, for one):
 
     {"rope":     {0: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True), 1: ...},
      "blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
@@ -19,9 +19,9 @@ applies such a plan from outside, with this project's pieces instead of diffuser
   on either transport, with the padded keys left out; the processors' own projections, norms and rotary
   embedding run unchanged;
 - the batch is split over CFG groups (a guidance-batched call, Wan); a model whose guidance branches are
-  separate calls (Qwen-Image, FLUX.3) runs one branch per CFG group through forward_guided (engines.parallel.wrapper);
-  tensor parallelism, compiled engines, CUDA graphs, FP8 and the step cache apply to the model as to the
-  hand-written adapters.
+  separate calls (its record's guidance_calls) runs one branch per CFG group through forward_guided
+  (engines.parallel.wrapper); tensor parallelism, compiled engines, CUDA graphs, FP8 and the step cache apply to the
+  model as to the hand-written adapters.
 
 How the attention is reached. diffusers' processors call `dispatch_attention_fn(..., parallel_config=
 self._parallel_config)`. Each processor here gets a copy whose `_parallel_config` is a SequenceSplit, and the
@@ -36,7 +36,7 @@ each call attaches the hooks to whatever stands at the plan's path then (an attr
 only when the occupant changed).
 
 Which padded sequence an attention call sees is the family's to say when the processor concatenates
-several split streams (Qwen-Image joins text then image: segments=("encoder_hidden_states",
+several split streams (a double-stream model joins text then image: segments=("encoder_hidden_states",
 "hidden_states")); one split stream (Wan) is the default.
 """
 
@@ -336,7 +336,7 @@ parallelize_generic = generic_adapter()
 
 parallelize_joint = generic_adapter(segments=("encoder_hidden_states", "hidden_states"), per_sample=("img_shapes",))
 """The generic path for a double-stream transformer whose attention joins the text then the image tokens, both
-split (Qwen-Image)."""
+split."""
 
 
 def generic_weights(model: nn.Module, tp: int) -> WeightSplit:
@@ -373,7 +373,7 @@ def generic_weights(model: nn.Module, tp: int) -> WeightSplit:
             if isinstance(getattr(module, "to_add_out", None), nn.Linear):
                 linears[f"{name}.to_add_out"] = ROW
             # The rank's heads, and the widths derived from them: processors reshape by `heads` (Wan) or by
-            # inner_dim // heads (Qwen-Image), and both must give the whole head dimension.
+            # inner_dim // heads (double-stream ones), and both must give the whole head dimension.
             counts = {"heads": local_heads(heads, tp)}
             for width in ("inner_dim", "inner_kv_dim"):
                 if isinstance(getattr(module, width, None), int):

@@ -55,10 +55,10 @@ class ParallelTransformer(nn.Module):
     def forward_guided(self, passes: list[dict[str, Any]], call: Any = None) -> list[Any]:
         """The predictions (the model's `sample`: a tensor, or Cosmos 3's list of one per sample) of each of
         guidance's calls in `passes` (keyword arguments of the model, conditional first), on every rank: for
-        models whose guidance branches are separate calls (their text lengths differ: Cosmos 3, Qwen-Image,
-        FLUX.3). With a CFG axis of len(passes) rank groups, group i runs passes[i] while the others run theirs,
-        and the predictions are exchanged; without one, the calls run in turn. `call` runs one pass (default:
-        this module; an Engine passes itself, so its compiled forward runs)."""
+        models whose guidance branches are separate calls (their text lengths differ: Cosmos 3, FLUX.3 base,
+        and the others whose record says guidance_calls). With a CFG axis of len(passes) rank groups, group i runs
+        passes[i] while the others run theirs, and the predictions are exchanged; without one, the calls run in turn.
+        `call` runs one pass (default: this module; an Engine passes itself, so its compiled forward runs)."""
         call = call or self
         cfg = self.mesh.plan.cfg
         if cfg == 1:

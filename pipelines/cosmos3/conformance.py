@@ -23,6 +23,11 @@ RANK_CASES = {  # every strategy and hybrid at 2/3/4/8 ranks on the transformer 
                           {**VIDEO, "condition": "image.png"}),
     "cfg-2 x allgather-2 v2v": RankCase("cosmos3-nano", 4, dict(strategy="allgather", cfg_parallel=True),
                                         {**VIDEO, "condition": "clip.mp4"}),
+    # with a step cache (a threshold far below the default: the tiny random weights change fast), one call per
+    # branch, one per group, or both branches' calls on every rank
+    "cfg-2 cache": RankCase("cosmos3-nano", 2, dict(cfg_parallel=True, cache="fbcache:0.005"), {**VIDEO, "steps": 6}),
+    "ulysses-2 cache": RankCase("cosmos3-nano", 2, dict(strategy="ulysses", cache="fbcache:0.005"),
+                                {**VIDEO, "steps": 6}),
 }
 
 

@@ -23,6 +23,10 @@ RANK_CASES = {  # every strategy and hybrid at 2/3/4 ranks on the transformer al
     "dev ulysses-2 reference": RankCase("flux2-dev", 2, dict(strategy="ulysses"), {**SIZE, "condition": "image.png"}),
     "klein-base cfg-2 reference": RankCase("flux2-klein-base-4b", 2, dict(strategy="ring", cfg_parallel=True),
                                            {**SIZE, "condition": "image.png"}),
+    # with a step cache (a threshold far above the default: the tiny random weights' first block changes by more
+    # than itself from step to step)
+    "klein ulysses-2 cache": RankCase("flux2-klein-4b", 2, dict(strategy="ulysses", cache="fbcache:1.1"),
+                                      dict(prompt="a red circle", seed=2, steps=6, height=80, width=112)),
 }
 
 

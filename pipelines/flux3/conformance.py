@@ -20,7 +20,7 @@ CASES = {
 }
 APP_CASES = {  # guidance's two calls each split, or each on its own rank
     "base": AppCase("flux3-klein-base", ("--size", "64x48", "--steps", "2"),
-                    {"ulysses": ("--strategy", "ulysses"), "cfg-parallel": ("--cfg-parallel",)}),
+                    {"ulysses-2": ("--strategy", "ulysses"), "cfg-parallel": ("--cfg-parallel",)}),
 }
 
 

@@ -23,10 +23,10 @@ APP = ("--size", "64x48", "--steps", "2")
 APP_CASES = {
     # guidance's two calls, of different text lengths, each split, or each on its own rank
     "qwen-image": AppCase("qwen-image", APP,
-                          {"ulysses": ("--strategy", "ulysses"), "cfg-parallel": ("--cfg-parallel",)}),
-    "edit": AppCase("qwen-image-edit", (*APP, "--input", "image.png"), {"ulysses": ("--strategy", "ulysses")}),
+                          {"ulysses-2": ("--strategy", "ulysses"), "cfg-parallel": ("--cfg-parallel",)}),
+    "edit": AppCase("qwen-image-edit", (*APP, "--input", "image.png"), {"ulysses-2": ("--strategy", "ulysses")}),
     # 2511's per-token timestep index (its reference's tokens at timestep 0) split with the tokens (modulate_index)
-    "edit 2511": AppCase("qwen-image-edit-2511", (*APP, "--input", "image.png"), {"ring": ("--strategy", "ring")}),
+    "edit 2511": AppCase("qwen-image-edit-2511", (*APP, "--input", "image.png"), {"ring-2": ("--strategy", "ring")}),
 }
 
 

@@ -36,16 +36,19 @@ CASES = {
 RANK_CASES = {  # the CFG groups' batch-1 calls against one batch-2 call: the frames before H.264, within 1/255
     "2.1 cfg-2": RankCase("wan2.1-t2v-1.3b", 2, dict(strategy="ulysses", cfg_parallel=True),
                           {**VIDEO, "guidance": 5.0}),
+    # with a step cache: 2 x 3 x 5 tokens, padded
+    "2.1 ulysses-2 cache": RankCase("wan2.1-t2v-1.3b", 2, dict(strategy="ulysses", cache="fbcache:0.6"),
+                                    dict(seed=2, steps=8, frames=5, height=48, width=80)),
 }
 APP = ("--frames", "5", "--size", "64x48", "--steps", "2")
 APP_CASES = {
     "2.1": AppCase("wan2.1-t2v-1.3b", APP, {}),  # its 2 ranks: RANK_CASES, and Wan 2.2 A14B's in tests/test_app_wan.py
     "2.1 image-to-video": AppCase("wan2.1-i2v-14b", (*APP, "--input", "image.png"),
-                                  {"ulysses": ("--strategy", "ulysses")}, tolerance=2),
+                                  {"ulysses-2": ("--strategy", "ulysses")}, tolerance=2),
     # 27 tokens (3 latent frames of 3 x 3): the split pads them, and cuts the given first frame's timestep-0 tokens
     # from the others' on rank 0
     "2.2 TI2V image": AppCase("wan2.2-ti2v-5b", ("--frames", "9", "--size", "96x96", "--steps", "2", "--input",
-                                                 "image.png"), {"ulysses": ("--strategy", "ulysses")}, tolerance=2),
+                                                 "image.png"), {"ulysses-2": ("--strategy", "ulysses")}, tolerance=2),
 }
 
 
