@@ -10,6 +10,8 @@
   as `generate` does.
 
 A family whose pipeline has no diffusers counterpart to compare with says why in NO_REFERENCE instead of CASES.
+Every model the cases name also has its limits checked: a size or frame count off its grid, or over its largest,
+refused with the rule's message.
 
 diffusers' pipelines are the reference, never what the product runs: that is why a family's reference is here and
 not in its pipeline, and why these modules are imported by the suite alone.

@@ -460,7 +460,9 @@ def test_no_request_holds_the_ranks_past_the_limit_and_none_that_fits_is_refused
             seconds = float(estimate.group(1)) * (60 if estimate.group(2) == "min" else 1)
             print(f"{tab} {side}x{side}x{frames}, {steps} steps: refused in {time.monotonic() - started:.2f} s, "
                   f"estimate {seconds:.0f} s")
-            assert seconds > LIMIT_SECONDS and time.monotonic() - started < 5
+            # A shape not seen before has its work counted first (pipelines.work, on meta tensors): 3-5 s for a
+            # 63-frame video on a busy 2-core machine, against the minutes it would hold the ranks.
+            assert seconds > LIMIT_SECONDS and time.monotonic() - started < 10
             assert (tab, side) not in (("image", 256), ("image", 512), ("video", 128)), error  # well under the limit
             continue
         held, estimate = settings["seconds"], settings["estimate_seconds"]

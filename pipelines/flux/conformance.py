@@ -10,8 +10,8 @@ CASES = {"text": Case("tiny-flux", dict(height=128, width=192, steps=4, guidance
 # Its ranks equal one process with every strategy: tests/test_parallel_pipelines.py; here, with a step cache (the
 # threshold a little above the default: the trained model skips some of 8 steps).
 CACHED = dict(prompt="a big red star in the center on a white background", seed=3, steps=8, height=80, width=112)
-RANK_CASES = {
-    "ulysses-2 cache": RankCase("tiny-flux", 2, dict(strategy="ulysses", cache="fbcache:0.25"), CACHED),  # padded
+RANK_CASES = {  # 35 image tokens: the last shard padded
+    "ulysses-2 cache": RankCase("tiny-flux", 2, dict(strategy="ulysses", cache="fbcache:0.25"), CACHED),
     "allgather-4 cache": RankCase("tiny-flux", 4, dict(strategy="allgather", cache="fbcache:0.25"), CACHED),
 }
 
