@@ -7,7 +7,8 @@
 - RANK_CASES, name -> RankCase (where there are any): requests that several gloo ranks, through the app's
   runtime, must answer as one process does;
 - APP_CASES, name -> AppCase (where there are any): command lines that `launch --nproc 2 generate` must answer
-  as `generate` does.
+  as `generate` does;
+- SPEC (where needed): ModelSpec fields the suite's runs change (e.g. a shorter max_sequence_length, for speed).
 
 A family whose pipeline has no diffusers counterpart to compare with says why in NO_REFERENCE instead of CASES.
 Every model the cases name also has its limits checked: a size or frame count off its grid, or over its largest,
