@@ -466,7 +466,8 @@ def serve_jobs(runtime: Runtime, jobs: JobQueue, stop: threading.Event, budget: 
                until_drained: bool = False, on_end: JobCallback | None = None) -> None:
     """Rank 0's main loop: run queued jobs until `stop` is set (or, `until_drained`, until none waits or runs),
     each on the first group free of the layout the ranks are in: rank 0's own (in this thread, which heartbeats it
-    while idle) and every other one (a thread each). Then the queue is closed.
+    while idle) and every other one (a thread each). The caller closes the queue (serve, with closing_reason: as
+    late as it can, for a rank's death is seen a moment after its SIGTERM).
 
     Where the run regroups (`--replicas auto`), whenever every group is idle the layout that ends the waiting jobs
     soonest is chosen (choose_layout) and the ranks move to it (Runtime.regroup): one request alone runs on every
@@ -478,15 +479,12 @@ def serve_jobs(runtime: Runtime, jobs: JobQueue, stop: threading.Event, budget: 
     """
     groups = [layout.replicas for layout in runtime.layouts]
     choose = (lambda waiting: choose_layout(waiting, groups, budget)) if runtime.regroups else None
-    try:
-        while True:
-            target = _serve_layout(layout_workers(runtime, runtime.active), jobs, stop, budget, choose,
-                                   until_drained, on_end)
-            if target is None:
-                return
-            runtime.regroup(target)
-    finally:
-        jobs.close(closing_reason(runtime))
+    while True:
+        target = _serve_layout(layout_workers(runtime, runtime.active), jobs, stop, budget, choose, until_drained,
+                               on_end)
+        if target is None:
+            return
+        runtime.regroup(target)
 
 
 def closing_reason(runtime: Runtime) -> str:

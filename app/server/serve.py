@@ -373,15 +373,13 @@ def run_serve(args: argparse.Namespace) -> int:
         def abandon() -> str:
             # app.ranks.stopping's watchdog, when SIGTERM found the main thread stuck (in a collective with a dead
             # rank): tell the waiting clients why, give them a moment to hear it, clean up.
-            message = runtime.service.lost_message()
-            lost = bool(runtime.service.dead_ranks(wait=0.0))
-            reason = f"the server {'lost a rank and is ending' if lost else 'is shutting down'}: {message}"
+            reason = closing_reason(runtime)
             for job in jobs.running():
                 job.fail(reason)
             jobs.close(reason)
             time.sleep(CLIENT_GRACE_SECONDS)
             remove_files()
-            return message
+            return runtime.service.lost_message()
 
         stop.abandon = abandon
         # Failed API keys and failed UI logins count together.
