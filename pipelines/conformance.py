@@ -12,7 +12,8 @@
 
 A family whose pipeline has no diffusers counterpart to compare with says why in NO_REFERENCE instead of CASES.
 Every model the cases name also has its limits checked: a size or frame count off its grid, or over its largest,
-refused with the rule's message.
+refused with the rule's message; and each family's first model takes two random LoRAs on every linear of its
+repeated blocks, as diffusers' PEFT adapters do, in one process and on 2 ranks.
 
 diffusers' pipelines are the reference, never what the product runs: that is why a family's reference is here and
 not in its pipeline, and why these modules are imported by the suite alone.

@@ -7,11 +7,14 @@ pipelines.conformance says what one holds) on its tiny checkpoints.
   cache, every rank skips the steps one process skips.
 - Through the app, as users run it: `generate` writes the output with the checkpoint's defaults in its settings,
   and `launch --nproc 2 generate` with each plan writes the same output.
+- LoRAs on each family's transformer equal diffusers' PEFT adapters, and on 2 ranks one process (a family that
+  diffusers has no LoRA loader for refuses them).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -230,3 +233,161 @@ def test_app_two_ranks_equal_one_rank(root: Path, one_rank, module_name: str, ca
     difference = np.abs(_pixels(two) - _pixels(one))
     assert difference.max() <= expected.tolerance and difference.mean() <= 0.1, (
         f"pixel difference: max {difference.max()}, mean {difference.mean():.3f}")
+
+
+def _family_models() -> list:
+    """One model per family: the first its cases name (its transformer class is the family's)."""
+    firsts = {}
+    for module in MODULES:
+        for kind in ("CASES", "RANK_CASES", "APP_CASES"):
+            for case in getattr(_module(module), kind, {}).values():
+                firsts.setdefault(module, case.model)
+    return [pytest.param(module, model, id=model) for module, model in sorted(firsts.items())]
+
+
+LORA_RANKS = {"a": 4, "b": 2}
+LORA_CHOICES = ([("a", 0.7)], [("a", 0.7), ("b", -0.4)], [("b", 1.3)])
+
+
+def _transformer(model: str, root: Path) -> torch.nn.Module:
+    from pipelines.family import load
+    from pipelines.registry import family_of
+
+    spec = get_spec(model)
+    family = family_of(spec)
+    if family.transformer_setup:
+        load(family.transformer_setup)()
+    return load(family.transformer).from_pretrained(tiny_folder(spec, root) / "transformer").eval()
+
+
+def _loras(model: str, root: Path) -> dict[str, Path]:
+    """Random LoRAs (diffusers/PEFT keys) on every linear of the model's repeated blocks, written once beside its
+    checkpoint: A ~ N(0, 1/in), B ~ N(0, 0.2)."""
+    from safetensors.torch import save_file
+
+    from pipelines.registry import family_of
+
+    prefixes = tuple(f"{blocks}." for blocks in family_of(get_spec(model)).repeated_blocks)
+    files = {}
+    for seed, (name, rank) in enumerate(LORA_RANKS.items()):
+        path = root / f"{model}-lora-{name}.safetensors"
+        if not path.exists():
+            generator, state = torch.Generator().manual_seed(seed), {}
+            for layer, module in _transformer(model, root).named_modules():
+                if isinstance(module, torch.nn.Linear) and layer.startswith(prefixes):
+                    state[f"transformer.{layer}.lora_A.weight"] = \
+                        torch.randn(rank, module.in_features, generator=generator) * module.in_features ** -0.5
+                    state[f"transformer.{layer}.lora_B.weight"] = \
+                        torch.randn(module.out_features, rank, generator=generator) * 0.2
+            save_file(state, str(path))
+        files[name] = path
+    return files
+
+
+def _takes_loras(model: str) -> bool:
+    """Whether diffusers has a LoRA loader for the model's transformer class (engines.weights.lora.loader_name)."""
+    import diffusers.loaders.lora_pipeline as lora_pipeline
+
+    from engines.weights.lora import loader_name
+    from pipelines.registry import family_of
+
+    return hasattr(lora_pipeline, loader_name(family_of(get_spec(model)).transformer.partition(":")[2]))
+
+
+def _adapted(model: str, root: Path, files: dict[str, Path]):
+    """The model's tiny transformer with `files` attached as the app attaches them (engines.weights.lora), and the
+    choice it selects from."""
+    from engines.options import LoraFile
+    from engines.weights.lora import attach_loras, check_lora_files
+
+    transformer = _transformer(model, root)
+    weights = check_lora_files([LoraFile(name=name, path=path) for name, path in files.items()], type(transformer),
+                               dict(transformer.config))
+    return transformer, attach_loras(transformer, weights, dtype=torch.float32)
+
+
+def _transformer_call(model: str, transformer: torch.nn.Module) -> dict:
+    """One call of the transformer at its family's first tiny size, 8 text tokens (its record's bench.inputs)."""
+    from pipelines.family import load
+    from pipelines.registry import family_of
+    from pipelines.transformer_inputs import Shape
+
+    bench = family_of(get_spec(model)).bench
+    dims = [int(d) for d in bench.tiny_sizes[0].split("x")]
+    shape = Shape(frames=dims[0], height=dims[1], width=dims[2], text_tokens=8) if bench.video else \
+        Shape(height=dims[0], width=dims[1], text_tokens=8)
+    torch.manual_seed(0)
+    return load(bench.inputs)(dict(transformer.config), shape, batch=bench.batch, device=torch.device("cpu"),
+                              dtype=torch.float32)[0]
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to b's largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize(("module_name", "model"), _family_models())
+def test_loras_equal_diffusers_peft_adapters(root: Path, module_name: str, model: str) -> None:
+    """Two LoRAs attached as the app attaches them give, for each choice of names and scales, what diffusers' own
+    PEFT adapters give on the same weights (load_lora_adapter, set_adapters). A family that diffusers has no LoRA
+    loader for refuses them, saying so."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    files = _loras(model, root)
+    if not _takes_loras(model):
+        from engines.options import LoraError
+
+        with pytest.raises(LoraError, match="diffusers has no LoRA loader for .*, so this model takes no LoRA"):
+            _adapted(model, root, files)
+        return
+    reference = _transformer(model, root)
+    for name, path in files.items():
+        state = {key.removeprefix("transformer."): value for key, value in load_file(str(path)).items()}
+        reference.load_lora_adapter(state, adapter_name=name, prefix=None)
+    ours, chosen = _adapted(model, root, files)
+    call = _transformer_call(model, ours)
+    with torch.no_grad():
+        plain = _transformer(model, root)(**call)[0]
+        for choice in LORA_CHOICES:
+            names, scales = zip(*choice)
+            reference.set_adapters(list(names), list(scales))
+            expected = reference(**call)[0]
+            chosen.select(choice)
+            got = ours(**call)[0]
+            assert _largest_difference(plain, expected) > 1e-3, choice  # the LoRA does something
+            assert _largest_difference(got, expected) <= 1e-5, (choice, _largest_difference(got, expected))
+
+
+def _lora_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:
+    join_ranks(rank, world_size, port)
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.parallelize import parallelize_transformer
+    from pipelines.family import load
+    from pipelines.registry import family_of
+
+    ctx = init_parallel("cpu")
+    errors = {}
+    for model in models:
+        transformer, chosen = _adapted(model, Path(root), _loras(model, Path(root)))
+        chosen.select(list(LORA_CHOICES[1]))
+        call = _transformer_call(model, transformer)
+        with torch.no_grad():
+            expected = transformer(**call)[0]
+            parallel = parallelize_transformer(transformer, ctx, None, load(family_of(get_spec(model)).parallelize))
+            errors[model] = _largest_difference(parallel(**call)[0], expected)
+    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(errors))
+    shutdown(ctx)
+
+
+def test_loras_on_two_ranks_equal_one_process(root: Path, tmp_path: Path) -> None:
+    """Every family's transformer that takes LoRAs with two chosen, split over 2 gloo ranks by its parallel plan
+    (Ulysses): the output of one process."""
+    models = [param.values[1] for param in _family_models() if _takes_loras(param.values[1])]
+    for model in models:
+        _loras(model, root)  # the checkpoints and files, before the ranks
+    spawn_ranks(_lora_ranks, 2, str(root), str(tmp_path), models)
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sorted(errors) == sorted(models)
+        assert all(error <= 1e-5 for error in errors.values()), (rank, errors)
