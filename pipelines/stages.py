@@ -56,6 +56,29 @@ class StagedPipeline:
     none."""
     attention_precision: str = "full"
     """The run's --attention-precision (engines.options.ATTENTION_PRECISIONS), applied by cache_step per step."""
+    ENCODERS: tuple[str, ...] = ("text_encoder", "tokenizer")
+    """The components only rank 0 loads: what encodes a request."""
+    COMPONENT_DTYPES: dict[str, Any] = {}
+    """Components kept in their own dtype whatever the run's (e.g. a VAE in float32); none by default."""
+
+    @classmethod
+    def components(cls, folder: Path, with_encoders: bool) -> list[str]:
+        """The components from_folder loads from `folder` besides the VAE: the transformer, the scheduler and, with
+        the encoders, ENCODERS (a family whose folders differ in what they hold reads it here)."""
+        return ["transformer", "scheduler", *(cls.ENCODERS if with_encoders else ())]
+
+    @classmethod
+    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: Any = "cpu", dtype: Any, with_encoders: bool = True,
+                    with_vae: bool | None = None, share: Any = None) -> Any:
+        """Load from a diffusers folder of the checkpoint's pipeline class. `with_encoders=False` (ranks > 0) skips
+        the ENCODERS, and the VAE too unless `with_vae` (a split decode runs it on every rank); `share`: only this
+        rank's tensor-parallel share of the transformer is read (pipelines.loading.TransformerShare)."""
+        from pipelines.loading import load_parts
+
+        names = cls.components(folder, with_encoders)
+        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
+        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
+        return cls(spec=spec, folder=folder, device=device, **parts)
 
     def _hold(self, *, spec: ModelSpec, folder: Path, transformer: Any, scheduler: Any, vae: Any, device: Any) -> None:
         """Keep what every pipeline keeps of its parts (a family's __init__ calls it first): the spec and folder,

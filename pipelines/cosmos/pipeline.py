@@ -26,7 +26,6 @@ from diffusers.video_processor import VideoProcessor
 
 from pipelines.cosmos import torchvision_shim
 from pipelines.guardrail import Guardrail
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
@@ -90,25 +89,6 @@ class CosmosPipeline(StagedPipeline):
         self.guardrail = Guardrail.load() if text_encoder is not None and not spec.embedded else None
         if self.transformer_config.concat_padding_mask:
             torchvision_shim.install()
-
-    @classmethod
-    def from_folder(
-        cls,
-        spec: ModelSpec,
-        folder: Path,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        with_encoders: bool = True,
-        with_vae: bool | None = None,
-        share: TransformerShare | None = None,
-    ) -> CosmosPipeline:
-        """Load from a diffusers Cosmos-Predict2 folder; `with_encoders=False` skips T5 (ranks > 0), and the VAE
-        too unless `with_vae` (a split decode runs it on every rank)."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        return cls(spec=spec, folder=folder, device=device, **parts)
 
     @property
     def uses_condition_mask(self) -> bool:

@@ -30,7 +30,6 @@ from diffusers import Cosmos3OmniPipeline
 from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.guardrail import Guardrail
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.media import read_frames
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
@@ -61,6 +60,7 @@ class Cosmos3Pipeline(StagedPipeline):
 
     COMPONENT_DTYPES = {"vae": torch.float32}
     """The Wan VAE runs in float32 as in the other Cosmos pipelines here (bf16 costs visible banding)."""
+    ENCODERS = ("text_tokenizer",)
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
@@ -76,18 +76,6 @@ class Cosmos3Pipeline(StagedPipeline):
             self._diffusers = Cosmos3OmniPipeline(transformer=transformer, text_tokenizer=text_tokenizer, vae=vae,
                                                   scheduler=scheduler, enable_safety_checker=False)
         self.guardrail = Guardrail.load() if self._diffusers is not None and not spec.embedded else None
-
-    @classmethod
-    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
-                    with_vae: bool | None = None,
-                    share: TransformerShare | None = None) -> Cosmos3Pipeline:
-        """Load from a diffusers Cosmos3OmniPipeline folder; `with_encoders=False` skips the tokenizer, and the
-        VAE too unless `with_vae` (a split decode runs it on every rank)."""
-        names = ["transformer", "scheduler"] + (["text_tokenizer"] if with_encoders else [])
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        return cls(spec=spec, folder=folder, device=device, **parts)
 
     # --- rank 0 ---------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback
@@ -41,8 +40,7 @@ class FluxText:
 class FluxImagePipeline(StagedPipeline):
     """Prompt -> image with a FluxTransformer2DModel; see the module docstring for the stages."""
 
-    COMPONENT_DTYPES: dict[str, torch.dtype] = {}
-    """Components kept in their own dtype whatever the run's: none (every component in the run's dtype)."""
+    ENCODERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 
     def __init__(
         self,
@@ -65,28 +63,6 @@ class FluxImagePipeline(StagedPipeline):
         self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
         self.vae_spatial_factor = self.vae_scale_factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
-
-    @classmethod
-    def from_folder(
-        cls,
-        spec: ModelSpec,
-        folder: Path,
-        *,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        with_encoders: bool = True,
-        share: TransformerShare | None = None,
-        with_vae: bool | None = None,
-    ) -> FluxImagePipeline:
-        """Load from a diffusers FLUX folder; `with_encoders=False` skips the text encoders (ranks > 0), and the
-        VAE too unless `with_vae` (a split decode runs it on every rank)."""
-        names = ["transformer", "scheduler"]
-        if with_encoders:
-            names += ["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"]
-        if with_encoders if with_vae is None else with_vae:
-            names.append("vae")
-        return cls(spec=spec, folder=folder, device=device,
-                   **load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share))
 
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> FluxText:

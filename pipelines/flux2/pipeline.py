@@ -31,7 +31,6 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, uses_guidance_batch
 from pipelines.stages import StagedPipeline, StepCallback
@@ -66,9 +65,6 @@ def unpack_latents(vae: Any, latents: torch.Tensor, rows: int, cols: int) -> tor
 class Flux2ImagePipeline(StagedPipeline):
     """Prompt (and optional reference image) -> image with a Flux2Transformer2DModel."""
 
-    COMPONENT_DTYPES: dict[str, torch.dtype] = {}
-    """Components kept in their own dtype whatever the run's: none."""
-
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
         self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
@@ -82,19 +78,6 @@ class Flux2ImagePipeline(StagedPipeline):
             cls = Flux2KleinPipeline if spec.checkpoint_class == "Flux2KleinPipeline" else Flux2Pipeline
             self._diffusers = cls(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                   transformer=transformer)
-
-    @classmethod
-    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
-                    with_vae: bool | None = None,
-                    share: TransformerShare | None = None) -> Flux2ImagePipeline:
-        """Load from a diffusers Flux2Pipeline or Flux2KleinPipeline folder; `with_encoders=False` skips the
-        text encoder and tokenizer (ranks > 0), and the VAE too unless `with_vae` (a split decode runs it on
-        every rank)."""
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        return cls(spec=spec, folder=folder, device=device, **parts)
 
     def _branches(self, request: GenerationRequest) -> int:
         return self.guidance_branches if request.guidance > 1.0 else 1

@@ -52,7 +52,6 @@ from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flu
 from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.flux2.pipeline import unpack_latents
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback
@@ -98,9 +97,6 @@ class Flux3Conditioning:
 class Flux3ImagePipeline(StagedPipeline):
     """Prompt (and optional reference image) -> image with a Flux3Transformer2DModel."""
 
-    COMPONENT_DTYPES: dict[str, torch.dtype] = {}
-    """Components kept in their own dtype whatever the run's: none."""
-
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler=None,
                  text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
         scheduler = scheduler if scheduler is not None else _created(Flux3SetTimestepsStep(), "scheduler")
@@ -115,17 +111,11 @@ class Flux3ImagePipeline(StagedPipeline):
         self._rope_scale = Flux3PrepareLatentsStep().image_rope_scale
 
     @classmethod
-    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
-                    with_vae: bool | None = None, share: TransformerShare | None = None) -> Flux3ImagePipeline:
-        """Load from a FLUX.3 folder (modular_model_index.json); `with_encoders=False` skips the text encoder and
-        tokenizer (ranks > 0), and the VAE too unless `with_vae` (a split decode runs it on every rank). A folder
-        without a scheduler (as diffusers saves them) gets the one diffusers' FLUX.3 blocks make."""
-        names = ["transformer"] + (["scheduler"] if "scheduler" in read_model_index(folder) else [])
-        names += ["text_encoder", "tokenizer"] if with_encoders else []
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        return cls(spec=spec, folder=folder, device=device, **parts)
+    def components(cls, folder: Path, with_encoders: bool) -> list[str]:
+        """A FLUX.3 folder (modular_model_index.json) without a scheduler, as diffusers saves them, gets the one
+        diffusers' FLUX.3 blocks make."""
+        names = super().components(folder, with_encoders)
+        return names if "scheduler" in read_model_index(folder) else [name for name in names if name != "scheduler"]
 
     def _guided(self, request: GenerationRequest) -> bool:
         """Whether `request` makes two calls a step: the base model's guider, on unless its scale is 1."""

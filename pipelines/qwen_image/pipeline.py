@@ -45,6 +45,7 @@ import copy
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import PIL.Image
@@ -61,7 +62,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import Qwen2VLProcessor
 
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.qwen_image.limits import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
@@ -88,9 +88,6 @@ class QwenImageConditioning:
 class QwenImageImagePipeline(StagedPipeline):
     """Prompt -> image with a QwenImageTransformer2DModel."""
 
-    COMPONENT_DTYPES: dict[str, torch.dtype] = {}
-    """Components kept in their own dtype whatever the run's: none."""
-
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
                  text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
         self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
@@ -106,20 +103,12 @@ class QwenImageImagePipeline(StagedPipeline):
                                                 tokenizer=tokenizer, transformer=transformer)
 
     @classmethod
-    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
-                    with_vae: bool | None = None,
-                    share: TransformerShare | None = None) -> QwenImageImagePipeline:
-        """Load from a diffusers QwenImagePipeline folder (a QwenImageEditPipeline folder: as
-        QwenImageEditImagePipeline); `with_encoders=False` skips the text encoder and tokenizer (ranks > 0), and the
-        VAE too unless `with_vae`."""
-        edit = EDIT_PIPELINES.get(spec.checkpoint_class)  # an editing checkpoint's pipeline class
-        names = ["transformer", "scheduler"] + (["text_encoder", "tokenizer"] if with_encoders else [])
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        if edit is not None and with_encoders:
-            parts["processor"] = load_edit_processor(folder)
-        return (edit or cls)(spec=spec, folder=folder, device=device, **parts)
+    def from_folder(cls, spec: ModelSpec, folder: Path, **options: Any) -> QwenImageImagePipeline:
+        """StagedPipeline.from_folder; an editing checkpoint's folder (EDIT_PIPELINES) loads as its edit pipeline."""
+        edit = EDIT_PIPELINES.get(spec.checkpoint_class)
+        if edit is not None and cls is not edit:
+            return edit.from_folder(spec, folder, **options)
+        return super().from_folder(spec, folder, **options)
 
     def _grid(self, request: GenerationRequest) -> tuple[int, int]:
         """Rows and columns of packed latent tokens (VAE factor x 2x2 patches per token)."""
@@ -258,15 +247,14 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
     """Pixels of the reference the VAE encodes into the tokens that follow the image's."""
 
     def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler,
-                 text_encoder=None, tokenizer=None, processor=None, vae=None,
-                 device: torch.device | str = "cpu") -> None:
+                 text_encoder=None, tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
         super().__init__(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae,
                          device=device)
-        # diffusers' pipeline over the same parts: its prompt-and-image encoding and its reference's VAE encoding
-        # (rank 0's; None on the ranks that load no encoders).
+        # diffusers' pipeline over the same parts and the folder's processor: its prompt-and-image encoding and its
+        # reference's VAE encoding (rank 0's; None on the ranks that load no encoders).
         self._diffusers = None if text_encoder is None else self.DIFFUSERS(
-            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
-            transformer=transformer)
+            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+            processor=load_edit_processor(folder), transformer=transformer)
 
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> QwenImageConditioning:

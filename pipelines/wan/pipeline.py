@@ -43,7 +43,6 @@ from diffusers import WanPipeline
 from diffusers.utils import load_image
 from diffusers.video_processor import VideoProcessor
 
-from pipelines.loading import TransformerShare, load_parts
 from pipelines.registry import ModelSpec, folder_experts, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback
@@ -102,21 +101,16 @@ class WanVideoPipeline(StagedPipeline):
                                           transformer=transformer)
 
     @classmethod
-    def from_folder(cls, spec: ModelSpec, folder: Path, *, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, with_encoders: bool = True,
-                    with_vae: bool | None = None,
-                    share: TransformerShare | None = None) -> WanVideoPipeline:
-        """Load from a diffusers WanPipeline or WanImageToVideoPipeline folder (both experts of a two-expert one);
-        `with_encoders=False` skips the text encoder and tokenizer and the image encoder and processor (ranks > 0),
-        and the VAE too unless `with_vae` (a split decode runs it on every rank)."""
+    def components(cls, folder: Path, with_encoders: bool) -> list[str]:
+        """A WanPipeline or WanImageToVideoPipeline folder: both experts of a two-expert one, and with the encoders
+        an image-to-video folder's image encoder and processor."""
         index = read_model_index(folder)
-        names = ["transformer"] + (["transformer_2"] if folder_experts(index) > 1 else []) + ["scheduler"]
-        names += ["text_encoder", "tokenizer"] if with_encoders else []
+        names = super().components(folder, with_encoders)
+        if folder_experts(index) > 1:
+            names.insert(1, "transformer_2")
         if with_encoders and (index.get("image_encoder") or [None])[0] is not None:
             names += ["image_encoder", "image_processor"]
-        names += ["vae"] if (with_encoders if with_vae is None else with_vae) else []
-        parts = load_parts(folder, names, dtype=dtype, device=device, dtypes=cls.COMPONENT_DTYPES, share=share)
-        return cls(spec=spec, folder=folder, device=device, **parts)
+        return names
 
     # --- rank 0 ---------------------------------------------------------------------------------
 
