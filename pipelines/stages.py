@@ -216,6 +216,10 @@ class StagedPipeline:
                 on_step(i + 1, total)
         return latents
 
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Any:
+        """All three stages in one process: the family's encode, denoise and decode."""
+        return self.decode(request, self.denoise(request, self.encode(request), on_step))
+
     def computed_steps(self) -> int | None:
         """Steps of the last denoising loop whose transformer blocks all ran; None without a step cache."""
         if not self.step_caches:

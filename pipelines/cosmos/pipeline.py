@@ -62,18 +62,8 @@ class CosmosPipeline(StagedPipeline):
     """Components kept in their own dtype whatever the run's: the Wan VAE runs in float32 in
     diffusers' Cosmos examples; bf16 costs visible banding."""
 
-    def __init__(
-        self,
-        *,
-        spec: ModelSpec,
-        folder: Path,
-        transformer: torch.nn.Module,
-        scheduler,
-        text_encoder=None,
-        tokenizer=None,
-        vae=None,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler, text_encoder=None,
+                 tokenizer=None, vae=None, device: torch.device | str = "cpu") -> None:
         self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.scheduler.register_to_config(
             sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA, final_sigmas_type="sigma_min"
@@ -275,7 +265,3 @@ class CosmosPipeline(StagedPipeline):
         if self.spec.media == "image":
             return PIL.Image.fromarray(frames[0])
         return frames
-
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> np.ndarray | PIL.Image.Image:
-        """All three stages in one process."""
-        return self.decode(request, self.denoise(request, self.encode(request), on_step))

@@ -199,7 +199,3 @@ class Cosmos3Pipeline(StagedPipeline):
         if request.frames == 1:
             return PIL.Image.fromarray(frames[0])
         return frames
-
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> np.ndarray | PIL.Image.Image:
-        """All three stages in one process."""
-        return self.decode(request, self.denoise(request, self.encode(request), on_step))

@@ -42,20 +42,9 @@ class FluxImagePipeline(StagedPipeline):
 
     ENCODERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
 
-    def __init__(
-        self,
-        *,
-        spec: ModelSpec,
-        folder: Path,
-        transformer: torch.nn.Module,
-        scheduler,
-        text_encoder=None,
-        tokenizer=None,
-        text_encoder_2=None,
-        tokenizer_2=None,
-        vae=None,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, *, spec: ModelSpec, folder: Path, transformer: torch.nn.Module, scheduler, text_encoder=None,
+                 tokenizer=None, text_encoder_2=None, tokenizer_2=None, vae=None,
+                 device: torch.device | str = "cpu") -> None:
         self._hold(spec=spec, folder=folder, transformer=transformer, scheduler=scheduler, vae=vae, device=device)
         self.text_encoder, self.tokenizer = text_encoder, tokenizer
         self.text_encoder_2, self.tokenizer_2 = text_encoder_2, tokenizer_2
@@ -144,7 +133,3 @@ class FluxImagePipeline(StagedPipeline):
         if image is None:
             return None
         return self.image_processor.postprocess(image, output_type="pil")[0]
-
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:
-        """All three stages in one process."""
-        return self.decode(request, self.denoise(request, self.encode(request), on_step))

@@ -226,7 +226,3 @@ class Flux3ImagePipeline(StagedPipeline):
         if image is None:
             return None
         return self.image_processor.postprocess(image, output_type="pil")[0]
-
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:
-        """All three stages in one process."""
-        return self.decode(request, self.denoise(request, self.encode(request), on_step))

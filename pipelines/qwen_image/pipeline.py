@@ -212,10 +212,6 @@ class QwenImageImagePipeline(StagedPipeline):
         image = self.decode_latents(request, latents / inverse_std + mean)[:, :, 0]  # QwenImagePipeline's arithmetic
         return self.image_processor.postprocess(image, output_type="pil")[0]
 
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> PIL.Image.Image:
-        """All three stages in one process."""
-        return self.decode(request, self.denoise(request, self.encode(request), on_step))
-
 
 class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
     """transformers' Qwen2VLProcessor for text and images only: ProcessorMixin takes the parts this __init__ names,

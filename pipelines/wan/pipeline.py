@@ -248,7 +248,3 @@ class WanVideoPipeline(StagedPipeline):
             return None
         frames = self.video_processor.postprocess_video(video, output_type="np")[0]
         return (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
-
-    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> np.ndarray:
-        """All three stages in one process."""
-        return self.decode(request, self.denoise(request, self.encode(request), on_step))
