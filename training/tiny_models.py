@@ -16,6 +16,7 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
@@ -101,12 +102,16 @@ def flow_scheduler(**overrides) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(**overrides)
 
 
-def write_model_index(folder: Path, class_name: str, components: dict[str, tuple[str | None, str | None]]) -> None:
+def save_pipeline(folder: Path, class_name: str, parts: dict, **index: Any) -> None:
+    """Write `parts` as a diffusers `class_name` folder, replacing `folder`: each part in its subfolder and
+    model_index.json naming each part's library and class, as diffusers' save_pretrained writes them; `index`: the
+    index's further entries (the pipeline's settings, a component the folder lacks as [None, None])."""
     import diffusers
 
-    index = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
-    index.update({name: list(lib_cls) for name, lib_cls in components.items()})
-    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    save_parts(folder, parts)
+    entries = {name: [type(part).__module__.partition(".")[0], type(part).__name__] for name, part in parts.items()}
+    model_index = {"_class_name": class_name, "_diffusers_version": diffusers.__version__, **entries, **index}
+    (folder / "model_index.json").write_text(json.dumps(model_index, indent=2) + "\n")
 
 
 def flux_components(seed: int, text_width: int = TEXT_WIDTH) -> dict:
@@ -154,22 +159,7 @@ def flux_components(seed: int, text_width: int = TEXT_WIDTH) -> dict:
 
 def save_flux(folder: Path, parts: dict) -> None:
     """Write flux_components' parts as a diffusers FluxPipeline folder (replacing `folder`)."""
-    save_parts(folder, parts)
-    write_model_index(
-        folder,
-        "FluxPipeline",
-        {
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-            "text_encoder": ("transformers", "CLIPTextModel"),
-            "text_encoder_2": ("transformers", "T5EncoderModel"),
-            "tokenizer": ("transformers", "CLIPTokenizer"),
-            "tokenizer_2": ("transformers", "T5TokenizerFast"),
-            "transformer": ("diffusers", "FluxTransformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKL"),
-            "image_encoder": (None, None),
-            "feature_extractor": (None, None),
-        },
-    )
+    save_pipeline(folder, "FluxPipeline", parts, image_encoder=[None, None], feature_extractor=[None, None])
 
 
 def cosmos_components(seed: int, text_width: int = TEXT_WIDTH, layers: int = 4, mlp_ratio: float = 2.0) -> dict:
@@ -203,19 +193,8 @@ def cosmos_components(seed: int, text_width: int = TEXT_WIDTH, layers: int = 4, 
 
 def save_cosmos(folder: Path, parts: dict) -> None:
     """Write cosmos_components' parts as a diffusers Cosmos2VideoToWorldPipeline folder (replacing `folder`)."""
-    save_parts(folder, parts)
-    write_model_index(
-        folder,
-        "Cosmos2VideoToWorldPipeline",
-        {
-            "safety_checker": ("cosmos_guardrail", "CosmosSafetyChecker"),
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-            "text_encoder": ("transformers", "T5EncoderModel"),
-            "tokenizer": ("transformers", "T5TokenizerFast"),
-            "transformer": ("diffusers", "CosmosTransformer3DModel"),
-            "vae": ("diffusers", "AutoencoderKLWan"),
-        },
-    )
+    save_pipeline(folder, "Cosmos2VideoToWorldPipeline", parts,
+                  safety_checker=["cosmos_guardrail", "CosmosSafetyChecker"])
 
 
 def qwen_chat_tokenizer() -> PreTrainedTokenizerFast:

@@ -9,7 +9,7 @@ import torch
 from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
 from pipelines.family import ModelSpec
-from training.tiny_models import qwen_chat_tokenizer, save_parts, write_model_index
+from training.tiny_models import qwen_chat_tokenizer, save_pipeline
 
 COSMOS3_TINY_TRANSFORMER = dict(
     hidden_size=32, head_dim=8, num_attention_heads=24, num_key_value_heads=2, intermediate_size=64,
@@ -43,17 +43,7 @@ def cosmos3_components(seed: int) -> dict:
 
 def save_cosmos3(folder: Path, parts: dict) -> None:
     """Write cosmos3_components' parts as a diffusers Cosmos3OmniPipeline folder (replacing `folder`)."""
-    save_parts(folder, parts)
-    write_model_index(
-        folder,
-        "Cosmos3OmniPipeline",
-        {
-            "scheduler": ("diffusers", "UniPCMultistepScheduler"),
-            "text_tokenizer": ("transformers", "PreTrainedTokenizerFast"),
-            "transformer": ("diffusers", "Cosmos3OmniTransformer"),
-            "vae": ("diffusers", "AutoencoderKLWan"),
-        },
-    )
+    save_pipeline(folder, "Cosmos3OmniPipeline", parts)
 
 
 def write_tiny_cosmos3(spec: ModelSpec, folder: Path) -> None:

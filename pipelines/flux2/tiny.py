@@ -3,7 +3,6 @@ and the CPU benchmarks: its record's tiny_config and tiny_checkpoint."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from transformers import (
 )
 
 from pipelines.family import ModelSpec
-from training.tiny_models import CAPTION_WORDS, qwen_chat_tokenizer, save_parts, write_model_index
+from training.tiny_models import CAPTION_WORDS, qwen_chat_tokenizer, save_pipeline
 
 FLUX2_TINY_TRANSFORMER = dict(
     patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=6,
@@ -96,23 +95,11 @@ def flux2_components(seed: int, variant: str = "klein") -> dict:
 
 def save_flux2(folder: Path, parts: dict) -> None:
     """Write flux2_components' parts as a diffusers Flux2KleinPipeline or Flux2Pipeline folder (replacing `folder`)."""
-    save_parts(folder, parts)
-    klein = isinstance(parts["text_encoder"], Qwen3ForCausalLM)
-    write_model_index(
-        folder,
-        "Flux2KleinPipeline" if klein else "Flux2Pipeline",
-        {
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-            "text_encoder": ("transformers", type(parts["text_encoder"]).__name__),
-            "tokenizer": ("transformers", type(parts["tokenizer"]).__name__),
-            "transformer": ("diffusers", "Flux2Transformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKLFlux2"),
-        },
-    )
-    if klein:  # a base (not step-distilled) checkpoint: Flux2KleinPipeline applies classifier-free guidance
-        index_path = folder / "model_index.json"
-        index = {**json.loads(index_path.read_text()), "is_distilled": False}
-        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    if isinstance(parts["text_encoder"], Qwen3ForCausalLM):
+        # a base (not step-distilled) checkpoint: Flux2KleinPipeline applies classifier-free guidance
+        save_pipeline(folder, "Flux2KleinPipeline", parts, is_distilled=False)
+    else:
+        save_pipeline(folder, "Flux2Pipeline", parts)
 
 
 def write_tiny_flux2(spec: ModelSpec, folder: Path) -> None:

@@ -11,7 +11,7 @@ from transformers import AddedToken, PreTrainedTokenizerFast, Qwen2_5_VLConfig, 
 
 from pipelines.family import ModelSpec
 from pipelines.qwen_image.limits import QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
-from training.tiny_models import qwen_chat_tokenizer, save_parts, write_model_index
+from training.tiny_models import qwen_chat_tokenizer, save_pipeline
 
 QWEN_IMAGE_TINY_TRANSFORMER = dict(
     patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=12,
@@ -79,18 +79,7 @@ def qwen_image_components(seed: int, *, zero_cond_t: bool = False) -> dict:
 
 def save_qwen_image(folder: Path, parts: dict) -> None:
     """Write qwen_image_components' parts as a diffusers QwenImagePipeline folder (replacing `folder`)."""
-    save_parts(folder, parts)
-    write_model_index(
-        folder,
-        "QwenImagePipeline",
-        {
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-            "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
-            "tokenizer": ("transformers", type(parts["tokenizer"]).__name__),
-            "transformer": ("diffusers", "QwenImageTransformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKLQwenImage"),
-        },
-    )
+    save_pipeline(folder, "QwenImagePipeline", parts)
 
 
 def write_tiny_qwen_image(spec: ModelSpec, folder: Path) -> None:
@@ -139,18 +128,7 @@ def save_qwen_image_edit(folder: Path, parts: dict, *, checkpoint: str = QWEN_ED
     """Write qwen_image_edit_components' parts as a diffusers `checkpoint` folder (QwenImageEditPipeline, or
     QwenImageEditPlusPipeline: the same parts), replacing `folder`: processor/ holds the image preprocessing and
     the tokenizer's files, as the published folders' do."""
-    save_parts(folder, {name: part for name, part in parts.items() if name != "image_processor"})
+    save_pipeline(folder, checkpoint, {name: part for name, part in parts.items() if name != "image_processor"},
+                  processor=["transformers", "Qwen2VLProcessor"])
     parts["image_processor"].save_pretrained(folder / "processor")
     parts["tokenizer"].save_pretrained(folder / "processor")
-    write_model_index(
-        folder,
-        checkpoint,
-        {
-            "processor": ("transformers", "Qwen2VLProcessor"),
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-            "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
-            "tokenizer": ("transformers", type(parts["tokenizer"]).__name__),
-            "transformer": ("diffusers", "QwenImageTransformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKLQwenImage"),
-        },
-    )

@@ -3,7 +3,6 @@ A14B's two experts, TI2V), for tests and the CPU benchmarks: its records' tiny_c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3
 from transformers import UMT5Config, UMT5EncoderModel
 
 from pipelines.family import ModelSpec
-from training.tiny_models import TEXT_WIDTH, save_parts, t5_tokenizer, write_model_index
+from training.tiny_models import TEXT_WIDTH, save_pipeline, t5_tokenizer
 
 WAN_TINY_TRANSFORMER = dict(
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=12, in_channels=8, out_channels=8,
@@ -84,27 +83,12 @@ def save_wan(folder: Path, parts: dict, *, expand_timesteps: bool = False, image
     """Write wan_components' parts as a diffusers WanPipeline folder, or a WanImageToVideoPipeline one
     (image_to_video; None: where they hold an image encoder), replacing `folder`; expand_timesteps: Wan 2.2
     TI2V's model_index.json setting; boundary_ratio: Wan 2.2 A14B's, where the parts hold a transformer_2."""
-    save_parts(folder, parts)
-    components = {
-        "scheduler": ("diffusers", "UniPCMultistepScheduler"),
-        "text_encoder": ("transformers", "UMT5EncoderModel"),
-        "tokenizer": ("transformers", "T5TokenizerFast"),
-        "transformer": ("diffusers", "WanTransformer3DModel"),
-        "vae": ("diffusers", "AutoencoderKLWan"),
-    }
-    if "image_encoder" in parts:
-        components.update(image_encoder=("transformers", "CLIPVisionModel"),
-                          image_processor=("transformers", "CLIPImageProcessor"))
-    if "transformer_2" in parts:
-        components.update(transformer_2=("diffusers", "WanTransformer3DModel"))
     image = "image_encoder" in parts if image_to_video is None else image_to_video
-    write_model_index(folder, "WanImageToVideoPipeline" if image else "WanPipeline", components)
-    index = json.loads((folder / "model_index.json").read_text())
     # as the published folders write them (a missing component as [null, null])
-    index.update(boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
-    for name in ("transformer_2", "image_encoder", "image_processor"):
-        index.setdefault(name, [None, None])
-    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    missing = {name: [None, None] for name in ("transformer_2", "image_encoder", "image_processor")
+               if name not in parts}
+    save_pipeline(folder, "WanImageToVideoPipeline" if image else "WanPipeline", parts, **missing,
+                  boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
 
 
 def write_tiny_wan(spec: ModelSpec, folder: Path) -> None:
