@@ -1,5 +1,5 @@
 """FLUX.2 through the app, as users run it: generate with a reference image, a 2-rank CFG-parallel server whose
-image tab takes a reference image, batch with a reference line, build and its warm cache, and bad reference
+image tab takes a reference image, batch with a reference line, and bad reference
 images refused before any rank starts.
 
 The checkpoints are pipelines.flux2.tiny' tiny random FLUX.2 folders: dev-style (Mistral 3 encoder, guidance
@@ -90,14 +90,3 @@ def test_batch_with_a_reference_line(folders: dict[str, Path], tmp_path: Path) -
     entries = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert len(entries) == 1 and entries[0]["file"].endswith(".png")
     assert read_png_settings(out / entries[0]["file"])["condition"] == "reference.png"
-
-
-def test_build_fills_the_engine_cache(folders: dict[str, Path], tmp_path: Path) -> None:
-    common = ["--model", "flux2-dev", "--model-path", str(folders["dev"]), "--size", "48x64", "--steps", "2",
-              "--backend", "inductor-blocks", "--engine-cache", str(tmp_path / "engines")]
-    cold = run_app("build", *common)
-    assert cold.returncode == 0, cold.stderr
-    assert "rank 0: built in" in cold.stderr
-    warm = run_app("build", *common)
-    assert warm.returncode == 0, warm.stderr
-    assert "rank 0: cache hit in" in warm.stderr

@@ -391,3 +391,68 @@ def test_loras_on_two_ranks_equal_one_process(root: Path, tmp_path: Path) -> Non
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sorted(errors) == sorted(models)
         assert all(error <= 1e-5 for error in errors.values()), (rank, errors)
+
+
+def _compile_plans(model: str) -> list[str]:
+    """The strategies a family's transformer is compiled with: every sequence split, and CFG groups where its
+    guidance is one batched call."""
+    from pipelines.registry import family_of
+
+    return ["ulysses", "ring", "allgather"] + (["cfg"] if family_of(get_spec(model)).bench.batch == 2 else [])
+
+
+def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:
+    join_ranks(rank, world_size, port)
+    import torch.distributed._functional_collectives as funcol
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("_maybe_view_chunk_cat reached: torch 2.11's dynamo cannot trace it")
+
+    funcol._maybe_view_chunk_cat = refuse  # stands in for torch 2.11's graph break there (the GPU image's torch)
+    from engines.parallel.distributed import init_parallel, shutdown
+    from engines.parallel.parallelize import parallelize_transformer
+    from engines.parallel.plan import ParallelPlan
+    from pipelines.family import load
+    from pipelines.registry import family_of
+
+    ctx = init_parallel("cpu")
+    errors = {}
+    for model in models:
+        transformer = _transformer(model, Path(root))
+        family = family_of(get_spec(model))
+        for name in family.repeated_blocks:  # one block of each kind: every kind traced, in a fraction of the time
+            parent, _, attribute = name.rpartition(".")
+            blocks = transformer.get_submodule(name)
+            setattr(transformer.get_submodule(parent) if parent else transformer, attribute, blocks[:1])
+        adapter = load(family.parallelize)
+        for strategy in _compile_plans(model):
+            call = _transformer_call(model, transformer)
+            plan = ParallelPlan(cfg=2) if strategy == "cfg" else \
+                ParallelPlan.auto(world_size, transformer.config.num_attention_heads, strategy=strategy)
+            torch._dynamo.reset()
+            with torch.no_grad():
+                parallel = parallelize_transformer(transformer, ctx, plan, adapter)
+                eager = parallel(**call)[0]
+                compiled = torch.compile(parallel, fullgraph=True, backend="aot_eager")(**call)[0]
+                parallel.restore()
+            pairs = zip(compiled, eager) if isinstance(eager, list) else [(compiled, eager)]  # Cosmos 3: a list
+            errors[f"{model} {strategy}"] = max((a - b).abs().max().item() for a, b in pairs)
+    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(errors))
+    shutdown(ctx)
+
+
+def test_compiled_fullgraph_equals_eager_on_two_ranks(root: Path, tmp_path: Path) -> None:
+    """Every family's transformer (one block of each kind) split over 2 gloo ranks by its parallel plan, with each
+    sequence split (and CFG groups where guidance is one batched call), compiled whole (fullgraph=True) with
+    "aot_eager": what inductor receives (dynamo's graph with the functional collectives, then AOT autograd), without
+    its fusion, so it equals eager exactly; any graph break fails. torch 2.11 (the GPU image) cannot trace
+    torch._utils._maybe_view_chunk_cat, which funcol's all-gather calls for a non-zero gather dim; torch 2.13 (here)
+    can, so the ranks make it raise: the test fails if the parallel layer ever reaches it."""
+    models = [param.values[1] for param in _family_models()]
+    for model in models:
+        _transformer(model, root)  # the checkpoints, before the ranks
+    spawn_ranks(_compile_ranks, 2, str(root), str(tmp_path), models)
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(errors) == sum(len(_compile_plans(model)) for model in models)
+        assert all(error == 0.0 for error in errors.values()), (rank, errors)

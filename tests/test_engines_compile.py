@@ -1,116 +1,15 @@
-"""torch.compile(fullgraph=True) of a sharded tiny transformer on 2 gloo ranks, against eager.
+"""The compile machinery around the engines: the compile-worker pool's teardown (engines.levers.compile_teardown), the
+engines' graph limit, and what `generate` says its engines took to build.
 
-"aot_eager" traces exactly what inductor would receive (Dynamo graph with the functional
-collectives, then AOT autograd) without inductor's kernel fusion, so it must match eager
-exactly: any graph break fails fullgraph=True, any tracing mistake shows as a difference.
-Inductor itself is checked in test_engines_engine.py (compiled engines and their cache).
-
-torch 2.11 (the GPU image) refuses to trace torch._utils._maybe_view_chunk_cat, which funcol's
-all-gather calls for a non-zero gather dim; torch 2.13 (here) traces it. The workers make it raise,
-so the CPU test fails if the parallel layer ever reaches it again.
-
-Also: engines.levers.compile_teardown.stop_compile_workers, which ends torch 2.11's compile-worker pool at teardown.
-
-Compile with the default (or dynamic=False): every token count then gets its own static graph.
-With dynamic=True diffusers' CosmosLearnablePositionalEmbed (extra_pos_embed_type="learnable",
-Cosmos 1.0 only) compiles to wrong values even in a single process, a torch/diffusers issue
-outside this layer; FLUX and Cosmos-Predict2 configs are unaffected.
+Each family's transformer compiled whole (fullgraph=True) on 2 gloo ranks against eager is the conformance suite's
+(tests/test_conformance.py); inductor's engines and their cache are tests/test_engines_engine.py's.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
-
-from tests.helpers import (
-    cosmos_inputs,
-    flux_inputs,
-    join_ranks,
-    parallelize,
-    randomize,
-    spawn_ranks,
-    tiny_cosmos,
-    tiny_flux,
-)
-from tests.test_engines_generic import QWEN_TINY, WAN_TINY, qwen_inputs, wan_inputs
-
-# (model, strategy, backend)
-CASES = [
-    ("flux", "ulysses", "aot_eager"),
-    ("flux", "ring", "aot_eager"),
-    ("flux", "allgather", "aot_eager"),
-    ("cosmos", "ulysses", "aot_eager"),
-    ("cosmos", "ring", "aot_eager"),
-    ("cosmos", "cfg", "aot_eager"),
-    ("wan", "ulysses", "aot_eager"),  # the generic path (engines/parallel/generic.py): hooks and the wrapped dispatch
-    ("wan", "ring", "aot_eager"),
-    ("qwen", "allgather", "aot_eager"),
-]
-
-
-def _wan() -> torch.nn.Module:
-    from diffusers import WanTransformer3DModel
-
-    return WanTransformer3DModel(**WAN_TINY)
-
-
-def _qwen() -> torch.nn.Module:
-    from diffusers import QwenImageTransformer2DModel
-
-    return QwenImageTransformer2DModel(**QWEN_TINY)
-
-
-MODELS = {"flux": tiny_flux, "cosmos": tiny_cosmos, "wan": _wan, "qwen": _qwen}
-INPUTS = {"flux": lambda: flux_inputs((3, 3), 5), "cosmos": lambda: cosmos_inputs((3, 3, 3)),
-          "wan": lambda: wan_inputs(False), "qwen": lambda: qwen_inputs(False)}
-
-
-def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    join_ranks(rank, world_size, port)
-    import torch.distributed._functional_collectives as funcol
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("_maybe_view_chunk_cat reached: torch 2.11's dynamo cannot trace it")
-
-    funcol._maybe_view_chunk_cat = refuse  # test-only: stand in for torch 2.11's graph break
-    from engines.parallel.distributed import init_parallel, shutdown
-    from engines.parallel.plan import ParallelPlan
-
-    ctx = init_parallel("cpu")
-    results = []
-    for name, strategy, backend in CASES:
-        torch.manual_seed(0)
-        model = randomize(MODELS[name]())
-        torch.manual_seed(1)
-        # token counts that 2 does not divide: the padded path is the one compiled
-        kwargs = INPUTS[name]()
-        plan = ParallelPlan(cfg=2) if strategy == "cfg" else ParallelPlan.auto(world_size, 6, strategy=strategy)
-        torch._dynamo.reset()
-        with torch.no_grad():
-            if name == "qwen":  # its family's record names this adapter
-                from engines.parallel.generic import parallelize_joint
-                from engines.parallel.parallelize import parallelize_transformer
-
-                parallel = parallelize_transformer(model, ctx, plan, parallelize_joint)
-            else:
-                parallel = parallelize(model, ctx, plan)
-            eager = parallel(**kwargs)[0]
-            compiled = torch.compile(parallel, fullgraph=True, backend=backend)(**kwargs)[0]
-            parallel.restore()
-        results.append(dict(model=name, strategy=strategy, backend=backend,
-                            err=(compiled - eager).abs().max().item()))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    shutdown(ctx)
-
-
-def test_compiled_fullgraph_matches_eager(tmp_path: Path) -> None:
-    spawn_ranks(_worker, 2, str(tmp_path))
-    for rank in range(2):
-        for r in json.loads((tmp_path / f"rank{rank}.json").read_text()):
-            assert r["err"] == 0.0, r
 
 
 def test_stop_compile_workers_ends_a_starting_pool_and_its_workers_at_once(monkeypatch) -> None:
