@@ -165,8 +165,8 @@ class _Exchange:
         self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
         # a "gather" exchange, once used: the shape and dtype of the data being read where it landed
         self.landed: tuple[tuple[int, ...], torch.dtype] | None = None
-        # a "gather" exchange whose keys went ahead of their values: those keys (kept alive)
-        self.keys_sent: list[torch.Tensor] | None = None
+        # a "gather" exchange whose keys went ahead of their values, which have not come yet
+        self.keys_sent = False
         # used during a CUDA graph capture: that graph holds its addresses (and the peers')
         self.captured = False
         torch.cuda.synchronize(device)
@@ -454,27 +454,23 @@ def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_
     rank = ex.rank
     peers = [(rank + i) % size for i in range(1, size)]
     opens, completes = bool(keys), bool(values)  # the call with the keys opens the gather, with the values ends it
-    if completes and not opens and ex.keys_sent is None:
+    if completes and not opens and not ex.keys_sent:
         raise RuntimeError(f"copy-engine K/V gather of {group_name}: values sent, but no keys ahead of them")
-
-    def landing(member: int, writer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) copies that put writer's parts in place in member's buffer."""
-        gathered = ex.gathered(member, shape, like.dtype)
-        copies = []
-        for i, kind in enumerate(parts):
-            start = writer * rows
-            for part in kind:
-                copies.append((gathered[i, start:start + part.shape[0]], part))
-                start += part.shape[0]
-        return copies
-
+    kinds = [i for i, kind in enumerate(parts) if kind]
+    mine = slice(rank * rows, (rank + 1) * rows)
+    # This rank's own piece lands in its own buffer on the caller's stream, before the call returns, and the peers'
+    # copies are pushed from there: nothing reads the parts once the call has returned. A compiled graph plans the
+    # reuse of its buffers' memory itself (inductor, CUDA graph trees), not through the caching allocator, and
+    # knows nothing of side streams: a part read later on one was overwritten by the graph's next kernels.
+    own = ex.gathered(rank, shape, like.dtype)
+    for i in kinds:
+        start = mine.start
+        for part in parts[i]:
+            own[i, start:start + part.shape[0]].copy_(part)
+            start += part.shape[0]
     compute = torch.cuda.current_stream()
-    stream, own_stream = transport.side_stream(like.device), transport.side_stream(like.device, "own")
-    stream.wait_stream(compute)  # the parts are ready, and the attention that read the last gather has run
-    own_stream.wait_stream(compute)
-    with torch.cuda.stream(own_stream):  # this rank's own piece, while the pushes travel
-        for destination, source in landing(rank, rank):
-            destination.copy_(source)
+    stream = transport.side_stream(like.device)
+    stream.wait_stream(compute)  # the own piece has landed, and the attention that read the last gather has run
     with torch.cuda.stream(stream):
         if opens and ex.landed is not None:  # this rank has read what the peers wrote last time: they may write again
             for peer in peers:
@@ -482,25 +478,23 @@ def _gather_kv_cuda(keys: list[torch.Tensor], values: list[torch.Tensor], group_
         for peer in peers:
             if opens:
                 ex.take(stream, "free", peer)
-            for destination, source in landing(peer, rank):  # over NVLink, by a copy engine
-                destination.copy_(source)
+            theirs = ex.gathered(peer, shape, like.dtype)
+            for i in kinds:  # over NVLink, by a copy engine
+                theirs[i, mine].copy_(own[i, mine])
             ex.give(peer, "ready" if completes else "keys_ready")
         if completes:
             for peer in peers:
                 if not opens:
                     ex.take(stream, "keys_ready", peer)
                 ex.take(stream, "ready", peer)
-            stream.wait_stream(own_stream)
             event = torch.cuda.Event()
             event.record(stream)
-    if not completes:  # the values follow in another call, which ends the gather
-        ex.keys_sent = parts[0]
+    ex.keys_sent = not completes  # the values follow in another call, which ends the gather
+    if not completes:
         return like.new_empty(1)
-    keep = parts if opens else [ex.keys_sent, parts[1]]  # read on the side streams until the caller waits
-    ex.keys_sent = None
     ex.landed = (shape, like.dtype)
     token = like.new_empty(1)  # finish() on it waits for the gather
-    torch._C._distributed_c10d._register_work(token, _Done(event, keep=keep))
+    torch._C._distributed_c10d._register_work(token, _Done(event))
     return token
 
 
