@@ -129,18 +129,20 @@ class ModelFamily:
     pipeline: str
     """Reference of our pipeline class (encode -> denoise -> decode), e.g.
     "pipelines.flux.pipeline:FluxImagePipeline"."""
-    parallelize: str
-    """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer."""
-    tensor_parallel: str
+    parallelize: str = "engines.parallel.generic:parallelize_generic"
+    """Reference of its engines adapter, a function (model, mesh) -> ParallelTransformer: by default the generic
+    path, driven by the transformer class's diffusers _cp_plan."""
+    tensor_parallel: str = "engines.parallel.generic:generic_weights"
     """Reference of its tensor-parallel split, a function (model, tp) -> engines.parallel.tensor_parallel.WeightSplit
-    (its adapter splits by it; sharded loading and the memory plan read it)."""
+    (its adapter splits by it; sharded loading and the memory plan read it): by default the standard split of
+    attention heads and feed-forward widths."""
     repeated_blocks: tuple[str, ...]
     """Names of the transformer's ModuleLists of repeated blocks: compiled one block at a time, their linears made
     FP8 by --fp8, and the step cache's block loop (its first block's change decides a step)."""
     block_outputs: tuple[tuple[str, ...], ...]
     """Per list of repeated_blocks: the block arguments its outputs replace, in return order (the step
     cache, engines.levers.step_cache, passes a skipped block's inputs on in that form)."""
-    cache_stream: str
+    cache_stream: str = "hidden_states"
     """The first block's argument whose residual the step cache measures: the image or video tokens."""
     limits: str
     """Reference of the torch-free function (spec, folder, cfg_parallel) -> MediaLimits that reads

@@ -57,7 +57,6 @@ COSMOS = ModelFamily(
     tensor_parallel="pipelines.cosmos.parallel:cosmos_weights",
     repeated_blocks=("transformer_blocks",),
     block_outputs=(("hidden_states",),),
-    cache_stream="hidden_states",
     limits="pipelines.cosmos.limits:cosmos_limits",
     guidance_batch=True,
     transformer_setup="pipelines.cosmos.torchvision_shim:install",  # its forward calls torchvision's resize

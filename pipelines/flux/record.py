@@ -49,7 +49,6 @@ FLUX = ModelFamily(
     tensor_parallel="pipelines.flux.parallel:flux_weights",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
     block_outputs=(("encoder_hidden_states", "hidden_states"), ("encoder_hidden_states", "hidden_states")),
-    cache_stream="hidden_states",
     limits="pipelines.flux.limits:flux_limits",
     guidance_batch=False,  # guidance-distilled: one branch
     bench=BenchShapes(inputs="pipelines.flux.inputs:flux_inputs", sizes=("1024x1024", "2048x2048"),

@@ -69,7 +69,6 @@ FLUX2 = ModelFamily(
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
     # the single-stream blocks take [text, image] concatenated (engines.levers.step_cache: why that is fine)
     block_outputs=(("encoder_hidden_states", "hidden_states"), ("hidden_states",)),
-    cache_stream="hidden_states",
     limits="pipelines.flux2.limits:flux2_limits",
     guidance_batch=False,  # dev and distilled Klein: one branch; Klein base models say otherwise (ModelSpec)
     bench=BenchShapes(inputs="pipelines.flux2.inputs:flux2_inputs", sizes=("1024x1024", "2048x2048"),

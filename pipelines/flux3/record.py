@@ -55,7 +55,6 @@ FLUX3 = ModelFamily(
     repeated_blocks=("single_transformer_blocks",),
     other_blocks=("txt_mode_blocks", "mode_blocks.image", "mode_blocks.image_cond"),
     block_outputs=(("encoder_hidden_states", "hidden_states"),),
-    cache_stream="hidden_states",
     limits="pipelines.flux3.limits:flux3_limits",
     guidance_batch=False,  # the distilled model: no guidance; the base model says otherwise (its ModelSpec)
     guidance_calls=True,  # two calls of their own text lengths (FLUX.3 attends to its padding: no shared batch)

@@ -72,10 +72,8 @@ WAN = ModelFamily(
     transformer="diffusers:WanTransformer3DModel",
     pipeline="pipelines.wan.pipeline:WanVideoPipeline",
     parallelize="engines.parallel.generic:parallelize_generic",  # driven by the class's diffusers _cp_plan
-    tensor_parallel="engines.parallel.generic:generic_weights",
     repeated_blocks=("blocks",),
     block_outputs=(("hidden_states",),),
-    cache_stream="hidden_states",
     limits="pipelines.wan.limits:wan_limits",
     guidance_batch=True,  # the two branches as one batch-2 call
     bench=BenchShapes(inputs="pipelines.wan.inputs:wan_inputs", sizes=("81x720x1280",),
@@ -117,10 +115,8 @@ WAN22 = ModelFamily(
     pipeline="pipelines.wan.pipeline:WanVideoPipeline",
     # the per-token timestep split with the tokens (_cp_plan)
     parallelize="engines.parallel.generic:parallelize_generic",
-    tensor_parallel="engines.parallel.generic:generic_weights",
     repeated_blocks=("blocks",),
     block_outputs=(("hidden_states",),),
-    cache_stream="hidden_states",
     limits="pipelines.wan.limits:wan_limits",
     guidance_batch=True,
     bench=BenchShapes(inputs="pipelines.wan.inputs:wan22_inputs", sizes=("121x704x1280",),
