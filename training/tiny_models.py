@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLWan,
     CosmosTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
@@ -100,6 +101,27 @@ def t5_encoder(vocab_size: int, seed: int, width: int = TEXT_WIDTH) -> T5Encoder
 
 def flow_scheduler(**overrides) -> FlowMatchEulerDiscreteScheduler:
     return FlowMatchEulerDiscreteScheduler(**overrides)
+
+
+def random_transformer(transformer: torch.nn.Module) -> torch.nn.Module:
+    """`transformer` in eval mode with every parameter drawn from N(0, 0.1): diffusers zero-initialises some
+    projections, and random values exercise every path."""
+    with torch.no_grad():
+        for parameter in transformer.parameters():
+            parameter.normal_(0.0, 0.1)
+    return transformer.eval()
+
+
+def flux2_vae(latent_channels: int, seed: int) -> AutoencoderKLFlux2:
+    """A tiny random FLUX.2 VAE (FLUX.2's and FLUX.3's), its batch-norm statistics as a trained VAE has them, so
+    that decode's de-normalisation is exercised."""
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=latent_channels,
+                             norm_num_groups=4).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0.0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
 
 
 def save_pipeline(folder: Path, class_name: str, parts: dict, **index: Any) -> None:

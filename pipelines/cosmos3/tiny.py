@@ -9,7 +9,7 @@ import torch
 from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
 from pipelines.family import ModelSpec
-from training.tiny_models import qwen_chat_tokenizer, save_pipeline
+from training.tiny_models import qwen_chat_tokenizer, random_transformer, save_pipeline
 
 COSMOS3_TINY_TRANSFORMER = dict(
     hidden_size=32, head_dim=8, num_attention_heads=24, num_key_value_heads=2, intermediate_size=64,
@@ -32,10 +32,7 @@ def cosmos3_components(seed: int) -> dict:
         scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
     ).eval()
     torch.manual_seed(seed + 1)
-    transformer = Cosmos3OmniTransformer(**COSMOS3_TINY_TRANSFORMER).eval()
-    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
-        for parameter in transformer.parameters():
-            parameter.normal_(0.0, 0.1)
+    transformer = random_transformer(Cosmos3OmniTransformer(**COSMOS3_TINY_TRANSFORMER))
     scheduler = UniPCMultistepScheduler(use_karras_sigmas=True, use_flow_sigmas=True,
                                         prediction_type="flow_prediction", sigma_max=200.0, sigma_min=0.147)
     return {"text_tokenizer": qwen_chat_tokenizer(), "vae": vae, "transformer": transformer, "scheduler": scheduler}

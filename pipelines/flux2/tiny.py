@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import (
@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from pipelines.family import ModelSpec
-from training.tiny_models import CAPTION_WORDS, qwen_chat_tokenizer, save_pipeline
+from training.tiny_models import CAPTION_WORDS, flux2_vae, qwen_chat_tokenizer, random_transformer, save_pipeline
 
 FLUX2_TINY_TRANSFORMER = dict(
     patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=6,
@@ -75,18 +75,10 @@ def flux2_components(seed: int, variant: str = "klein") -> dict:
             vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                num_attention_heads=2, image_size=64, patch_size=16),
             image_token_index=4, spatial_merge_size=2, multimodal_projector_bias=False)).eval()
-    latent_channels = FLUX2_TINY_TRANSFORMER["in_channels"] // 4
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=latent_channels,
-                             norm_num_groups=4).eval()
-    with torch.no_grad():  # statistics as a trained VAE has them, so that decode's de-normalisation is exercised
-        vae.bn.running_mean.normal_(0.0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
+    vae = flux2_vae(FLUX2_TINY_TRANSFORMER["in_channels"] // 4, seed + 1)
     torch.manual_seed(seed + 2)
-    transformer = Flux2Transformer2DModel(**{**FLUX2_TINY_TRANSFORMER, "guidance_embeds": variant == "dev"}).eval()
-    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
-        for parameter in transformer.parameters():
-            parameter.normal_(0.0, 0.1)
+    transformer = random_transformer(
+        Flux2Transformer2DModel(**{**FLUX2_TINY_TRANSFORMER, "guidance_embeds": variant == "dev"}))
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                                 base_image_seq_len=256, max_image_seq_len=4096, shift=3.0)
     return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "transformer": transformer,

@@ -7,11 +7,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLFlux2, Flux3Transformer2DModel
+from diffusers import Flux3Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from pipelines.family import ModelSpec
-from training.tiny_models import qwen_chat_tokenizer
+from training.tiny_models import flux2_vae, qwen_chat_tokenizer, random_transformer
 
 FLUX3_TINY_TRANSFORMER = dict(
     in_channels=16, cond_in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=8,
@@ -43,18 +43,9 @@ def flux3_components(seed: int, distilled: bool = False) -> dict:
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=FLUX3_TEXT_WIDTH,
                            num_position_embeddings=16, deepstack_visual_indexes=[]),
         tie_word_embeddings=True)).eval()
-    torch.manual_seed(seed + 1)
-    latent_channels = FLUX3_TINY_TRANSFORMER["in_channels"] // 4
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 16, 16), layers_per_block=1, latent_channels=latent_channels,
-                             norm_num_groups=4).eval()
-    with torch.no_grad():  # statistics as a trained VAE has them, so that decode's de-normalisation is exercised
-        vae.bn.running_mean.normal_(0.0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
+    vae = flux2_vae(FLUX3_TINY_TRANSFORMER["in_channels"] // 4, seed + 1)
     torch.manual_seed(seed + 2)
-    transformer = Flux3Transformer2DModel(**FLUX3_TINY_TRANSFORMER, flow_map=distilled).eval()
-    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
-        for parameter in transformer.parameters():
-            parameter.normal_(0.0, 0.1)
+    transformer = random_transformer(Flux3Transformer2DModel(**FLUX3_TINY_TRANSFORMER, flow_map=distilled))
     return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "transformer": transformer}
 
 

@@ -11,7 +11,7 @@ from transformers import AddedToken, PreTrainedTokenizerFast, Qwen2_5_VLConfig, 
 
 from pipelines.family import ModelSpec
 from pipelines.qwen_image.limits import QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
-from training.tiny_models import qwen_chat_tokenizer, save_pipeline
+from training.tiny_models import qwen_chat_tokenizer, random_transformer, save_pipeline
 
 QWEN_IMAGE_TINY_TRANSFORMER = dict(
     patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=12,
@@ -66,10 +66,8 @@ def qwen_image_components(seed: int, *, zero_cond_t: bool = False) -> dict:
         latents_std=(torch.rand(z_dim, generator=statistics) + 0.5).tolist(),
     ).eval()
     torch.manual_seed(seed + 2)
-    transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TINY_TRANSFORMER, zero_cond_t=zero_cond_t).eval()
-    with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
-        for parameter in transformer.parameters():
-            parameter.normal_(0.0, 0.1)
+    transformer = random_transformer(
+        QwenImageTransformer2DModel(**QWEN_IMAGE_TINY_TRANSFORMER, zero_cond_t=zero_cond_t))
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
         time_shift_type="exponential", use_dynamic_shifting=True)

@@ -10,7 +10,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3
 from transformers import UMT5Config, UMT5EncoderModel
 
 from pipelines.family import ModelSpec
-from training.tiny_models import TEXT_WIDTH, save_pipeline, t5_tokenizer
+from training.tiny_models import TEXT_WIDTH, random_transformer, save_pipeline, t5_tokenizer
 
 WAN_TINY_TRANSFORMER = dict(
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=12, in_channels=8, out_channels=8,
@@ -59,10 +59,7 @@ def wan_components(seed: int, kind: str = "t2v", experts: int = 1) -> dict:
     transformers = {}
     for index, name in enumerate(["transformer", "transformer_2"][:experts]):
         torch.manual_seed(seed + 2 + 2 * index)
-        transformers[name] = WanTransformer3DModel(**config).eval()
-        with torch.no_grad():  # diffusers zero-initialises some projections: random values exercise every path
-            for parameter in transformers[name].parameters():
-                parameter.normal_(0.0, 0.1)
+        transformers[name] = random_transformer(WanTransformer3DModel(**config))
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                         solver_order=2, final_sigmas_type="zero")
     parts = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, **transformers, "scheduler": scheduler}
