@@ -297,14 +297,21 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     flops = {s.label: count_flops(spec, s, batch) for s in shapes}
     rows = [] if rows is None else rows
     on_row = getattr(args, "on_row", None)
+    references: dict[tuple[str, str], torch.Tensor] = {}
+    """Rank 0's 1-GPU output of each (reference name, shape) that a row kept, which the parallel rows of that name
+    are checked against: a plan that computes something else shows in its row, not only in its time."""
 
     def record(mode: str, shape: Shape, gpus: int, forward: Callable[..., Any] | None, group: Any,
                options: EngineOptions, error: str | None = None, *, backend: str | None = None,
                note: str | None = None, warmup: int | None = None, plan: ParallelPlan | None = None,
-               transport: str | None = None, cached: bool = False, extra: dict[str, Any] | None = None) -> None:
+               transport: str | None = None, cached: bool = False, extra: dict[str, Any] | None = None,
+               keep: str | None = None, check: str | None = None) -> None:
         """Time one row (`backend` names it when `forward` is compiled by someone else than `options`;
-        `cached`: the step a step cache skips, CachedStep; `extra`: more fields of the row, e.g. its LoRA)."""
-        ms, peak, build_s, pipelined = float("nan"), 0.0, None, float("nan")
+        `cached`: the step a step cache skips, CachedStep; `extra`: more fields of the row, e.g. its LoRA). `keep`: a
+        1-GPU row keeps its output as that reference (its first backend's); `check`: the row's output is compared
+        with that reference (vs_1_gpu: ||out - reference|| / ||reference||; the same on every rank: the extra call
+        is collective)."""
+        ms, peak, build_s, pipelined, vs_1_gpu = float("nan"), 0.0, None, float("nan"), None
         label = backend or options.label
         compiling = CompileSeconds()
         if forward is not None and error is None:
@@ -320,6 +327,13 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
                                         device_group=device_group)
                 build_s = next(iter(engine.builds.values())).seconds
                 compiling.stop()
+                if keep or check:  # one more call: the output the row's times are of
+                    out = first_output(timed, inputs[shape.label]).float()
+                    if keep:
+                        references.setdefault((keep, shape.label), out)
+                    elif (check, shape.label) in references:
+                        reference = references[check, shape.label]
+                        vs_1_gpu = float((out - reference).norm() / reference.norm())
                 if args.profile:
                     # plain file names (labels hold "+", which some file transfers refuse)
                     slug = re.sub(r"[^A-Za-z0-9._-]", "_",
@@ -350,13 +364,14 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
             adapter=adapter_name.partition(":")[2] if plan is not None else None,
             graphs=compiling.graphs if ctx.is_main else None, build_phases=compiling.phases if ctx.is_main else None,
-            **{"lora": "none", **(extra or {})},
+            vs_1_gpu=vs_1_gpu, **{"lora": "none", **(extra or {})},
         ))
         if ctx.is_main:
             print(f"[benchmark] {spec.name} {mode} [{label}] {shape.label}: {rows[-1]['ms']:.1f} ms"
                   f" (ranks {', '.join(f'{t:.1f}' for t in rows[-1]['ms_per_rank'])};"
                   f" back to back {rows[-1]['pipelined_ms']:.1f} ms/call)"
                   + (f" (build {rows[-1]['build_s']:.1f} s)" if rows[-1]["build_s"] else "")
+                  + (f" (vs 1 GPU {vs_1_gpu:.2e})" if vs_1_gpu is not None else "")
                   + (f" ERROR {rows[-1]['error']}" if rows[-1]["error"] else ""), file=sys.stderr, flush=True)
             if on_row is not None:
                 on_row(rows)
@@ -375,7 +390,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     single = single_process_forward(spec, model, device) if ctx.is_main and bf16 else None
     for options in backends if bf16 else []:
         for shape in shapes:
-            record("1 GPU", shape, 1, single, None, options)
+            record("1 GPU", shape, 1, single, None, options, keep="bf16")
     if args.cached_step and bf16:  # the same, on a step that a step cache skips (engines/levers/step_cache.py)
         for options in (b for b in backends if b.keeps_block_loop):
             for shape in shapes:
@@ -394,7 +409,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         for options in backends:
             for shape in shapes:
                 record(mode, shape, ctx.world_size, parallel, ctx.control_group, options, plan=plan,
-                       transport=transport)
+                       transport=transport, check="bf16")
         if args.cached_step:  # a skipped step's cost, its decision agreed over the ranks
             for options in (b for b in backends if b.keeps_block_loop):
                 for shape in shapes:
@@ -527,7 +542,8 @@ def record_everywhere(model: nn.Module, shapes: list[Shape], backends: list[Engi
     mode name, `extra` gives each shape's rows more fields."""
     for options in backends if single else []:
         for shape in shapes:
-            record(f"1 GPU{mode}", shape, 1, one_gpu, None, options, note=note, extra=extra[shape.label])
+            record(f"1 GPU{mode}", shape, 1, one_gpu, None, options, note=note, extra=extra[shape.label],
+                   keep=f"1 GPU{mode}")
     if one_gpu is not None:
         one_gpu.restore()
     for plan, transport in modes:
@@ -535,7 +551,8 @@ def record_everywhere(model: nn.Module, shapes: list[Shape], backends: list[Engi
         for options in backends:
             for shape in shapes:
                 record(f"{mode_label(plan, transport)}{mode}", shape, ctx.world_size, parallel, ctx.control_group,
-                       options, plan=plan, transport=transport, note=note, extra=extra[shape.label])
+                       options, plan=plan, transport=transport, note=note, extra=extra[shape.label],
+                       check=f"1 GPU{mode}" if single else None)
         parallel.restore()
 
 

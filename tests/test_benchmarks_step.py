@@ -27,6 +27,10 @@ def test_benchmark_tiny_two_ranks(tmp_path: Path) -> None:
     plans = {r["mode"]: r["plan"] for r in rows}  # each row names its plan, K/V exchange included
     assert plans["ours ring-2"] == "ring-2" and plans["ours allgather-2"] == "allgather-2"
     assert plans["1 GPU"] is None
+    # every plan's output is checked against the 1 GPU row's: its row says how far (float32 on CPU: rounding)
+    ours = [r for r in rows if r["mode"].startswith("ours")]
+    assert all(r["vs_1_gpu"] is not None and r["vs_1_gpu"] < 1e-5 for r in ours), [
+        (r["mode"], r["vs_1_gpu"]) for r in ours]
     assert "ours ulysses-2" in proc.stdout  # the table is printed on rank 0
 
 
