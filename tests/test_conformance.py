@@ -78,15 +78,14 @@ def request(module: ModuleType, model: str, fields: dict, root: Path):
     return spec, folder, make_request(spec, read_limits(spec, folder), **fields)
 
 
-def _models() -> list:
+def _models() -> list[str]:
     """Each model of the families' cases, once."""
-    models = {(module, case.model) for module in MODULES
-              for kind in ("CASES", "RANK_CASES", "APP_CASES") for case in getattr(_module(module), kind, {}).values()}
-    return [pytest.param(module, model, id=model) for module, model in sorted(models)]
+    return sorted({case.model for module in MODULES for kind in ("CASES", "RANK_CASES", "APP_CASES")
+                   for case in getattr(_module(module), kind, {}).values()})
 
 
-@pytest.mark.parametrize(("module_name", "model"), _models())
-def test_limits_refuse_what_the_checkpoint_cannot_make(root: Path, module_name: str, model: str) -> None:
+@pytest.mark.parametrize("model", _models())
+def test_limits_refuse_what_the_checkpoint_cannot_make(root: Path, model: str) -> None:
     """The limits read from each tiny checkpoint's configs: a size off the family's grid or over its largest, and a
     video's frame count off its grid, refused with the message that names the rule."""
     spec = get_spec(model)
