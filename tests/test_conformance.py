@@ -261,7 +261,7 @@ def _transformer(model: str, root: Path) -> torch.nn.Module:
 
 def _loras(model: str, root: Path) -> dict[str, Path]:
     """Random LoRAs (diffusers/PEFT keys) on every linear of the model's repeated blocks, written once beside its
-    checkpoint: A ~ N(0, 1/in), B ~ N(0, 0.2)."""
+    checkpoint: A's entries with standard deviation 1/sqrt(in), B's with 0.2."""
     from safetensors.torch import save_file
 
     from pipelines.registry import family_of
