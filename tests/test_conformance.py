@@ -78,10 +78,15 @@ def request(module: ModuleType, model: str, fields: dict, root: Path):
     return spec, folder, make_request(spec, read_limits(spec, folder), **fields)
 
 
+def _case_models(module: str) -> list[str]:
+    """The models a family's cases name, in the order they name them."""
+    return [case.model for kind in ("CASES", "RANK_CASES", "APP_CASES")
+            for case in getattr(_module(module), kind, {}).values()]
+
+
 def _models() -> list[str]:
     """Each model of the families' cases, once."""
-    return sorted({case.model for module in MODULES for kind in ("CASES", "RANK_CASES", "APP_CASES")
-                   for case in getattr(_module(module), kind, {}).values()})
+    return sorted({model for module in MODULES for model in _case_models(module)})
 
 
 @pytest.mark.parametrize("model", _models())
@@ -236,12 +241,7 @@ def test_app_two_ranks_equal_one_rank(root: Path, one_rank, module_name: str, ca
 
 def _family_models() -> list:
     """One model per family: the first its cases name (its transformer class is the family's)."""
-    firsts = {}
-    for module in MODULES:
-        for kind in ("CASES", "RANK_CASES", "APP_CASES"):
-            for case in getattr(_module(module), kind, {}).values():
-                firsts.setdefault(module, case.model)
-    return [pytest.param(module, model, id=model) for module, model in sorted(firsts.items())]
+    return [pytest.param(module, _case_models(module)[0], id=_case_models(module)[0]) for module in MODULES]
 
 
 LORA_RANKS = {"a": 4, "b": 2}
@@ -267,12 +267,13 @@ def _loras(model: str, root: Path) -> dict[str, Path]:
     from pipelines.registry import family_of
 
     prefixes = tuple(f"{blocks}." for blocks in family_of(get_spec(model)).repeated_blocks)
-    files = {}
+    files, transformer = {}, None
     for seed, (name, rank) in enumerate(LORA_RANKS.items()):
         path = root / f"{model}-lora-{name}.safetensors"
         if not path.exists():
+            transformer = transformer or _transformer(model, root)
             generator, state = torch.Generator().manual_seed(seed), {}
-            for layer, module in _transformer(model, root).named_modules():
+            for layer, module in transformer.named_modules():
                 if isinstance(module, torch.nn.Linear) and layer.startswith(prefixes):
                     state[f"transformer.{layer}.lora_A.weight"] = \
                         torch.randn(rank, module.in_features, generator=generator) * module.in_features ** -0.5
@@ -284,13 +285,11 @@ def _loras(model: str, root: Path) -> dict[str, Path]:
 
 
 def _takes_loras(model: str) -> bool:
-    """Whether diffusers has a LoRA loader for the model's transformer class (engines.weights.lora.loader_name)."""
-    import diffusers.loaders.lora_pipeline as lora_pipeline
-
-    from engines.weights.lora import loader_name
+    """Whether diffusers has a LoRA loader for the model's transformer class."""
+    from engines.weights.lora import takes_loras
     from pipelines.registry import family_of
 
-    return hasattr(lora_pipeline, loader_name(family_of(get_spec(model)).transformer.partition(":")[2]))
+    return takes_loras(family_of(get_spec(model)).transformer.partition(":")[2])
 
 
 def _adapted(model: str, root: Path, files: dict[str, Path]):
@@ -424,8 +423,8 @@ def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, m
             blocks = transformer.get_submodule(name)
             setattr(transformer.get_submodule(parent) if parent else transformer, attribute, blocks[:1])
         adapter = load(family.parallelize)
+        call = _transformer_call(model, transformer)
         for strategy in _compile_plans(model):
-            call = _transformer_call(model, transformer)
             plan = ParallelPlan(cfg=2) if strategy == "cfg" else \
                 ParallelPlan.auto(world_size, transformer.config.num_attention_heads, strategy=strategy)
             torch._dynamo.reset()

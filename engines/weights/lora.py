@@ -48,7 +48,7 @@ from engines.options import LoraError, LoraFile
 from engines.parallel.tensor_parallel import RowParallelLinear, WeightSplit, take
 
 __all__ = ["LoraDelta", "LoraError", "LoraFile", "LoraLinear", "LoraSet", "LoraWeights", "attach_loras",
-           "check_lora_files", "detach_loras", "export_kohya", "has_lora", "lora_layout", "read_lora"]
+           "check_lora_files", "detach_loras", "export_kohya", "has_lora", "lora_layout", "read_lora", "takes_loras"]
 
 
 def loader_name(transformer_class: str) -> str:
@@ -56,6 +56,16 @@ def loader_name(transformer_class: str) -> str:
     naming (diffusers.loaders.lora_pipeline names each loader after its model): FluxTransformer2DModel ->
     FluxLoraLoaderMixin, WanTransformer3DModel -> WanLoraLoaderMixin."""
     return re.sub(r"Transformer[23]DModel$", "", transformer_class) + "LoraLoaderMixin"
+
+def takes_loras(transformer_class: str) -> bool:
+    """Whether diffusers has a LoRA loader (loader_name) for `transformer_class`: a model without one takes no LoRA."""
+    from engines.levers.fp8 import quiet_torchao_import
+
+    quiet_torchao_import()
+    import diffusers.loaders.lora_pipeline as lora_pipeline
+
+    return hasattr(lora_pipeline, loader_name(transformer_class))
+
 
 FUSED = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
          "add_q_proj": ("to_added_qkv", 0), "add_k_proj": ("to_added_qkv", 1), "add_v_proj": ("to_added_qkv", 2)}
@@ -115,12 +125,7 @@ def read_lora(file: LoraFile, transformer: nn.Module) -> LoraWeights:
     """`file`'s transformer LoRA in diffusers/PEFT module names, checked against `transformer` (on the meta device
     is enough): LoraError naming the first key whose module the transformer lacks or whose shape differs."""
     kind = type(transformer).__name__
-    from engines.levers.fp8 import quiet_torchao_import
-
-    quiet_torchao_import()
-    import diffusers.loaders.lora_pipeline as lora_pipeline
-
-    if not hasattr(lora_pipeline, loader_name(kind)):
+    if not takes_loras(kind):
         raise LoraError(f"LoRA {file.name}: diffusers has no LoRA loader for {kind} (no {loader_name(kind)}), so "
                         "this model takes no LoRA")
     if not file.path.is_file():
