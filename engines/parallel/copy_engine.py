@@ -58,6 +58,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -79,9 +80,10 @@ _lib.define("copy_engine_gather_kv(Tensor[] keys, Tensor[] values, str group_nam
 
 FLAGS_BYTES = 4096
 """Head of each rank's symmetric buffer: int32 flags "ready[peer]" at 0, "keys_ready[peer]" at
-FLAGS_BYTES // 4 and "free[peer]" at FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each); the
-exchanged data follows."""
+FLAGS_BYTES // 4 and "free[peer]" at FLAGS_BYTES // 2 (an 8-GPU host uses 32 bytes of each), and at
+3 * FLAGS_BYTES // 4 an int32 1, the source of every flag this rank sets; the exchanged data follows."""
 FLAG_OFFSETS = {"ready": 0, "keys_ready": FLAGS_BYTES // 4, "free": FLAGS_BYTES // 2}
+ONE_OFFSET = 3 * FLAGS_BYTES // 4
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 
 _TRANSPORTS_BY_GROUP: dict[str, CopyEngineTransport] = {}
@@ -162,7 +164,8 @@ class _Exchange:
         flags.zero_()
         free = FLAG_OFFSETS["free"] // 4
         flags[free:free + self.size] = 1  # free[peer] = 1: nothing to wait for
-        self.one = torch.ones(1, dtype=torch.int32, device=device)  # source of the peers' flag writes
+        self.one = flags[ONE_OFFSET // 4:ONE_OFFSET // 4 + 1]  # the source of the peers' flag writes
+        self.one.fill_(1)
         # a "gather" exchange, once used: the shape and dtype of the data being read where it landed
         self.landed: tuple[tuple[int, ...], torch.dtype] | None = None
         # a "gather" exchange whose keys went ahead of their values, which have not come yet
@@ -206,6 +209,32 @@ class _Exchange:
         references, so the symmetric-memory allocator takes the memory back (collective)."""
         self.release()
         del self.buffer, self.handle, self.one
+
+
+def _outside_graph_pools(make: Callable[[], _Exchange], device: torch.device) -> _Exchange:
+    """make() on a thread of its own, so that its memory is not a CUDA graph's. An exchange is made at an engine's
+    first call, and with a CUDA graph per block (+blockgraph) that call is inductor's graph-trees warm-up, which puts
+    every allocation of the calling thread into the graphs' memory pool: the exchange's tensors (and those that
+    symmetric memory's rendezvous allocates) would live on there, and the trees refuse to record a graph while
+    memory of their pool is held by anything but a graph's outputs ("tensors in the cudagraph pool not tracked as
+    outputs"). The caller waits for the thread: nothing runs beside it."""
+    made: list[_Exchange] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # this thread's device
+            made.append(make())
+        except BaseException as error:  # raised again in the caller
+            failed.append(error)
+
+    thread = threading.Thread(target=run, name="copy-engine-exchange")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def replace_exchange(old: _Exchange | None, nbytes: int, capturing: bool) -> str:
@@ -310,7 +339,8 @@ class CopyEngineTransport:
             elif action == "free":
                 exchange.free()  # released too
             size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
-            exchange = self._exchanges[group_name, kind] = _Exchange(group_name, size, device)
+            exchange = self._exchanges[group_name, kind] = _outside_graph_pools(
+                lambda: _Exchange(group_name, size, device), device)
         exchange.captured = exchange.captured or capturing
         return exchange
 
