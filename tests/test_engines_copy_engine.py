@@ -116,6 +116,38 @@ def test_a_grown_buffer_is_freed_unless_captured_and_close_frees_the_rest(monkey
     transport.close()  # idempotent
 
 
+def test_an_exchange_is_made_off_the_calling_thread_and_its_failure_reaches_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's CUDA graph trees (+blockgraph) put every allocation of the thread that warms a graph up into the
+    graphs' pool, and refuse to record while memory there is held by anything but a graph's output: an exchange
+    made at an engine's first call is made on a thread of its own (on 2 H200s its tensors failed that check)."""
+    import threading
+
+    from engines.parallel import copy_engine
+
+    transport = _fake_transport(monkeypatch, "group")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    made_on = []
+
+    class Recorded(FakeExchange):
+        def __init__(self, *args) -> None:
+            made_on.append(threading.current_thread())
+            super().__init__(*args)
+
+    monkeypatch.setattr(copy_engine, "_Exchange", Recorded)
+    transport.exchange("group", "gather", 100, torch.device("cpu"))
+    transport.exchange("group", "gather", 200, torch.device("cpu"))  # grown: made anew
+    assert len(made_on) == 2 and threading.current_thread() not in made_on
+
+    class Failing(FakeExchange):
+        def __init__(self, *args) -> None:
+            raise RuntimeError("rendezvous failed")
+
+    monkeypatch.setattr(copy_engine, "_Exchange", Failing)
+    with pytest.raises(RuntimeError, match="rendezvous failed"):
+        transport.exchange("group", "slots", 100, torch.device("cpu"))
+
+
 def test_a_group_shared_by_two_meshes_keeps_its_buffers_until_both_close(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's DeviceMesh gives an axis that spans the whole job the default group, so two meshes
     (two models served at once) may share a group: the ops find one transport for it, and its

@@ -200,11 +200,6 @@ class LockstepService:
         self.rank_timeout = rank_timeout
         self.heartbeat_seconds = heartbeat_seconds
         self.rank_processes = dict(rank_processes or {})
-        self.last_step_seconds: float | None = None
-        self.last_computed_steps: tuple[int, int] | None = None
-        """(steps computed, steps) of the last request run with a step cache."""
-        self.last_stages: StageSeconds | None = None
-        """Stage seconds of the last request."""
         self._jobs = 0
         self._last_contact = time.monotonic()
         self._stopped = False
@@ -224,12 +219,7 @@ class LockstepService:
         self._jobs += 1
         message = Run(job=self._jobs, model=model, request=request)
         self._broadcast(message)
-        generation = self._execute(message, on_step, should_stop)
-        self.last_step_seconds = generation.step_seconds
-        self.last_stages = generation.stages
-        self.last_computed_steps = None if generation.computed_steps is None else (generation.computed_steps,
-                                                                                   request.steps)
-        return generation
+        return self._execute(message, on_step, should_stop)
 
     def keep_alive(self) -> None:
         """Send a heartbeat if the followers have not heard from rank 0 for `heartbeat_seconds`."""
