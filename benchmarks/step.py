@@ -118,10 +118,11 @@ from pipelines.transformer_inputs import Shape
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
 PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd
-LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                "ff_context.net.2", "proj_mlp", "proj_out")
-"""A repeated block's linears (names within the block) that the benchmark's LoRA targets: those FLUX.1 LoRAs do."""
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                "net.0.proj", "net.2", "proj_mlp", "proj_out")
+"""The linears of a repeated block that the benchmark's LoRA targets, by how their names within the block end: every
+attention's projections and every feed-forward's (those FLUX.1 LoRAs do; Wan's self- and cross-attention and ffn
+alike), not the modulation's."""
 SWITCHES = 5
 """LoraSet.select calls timed each way (the median is kept)."""
 
@@ -703,7 +704,9 @@ def write_random_lora(spec: BenchModel, rank: int, path: Path, *, seed: int = 0)
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, module in meta_transformer(spec.model_class, spec.config).named_modules():
-        if not (isinstance(module, nn.Linear) and name.startswith(prefixes) and name.split(".", 2)[2] in LORA_TARGETS):
+        parts = name.split(".", 2)  # list name, index, the name within the block
+        if not (isinstance(module, nn.Linear) and name.startswith(prefixes) and len(parts) == 3
+                and any(parts[2] == t or parts[2].endswith("." + t) for t in LORA_TARGETS)):
             continue
         down = torch.randn(rank, module.in_features, generator=generator) * module.in_features ** -0.5
         up = torch.randn(module.out_features, rank, generator=generator) * 0.1 * rank ** -0.5

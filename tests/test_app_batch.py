@@ -111,6 +111,7 @@ def test_batch_on_two_ranks_interrupted_and_resumed_writes_each_file_once(tmp_pa
     done_before = manifest_files(out)
     assert 1 <= len(done_before) < 5, stderr
     assert "interrupted: run the same command again to resume" in stderr
+    assert "launch: stopping: each rank ends at its next step" in stderr  # what a Ctrl-C does, said at once
 
     # 2. Resumed: the rest is written, nothing twice; the malformed line 4 is reported, the others go on.
     second = batch("--steps", "40", prompts=prompts, out=out)

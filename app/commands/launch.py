@@ -254,6 +254,10 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, int]:
     def relay(signum: int, frame: object) -> None:
         interrupts.append(signum)
         if len(interrupts) == 1:
+            # A rank stops at its next step; an engine build or a weight load in progress finishes first (seconds to
+            # minutes), which a silent terminal would leave unexplained.
+            print("launch: stopping: each rank ends at its next step (a build or load in progress finishes first); "
+                  "Ctrl-C again to end them at once", file=sys.stderr, flush=True)
             _signal_ranks(process.pid, signal.SIGINT)
         else:  # the user insists: end torchrun and its ranks now
             _kill_job(process.pid)

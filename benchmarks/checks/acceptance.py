@@ -16,8 +16,9 @@ starts warm. Every row is one command (or one server's session) run in its own p
   family's tiny random checkpoint (the records' bench.tiny_checkpoint); FLUX.1-dev's architecture with random
   weights, 1024², 28 steps, cold and warm (the warm one's launch-to-image time is the first-image figure), with
   --fp8 --cache, --tp N and a random LoRA; Wan 2.1 1.3B's with random weights (a video), plain, with --fp8 --cache
-  and --tp N; the bench command; two `launch --nnodes 2` on one host, one GPU each. Where N ranks compute what
-  one does, the row compares the pixels with the 1-GPU row (mean and largest difference, of 255 levels).
+  and a random LoRA, and its --tp N refused with its reason; the bench command (on GPUs the real architecture);
+  two `launch --nnodes 2` on one host, one GPU each. Where N ranks compute what one does, the row compares the
+  pixels with the 1-GPU row (mean and largest difference, of 255 levels).
 - serve: `launch serve` (tiny-flux and tiny-cosmos) through gradio_client (status, an image twice, a video)
   and `launch serve --no-ui` through the official openai client (images.generate, images.edit on a FLUX.2
   Klein checkpoint, videos create / poll / content / delete); Ctrl-C ends each; then a server whose rank 1 is
@@ -465,9 +466,12 @@ def part_generate(run: Run) -> None:
     wan = ["--model", "wan2.1-t2v-1.3b", "--prompt", "a red circle", "--frames", "33", "--size", "832x480",
            "--steps", "10"]
     for name, extra in {f"wan2.1-1.3b-{n}-gpus": [],
-                        f"wan2.1-1.3b-{n}-gpus-fp8-cache": ["--fp8", "--cache", "fbcache"]}.items():
+                        f"wan2.1-1.3b-{n}-gpus-fp8-cache": ["--fp8", "--cache", "fbcache"],
+                        f"wan2.1-1.3b-{n}-gpus-lora": None}.items():
         if run.wanted(name):
             folder = random_folder(run, "wan2.1-t2v-1.3b")
+            if extra is None:  # a random LoRA on every linear of its blocks
+                extra = ["--lora", f"random={random_lora(run, 'wan2.1-t2v-1.3b')}"]
             run.generate(name, n, [*wan, "--model-path", str(folder), *extra], files / f"{name}.mp4", timeout=420,
                          frames=33)
     if run.wanted(f"wan2.1-1.3b-{n}-gpus-tp-refused"):  # Wan's q/k norm spans all heads (docs/models.md)
