@@ -96,20 +96,3 @@ def test_batch_on_two_ranks(folder: Path, tmp_path: Path) -> None:
     entries = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert len(entries) == 1 and entries[0]["file"].endswith(".mp4") and entries[0]["ranks"] == 2
     assert len(read_video(out / entries[0]["file"])[0]) == 5
-
-
-def test_build_fills_the_cache_that_generate_uses(folder: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "engines"
-    common = ["--model", "cosmos3-nano", "--model-path", str(folder), "--size", "96x64", "--frames", "5",
-              "--backend", "inductor-blocks", "--engine-cache", str(cache)]
-    cold = run_app("build", *common, "--steps", "2")
-    assert cold.returncode == 0, cold.stderr
-    assert "rank 0: built in" in cold.stderr  # (a second build's cache hit: tests/test_app_build.py)
-
-    # a prompt of another length than build's runs on the compiled layers (their equality with eager:
-    # tests/test_pipelines_cosmos3.py)
-    video = tmp_path / "compiled.mp4"
-    result = run_app("generate", *common, "--prompt", "a big red circle moving left", "--steps", "2", "--quiet",
-                 "--out", str(video))
-    assert result.returncode == 0, result.stderr
-    assert len(read_video(video)[0]) == 5

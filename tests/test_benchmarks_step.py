@@ -80,7 +80,7 @@ def test_benchmark_tiny_peers_rows_say_why_they_did_not_run(tmp_path: Path) -> N
 
 def test_benchmark_tiny_cosmos3_with_diffusers_forward(tmp_path: Path) -> None:
     """Cosmos 3 (no embedded model: its family's tiny config) through every plan, and the diffusers model's
-    own forward beside the 1 GPU rows (its compiled blocks: tests/test_pipelines_cosmos3.py, test_app_cosmos3.py)."""
+    own forward beside the 1 GPU rows (its compiled blocks: tests/test_pipelines_cosmos3.py)."""
     out = tmp_path / "bench.json"
     cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "cosmos3-nano", "--text-tokens", "20",
                    "--diffusers-forward", "--warmup", "1", "--iters", "1",
