@@ -109,7 +109,9 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
                 gr.Markdown("This server runs no video model: start it with `--video-model NAME` (e.g. tiny-cosmos).")
             else:
                 _video_tab(video, *tab)
-        demo.load(status, outputs=status_line, api_name="status", queue=False)
+        # no progress overlay on the status line (a busy server answered the page's first status late, and its
+        # "0.0s" timer sat on the status line, over the request's own progress)
+        demo.load(status, outputs=status_line, api_name="status", queue=False, show_progress="hidden")
         gr.Timer(STATUS_SECONDS).tick(status, outputs=status_line, api_visibility="private", show_progress="hidden",
                                       queue=False)
     # Handlers for every request the JobQueue may hold (waiting and running) and a few more, so that the
