@@ -241,7 +241,8 @@ def test_app_two_ranks_equal_one_rank(root: Path, one_rank, module_name: str, ca
 
 def _family_models() -> list:
     """One model per family: the first its cases name (its transformer class is the family's)."""
-    return [pytest.param(module, _case_models(module)[0], id=_case_models(module)[0]) for module in MODULES]
+    firsts = {module: _case_models(module)[0] for module in MODULES}
+    return [pytest.param(module, model, id=model) for module, model in firsts.items()]
 
 
 LORA_RANKS = {"a": 4, "b": 2}
