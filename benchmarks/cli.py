@@ -87,10 +87,12 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: the benchmark exited with status {status}", file=sys.stderr)
         return status or 1
     rows = json.loads(result.read_text())["rows"]
+    picture = args.out / f"{name}.png"
     if args.end_to_end:
-        chart(rows, args.out / f"{name}.png", key="total_s", unit="s", axis="seconds per generation (median)")
+        chart(rows, picture, key="total_s", unit="s", axis="seconds per generation (median)")
     else:
-        chart(rows, args.out / f"{name}.png")
+        chart(rows, picture)
+    print(f"bench: wrote {result} and {picture}", flush=True)
     return 0
 
 

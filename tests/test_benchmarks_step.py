@@ -51,6 +51,8 @@ def test_bench_command_tiny_writes_json_and_chart(tmp_path: Path) -> None:
         fp8 = next(r for r in rows if r["mode"] == mode)
         assert 0 < fp8["rel_error"] < 0.05, fp8  # FP8 rounding of a float32 tiny model: small, not zero
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    # its last line says what it wrote (a command ends within 3 s of its last output: docs/app-on-gpus.md)
+    assert proc.stdout.splitlines()[-1] == f"bench: wrote {tmp_path / 'bench.json'} and {tmp_path / 'bench.png'}"
 
 
 def test_benchmark_tiny_peers_rows_say_why_they_did_not_run(tmp_path: Path) -> None:
