@@ -992,8 +992,7 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
     p.add_argument("--adapter", choices=("record", "generic"), default="record",
                    help="the family record's context-parallel adapter (default), or the generic path "
-                        "(engines/parallel/generic.py) for a family whose record has a hand-written one (FLUX.1, "
-                        "FLUX.2)")
+                        "(engines/parallel/generic.py) for a family whose record has a hand-written one (FLUX.2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")

@@ -5,7 +5,7 @@ issues the output all-to-all, computes the MLP's share of proj_out, waits. On 2 
 checks that
 - parallelize_flux installs it on every single-stream block for a Ulysses plan (and ring and
   all-gather plans: tests/test_engines_ring_overlap.py) and restore() puts diffusers' blocks back;
-- the AdaLN modulation projections are shared out over the ranks (pipelines.flux.modulation.SharedModulation:
+- the AdaLN modulation projections are shared out over the ranks (engines.parallel.modulation.SharedModulation:
   both ranks own some, the norms skip theirs), and restore() puts them back too: the plain model
   then gives its original output;
 - the parallel model (eager) equals the one-process model;

@@ -1,7 +1,8 @@
 """The generic context-parallel path (engines/parallel/generic.py) on spawned gloo ranks (CPU, float32) against one
 process.
 
-FLUX.1 and FLUX.2 run on it too (their records' generic_parallelize, next to the hand-written adapters).
+FLUX.1 runs on it (with its speed features: its processor, overlapped single blocks, shared modulation), FLUX.2
+too (its record's generic_parallelize, next to its hand-written adapter).
 
 Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy, CFG groups on a guidance batch:
 - Wan: rotary tables and video tokens padded to the sequence degree (45 tokens: 2 and 4 ranks pad), and the
@@ -92,17 +93,19 @@ def wan_inputs(per_token_timestep: bool) -> dict:
 
 
 def _count_split_attention(parallel) -> list:
-    """Record each call of the split attention (the processors' shared SequenceSplit), to show the split ran."""
+    """Record each call of the split attention (the processors' shared SequenceSplit, a family's own processors
+    and the blocks that took the place of the model's), to show the split ran."""
     calls: list = []
-    splits = {id(p._parallel_config): p._parallel_config for p in (m.processor for m, _ in parallel._replaced)}
-    for split in splits.values():
-        attention = split.attention
+    holders = [getattr(p, "_parallel_config", p) for p in (m.processor for m, _ in parallel._replaced)]
+    holders += [blocks[index] for blocks, index, _ in getattr(parallel, "_blocks", [])]
+    for holder in {id(h): h for h in holders}.values():
+        attention = holder.attention
 
         def counted(*args, attention=attention, **kwargs):
             calls.append(kwargs["layout"])
             return attention(*args, **kwargs)
 
-        split.attention = counted
+        holder.attention = counted
     return calls
 
 
@@ -208,7 +211,7 @@ def flux_plans(world_size: int) -> list:
 
 
 def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """FLUX.1 and FLUX.2 on the generic path (their records' generic_parallelize) against one process."""
+    """FLUX.1 and FLUX.2 on the generic path (FLUX.1's adapter, FLUX.2's generic_parallelize) against one process."""
     join_ranks(rank, world_size, port)
     from types import SimpleNamespace
 
@@ -216,7 +219,7 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     from engines.parallel.distributed import init_parallel, shutdown
     from engines.parallel.parallelize import parallelize_transformer
-    from pipelines.flux.parallel import parallelize_flux_generic
+    from pipelines.flux.parallel import parallelize_flux
     from pipelines.flux2.inputs import flux2_inputs
     from pipelines.flux2.parallel import parallelize_flux2_generic
     from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
@@ -225,7 +228,7 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
     shape = SimpleNamespace(height=80, width=48, text_tokens=7, frames=1)  # 5 x 3 image tokens after 2x2 packing
-    models = {"flux": (randomize(tiny_flux()), lambda: flux_inputs((3, 5), 7), parallelize_flux_generic),
+    models = {"flux": (randomize(tiny_flux()), lambda: flux_inputs((3, 5), 7), parallelize_flux),
               "flux2": (randomize(Flux2Transformer2DModel(**FLUX2_TINY_TRANSFORMER)),
                         lambda: flux2_inputs(FLUX2_TINY_TRANSFORMER, shape, batch=2, device=torch.device("cpu"),
                                              dtype=torch.float32)[0], parallelize_flux2_generic)}

@@ -47,6 +47,7 @@ import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from torch import nn
 
 from engines.parallel.attention import split_attention
 from engines.parallel.mesh import ParallelMesh
+from engines.parallel.modulation import SharedModulation
 from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.parallel.wrapper import ParallelTransformer
@@ -69,6 +71,8 @@ class _CallState:
     under: an argument name, or "<module path>:<output index>")."""
 
     lengths: dict[str, int] = field(default_factory=dict)
+    modulations: list[torch.Tensor] = field(default_factory=list)
+    """Each consumer's modulation in this call (a SharedModulation's, computed at its source's output)."""
 
 
 class SequenceSplit:
@@ -87,11 +91,14 @@ class SequenceSplit:
                              "attention needs one (give its family a plan that leaves masked tokens out)")
         if scale is not None and abs(scale - query.shape[-1] ** -0.5) > 1e-12:
             raise ValueError(f"the split attention uses the softmax scale 1/sqrt(head dim); this model asks {scale}")
+        return self.attention(query, key, value, layout=self.layout())
+
+    def layout(self) -> ShardLayout:
+        """The shard layout of the sequence this attention attends, in the current call."""
         lengths = tuple(self.state.lengths[name] for name in self.segments if name in self.state.lengths)
         if not lengths:  # an optional stream (a reference image's tokens) may be absent, not all of them
             raise RuntimeError(f"none of the attention's segments {self.segments} was split before it: check the plan")
-        layout = ShardLayout(lengths=lengths, degree=self.degree)
-        return self.attention(query, key, value, layout=layout)
+        return ShardLayout(lengths=lengths, degree=self.degree)
 
 
 _DISPATCH = "dispatch_attention_fn"
@@ -133,18 +140,24 @@ class ParallelGeneric(ParallelTransformer):
     """A `_cp_plan` transformer across ranks; same call as the model, full output on every rank."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, replaced: list, plan: dict[str, Any], *,
-                 state: _CallState, stream: str, per_sample: tuple[str, ...], shared: tuple[str, ...]) -> None:
+                 state: _CallState, stream: str, per_sample: tuple[str, ...], shared: tuple[str, ...],
+                 blocks: list[tuple[nn.ModuleList, int, nn.Module]] = (),
+                 modulation: SharedModulation | None = None) -> None:
         super().__init__(model, mesh, replaced)
         self.plan = plan
         self.stream = stream
         self.per_sample = per_sample
         self.shared = shared
+        self.modulation = modulation
+        self._blocks = list(blocks)
+        """(list, index, the block it held) of each block the family's replacement took the place of."""
         self._state = state
         self._signature = inspect.signature(model.forward)
         self._hooks: dict[tuple[str, int], tuple[nn.Module, list[Any]]] = {}
         """(path, index) -> (the module the hooks sit on, their handles)."""
-        self._arguments = {path: tuple(inspect.signature(_at(model, path)[0].forward).parameters)
-                           for path, entry in plan.items() if path != ROOT and isinstance(entry, dict)}
+        paths = [path for path, entry in plan.items() if path != ROOT and isinstance(entry, dict)]
+        paths += [path for path, _ in modulation.consumers] if modulation is not None else []
+        self._arguments = {path: tuple(inspect.signature(_at(model, path)[0].forward).parameters) for path in paths}
         """path -> the argument names of the module there, read now, before the engines and the step cache wrap
         the blocks in modules of their own (whose forward takes *args, **kwargs)."""
 
@@ -194,17 +207,42 @@ class ParallelGeneric(ParallelTransformer):
         return gather_tokens(x, self.mesh, length=self._state.lengths[self.stream], dim=gather.gather_dim)
 
     def _attach(self) -> None:
-        """Put the plan's hooks on the modules standing at its paths now (see the module docstring)."""
+        """Put the plan's hooks (and the shared modulation's) on the modules standing at its paths now (see the
+        module docstring)."""
         for path, entry in self.plan.items():
             if path == ROOT:
                 continue
             for index, module in enumerate(_at(self.model, path)):
-                held = self._hooks.get((path, index))
-                if held is not None and held[0] is module:
-                    continue
-                for handle in held[1] if held else ():
-                    handle.remove()
-                self._hooks[path, index] = (module, self._hook(path, module, entry))
+                if self._vacant(path, index, module):
+                    self._hooks[path, index] = (module, self._hook(path, module, entry))
+        if self.modulation is None:
+            return
+        state, shared = self._state, self.modulation
+
+        def compute(_module: nn.Module, _args: Any, temb: torch.Tensor) -> None:
+            state.modulations = shared(temb)
+
+        source = _at(self.model, shared.source)[0]
+        if self._vacant("modulation", 0, source):
+            self._hooks["modulation", 0] = (source, [source.register_forward_hook(compute)])
+        consumer = 0
+        for path, argument in shared.consumers:
+            for index, module in enumerate(_at(self.model, path)):
+                if self._vacant(f"modulation:{path}", index, module):
+                    hand = partial(_hand_modulation, state, consumer, self._arguments[path], argument)
+                    self._hooks[f"modulation:{path}", index] = (
+                        module, [module.register_forward_pre_hook(hand, with_kwargs=True)])
+                consumer += 1
+
+    def _vacant(self, key: str, index: int, module: nn.Module) -> bool:
+        """Whether (key, index) needs hooks on `module`: none yet, or they sit on a module no longer there (then
+        removed)."""
+        held = self._hooks.get((key, index))
+        if held is not None and held[0] is module:
+            return False
+        for handle in held[1] if held else ():
+            handle.remove()
+        return True
 
     def _hook(self, path: str, module: nn.Module, entry: Any) -> list[Any]:
         if isinstance(entry, (ContextParallelOutput, list, tuple)):
@@ -247,7 +285,23 @@ class ParallelGeneric(ParallelTransformer):
             for handle in handles:
                 handle.remove()
         self._hooks = {}
+        if self.modulation is not None:
+            self.modulation.restore()
+        for blocks, index, block in self._blocks:
+            blocks[index] = block
+        self._blocks = []
         return super().restore()
+
+
+def _hand_modulation(state: _CallState, consumer: int, names: tuple[str, ...], name: str, _module: nn.Module,
+                     args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """A consumer's call (args, kwargs) with its argument `name` (of the parameters `names`, in order) set to its
+    modulation in this call (a forward pre-hook)."""
+    value = state.modulations[consumer]
+    position = names.index(name)
+    if position < len(args):
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
 
 
 def _split_batch(value: Any, mesh: ParallelMesh, batch: int, per_sample: bool) -> Any:
@@ -290,16 +344,32 @@ def _segments_of(segments: Segments, name: str) -> tuple[str, ...]:
     return tuple(segments[max(matches, key=len)])
 
 
+Layout = Callable[[], ShardLayout]
+"""The shard layout of the sequence an attention attends, in the current call (SequenceSplit.layout)."""
+
+
 def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = ("hidden_states",),
                     stream: str = "hidden_states", per_sample: Sequence[str] = (), shared: Sequence[str] = (),
                     weights: Callable[[nn.Module, int], WeightSplit] | None = None,
+                    processor: Callable[[ParallelMesh, Layout], Any] | None = None,
+                    blocks: dict[str, Callable[[nn.Module, ParallelMesh, Layout], nn.Module | None]] | None = None,
+                    modulation: Callable[[nn.Module, ParallelMesh], SharedModulation | None] | None = None,
                     ) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
     """A family's parallelize function on the generic path: `plan` in diffusers' `_cp_plan` form (default the
     class's own); `segments`, what each attention attends (Segments); `stream`, the blocks' main stream (the
     one the output gather cuts back to its length, the step cache measures); `per_sample`, arguments that are
     lists of one entry per sample (split with the batch over CFG groups, as tensors are); `shared`, tensors
     that are the same for every sample and have no batch dimension (position ids), left whole; `weights`, the
-    family's tensor-parallel split (default generic_weights, for transformers of diffusers' standard parts)."""
+    family's tensor-parallel split (default generic_weights, for transformers of diffusers' standard parts).
+
+    A family's speed features, each applied only where the sequence is split:
+    - `processor(mesh, layout)`: the attention processor of every attention (one per Segments entry), in place
+      of diffusers' own with its attention call split (FLUX.1's orders its projections around the exchanges);
+    - `blocks`: for a ModuleList's path, `make(block, mesh, layout)` -> the block that takes its place, or None to
+      keep it (FLUX.1's single-stream blocks overlap their exchanges with their MLP);
+    - `modulation(model, mesh)`: the model's AdaLN modulations shared out over the sequence ranks
+      (engines.parallel.modulation), or None where the plan does not allow it.
+    restore() undoes each."""
 
     def parallelize(model: nn.Module, mesh: ParallelMesh) -> ParallelGeneric:
         cp_plan = plan if plan is not None else context_parallel_plan(model)
@@ -307,26 +377,49 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
         mesh.plan.check(num_heads=num_heads)
         split_over_mesh(model, weights or generic_weights, mesh)
         state = _CallState()
-        replaced = []
+        replaced, swapped, shared_modulation = [], [], None
         if mesh.plan.seq_degree > 1:
             splits: dict[tuple[str, ...], SequenceSplit] = {}
-            for name, module in model.named_modules():
-                processor = getattr(module, "processor", None)
-                if processor is None or not hasattr(processor, "_parallel_config"):
-                    continue
-                _install_dispatch(type(processor).__module__)
+            processors: dict[tuple[str, ...], Any] = {}
+
+            def split_of(name: str) -> SequenceSplit:
                 attends = _segments_of(segments, name)
                 if attends not in splits:
                     splits[attends] = SequenceSplit(mesh, state, attends)
-                mine = copy.copy(processor)
-                mine._parallel_config = splits[attends]
-                replaced.append((module, processor))
+                return splits[attends]
+
+            for name, module in model.named_modules():
+                original = getattr(module, "processor", None)
+                if original is None or not hasattr(original, "_parallel_config"):
+                    continue
+                split = split_of(name)
+                if processor is not None:
+                    if split.segments not in processors:
+                        processors[split.segments] = processor(mesh, split.layout)
+                    mine = processors[split.segments]
+                else:
+                    _install_dispatch(type(original).__module__)
+                    mine = copy.copy(original)
+                    mine._parallel_config = split
+                replaced.append((module, original))
                 module.set_processor(mine)
             if not replaced:
                 raise ValueError(f"{type(model).__name__}'s attention processors take no parallel_config: the "
                                  "generic context-parallel path cannot reach them")
+            for path, make in (blocks or {}).items():
+                held = model.get_submodule(path)
+                for index, block in enumerate(held):
+                    mine = make(block, mesh, split_of(f"{path}.{index}").layout)
+                    if mine is not None:
+                        swapped.append((held, index, block))
+                        held[index] = mine
+            if modulation is not None:
+                shared_modulation = modulation(model, mesh)
+                if shared_modulation is not None:
+                    shared_modulation.install()
         return ParallelGeneric(model, mesh, replaced, cp_plan, state=state, stream=stream,
-                               per_sample=tuple(per_sample), shared=tuple(shared))
+                               per_sample=tuple(per_sample), shared=tuple(shared), blocks=swapped,
+                               modulation=shared_modulation)
 
     return parallelize
 

@@ -8,6 +8,7 @@ to_q/to_k/to_v and add_*_proj, or diffusers' fused to_qkv/to_added_qkv after fus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,8 +153,10 @@ class FluxContextParallelProcessor:
     docs/benchmarks.md.)
     """
 
-    def __init__(self, mesh: ParallelMesh) -> None:
+    def __init__(self, mesh: ParallelMesh, layout: Callable[[], ShardLayout] | None = None) -> None:
         self.attention = split_attention(mesh)
+        self.layout = layout
+        """The layout of the joint sequence in the current call (on the generic path); None: the call's cp_layout."""
 
     def __call__(
         self,
@@ -164,6 +167,8 @@ class FluxContextParallelProcessor:
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         cp_layout: ShardLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if cp_layout is None and self.layout is not None:
+            cp_layout = self.layout()
         if cp_layout is None:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
         if attention_mask is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from engines.levers.fp8 import is_fp8
 from engines.parallel.attention import split_attention
 from engines.parallel.mesh import ParallelMesh
+from engines.parallel.sharding import ShardLayout
 from engines.weights.lora import has_lora
 from pipelines.flux.attention import query_key_value
 
@@ -36,7 +38,7 @@ class OverlappedSingleBlock(nn.Module):
     4. the attention's share is added. Residual and gate as in diffusers.
     Splitting proj_out also spares the concatenation, which under ring fused with the LSE merge
     into one slow kernel (150 us a block at FLUX 1024², against ~40 us for GELU alone).
-    Same parameters (the original block is a child; ParallelFlux.restore puts it back) and the same
+    Same parameters (the original block is a child; the parallel model's restore() puts it back) and the same
     result up to float rounding (tests/test_engines_flux_overlap.py). The waits are explicit ops,
     so torch.compile keeps the order (with EngineOptions.overlap).
     Measured on 2x H200 (docs/benchmarks.md, FLUX.1-dev 1024²): with NCCL the q/k/v all-to-all's
@@ -44,10 +46,13 @@ class OverlappedSingleBlock(nn.Module):
     engines (no SM needed) the all-gather plan's K/V exchange runs entirely under the MLP GEMM.
     """
 
-    def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh) -> None:
+    def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh,
+                 layout: Callable[[], ShardLayout] | None = None) -> None:
         super().__init__()
         self.block = block
         self.attention = split_attention(mesh)
+        self.layout = layout
+        """The layout of the joint sequence in the current call (on the generic path); None: the call's cp_layout."""
 
     def forward(
         self,
@@ -59,6 +64,8 @@ class OverlappedSingleBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         block, attn = self.block, self.block.attn
         layout = (joint_attention_kwargs or {}).get("cp_layout")
+        if layout is None and self.layout is not None:
+            layout = self.layout()
         if layout is None:
             raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
         text_len = encoder_hidden_states.shape[1]

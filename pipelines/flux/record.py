@@ -45,7 +45,6 @@ FLUX = ModelFamily(
     transformer="diffusers:FluxTransformer2DModel",
     pipeline="pipelines.flux.pipeline:FluxImagePipeline",
     parallelize="pipelines.flux.parallel:parallelize_flux",
-    generic_parallelize="pipelines.flux.parallel:parallelize_flux_generic",
     tensor_parallel="pipelines.flux.parallel:flux_weights",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
     block_outputs=(("encoder_hidden_states", "hidden_states"), ("encoder_hidden_states", "hidden_states")),

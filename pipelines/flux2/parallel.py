@@ -19,7 +19,7 @@ Where FLUX.2's blocks differ from FLUX.1's, and what this adapter does there:
   reorders FLUX.1's separate MLP around the exchanges; with the fused projections there is
   nothing left to move, so FLUX.2's single blocks stay as they are.
 - Modulation: FLUX.2 computes every block's AdaLN parameters once per forward, from shared
-  modulation layers (FLUX.1 has one per block, which pipelines.flux.modulation shares out), so
+  modulation layers (FLUX.1 has one per block, which engines.parallel.modulation shares out), so
   there is nothing to share.
 - Reference-image K/V caching (kv_cache_mode) is not supported: every step attends to the
   reference tokens afresh, which is what diffusers does without the cache.
@@ -39,11 +39,32 @@ from torch import nn
 from engines.parallel.attention import split_attention
 from engines.parallel.generic import generic_adapter
 from engines.parallel.mesh import ParallelMesh
-from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, split_batch
+from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
 from engines.parallel.wrapper import ParallelTransformer, replace_processors
 from pipelines.flux.attention import FluxContextParallelProcessor
-from pipelines.flux.parallel import IMAGE, shard_joint_tokens
+
+TEXT, IMAGE = 0, 1  # segment order of FLUX's joint sequence
+
+
+def shard_joint_tokens(
+    hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor,
+    mesh: ParallelMesh,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ShardLayout | None]:
+    """This rank's image chunk, text chunk and their ids (FLUX.2 lays out [text, image] as FLUX.1 does),
+    and their layout for the attention processors; the whole tokens and None without a sequence axis.
+    Batched (deprecated) ids are taken by their first entry, as diffusers does."""
+    txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+    img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    degree = mesh.plan.seq_degree
+    if degree == 1:
+        return hidden_states, encoder_hidden_states, img_ids, txt_ids, None
+    layout = ShardLayout(lengths=(encoder_hidden_states.shape[1], hidden_states.shape[1]), degree=degree)
+    s = mesh.seq_rank
+    return (shard_tokens(hidden_states, layout, segment=IMAGE, shard=s, dim=1),
+            shard_tokens(encoder_hidden_states, layout, segment=TEXT, shard=s, dim=1),
+            shard_tokens(img_ids, layout, segment=IMAGE, shard=s, dim=0),
+            shard_tokens(txt_ids, layout, segment=TEXT, shard=s, dim=0), layout)
 
 
 class Flux2SingleProcessor:

@@ -1,11 +1,21 @@
-"""FLUX's AdaLN modulations computed once per forward and shared out over the sequence ranks."""
+"""AdaLN modulations computed once per forward and shared out over the sequence ranks (a feature of the generic
+path, engines.parallel.generic: a family's record names its norms and where the conditioning comes from).
+
+In a transformer with adaptive norms every block (and the final norm) projects the same conditioning vector,
+silu(temb), into its shifts, scales and gates: FLUX.1-dev's 115 matrix-vector products read 6.5 GB of weights
+(~2 ms on an H200), the same on every rank. Here each rank of the sequence group computes the projections it
+owns (balanced by output width) and ONE all-gather brings every consumer's modulation to every rank, so a rank
+reads 1/n of those weights. Each consumer (a block, the final norm) then receives its own modulation where it
+received the conditioning, and its norms skip the projection (silu -> Identity, linear -> _Precomputed).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from torch import nn
 
 from engines.parallel.collectives import all_gather
@@ -13,9 +23,9 @@ from engines.parallel.collectives import all_gather
 
 class _Precomputed(nn.Module):
     """Stands in for an AdaLN modulation projection whose output SharedModulation computed ahead:
-    returns columns [start, stop) of what the block now receives as `temb` (the projection's
-    output, or, in a double-stream block, the outputs of both its streams' projections side by
-    side). The projection stays a child, so that .to() and state_dict still reach its weights."""
+    returns columns [start, stop) of what the consumer now receives as its conditioning (the projection's
+    output, or, for a consumer with several norms, the outputs of all their projections side by side).
+    The projection stays a child, so that .to() and state_dict still reach its weights."""
 
     def __init__(self, source: nn.Linear, start: int, stop: int) -> None:
         super().__init__()
@@ -27,27 +37,17 @@ class _Precomputed(nn.Module):
 
 
 class SharedModulation:
-    """FLUX's AdaLN modulations, computed once per forward and shared out over the sequence ranks.
+    """The modulations of `norms` (per consumer, in call order: each consumer's adaptive norms), computed from
+    the conditioning once per forward over the sequence group (`group`, this `rank` of `size`). `source` is the
+    plan path of the module whose output is the conditioning; `consumers` say where it then goes, in call order
+    (the generic path hooks both: engines.parallel.generic)."""
 
-    Every block (and norm_out) projects the same conditioning vector silu(temb) into its shifts,
-    scales and gates: 115 matrix-vector products that read 6.5 GB of weights (~2 ms on an H200), the
-    same on every rank. Here each rank of the sequence group computes the blocks it owns (balanced
-    by output width) and ONE all-gather brings every block's modulation to every rank, so a rank
-    reads 1/n of those weights. The blocks then receive their modulation as `temb` and their norm
-    layers skip the projection (silu -> Identity, linear -> _Precomputed); install() makes that
-    change and restore() undoes it. Only for plans whose sequence ranks form one group (one
-    sequence axis: Ulysses, ring or all-gather).
-    """
-
-    def __init__(self, model: FluxTransformer2DModel, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(self, norms: list[list[nn.Module]], group: dist.ProcessGroup, rank: int, size: int, *,
+                 source: str, consumers: Sequence[tuple[str, str]]) -> None:
         self.group, self.rank, self.size = group, rank, size
-        # consumers in call order: each double block (image and text stream), each single block, norm_out
-        self.norms: list[list[nn.Module]] = (
-            [[b.norm1, b.norm1_context] for b in model.transformer_blocks]
-            + [[b.norm] for b in single_blocks(model)]
-            + [[model.norm_out]]
-        )
-        self.linears = [[norm.linear for norm in norms] for norms in self.norms]
+        self.source, self.consumers = source, tuple(consumers)
+        self.norms = norms
+        self.linears = [[norm.linear for norm in consumer] for consumer in norms]
         widths = [sum(linear.out_features for linear in linears) for linears in self.linears]
         # owner of each consumer: the least loaded rank, widest consumers first (the same on every rank)
         load = [0] * size
@@ -64,7 +64,7 @@ class SharedModulation:
         self._originals: list[tuple[nn.Module, nn.Module, nn.Module]] = []
 
     def __call__(self, temb: torch.Tensor) -> list[torch.Tensor]:
-        """Each consumer's modulation (B, width), in call order, from the model's temb."""
+        """Each consumer's modulation (B, width), in call order, from the conditioning `temb`."""
         condition = F.silu(temb)
         mine = [linear(condition)  # the module: a LoRA term on it (engines.weights.lora) applies
                 for index, linears in enumerate(self.linears) if self.owner[index] == self.rank
@@ -78,6 +78,7 @@ class SharedModulation:
                 for owner, (offset, width) in zip(self.owner, self.spans, strict=True)]
 
     def install(self) -> None:
+        """The norms skip their projections: each takes its columns of the modulation it is handed."""
         for norms, linears in zip(self.norms, self.linears, strict=True):
             start = 0
             for norm, linear in zip(norms, linears, strict=True):
@@ -90,10 +91,3 @@ class SharedModulation:
         for norm, silu, linear in self._originals:
             norm.silu, norm.linear = silu, linear
         self._originals = []
-
-
-
-
-def single_blocks(model: FluxTransformer2DModel) -> list[nn.Module]:
-    """The single-stream blocks, looking through the overlapped blocks that wrap them."""
-    return [getattr(b, "block", b) for b in model.single_transformer_blocks]
