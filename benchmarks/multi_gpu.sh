@@ -196,8 +196,8 @@ elif [ "$part" = 4 ]; then
 elif [ "$part" = 5 ]; then
     # the generic context-parallel path (engines/parallel/generic.py), one step each, 1 GPU against every strategy on
     # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
-    # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², FLUX.1-dev 1024² on the generic path
-    # (against its hand-written adapter's rows of part 2: the record keeps the faster), then Wan 2.1 14B at
+    # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², FLUX.2-dev 1024² on its hand-written
+    # adapter and on the generic path in one run (the record keeps the faster: docs/models.md), then Wan 2.1 14B at
     # 81x720x1280 (guidance batched: cfg-parallel too). The image models with and without a CUDA graph: without
     # one their steps are host-bound on 2 and 4 GPUs (docs/benchmarks.md)
     piece qwen-image-step 200 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
@@ -210,9 +210,11 @@ elif [ "$part" = 5 ]; then
     piece qwen-image-profile 120 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
         --strategies ulysses --no-cfg --no-diffusers --backends "$fast" --warmup 1 --iters 1 --cache-dir "$cache" \
         --profile "$out/qwen-image-profile" --out "$out/qwen-image-profile.json"
-    piece flux1-generic-step 120 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
-        --all-to-all "$transport" --backends "$backend" --adapter generic --no-diffusers --warmup 1 --iters 5 \
-        --cache-dir "$cache" --out "$out/flux1-generic-step.json"
+    for adapter in record generic; do
+        piece "flux2-$adapter-step" 200 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" \
+            --strategies allgather,ulysses --all-to-all "$transport" --backends "$backend" --adapter "$adapter" \
+            --no-diffusers --warmup 3 --iters 20 --cache-dir "$cache" --out "$out/flux2-$adapter-step.json"
+    done
     # last, with what is left: a 1 GPU Wan 14B step is 22 s (2x H200), its compile 46 s
     piece wan14b-step 330 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
         --strategies ulysses,ring,allgather --backends "$fast" --warmup 1 --iters 1 --cache-dir "$cache" \

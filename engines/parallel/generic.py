@@ -338,10 +338,16 @@ stream each, its joint blocks all of them."""
 def _segments_of(segments: Segments, name: str) -> tuple[str, ...]:
     if not isinstance(segments, dict):
         return tuple(segments)
-    matches = [prefix for prefix in segments if prefix == "" or name == prefix or name.startswith(prefix + ".")]
-    if not matches:
+    prefix = _prefix_of(segments, name)
+    if prefix is None:
         raise ValueError(f"no attention segments declared for {name}")
-    return tuple(segments[max(matches, key=len)])
+    return tuple(segments[prefix])
+
+
+def _prefix_of(by_prefix: dict[str, Any], name: str) -> str | None:
+    """The longest key of `by_prefix` that is a module path prefix of `name` ("" matches every name); None."""
+    matches = [prefix for prefix in by_prefix if prefix == "" or name == prefix or name.startswith(prefix + ".")]
+    return max(matches, key=len) if matches else None
 
 
 Layout = Callable[[], ShardLayout]
@@ -351,7 +357,7 @@ Layout = Callable[[], ShardLayout]
 def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = ("hidden_states",),
                     stream: str = "hidden_states", per_sample: Sequence[str] = (), shared: Sequence[str] = (),
                     weights: Callable[[nn.Module, int], WeightSplit] | None = None,
-                    processor: Callable[[ParallelMesh, Layout], Any] | None = None,
+                    processor: dict[str, Callable[[ParallelMesh, Layout], Any]] | None = None,
                     blocks: dict[str, Callable[[nn.Module, ParallelMesh, Layout], nn.Module | None]] | None = None,
                     modulation: Callable[[nn.Module, ParallelMesh], SharedModulation | None] | None = None,
                     ) -> Callable[[nn.Module, ParallelMesh], ParallelGeneric]:
@@ -363,8 +369,9 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
     family's tensor-parallel split (default generic_weights, for transformers of diffusers' standard parts).
 
     A family's speed features, each applied only where the sequence is split:
-    - `processor(mesh, layout)`: the attention processor of every attention (one per Segments entry), in place
-      of diffusers' own with its attention call split (FLUX.1's orders its projections around the exchanges);
+    - `processor`: per attention module path prefix (the longest that matches; "" for every attention),
+      `make(mesh, layout)` -> the processor of those attentions (one per prefix and Segments entry), in place of
+      diffusers' own with its attention call split (FLUX's orders its projections around the exchanges);
     - `blocks`: for a ModuleList's path, `make(block, mesh, layout)` -> the block that takes its place, or None to
       keep it (FLUX.1's single-stream blocks overlap their exchanges with their MLP);
     - `modulation(model, mesh)`: the model's AdaLN modulations shared out over the sequence ranks
@@ -380,7 +387,7 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
         replaced, swapped, shared_modulation = [], [], None
         if mesh.plan.seq_degree > 1:
             splits: dict[tuple[str, ...], SequenceSplit] = {}
-            processors: dict[tuple[str, ...], Any] = {}
+            processors: dict[tuple[str, tuple[str, ...]], Any] = {}
 
             def split_of(name: str) -> SequenceSplit:
                 attends = _segments_of(segments, name)
@@ -393,10 +400,11 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
                 if original is None or not hasattr(original, "_parallel_config"):
                     continue
                 split = split_of(name)
-                if processor is not None:
-                    if split.segments not in processors:
-                        processors[split.segments] = processor(mesh, split.layout)
-                    mine = processors[split.segments]
+                prefix = _prefix_of(processor or {}, name)
+                if prefix is not None:
+                    if (prefix, split.segments) not in processors:
+                        processors[prefix, split.segments] = processor[prefix](mesh, split.layout)
+                    mine = processors[prefix, split.segments]
                 else:
                     _install_dispatch(type(original).__module__)
                     mine = copy.copy(original)

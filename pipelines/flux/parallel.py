@@ -92,7 +92,7 @@ def overlapped_single_block(block: nn.Module, mesh: ParallelMesh, layout: Any) -
 
 
 parallelize_flux = generic_adapter(segments=("encoder_hidden_states", "hidden_states"), shared=("img_ids", "txt_ids"),
-                                   weights=flux_weights, processor=FluxContextParallelProcessor,
+                                   weights=flux_weights, processor={"": FluxContextParallelProcessor},
                                    blocks={"single_transformer_blocks": overlapped_single_block},
                                    modulation=flux_modulation)
 """Shard FLUX's text and image tokens over the mesh's sequence ranks (and its batch over CFG groups), and its block

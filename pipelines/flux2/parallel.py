@@ -226,8 +226,10 @@ _TOKENS = ContextParallelInput(split_dim=1, expected_dims=3)
 parallelize_flux2_generic = generic_adapter(
     plan={"": {"hidden_states": _TOKENS, "encoder_hidden_states": _TOKENS, "img_ids": _IDS, "txt_ids": _IDS},
           "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)},
-    segments=("encoder_hidden_states", "hidden_states"), shared=("img_ids", "txt_ids"), weights=flux2_weights)
-"""FLUX.2 on the generic path (engines/parallel/generic.py). diffusers' plan splits ids with a batch dimension ([B, S,
-4]); our pipeline passes them without one ([S, 4], shared by the batch), so this plan splits them along their first.
-The family's record keeps parallelize_flux2 until a GPU run of the step benchmark (--adapter generic) shows which
-is faster."""
+    segments=("encoder_hidden_states", "hidden_states"), shared=("img_ids", "txt_ids"), weights=flux2_weights,
+    processor={"transformer_blocks": FluxContextParallelProcessor})
+"""FLUX.2 on the generic path (engines/parallel/generic.py): diffusers' forward, FLUX.1's processor in the double-stream
+blocks (the all-gather reordering), diffusers' own in the single-stream blocks with its attention call split. diffusers'
+plan splits ids with a batch dimension ([B, S, 4]); our pipeline passes them without one ([S, 4], shared by the batch),
+so this plan splits them along their first. The family's record keeps parallelize_flux2 until a GPU run of the step
+benchmark (--adapter generic) shows which is faster."""
