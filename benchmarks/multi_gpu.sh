@@ -2,7 +2,7 @@
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app's acceptance run (PART=accept), Cosmos-Predict2-2B and FLUX.2 (part 1), FLUX.1-dev
 # regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
-# every family in a CUDA graph (PART=graphs).
+# every family in a CUDA graph (PART=graphs), hand-written adapters against the generic path (PART=adapters).
 # On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
@@ -34,7 +34,7 @@
 #                    200 (29 frames, 1 GPU and ulysses-2) | cosmos3-super-tp 107 on 2 of 4x H200 (alone: ONLY=)
 #   part 4 (2x / 4x H200, 2026-11-27): flux1-fp8-generation 99 / 92 | flux1-fp8-step 54 / 57 (with the sweep's kernels)
 #          | flux1-fp8-profile 64 (4 GPUs)
-#   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | flux1-generic-step 69 | wan14b-step over 220
+#   part 5 (2x H200, 2026-11-27): qwen-image-step 74 | flux3-step 69 | wan14b-step over 220
 #          (its 1 GPU row alone: 113); on 4x H200, without the graph rows: 94 | 76 | - | 263
 #   part 5 with its graph rows, 4x H200: qwen-image-step 91 | flux3-step 110 | qwen-image-profile 42
 #   part 6 (4x H200, 2026-11-27): qwen-image-generation 119 (no graphs) | wan14b-generation 193 (2 GPUs: 200)
@@ -45,10 +45,12 @@
 #          empty cache
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
+#   adapters (not yet timed on GPUs): flux2-record-step, flux2-generic-step, cosmos2b-record-step,
+#          cosmos2b-generic-step
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=accept|1|2|3|4|5|6|7|8|9|graphs|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=accept, 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=accept|1|2|3|4|5|6|7|8|9|graphs|adapters|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=accept, 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, adapters, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -196,8 +198,7 @@ elif [ "$part" = 4 ]; then
 elif [ "$part" = 5 ]; then
     # the generic context-parallel path (engines/parallel/generic.py), one step each, 1 GPU against every strategy on
     # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
-    # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², FLUX.2-dev 1024² on its hand-written
-    # adapter and on the generic path in one run (the record keeps the faster: docs/models.md), then Wan 2.1 14B at
+    # tokens: diffusers' split needs a divisor), FLUX.3 Klein base at 1024², then Wan 2.1 14B at
     # 81x720x1280 (guidance batched: cfg-parallel too). The image models with and without a CUDA graph: without
     # one their steps are host-bound on 2 and 4 GPUs (docs/benchmarks.md)
     piece qwen-image-step 200 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
@@ -210,11 +211,6 @@ elif [ "$part" = 5 ]; then
     piece qwen-image-profile 120 "${step[@]}" --model qwen-image --sizes "$qwen_sizes" --text-tokens 64 \
         --strategies ulysses --no-cfg --no-diffusers --backends "$fast" --warmup 1 --iters 1 --cache-dir "$cache" \
         --profile "$out/qwen-image-profile" --out "$out/qwen-image-profile.json"
-    for adapter in record generic; do
-        piece "flux2-$adapter-step" 200 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" \
-            --strategies allgather,ulysses --all-to-all "$transport" --backends "$backend" --adapter "$adapter" \
-            --no-diffusers --warmup 3 --iters 20 --cache-dir "$cache" --out "$out/flux2-$adapter-step.json"
-    done
     # last, with what is left: a 1 GPU Wan 14B step is 22 s (2x H200), its compile 46 s
     piece wan14b-step 330 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
         --strategies ulysses,ring,allgather --backends "$fast" --warmup 1 --iters 1 --cache-dir "$cache" \
@@ -293,6 +289,20 @@ elif [ "$part" = sweep ]; then
     piece cosmos3-nano-sweep 150 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
         --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --no-diffusers "${few[@]}" \
         --cache-dir "$cache" --out "$out/cosmos3-nano-sweep.json"
+elif [ "$part" = adapters ]; then
+    # the families whose record keeps a hand-written adapter, against the generic path, in one run (the record keeps
+    # the faster: docs/models.md): FLUX.2-dev 1024² (copy engines, both strategies that overlap) and Cosmos-Predict2-2B
+    # video-to-world (Ulysses, the app's default engine)
+    for adapter in record generic; do
+        piece "flux2-$adapter-step" 130 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" \
+            --strategies allgather,ulysses --all-to-all "$transport" --backends "$backend" --adapter "$adapter" \
+            --no-diffusers --warmup 3 --iters 20 --cache-dir "$cache" --out "$out/flux2-$adapter-step.json"
+    done
+    for adapter in record generic; do
+        piece "cosmos2b-$adapter-step" 120 "${step[@]}" --model cosmos-predict2-2b-video2world \
+            --video "$cosmos_video" --strategies ulysses --backends "$graph" --adapter "$adapter" --no-diffusers \
+            --warmup 2 --iters 10 --cache-dir "$cache" --out "$out/cosmos2b-$adapter-step.json"
+    done
 elif [ "$part" = rest ]; then
     # what the sweep leaves out, on $gpus ranks: FLUX.1-dev ulysses-ring (ulysses within pairs, ring across them)
     # beside Ulysses and xDiT's Ulysses on the same weights; FLUX.2-dev at 2048²; tp $gpus for FLUX.2-dev
@@ -306,7 +316,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, adapters, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"

@@ -211,7 +211,8 @@ def flux_plans(world_size: int) -> list:
 
 
 def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """FLUX.1 and FLUX.2 on the generic path (FLUX.1's adapter, FLUX.2's generic_parallelize) against one process."""
+    """FLUX.1, FLUX.2 and Cosmos-Predict2 on the generic path (FLUX.1's adapter, the others' generic_parallelize)
+    against one process."""
     join_ranks(rank, world_size, port)
     from types import SimpleNamespace
 
@@ -219,11 +220,12 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     from engines.parallel.distributed import init_parallel, shutdown
     from engines.parallel.parallelize import parallelize_transformer
+    from pipelines.cosmos.parallel import parallelize_cosmos_generic
     from pipelines.flux.parallel import parallelize_flux
     from pipelines.flux2.inputs import flux2_inputs
     from pipelines.flux2.parallel import parallelize_flux2_generic
     from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
-    from tests.helpers import flux_inputs, tiny_flux
+    from tests.helpers import cosmos_inputs, flux_inputs, tiny_cosmos, tiny_flux
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
@@ -231,7 +233,13 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     models = {"flux": (randomize(tiny_flux()), lambda: flux_inputs((3, 5), 7), parallelize_flux),
               "flux2": (randomize(Flux2Transformer2DModel(**FLUX2_TINY_TRANSFORMER)),
                         lambda: flux2_inputs(FLUX2_TINY_TRANSFORMER, shape, batch=2, device=torch.device("cpu"),
-                                             dtype=torch.float32)[0], parallelize_flux2_generic)}
+                                             dtype=torch.float32)[0], parallelize_flux2_generic),
+              # 45 video tokens (pads on 2 and 4 ranks), the learnable position embedding on; per-frame timesteps
+              # (video-to-world: per-token time embeddings, split at each block) and one timestep a sample
+              "cosmos": (randomize(tiny_cosmos()), lambda: cosmos_inputs((3, 3, 5)), parallelize_cosmos_generic),
+              "cosmos-one-timestep": (randomize(tiny_cosmos()),
+                                      lambda: {**cosmos_inputs((3, 3, 5)), "timestep": torch.rand(2)},
+                                      parallelize_cosmos_generic)}
     results = []
     for plan in flux_plans(ctx.world_size):
         for name, (model, inputs, adapter) in models.items():
@@ -252,11 +260,13 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_flux_and_flux2_on_the_generic_path_match_one_process(world_size: int, tmp_path: Path) -> None:
+def test_flux_flux2_and_cosmos_on_the_generic_path_match_one_process(world_size: int, tmp_path: Path) -> None:
     spawn_ranks(_flux_worker, world_size, str(tmp_path))
     results = [r for rank in range(world_size) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
-    assert len(results) == world_size * len(flux_plans(world_size)) * 2
+    assert len(results) == world_size * len(flux_plans(world_size)) * 4
+    # every block's self-attention ran split: FLUX.1 1 + 1 blocks, FLUX.2 2 + 2, Cosmos 2
+    calls = {"flux": 2, "flux2": 4, "cosmos": 2, "cosmos-one-timestep": 2}
     for r in results:
         assert r["scale"] > 0.01 and r["err"] <= TOLERANCE, r
-        if r["seq_degree"] > 1:  # every block's attention ran split: FLUX.1 1 + 1 blocks, FLUX.2 2 + 2
-            assert r["split_calls"] == (2 if r["model"] == "flux" else 4), r
+        if r["seq_degree"] > 1:
+            assert r["split_calls"] == calls[r["model"]], r

@@ -345,9 +345,16 @@ def _segments_of(segments: Segments, name: str) -> tuple[str, ...]:
 
 
 def _prefix_of(by_prefix: dict[str, Any], name: str) -> str | None:
-    """The longest key of `by_prefix` that is a module path prefix of `name` ("" matches every name); None."""
-    matches = [prefix for prefix in by_prefix if prefix == "" or name == prefix or name.startswith(prefix + ".")]
-    return max(matches, key=len) if matches else None
+    """The longest key of `by_prefix` that is a module path prefix of `name`, "*" matching any one name ("" matches
+    every name); None."""
+    atoms = name.split(".")
+
+    def atoms_of(prefix: str) -> list[str]:
+        return prefix.split(".") if prefix else []
+
+    matches = [prefix for prefix in by_prefix if len(atoms_of(prefix)) <= len(atoms)
+               and all(part in ("*", atom) for part, atom in zip(atoms_of(prefix), atoms))]
+    return max(matches, key=lambda prefix: len(atoms_of(prefix))) if matches else None
 
 
 Layout = Callable[[], ShardLayout]
@@ -369,9 +376,10 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
     family's tensor-parallel split (default generic_weights, for transformers of diffusers' standard parts).
 
     A family's speed features, each applied only where the sequence is split:
-    - `processor`: per attention module path prefix (the longest that matches; "" for every attention),
-      `make(mesh, layout)` -> the processor of those attentions (one per prefix and Segments entry), in place of
-      diffusers' own with its attention call split (FLUX's orders its projections around the exchanges);
+    - `processor`: per attention module path prefix ("*" matches any one name; the longest that matches; "" for
+      every attention whose processor takes a parallel_config), `make(mesh, layout)` -> the processor of those
+      attentions (one per prefix and Segments entry), in place of diffusers' own with its attention call split
+      (FLUX's orders its projections around the exchanges; Cosmos' processors take no parallel_config);
     - `blocks`: for a ModuleList's path, `make(block, mesh, layout)` -> the block that takes its place, or None to
       keep it (FLUX.1's single-stream blocks overlap their exchanges with their MLP);
     - `modulation(model, mesh)`: the model's AdaLN modulations shared out over the sequence ranks
@@ -397,10 +405,11 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
 
             for name, module in model.named_modules():
                 original = getattr(module, "processor", None)
-                if original is None or not hasattr(original, "_parallel_config"):
+                prefix = _prefix_of(processor or {}, name)
+                # an attention whose processor takes a parallel_config, or one the family's processors name
+                if original is None or not (hasattr(original, "_parallel_config") or prefix):
                     continue
                 split = split_of(name)
-                prefix = _prefix_of(processor or {}, name)
                 if prefix is not None:
                     if (prefix, split.segments) not in processors:
                         processors[prefix, split.segments] = processor[prefix](mesh, split.layout)

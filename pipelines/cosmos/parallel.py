@@ -4,27 +4,30 @@ Video tokens are sharded (padded to a multiple of the sequence degree); self-att
 context-parallel, cross-attention stays local (each rank's queries against the replicated text,
 no communication).
 
-Why an explicit adapter forward rather than hooks: diffusers' Cosmos forward builds the rotary
-embedding, the learnable position embedding and (for per-frame timesteps) the per-token time
-embedding from the full latent grid in its body, and patchifies to a 5-D grid before flattening;
-no submodule boundary yields "flat tokens, before the first block" where a hook could shard all
-of them consistently. So `ParallelCosmos.forward` replays that body (diffusers 0.42, same
-submodules, same order) and shards the four per-token tensors right before the blocks. The
-blocks forward `image_rotary_emb` untouched to self-attention, so the sharded rope travels there
-together with its shard layout (ShardedRotary). Tests compare against the model's own forward.
+Two adapters, the same split. `parallelize_cosmos` (the record's) replays diffusers' forward (diffusers 0.42, same
+submodules, same order) and shards the four per-token tensors (tokens, rotary tables, learnable position
+embedding, per-frame time embeddings) once, right before the blocks; the blocks forward `image_rotary_emb`
+untouched to self-attention, so the sharded rope travels there together with its shard layout (ShardedRotary).
+`parallelize_cosmos_generic` runs diffusers' own forward on the generic path (engines/parallel/generic.py) with
+COSMOS_PLAN: the rotary tables and position embedding split as their modules return them, the patchified tokens at
+the first block, and per-frame time embeddings (per token: diffusers expands them in its body, after any module)
+at every block and the final norm. The record keeps the first until a GPU run shows the second as fast
+(`PART=adapters benchmarks/multi_gpu.sh`). Tests compare both against the model's own forward.
 """
-
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
 from engines.parallel.attention import split_attention
+from engines.parallel.generic import ParallelGeneric, generic_adapter
 from engines.parallel.mesh import ParallelMesh
 from engines.parallel.sharding import ShardLayout, check_batch, gather_batch, gather_tokens, shard_tokens, split_batch
 from engines.parallel.tensor_parallel import COLUMN, ROW, LinearSplit, WeightSplit, local_heads, split_over_mesh
@@ -53,8 +56,11 @@ class ShardedRotary(NamedTuple):
 class CosmosContextParallelProcessor:
     """CosmosAttnProcessor2_0 for self-attention (attn1), with the attention call made context-parallel."""
 
-    def __init__(self, mesh: ParallelMesh) -> None:
+    def __init__(self, mesh: ParallelMesh, layout: Callable[[], ShardLayout] | None = None) -> None:
         self.attention = split_attention(mesh)
+        self.layout = layout
+        """The layout of the video tokens in the current call (on the generic path, whose rotary embedding arrives
+        split as diffusers' (cos, sin)); None: the call's ShardedRotary carries it."""
 
     def __call__(
         self,
@@ -62,8 +68,10 @@ class CosmosContextParallelProcessor:
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: ShardedRotary | None = None,
+        image_rotary_emb: ShardedRotary | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if not isinstance(image_rotary_emb, ShardedRotary) and self.layout is not None and image_rotary_emb is not None:
+            image_rotary_emb = ShardedRotary(*image_rotary_emb, self.layout())
         if not isinstance(image_rotary_emb, ShardedRotary):
             raise RuntimeError("this Cosmos model is parallelized: call the module returned by parallelize_cosmos")
         if encoder_hidden_states is not None or attention_mask is not None:
@@ -224,11 +232,15 @@ def cosmos_weights(model: CosmosTransformer3DModel, tp: int) -> WeightSplit:
                                                      for attn in ("attn1", "attn2")})
 
 
+def _no_controlnet(model: CosmosTransformer3DModel) -> None:
+    if model.config.controlnet_block_every_n is not None:
+        raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
+
+
 def parallelize_cosmos(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> ParallelCosmos:
     """Shard Cosmos' video tokens over the mesh's sequence ranks (and its batch over CFG groups), and its
     block weights over the tp ranks (not undone by restore())."""
-    if model.config.controlnet_block_every_n is not None:
-        raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
+    _no_controlnet(model)
     mesh.plan.check(num_heads=model.config.num_attention_heads)
     split_over_mesh(model, cosmos_weights, mesh)
     replaced = []
@@ -237,3 +249,33 @@ def parallelize_cosmos(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> P
             [block.attn1 for block in model.transformer_blocks], CosmosContextParallelProcessor(mesh)
         )
     return ParallelCosmos(model, mesh, replaced)
+
+
+_TOKENS = ContextParallelInput(split_dim=1, expected_dims=3)
+"""Per-token tensors [B, S, C]; a [B, C] one (the time embeddings of one timestep a sample) stays whole."""
+_ROTARY = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+
+COSMOS_PLAN = {
+    "rope": {0: _ROTARY, 1: _ROTARY},
+    "learnable_pos_embed": {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)},
+    "transformer_blocks.0": {"hidden_states": _TOKENS},
+    "transformer_blocks.*": {"embedded_timestep": _TOKENS, "temb": _TOKENS},
+    "norm_out": {"embedded_timestep": _TOKENS, "temb": _TOKENS},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+}
+"""Where Cosmos' tokens are split and gathered on the generic path: the rotary tables and the learnable position
+embedding as they are made (on the whole grid, as diffusers makes them), the patchified tokens at the first block,
+per-frame time embeddings (video-to-world: per token) at each block and the final norm, the output gathered after
+proj_out (diffusers' unpatchify then runs on the whole sequence)."""
+
+
+def parallelize_cosmos_generic(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> ParallelGeneric:
+    """Cosmos on the generic path (engines/parallel/generic.py): diffusers' forward with COSMOS_PLAN, this module's
+    processor in the self-attentions (diffusers' take no parallel_config), the cross-attentions local. The family's
+    record keeps parallelize_cosmos until a GPU run of the step benchmark (--adapter generic) shows which is
+    faster."""
+    _no_controlnet(model)
+    plan = {path: entry for path, entry in COSMOS_PLAN.items()
+            if path != "learnable_pos_embed" or model.learnable_pos_embed is not None}
+    return generic_adapter(plan=plan, shared=("padding_mask",), weights=cosmos_weights,
+                           processor={"transformer_blocks.*.attn1": CosmosContextParallelProcessor})(model, mesh)
