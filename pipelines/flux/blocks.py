@@ -47,12 +47,12 @@ class OverlappedSingleBlock(nn.Module):
     """
 
     def __init__(self, block: FluxSingleTransformerBlock, mesh: ParallelMesh,
-                 layout: Callable[[], ShardLayout] | None = None) -> None:
+                 layout: Callable[[], ShardLayout]) -> None:
         super().__init__()
         self.block = block
         self.attention = split_attention(mesh)
         self.layout = layout
-        """The layout of the joint sequence in the current call (on the generic path); None: the call's cp_layout."""
+        """The layout of the joint sequence in the current call (the generic path's, engines.parallel.generic)."""
 
     def forward(
         self,
@@ -63,11 +63,7 @@ class OverlappedSingleBlock(nn.Module):
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         block, attn = self.block, self.block.attn
-        layout = (joint_attention_kwargs or {}).get("cp_layout")
-        if layout is None and self.layout is not None:
-            layout = self.layout()
-        if layout is None:
-            raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
+        layout = self.layout()
         text_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
