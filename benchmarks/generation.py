@@ -369,6 +369,7 @@ def measure_mode(model_name: str, mode: str, plan: ParallelPlan | None, backend:
     row["step_s"] = [statistics.median(step) for step in zip(*(run[1]["steps"] for run in runs))] if runs else None
     row["step_ms"] = row["denoise_s"] / request.steps * 1e3 if runs else None
     row["step_cache"] = args.cache
+    row["attention_precision"] = timer.pipeline.attention_precision
     row["computed_steps"] = [run[1]["computed"] for run in runs] if args.cache else None
     return row
 
@@ -458,15 +459,22 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
         heads = pipeline.transformer_config.num_attention_heads
         plans = our_plans(ctx, heads, args.strategies, args.cfg)
         modes += [(mode_label(plan, args.all_to_all), plan) for plan in plans]
-        for precision in ["bf16", "fp8"] if args.fp8 else ["bf16"]:
-            if precision == "fp8":  # the same weights, the blocks' linears made FP8 in place (engines/levers/fp8.py)
-                from engines.levers.fp8 import quantize_fp8
+        # (linears, attention): bf16, then with --fp8 the linears FP8, then with --attention-precision the last of
+        # those with quantized attention (as the app's steps run it: full precision on the first and last)
+        precisions = [("bf16", "full")] + ([("fp8", "full")] if args.fp8 else [])
+        if args.attention_precision:
+            precisions.append((precisions[-1][0], args.attention_precision))
+        for linears, attention in precisions:
+            if linears == "fp8" and attention == "full":  # the same weights, the blocks' linears made FP8 in place
+                from engines.levers.fp8 import quantize_fp8  # (engines/levers/fp8.py)
 
                 for model in models.values():
                     quantize_fp8(model, family_of(spec).compiled_blocks)
+            timer.pipeline.attention_precision = attention
             for mode, plan in modes:
                 for backend in args.backends:
-                    label = mode if precision == "bf16" else f"{mode} fp8"
+                    label = mode + (" fp8" if linears == "fp8" else "") + (
+                        f" attention {attention}" if attention != "full" else "")
                     rows.append(measure_mode(spec.name, label, plan, backend, ctx=ctx, timer=timer, models=models,
                                              request=request, args=args))
                     if ctx.is_main:
@@ -518,6 +526,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a rank waits for the others at an agreement point (default 600)")
     p.add_argument("--fp8", action="store_true",
                    help="after the bf16 rows, every mode again with the blocks' linears as FP8 (engines/levers/fp8.py)")
+    p.add_argument("--attention-precision", default=None, choices=("int8", "fp8"),
+                   help="after the other rows, every mode again with quantized attention at this precision, full on "
+                        "the first and last steps as the app runs it (engines/levers/quantized_attention.py)")
     p.add_argument("--cache", default=None, metavar="CACHE",
                    help="a step cache on every mode, as serve's --cache (e.g. fbcache, fbcache:0.12; "
                         "engines/levers/step_cache.py); rows record the steps computed per run. Random weights make "

@@ -31,7 +31,9 @@ class BenchModel:
 
     @property
     def model_class(self) -> type[nn.Module]:
-        """The diffusers class that `config` configures."""
+        """The diffusers class that `config` configures (after the family's transformer_setup, as the app runs it)."""
+        if self.family.transformer_setup:
+            load(self.family.transformer_setup)()
         return load(self.family.transformer)
 
     def inputs(self, shape: Shape, *, batch: int, device: torch.device, dtype: torch.dtype

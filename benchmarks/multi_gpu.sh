@@ -2,7 +2,7 @@
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
 # each piece. On 2 GPUs: the app's acceptance run (PART=accept), Cosmos-Predict2-2B and FLUX.2 (part 1), FLUX.1-dev
 # regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
-# every family in a CUDA graph (PART=graphs), hand-written adapters against the generic path (PART=adapters).
+# every family in a CUDA graph (PART=graphs), quantized attention (PART=quantized, one piece a command: ONLY=).
 # On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
 #
 #   PART=1 PACK=$OUT/part1.tgz benchmarks/multi_gpu.sh /tmp/part1     # on 2 GPUs, from the repository root
@@ -43,14 +43,14 @@
 #   graphs (2 of 4x H200): flux2-klein-graphs 54 | wan-1.3b-graphs 89 | wan22-ti2v-graphs 82 | cosmos3-nano-graphs 110
 #   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
 #          empty cache
+#   quantized (not yet timed on GPUs): wan14b-precisions (alone: a 1 GPU Wan 14B step is 22 s) |
+#          flux1-fp8-attention-generation
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
-#   adapters (not yet timed on GPUs): flux2-record-step, flux2-generic-step, cosmos2b-record-step,
-#          cosmos2b-generic-step
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
 set -uo pipefail
-out=${1:?usage: [GPUS=2|4|8] PART=accept|1|2|3|4|5|6|7|8|9|graphs|adapters|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
-part=${PART:?PART=accept, 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, adapters, sweep or rest}
+out=${1:?usage: [GPUS=2|4|8] PART=accept|1|2|3|4|5|6|7|8|9|graphs|quantized|sweep|rest [TINY=1] [PACK=file.tgz] benchmarks/multi_gpu.sh OUT_DIR}
+part=${PART:?PART=accept, 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, quantized, sweep or rest}
 gpus=${GPUS:-2}
 budget=${BUDGET:-$([ -n "${TINY:-}" ] && echo 3000 || echo 530)}
 cache=${CACHE:-/tmp/multi-gpu-cache}
@@ -195,6 +195,17 @@ elif [ "$part" = 4 ]; then
     piece flux1-fp8-profile 150 "${step[@]}" --model flux-dev --sizes "${flux_sizes%%,*}" --strategies allgather \
         --all-to-all "$transport" --backends "$backend" --fp8 parallel --no-diffusers --warmup 1 --iters 2 \
         --cache-dir "$cache" --profile "$out/flux1-fp8-profile" --out "$out/flux1-fp8-profile.json"
+elif [ "$part" = quantized ]; then
+    # quantized attention (--attention-precision fp8: FlashAttention-3's FP8 forward, `pip install fa3-fwd`) on $gpus
+    # GPUs, against full precision on the same weights in the same run: a Wan 2.1 14B 720p step (one call with its
+    # guidance batch; Ulysses, bf16 and FP8 linears, diffusers' Ulysses beside them), then a whole FLUX.1-dev 1024²
+    # image with --fp8 and fp8 attention (the goals: <= 1.5 s on 2 GPUs, <= 0.9 s on 4), its 1 GPU rows skipped
+    piece wan14b-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
+        --strategies ulysses --no-cfg --backends "$fast" --fp8 parallel --attention-precision fp8 --warmup 1 \
+        --iters 1 --cache-dir "$cache" --out "$out/wan14b-precisions.json"
+    piece flux1-fp8-attention-generation 420 "${generation[@]}" --model flux-dev "${steps[@]}" --no-single \
+        --strategies allgather --all-to-all "$transport" --backends "$backend" --fp8 --attention-precision fp8 \
+        --runs 2 --warmup-steps 2 --engine-cache "$cache" --out "$out/flux1-fp8-attention-generation.json"
 elif [ "$part" = 5 ]; then
     # the generic context-parallel path (engines/parallel/generic.py), one step each, 1 GPU against every strategy on
     # $gpus ranks and diffusers' own Ulysses on the same weights where its plan runs: Qwen-Image at 1328² (6889
@@ -289,20 +300,6 @@ elif [ "$part" = sweep ]; then
     piece cosmos3-nano-sweep 150 "${step[@]}" --model cosmos3-nano --video "$nano_video" --text-tokens 300 \
         --strategies ulysses,ring,allgather --no-cfg --backends "$fast" --no-diffusers "${few[@]}" \
         --cache-dir "$cache" --out "$out/cosmos3-nano-sweep.json"
-elif [ "$part" = adapters ]; then
-    # the families whose record keeps a hand-written adapter, against the generic path, in one run (the record keeps
-    # the faster: docs/models.md): FLUX.2-dev 1024² (copy engines, both strategies that overlap) and Cosmos-Predict2-2B
-    # video-to-world (Ulysses, the app's default engine)
-    for adapter in record generic; do
-        piece "flux2-$adapter-step" 130 "${step[@]}" --model flux2-dev --sizes "${flux_sizes%%,*}" \
-            --strategies allgather,ulysses --all-to-all "$transport" --backends "$backend" --adapter "$adapter" \
-            --no-diffusers --warmup 3 --iters 20 --cache-dir "$cache" --out "$out/flux2-$adapter-step.json"
-    done
-    for adapter in record generic; do
-        piece "cosmos2b-$adapter-step" 120 "${step[@]}" --model cosmos-predict2-2b-video2world \
-            --video "$cosmos_video" --strategies ulysses --backends "$graph" --adapter "$adapter" --no-diffusers \
-            --warmup 2 --iters 10 --cache-dir "$cache" --out "$out/cosmos2b-$adapter-step.json"
-    done
 elif [ "$part" = rest ]; then
     # what the sweep leaves out, on $gpus ranks: FLUX.1-dev ulysses-ring (ulysses within pairs, ring across them)
     # beside Ulysses and xDiT's Ulysses on the same weights; FLUX.2-dev at 2048²; tp $gpus for FLUX.2-dev
@@ -316,7 +313,7 @@ elif [ "$part" = rest ]; then
         --strategies ulysses --no-cfg --backends "$fast" --no-diffusers --warmup 2 --iters 3 --tp "$gpus" \
         --cache-dir "$cache" --out "$out/flux2-dev-tp.json"
 else
-    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, adapters, sweep or rest, got $part" >&2
+    echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, graphs, quantized, sweep or rest, got $part" >&2
     exit 2
 fi
 printf 'total\t-\t%s\n' "$(($(date +%s) - start))" | tee -a "$out/pieces.tsv"

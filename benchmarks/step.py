@@ -147,13 +147,6 @@ def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
         return None
 
 
-def family_adapter(spec: BenchModel, which: str) -> str:
-    """The reference of the adapter `--adapter` names: the family record's own, or its generic-path one."""
-    if which == "generic" and spec.family.generic_parallelize:
-        return spec.family.generic_parallelize
-    return spec.family.parallelize
-
-
 def single_process_forward(spec: BenchModel, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The 1-GPU forward: the family's adapter on a mesh of one rank (the model's own submodules in
     its own order, no exchange; diffusers' Cosmos forward would need torchvision)."""
@@ -290,8 +283,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     """
     device, dtype = ctx.device, weights_dtype(args.tiny)
     batch = args.batch or spec.family.bench.batch
-    adapter_name = family_adapter(spec, getattr(args, "adapter", "record"))
-    adapter = load(adapter_name)
+    adapter = load(spec.family.parallelize)
     built = {s.label: spec.inputs(s, batch=batch, device=device, dtype=dtype) for s in shapes}
     inputs = {label: kwargs for label, (kwargs, _) in built.items()}
     tokens = {label: count for label, (_, count) in built.items()}
@@ -363,7 +355,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             ms=max(r[0] for r in ran), ms_per_rank=[r[0] for r in ran], pipelined_ms=max(r[4] for r in ran),
             peak_gib=max(r[1] for r in ran), peak_gib_per_rank=[r[1] for r in ran], flops=flops[shape.label],
             build_s=max(builds) if builds else None, error=errors[0] if errors else None, note=note,
-            adapter=adapter_name.partition(":")[2] if plan is not None else None,
+            adapter=spec.family.parallelize.partition(":")[2] if plan is not None else None,
             graphs=compiling.graphs if ctx.is_main else None, build_phases=compiling.phases if ctx.is_main else None,
             vs_1_gpu=vs_1_gpu, **{"lora": "none", **(extra or {})},
         ))
@@ -990,9 +982,6 @@ def parse_args(argv: list[str] | None = None, *, world_size: int | None = None) 
                         "of this rank, unfused as the app runs it and fused into the weights, with the seconds a "
                         "switch and a merge take (measure_lora; default 0: none)")
     p.add_argument("--cache-dir", type=Path, default=None, help="engine cache folder (default: none, always compile)")
-    p.add_argument("--adapter", choices=("record", "generic"), default="record",
-                   help="the family record's context-parallel adapter (default), or the generic path "
-                        "(engines/parallel/generic.py) for a family whose record has a hand-written one (FLUX.2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny configs, float32, on CPU with gloo (a smoke test)")

@@ -155,10 +155,6 @@ class ModelFamily:
     """Its classifier-free guidance runs the two branches as two transformer calls that cannot share a batch
     (their text lengths differ, FLUX.3 base's for one): a guided request's work counts both (pipelines.work); with
     --cfg-parallel they run at once on two rank groups (StagedPipeline.predict_guided)."""
-    generic_parallelize: str = ""
-    """Where `parallelize` is a hand-written adapter: the reference of the same family on the generic path
-    (engines.parallel.generic), which the step benchmark runs with --adapter generic; the record keeps the hand-written
-    one only while it measures faster. "" where `parallelize` is the generic path already."""
     other_blocks: tuple[str, ...] = ()
     """More ModuleLists of repeated blocks (dotted paths reach into a ModuleDict: "mode_blocks.image"), compiled and
     made FP8 like repeated_blocks but outside the step cache's loop: FLUX.3's per-mode blocks, which run before its

@@ -137,15 +137,19 @@ def test_vae_split_benchmark_tiny(tmp_path: Path) -> None:
     assert "largest part s" in proc.stdout
 
 
-def test_e2e_tiny_flux_with_a_step_cache(tmp_path: Path) -> None:
-    """--cache puts serve's step cache on every mode (agreed over the ranks) and records the steps computed."""
+def test_e2e_tiny_flux_with_a_step_cache_and_quantized_attention(tmp_path: Path) -> None:
+    """--cache puts serve's step cache on every mode (agreed over the ranks) and records the steps computed;
+    --attention-precision then runs every mode again with quantized attention."""
     out = tmp_path / "cache.json"
     cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", "--model", "flux-dev", "--steps", "3", "--height", "64",
-                   "--width", "64", "--runs", "1", "--warmup-steps", "1", "--cache", "fbcache:1e9", "--out", str(out))
+                   "--width", "64", "--runs", "1", "--warmup-steps", "1", "--cache", "fbcache:1e9",
+                   "--attention-precision", "int8", "--out", str(out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["mode"] for r in rows} == {"1 GPU", "ours ulysses-2"}
+    assert {(r["mode"], r["attention_precision"]) for r in rows} == {
+        ("1 GPU", "full"), ("ours ulysses-2", "full"), ("1 GPU attention int8", "int8"),
+        ("ours ulysses-2 attention int8", "int8")}
     for r in rows:
         # a threshold no change reaches: step 0 computes, later steps reuse its blocks
         assert r["error"] is None and r["step_cache"] == "fbcache:1e9" and len(r["computed_steps"]) == 1, r

@@ -2,7 +2,7 @@
 process.
 
 FLUX.1 runs on it (with its speed features: its processor, overlapped single blocks, shared modulation), FLUX.2
-too (its record's generic_parallelize, next to its hand-written adapter).
+(FLUX.1's processor in its double-stream blocks) and Cosmos-Predict2 (its self-attention processor) too.
 
 Each transformer is split by its own diffusers plan (`_cp_plan`), every strategy, CFG groups on a guidance batch:
 - Wan: rotary tables and video tokens padded to the sequence degree (45 tokens: 2 and 4 ranks pad), and the
@@ -211,8 +211,7 @@ def flux_plans(world_size: int) -> list:
 
 
 def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """FLUX.1, FLUX.2 and Cosmos-Predict2 on the generic path (FLUX.1's adapter, the others' generic_parallelize)
-    against one process."""
+    """FLUX.1, FLUX.2 and Cosmos-Predict2 (their records' adapters, all on the generic path) against one process."""
     join_ranks(rank, world_size, port)
     from types import SimpleNamespace
 
@@ -220,10 +219,10 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
     from engines.parallel.distributed import init_parallel, shutdown
     from engines.parallel.parallelize import parallelize_transformer
-    from pipelines.cosmos.parallel import parallelize_cosmos_generic
+    from pipelines.cosmos.parallel import parallelize_cosmos
     from pipelines.flux.parallel import parallelize_flux
     from pipelines.flux2.inputs import flux2_inputs
-    from pipelines.flux2.parallel import parallelize_flux2_generic
+    from pipelines.flux2.parallel import parallelize_flux2
     from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
     from tests.helpers import cosmos_inputs, flux_inputs, tiny_cosmos, tiny_flux
 
@@ -233,13 +232,13 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     models = {"flux": (randomize(tiny_flux()), lambda: flux_inputs((3, 5), 7), parallelize_flux),
               "flux2": (randomize(Flux2Transformer2DModel(**FLUX2_TINY_TRANSFORMER)),
                         lambda: flux2_inputs(FLUX2_TINY_TRANSFORMER, shape, batch=2, device=torch.device("cpu"),
-                                             dtype=torch.float32)[0], parallelize_flux2_generic),
+                                             dtype=torch.float32)[0], parallelize_flux2),
               # 45 video tokens (pads on 2 and 4 ranks), the learnable position embedding on; per-frame timesteps
               # (video-to-world: per-token time embeddings, split at each block) and one timestep a sample
-              "cosmos": (randomize(tiny_cosmos()), lambda: cosmos_inputs((3, 3, 5)), parallelize_cosmos_generic),
+              "cosmos": (randomize(tiny_cosmos()), lambda: cosmos_inputs((3, 3, 5)), parallelize_cosmos),
               "cosmos-one-timestep": (randomize(tiny_cosmos()),
                                       lambda: {**cosmos_inputs((3, 3, 5)), "timestep": torch.rand(2)},
-                                      parallelize_cosmos_generic)}
+                                      parallelize_cosmos)}
     results = []
     for plan in flux_plans(ctx.world_size):
         for name, (model, inputs, adapter) in models.items():

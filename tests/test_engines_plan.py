@@ -8,7 +8,8 @@ import torch
 from engines.parallel.distributed import ParallelContext
 from engines.parallel.plan import ParallelPlan
 from engines.parallel.sharding import ShardLayout
-from pipelines.cosmos.parallel import resize_padding_mask
+from pipelines.cosmos.torchvision_shim import install as install_torchvision_shim
+from pipelines.cosmos.torchvision_shim import resize_padding_mask
 from tests.helpers import COSMOS_TINY, flux_inputs, parallelize, randomize, tiny_flux
 
 
@@ -79,8 +80,8 @@ def test_resize_padding_mask_is_nearest() -> None:
 
 
 def test_single_process_wrapper_is_the_model() -> None:
-    """World size 1: the wrapper runs the model unchanged (and Cosmos' padding-mask concat works
-    without torchvision through the adapter)."""
+    """World size 1: the wrapper runs the model unchanged (Cosmos' padding-mask resize without torchvision through
+    its family's transformer_setup, as the app installs it)."""
     from diffusers import CosmosTransformer3DModel
 
     from pipelines.cosmos.inputs import cosmos_inputs
@@ -93,6 +94,7 @@ def test_single_process_wrapper_is_the_model() -> None:
     kwargs = flux_inputs((5, 3), 5)
     with torch.no_grad():
         assert torch.equal(parallelize(model, ctx)(**kwargs)[0], model(**kwargs)[0])
+    install_torchvision_shim()
     model = randomize(CosmosTransformer3DModel(**COSMOS_TINY))
     kwargs, _ = cosmos_inputs(COSMOS_TINY, Shape(frames=9, height=32, width=48, text_tokens=5), batch=2,
                               device=ctx.device, dtype=torch.float32)

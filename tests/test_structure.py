@@ -129,7 +129,7 @@ def test_no_code_outside_a_familys_own_modules_branches_on_its_name() -> None:
 
     own = {REPO / "pipelines" / "families.py", REPO / "training" / "__main__.py"}
     for family in FAMILIES.values():
-        references = (family.pipeline, family.parallelize, family.generic_parallelize, family.tensor_parallel,
+        references = (family.pipeline, family.parallelize, family.tensor_parallel,
                       family.transformer_setup, family.limits, family.bench.inputs, family.bench.tiny_config,
                       family.bench.tiny_checkpoint)
         for module in {r.partition(":")[0] for r in references if r}:

@@ -21,7 +21,7 @@ applies such a plan from outside, with this project's pieces instead of diffuser
 - the batch is split over CFG groups (a guidance-batched call, Wan); a model whose guidance branches are
   separate calls (its record's guidance_calls) runs one branch per CFG group through forward_guided
   (engines.parallel.wrapper); tensor parallelism, compiled engines, CUDA graphs, FP8 and the step cache apply to the
-  model as to the hand-written adapters.
+  model as to Cosmos 3's own adapter.
 
 How the attention is reached. diffusers' processors call `dispatch_attention_fn(..., parallel_config=
 self._parallel_config)`. Each processor here gets a copy whose `_parallel_config` is a SequenceSplit, and the
@@ -358,6 +358,15 @@ def _prefix_of(by_prefix: dict[str, Any], name: str) -> str | None:
 
 
 Layout = Callable[[], ShardLayout]
+
+
+class SplitProcessor:
+    """The base of a family's attention processor on this path (generic_adapter's `processor`): the split attention
+    and `layout()`, the shard layout of the sequence it attends in the current call."""
+
+    def __init__(self, mesh: ParallelMesh, layout: Layout) -> None:
+        self.attention = split_attention(mesh)
+        self.layout = layout
 """The shard layout of the sequence an attention attends, in the current call (SequenceSplit.layout)."""
 
 

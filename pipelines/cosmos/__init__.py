@@ -2,7 +2,7 @@
 
 - record.py: its ModelFamily record and checkpoints (2B and 14B Video2World, the embedded tiny-cosmos);
 - pipeline.py: its pipeline, diffusers' Cosmos2VideoToWorldPipeline's stages;
-- parallel.py: its hand-written context-parallel adapter and tensor-parallel weight split;
+- parallel.py: its context-parallel adapter (the generic path by its own plan) and tensor-parallel weight split;
 - torchvision_shim.py: the torchvision resize its transformer's forward calls, where torchvision is not installed;
 - limits.py, inputs.py: what a request may ask, its transformer's inputs at one size.
 

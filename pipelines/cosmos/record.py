@@ -54,7 +54,6 @@ COSMOS = ModelFamily(
     transformer="diffusers:CosmosTransformer3DModel",
     pipeline="pipelines.cosmos.pipeline:CosmosPipeline",
     parallelize="pipelines.cosmos.parallel:parallelize_cosmos",
-    generic_parallelize="pipelines.cosmos.parallel:parallelize_cosmos_generic",
     tensor_parallel="pipelines.cosmos.parallel:cosmos_weights",
     repeated_blocks=("transformer_blocks",),
     block_outputs=(("hidden_states",),),

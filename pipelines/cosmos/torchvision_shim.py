@@ -15,8 +15,16 @@ import enum
 import types
 
 import torch
+import torch.nn.functional as F
 
-from pipelines.cosmos.parallel import resize_padding_mask
+
+def resize_padding_mask(mask: torch.Tensor, size: tuple[int, int] | list[int]) -> torch.Tensor:
+    """Nearest-neighbour resize of a (..., H, W) mask: torch-only equivalent of the torchvision
+    `transforms.functional.resize(mask, size, InterpolationMode.NEAREST)` call in diffusers' Cosmos."""
+    lead = mask.shape[:-2]
+    flat = mask.reshape(-1, 1, *mask.shape[-2:]).float()  # interpolate wants (N, C, H, W) floats
+    out = F.interpolate(flat, size=tuple(size), mode="nearest")
+    return out.reshape(*lead, *out.shape[-2:]).to(mask.dtype)
 
 
 class InterpolationMode(enum.Enum):

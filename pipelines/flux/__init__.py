@@ -2,9 +2,9 @@
 
 - record.py: its ModelFamily record and checkpoints (FLUX.1-dev, schnell, the embedded tiny-flux);
 - pipeline.py: its pipeline, diffusers' FluxPipeline's stages;
-- parallel.py: its hand-written context-parallel adapter (and the generic path's beside it) and tensor-parallel weight
-  split, with attention.py (the attention processor), blocks.py (single-stream blocks that overlap their MLP with the
-  all-to-all) and modulation.py (the AdaLN modulations shared out over the ranks); FLUX.2's adapter builds on them;
+- parallel.py: its context-parallel adapter (the generic path with its speed features) and tensor-parallel weight
+  split, with attention.py (the attention processor, FLUX.2's double-stream blocks use it too) and blocks.py
+  (single-stream blocks that overlap their MLP with the all-to-all);
 - limits.py, inputs.py: what a request may ask, its transformer's inputs at one size.
 
 The embedded tiny-flux's components are the training code's (training/tiny_models.py, training/flux.py).

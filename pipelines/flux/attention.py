@@ -8,7 +8,6 @@ to_q/to_k/to_v and add_*_proj, or diffusers' fused to_qkv/to_added_qkv after fus
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +15,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
 from engines.levers.fp8 import is_fp8
-from engines.parallel.attention import split_attention
 from engines.parallel.collectives import linear_after
-from engines.parallel.mesh import ParallelMesh
-from engines.parallel.sharding import ShardLayout
+from engines.parallel.generic import SplitProcessor
 
 
 def _projections(attn: Any, x: torch.Tensor, *, fused: str, plain: tuple[str, str, str]
@@ -139,7 +136,7 @@ def _joint(
     return x
 
 
-class FluxContextParallelProcessor:
+class FluxContextParallelProcessor(SplitProcessor):
     """FluxAttnProcessor with the attention call made context-parallel (same projections, norms, rope).
 
     A double-stream block with plain projections hands its keys to the attention and its values and
@@ -153,11 +150,6 @@ class FluxContextParallelProcessor:
     docs/benchmarks.md.)
     """
 
-    def __init__(self, mesh: ParallelMesh, layout: Callable[[], ShardLayout] | None = None) -> None:
-        self.attention = split_attention(mesh)
-        self.layout = layout
-        """The layout of the joint sequence in the current call (on the generic path); None: the call's cp_layout."""
-
     def __call__(
         self,
         attn: Any,
@@ -165,12 +157,8 @@ class FluxContextParallelProcessor:
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cp_layout: ShardLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if cp_layout is None and self.layout is not None:
-            cp_layout = self.layout()
-        if cp_layout is None:
-            raise RuntimeError("this FLUX model is parallelized: call the module returned by parallelize_flux")
+        layout = self.layout()
         if attention_mask is not None:
             raise ValueError("FLUX attention masks are not supported with context parallelism")
         double = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
@@ -180,11 +168,11 @@ class FluxContextParallelProcessor:
                 lambda after: _queries(attn, x, context, image_rotary_emb, after),
                 _keys(attn, x, context, image_rotary_emb),
                 lambda after: _values(attn, x, context, after),
-                layout=cp_layout,
+                layout=layout,
             )
         else:
             query, key, value = query_key_value(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-            out = self.attention(query, key, value, layout=cp_layout).to(query.dtype)
+            out = self.attention(query, key, value, layout=layout).to(query.dtype)
         hidden_states = out.flatten(2, 3)
 
         if encoder_hidden_states is None:

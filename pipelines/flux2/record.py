@@ -64,7 +64,6 @@ FLUX2 = ModelFamily(
     transformer="diffusers:Flux2Transformer2DModel",
     pipeline="pipelines.flux2.pipeline:Flux2ImagePipeline",
     parallelize="pipelines.flux2.parallel:parallelize_flux2",
-    generic_parallelize="pipelines.flux2.parallel:parallelize_flux2_generic",
     tensor_parallel="pipelines.flux2.parallel:flux2_weights",
     repeated_blocks=("transformer_blocks", "single_transformer_blocks"),
     # the single-stream blocks take [text, image] concatenated (engines.levers.step_cache: why that is fine)
