@@ -134,10 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
         results = train_flux(parts, device=device, generator=generator, settings=flux_settings,
                              vae_seconds=seconds["flux-vae"], dit_seconds=seconds["flux-dit"],
                              vae_steps=args.max_steps, dit_steps=args.max_steps)
-        folder = args.out / "tiny-flux"
         if rank == 0:
-            save_flux(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
-            write_card(folder, "tiny-flux", parts, results, asdict(flux_settings), run, history)
+            _save(args.out / "tiny-flux", save_flux, parts, results, asdict(flux_settings), run, history)
         trained["tiny-flux"] = results
         del parts
     if "cosmos" in models:
@@ -151,10 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[PhaseResult]]:
         results = train_cosmos(parts, device=device, generator=generator, settings=cosmos_settings,
                                vae_seconds=seconds["cosmos-vae"], dit_seconds=seconds["cosmos-dit"],
                                vae_steps=args.max_steps, dit_steps=args.max_steps)
-        folder = args.out / "tiny-cosmos"
         if rank == 0:
-            save_cosmos(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
-            write_card(folder, "tiny-cosmos", parts, results, asdict(cosmos_settings), run, history)
+            _save(args.out / "tiny-cosmos", save_cosmos, parts, results, asdict(cosmos_settings), run, history)
         trained["tiny-cosmos"] = results
         del parts
     if ranks > 1:  # the collectives are over; rank 0 alone evaluates
@@ -193,6 +189,13 @@ def _start(args: argparse.Namespace, name: str, fresh) -> tuple[dict, list[dict]
         {"command": "(unrecorded)", "seed": None, "device": None, "torch": None, "settings": {}, "phases": []}]
     print(f"[{name}] starting from {folder} ({len(history)} run(s) in its training history)", flush=True)
     return parts, history
+
+
+def _save(folder: Path, save, parts: dict, results: list[PhaseResult], settings: dict, run: dict,
+          history: list[dict]) -> None:
+    """Write a trained model's folder (its parts moved to the CPU) and its model card."""
+    save(folder, {k: v.to("cpu") if isinstance(v, torch.nn.Module) else v for k, v in parts.items()})
+    write_card(folder, folder.name, parts, results, settings, run, history)
 
 
 def _settings(args: argparse.Namespace) -> tuple[FluxSettings, CosmosSettings]:

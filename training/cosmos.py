@@ -23,7 +23,7 @@ from pipelines.cosmos import torchvision_shim
 from pipelines.cosmos.pipeline import SIGMA_CONDITIONING, SIGMA_DATA, SIGMA_MAX, SIGMA_MIN
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, run_phase, use_tf32
+from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, frozen_on, run_phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,10 +84,7 @@ def train_cosmos(parts: dict, *, device: torch.device, generator: torch.Generato
                  dit_steps: int | None = None) -> list[PhaseResult]:
     """Fit parts['vae'], set its per-channel latent statistics, then train the transformer and T5, in place."""
     torchvision_shim.install()
-    use_tf32(device)
-    for part in parts.values():
-        if isinstance(part, torch.nn.Module):
-            frozen(part).to(device)
+    frozen_on(parts, device)
     vae = parts["vae"]
     results = []
     if vae_seconds > 0:  # else (a run that starts from trained weights) the VAE and its normalisation stay

@@ -27,7 +27,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline, calculate_shift
 
 from training import shapes
 from training.autoencoder import latent_statistics, reconstruction_loss
-from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, run_phase, use_tf32
+from training.loop import POOL_SHARE, LatentPool, PhaseResult, TokenCache, frozen, frozen_on, run_phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,10 +57,7 @@ def train_flux(parts: dict, *, device: torch.device, generator: torch.Generator,
                vae_seconds: float, dit_seconds: float, vae_steps: int | None = None,
                dit_steps: int | None = None) -> list[PhaseResult]:
     """Fit parts['vae'], set its latent shift and scale, then train parts['transformer'] and T5, in place."""
-    use_tf32(device)
-    for part in parts.values():
-        if isinstance(part, torch.nn.Module):
-            frozen(part).to(device)
+    frozen_on(parts, device)
     vae = parts["vae"]
     results = []
     if vae_seconds > 0:  # else (a run that starts from trained weights) the VAE and its normalisation stay

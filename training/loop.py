@@ -182,6 +182,15 @@ def frozen(module: torch.nn.Module) -> torch.nn.Module:
     return module.eval().requires_grad_(False)
 
 
+def frozen_on(parts: dict, device: torch.device) -> None:
+    """Every module of a model's `parts` frozen and moved to `device`, with TF32 there (use_tf32): the start of a
+    training run, whose phases then unfreeze what they train."""
+    use_tf32(device)
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module):
+            frozen(part).to(device)
+
+
 class TokenCache:
     """Token ids and attention masks per caption, computed once.
 
