@@ -33,17 +33,3 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(_workers)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-# The modules that take longest on the 2-core CI machine (pytest --durations), longest first. The README's
-# test command runs two test processes, each taking a whole module at a time in collection order (pytest-xdist
-# --dist loadscope); these start first so that no long module is left to start last, beside an idle process.
-LONGEST_FIRST = ["test_conformance", "test_tiny_quality", "test_tiny_cosmos_quality", "test_app_replicas",
-                 "test_app_flux2", "test_app_cosmos3", "test_benchmarks_step", "test_app_serve", "test_engines_engine",
-                 "test_app_build", "test_app_limits", "test_tiny_lora_quality", "test_benchmarks_generation",
-                 "test_app_relaunch", "test_browser", "test_app_rank_death", "test_openai_api", "test_lora",
-                 "test_app_wan", "test_engines_compile", "test_engines_ring_overlap"]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
