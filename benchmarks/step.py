@@ -149,7 +149,7 @@ def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
 
 def single_process_forward(spec: BenchModel, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """The 1-GPU forward: the family's adapter on a mesh of one rank (the model's own submodules in
-    its own order, no exchange; diffusers' Cosmos forward would need torchvision)."""
+    its own order, no exchange), as the app runs one process."""
     local = ParallelContext(rank=0, world_size=1, local_rank=0, device=device, group=None, control_group=None)
     return parallelize_transformer(model, local, ParallelPlan(), load(spec.family.parallelize))
 

@@ -358,6 +358,7 @@ def _prefix_of(by_prefix: dict[str, Any], name: str) -> str | None:
 
 
 Layout = Callable[[], ShardLayout]
+"""The shard layout of the sequence an attention attends, in the current call (SequenceSplit.layout)."""
 
 
 class SplitProcessor:
@@ -367,7 +368,6 @@ class SplitProcessor:
     def __init__(self, mesh: ParallelMesh, layout: Layout) -> None:
         self.attention = split_attention(mesh)
         self.layout = layout
-"""The shard layout of the sequence an attention attends, in the current call (SequenceSplit.layout)."""
 
 
 def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = ("hidden_states",),
