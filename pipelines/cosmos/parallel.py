@@ -75,11 +75,6 @@ def cosmos_weights(model: CosmosTransformer3DModel, tp: int) -> WeightSplit:
                                                      for attn in ("attn1", "attn2")})
 
 
-def _no_controlnet(model: CosmosTransformer3DModel) -> None:
-    if model.config.controlnet_block_every_n is not None:
-        raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
-
-
 _TOKENS = ContextParallelInput(split_dim=1, expected_dims=3)
 """Per-token tensors [B, S, C]; a [B, C] one (the time embeddings of one timestep a sample) stays whole."""
 _ROTARY = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
@@ -102,7 +97,8 @@ def parallelize_cosmos(model: CosmosTransformer3DModel, mesh: ParallelMesh) -> P
     """Cosmos on the generic path (engines/parallel/generic.py): diffusers' forward with COSMOS_PLAN, this module's
     processor in the self-attentions (diffusers' take no parallel_config), the cross-attentions local; its block
     weights split over the tp ranks (not undone by restore())."""
-    _no_controlnet(model)
+    if model.config.controlnet_block_every_n is not None:
+        raise ValueError("Cosmos transformers with controlnet blocks are not supported by parallelize_cosmos")
     plan = {path: entry for path, entry in COSMOS_PLAN.items()
             if path != "learnable_pos_embed" or model.learnable_pos_embed is not None}
     return generic_adapter(plan=plan, shared=("padding_mask",), weights=cosmos_weights,
