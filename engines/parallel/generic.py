@@ -415,8 +415,10 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
             for name, module in model.named_modules():
                 original = getattr(module, "processor", None)
                 prefix = _prefix_of(processor or {}, name)
-                # an attention whose processor takes a parallel_config, or one the family's processors name
-                if original is None or not (hasattr(original, "_parallel_config") or prefix):
+                # an attention whose processor takes a parallel_config, or one a family's processor names by a path
+                # ("" names only the attentions that take a parallel_config)
+                named = prefix is not None and prefix != ""
+                if original is None or not (hasattr(original, "_parallel_config") or named):
                     continue
                 split = split_of(name)
                 if prefix is not None:
