@@ -145,8 +145,11 @@ def save_screenshot(page: Page, folder: Path, name: str) -> None:
     assert path.stat().st_size <= MAX_SCREENSHOT_BYTES, (path, path.stat().st_size)
 
 
+# What a person sees: Gradio keeps a status tracker's timer in the page at opacity 0 while an event with
+# show_progress="hidden" is pending (the status line's refresh), so visibility includes the opacity.
 BOXES_JS = (
-    "selector => [...document.querySelectorAll(selector)].filter(e => e.offsetParent !== null)"
+    "selector => [...document.querySelectorAll(selector)]"
+    ".filter(e => e.checkVisibility({checkOpacity: true, checkVisibilityCSS: true}))"
     ".map(e => { const r = e.getBoundingClientRect(); return {x: r.x, y: r.y, width: r.width,"
     " height: r.height, text: e.innerText}; }).filter(r => r.width > 0 && r.height > 0)"
 )
