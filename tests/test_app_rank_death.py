@@ -79,6 +79,7 @@ def test_a_rank_killed_during_a_request_ends_everything_within_5_s(attempt, tmp_
         output = app.final_output()
         assert ended < EXIT_BOUND_SECONDS, output
         assert app.process.returncode != 0
+        assert "error: the job ended because a rank failed" in output, output  # the launcher's own line
         try:
             answer = job.result(timeout=10)
         except AppError as error:

@@ -26,9 +26,6 @@ from pipelines.media import read_png_settings, read_video
 from tests.helpers import REPO, free_port
 
 START_SECONDS = 180
-DEAD_RANK_BOUND_SECONDS = 35
-"""The stated bound: torchrun sees a dead rank within 0.1 s and gives the others 30 s before SIGKILL;
-our ranks stop at their next collective, which fails at once when its peer's connection closes."""
 
 
 class AppProcess:
@@ -369,31 +366,6 @@ def test_a_second_ctrl_c_kills_the_launcher_torchrun_and_every_rank_at_once():
         assert gone < 1.5, f"processes still ran {gone:.1f} s after the second Ctrl-C\n{output}"
         assert "a second Ctrl-C killed torchrun and its ranks" in output, output
         assert "Traceback" not in output, output
-    finally:
-        app.stop()
-
-
-def test_a_killed_rank_ends_the_job_within_the_bound():
-    port = free_port()
-    app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))
-    try:
-        app.wait_for("serving on", START_SECONDS)
-        job = Client(f"http://127.0.0.1:{port}/", verbose=False).submit(
-            *image_args("a long request", 1, steps=500), api_name="/generate_image")
-        while not any(unit.index for unit in job.status().progress_data or []):
-            assert not job.done(), job.result()
-            time.sleep(0.05)
-        started = time.monotonic()
-        os.kill(app.rank_pids()[1], signal.SIGKILL)
-        status = app.process.wait(timeout=DEAD_RANK_BOUND_SECONDS + 30)
-        elapsed = time.monotonic() - started
-        assert elapsed < DEAD_RANK_BOUND_SECONDS
-        assert status != 0
-        with pytest.raises(AppError, match="lost a rank"):
-            job.result(timeout=10)
-        output = app.final_output()
-        assert "error: the job ends: rank 0: another rank died" in output, output
-        assert "error: the job ended because a rank failed" in output
     finally:
         app.stop()
 

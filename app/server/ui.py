@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import gradio as gr
@@ -96,19 +96,19 @@ def build_ui(runtime: Runtime, server: Server) -> gr.Blocks:
         browser = gr.BrowserState(None, storage_key="ulysses-studio-browser")
         identified = demo.load(owners.identify, inputs=browser, outputs=browser, api_visibility="private",
                                show_progress="hidden", queue=False)
-        tab = (demo, server, owners, identified, status, status_line, runtime.step_cache, runtime.attention_precision)
+        page = _Page(server, owners, identified, status, status_line, runtime.step_cache, runtime.attention_precision)
         with gr.Tab("Image", id="image"):
             image = runtime.models.get("image")
             if image is None:
                 gr.Markdown("This server runs no image model: start it with `--model NAME` (e.g. tiny-flux).")
             else:
-                _image_tab(image, *tab)
+                _image_tab(image, page)
         with gr.Tab("Video", id="video"):
             video = runtime.models.get("video")
             if video is None:
                 gr.Markdown("This server runs no video model: start it with `--video-model NAME` (e.g. tiny-cosmos).")
             else:
-                _video_tab(video, *tab)
+                _video_tab(video, page)
         # no progress overlay on the status line (a busy server answered the page's first status late, and its
         # "0.0s" timer sat on the status line, over the request's own progress)
         demo.load(status, outputs=status_line, api_name="status", queue=False, show_progress="hidden")
@@ -278,9 +278,20 @@ def _gallery_of(recent: RecentResults, key: str, owner: str) -> tuple[list[tuple
     return items, [result.settings for result in results]
 
 
-def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owners, identified: Any,
-               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None,
-               attention_precision: str) -> None:
+class _Page(NamedTuple):
+    """What both tabs are built with: the server, the page's owner and its status line, the server's step cache and
+    attention precision (which decide the tabs' boxes for them)."""
+
+    server: Server
+    owners: Owners
+    identified: Any  # the event that learns the page's owner
+    status: Callable[[], str]
+    status_line: gr.Markdown
+    step_cache: str | None
+    attention_precision: str
+
+
+def _image_tab(model: ServedModel, page: _Page) -> None:
     takes_reference = model.limits.reference_image
     gr.Markdown(f"Text{' (and a reference image)' if takes_reference else ''} to image with **{model.spec.name}**.")
     with gr.Row():
@@ -293,8 +304,8 @@ def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                                     value=None, height=120, elem_id="image-reference")
             seed, random_seed = _seed_inputs("image")
             width, height, steps, guidance = _size_inputs(model, "image")
-            cached = _step_cache_input(step_cache, "image")
-            quantized = _quantized_attention_input(attention_precision, "image")
+            cached = _step_cache_input(page.step_cache, "image")
+            quantized = _quantized_attention_input(page.attention_precision, "image")
             lora, lora_scale = _lora_inputs(model, "image")
             button, stop = _generate_buttons("image")
         with gr.Column():
@@ -314,7 +325,7 @@ def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                              quantized_attention: bool = True,
                              session: gr.Request = None,
                              progress: gr.Progress = gr.Progress()) -> AsyncIterator[tuple]:
-        async for update in _generate(model, server, progress, random_seed, owners.of(session), status,
+        async for update in _generate(model, page, progress, random_seed, session,
                                       prompt=prompt, seed=seed, steps=steps, guidance=guidance, width=width,
                                       height=height, condition=condition or None, step_cache=step_cache,
                                       lora=_lora_field(lora, lora_scale), quantized_attention=quantized_attention):
@@ -331,8 +342,8 @@ def _image_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
     inputs = (restored + ([reference] if reference is not None else [gr.State(None)])
               + ([cached] if cached else [gr.State(True)]) + (loras or [gr.State(None), gr.State(None)])
               + ([quantized] if quantized else [gr.State(True)]))
-    event = _wire(demo, model, server.recent, owners, identified, button, stop, generate_image, inputs,
-                  [result, download, settings, status_line, seed], "generate_image", gallery, shown)
+    event = _wire(page, model, button, stop, generate_image, inputs,
+                  [result, download, settings, page.status_line, seed], gallery, shown)
     if reference is not None:  # the request deleted its upload from the server: do not offer it again
         event.then(lambda: None, outputs=reference, api_visibility="private", show_progress="hidden", queue=False)
     gallery.select(restore, inputs=shown, outputs=[*restored, *loras, settings], api_visibility="private",
@@ -348,9 +359,7 @@ def _restored_loras(used: dict[str, Any], scale: gr.Slider | None) -> tuple:
     return list(chosen), next(iter(chosen.values()), scale.value)
 
 
-def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owners, identified: Any,
-               status: Callable[[], str], status_line: gr.Markdown, step_cache: str | None,
-               attention_precision: str) -> None:
+def _video_tab(model: ServedModel, page: _Page) -> None:
     takes_input = model.limits.video_input
     gr.Markdown(f"Text{' or image/video' if takes_input else ''} to video with **{model.spec.name}**.")
     with gr.Row():
@@ -370,8 +379,8 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
             # Wan 2.2 A14B's low-noise expert's own guidance; hidden, not left out, for one-transformer models
             guidance_2 = gr.Number(label="Guidance of the low-noise expert", value=model.spec.guidance_2,
                                    elem_id="video-guidance-2", visible=model.spec.guidance_2 is not None)
-            cached = _step_cache_input(step_cache, "video")
-            quantized = _quantized_attention_input(attention_precision, "video")
+            cached = _step_cache_input(page.step_cache, "video")
+            quantized = _quantized_attention_input(page.attention_precision, "video")
             lora, lora_scale = _lora_inputs(model, "video")
             button, stop = _generate_buttons("video")
         with gr.Column():
@@ -391,7 +400,7 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                              guidance_2: float | None = None, quantized_attention: bool = True,
                              session: gr.Request = None,
                              progress: gr.Progress = gr.Progress()) -> AsyncIterator[tuple]:
-        async for update in _generate(model, server, progress, random_seed, owners.of(session), status,
+        async for update in _generate(model, page, progress, random_seed, session,
                                       prompt=prompt, negative_prompt=negative_prompt, condition=condition or None,
                                       frames=frames, fps=fps, seed=seed, steps=steps, guidance=guidance, width=width,
                                       height=height, step_cache=step_cache, lora=_lora_field(lora, lora_scale),
@@ -411,8 +420,8 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
               *([cached] if cached else [gr.State(True)]), *(loras or [gr.State(None), gr.State(None)]), guidance_2,
               quantized or gr.State(True)]
-    event = _wire(demo, model, server.recent, owners, identified, button, stop, generate_video, inputs,
-                  [result, download, settings, status_line, seed], "generate_video", gallery, shown)
+    event = _wire(page, model, button, stop, generate_video, inputs,
+                  [result, download, settings, page.status_line, seed], gallery, shown)
     # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
     event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
     restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, guidance_2, width, height]
@@ -420,21 +429,21 @@ def _video_tab(model: ServedModel, demo: gr.Blocks, server: Server, owners: Owne
                    show_progress="hidden")
 
 
-def _wire(demo: gr.Blocks, model: ServedModel, recent: RecentResults, owners: Owners, identified: Any,
-          button: gr.Button, stop: gr.Button, handler: Callable[..., Any], inputs: list, outputs: list, api_name: str,
-          gallery: gr.Gallery, shown: gr.State) -> Any:
-    """The tab's API endpoint on its button (progress and errors on the result only), its Stop button (the
-    ranks drop the request at the next step), then its gallery (also once the page's owner is `identified`);
-    returns the endpoint's event."""
+def _wire(page: _Page, model: ServedModel, button: gr.Button, stop: gr.Button, handler: Callable[..., Any],
+          inputs: list, outputs: list, gallery: gr.Gallery, shown: gr.State) -> Any:
+    """The tab's API endpoint (named as its handler) on its button (progress and errors on the result only), its
+    Stop button (the ranks drop the request at the next step), then its gallery (also once the page's owner is
+    known); returns the endpoint's event."""
 
     def refresh(session: gr.Request) -> tuple:
-        return _gallery_of(recent, model.key, owners.of(session))
+        return _gallery_of(page.server.recent, model.key, page.owners.of(session))
 
-    event = button.click(handler, inputs=inputs, outputs=outputs, api_name=api_name, show_progress_on=outputs[0],
-                         concurrency_id="generate")
+    event = button.click(handler, inputs=inputs, outputs=outputs, api_name=handler.__name__,
+                         show_progress_on=outputs[0], concurrency_id="generate")
     stop.click(None, cancels=[event], api_visibility="private", queue=False)
     event.success(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
-    identified.then(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
+    page.identified.then(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden",
+                         queue=False)
     return event
 
 
@@ -474,8 +483,8 @@ class _Progress:
         self._progress((self._steps, self._steps), desc="writing", unit="steps")
 
 
-async def _generate(model: ServedModel, server: Server, progress: gr.Progress, random: bool, owner: str,
-                    status: Callable[[], str], **fields: Any) -> AsyncIterator[tuple]:
+async def _generate(model: ServedModel, page: _Page, progress: gr.Progress, random: bool, session: gr.Request | None,
+                    **fields: Any) -> AsyncIterator[tuple]:
     """Validate, queue, wait (relaying progress), write the file. Yields the handler's outputs twice: once the
     request is queued, the status line alone (which then says so, not at the page's next refresh); at the end,
     (media path, file path, settings, status line, seed used).
@@ -484,12 +493,13 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     """
     if random:
         fields["seed"] = random_seed()
+    owner = page.owners.of(session)
     try:
-        submitted = await submit(model, server, owner=owner or "anyone", **fields)
+        submitted = await submit(model, page.server, owner=owner or "anyone", **fields)
     except (RequestError, ServiceClosed, ServiceBusy, OverQuota) as error:
         raise gr.Error(public_message(str(error)), print_exception=False) from None
     try:
-        yield gr.skip(), gr.skip(), gr.skip(), status(), gr.skip()
+        yield gr.skip(), gr.skip(), gr.skip(), page.status(), gr.skip()
     except GeneratorExit:  # Gradio resumes no handler whose client has gone by its yield: nobody wants the job
         submitted.job.cancel("the client went away")
         raise
@@ -497,8 +507,8 @@ async def _generate(model: ServedModel, server: Server, progress: gr.Progress, r
     relay = _Progress(progress, request.steps, None if estimate is None else estimate / request.steps)
     generation = await _wait(submitted.job, relay)
     relay.writing()
-    path, used = await write(model, server, submitted, generation, owner)
-    yield str(path), str(path), used, status(), used["seed"]
+    path, used = await write(model, page.server, submitted, generation, owner)
+    yield str(path), str(path), used, page.status(), used["seed"]
 
 
 async def _wait(job: Job, relay: _Progress) -> Generation:
