@@ -64,7 +64,7 @@ def tiny_model(family: str) -> torch.nn.Module:
 
 def model_calls(family: str, model: torch.nn.Module) -> list[dict]:
     """Keyword arguments of the reference calls; token counts that the sequence degrees do not divide."""
-    from tests.test_engines_flux2 import flux2_inputs
+    from tests.test_engines_parallel import flux2_inputs
 
     torch.manual_seed(1)
     if family == "flux":

@@ -137,7 +137,7 @@ def test_flux2_double_stream_projections_are_fused() -> None:
 
     from engines.levers.fp8 import quantize_fp8
     from tests.helpers import randomize
-    from tests.test_engines_flux2 import FLUX2_TINY, flux2_inputs
+    from tests.test_engines_parallel import FLUX2_TINY, flux2_inputs
 
     torch.manual_seed(0)
     unfused = randomize(Flux2Transformer2DModel(**{**FLUX2_TINY, "num_layers": 1, "num_single_layers": 1}))

@@ -19,7 +19,7 @@ CASES = {
     "klein-base guidance text": Case("flux2-klein-base-4b", SIZE),
     "klein-base guidance reference": Case("flux2-klein-base-4b", {**SIZE, "condition": "image.png"}),
 }
-RANK_CASES = {  # every strategy and hybrid at 2/3/4 ranks on the transformer alone: tests/test_engines_flux2.py
+RANK_CASES = {  # every strategy and hybrid at 2/3/4/8 ranks on the transformer alone: tests/test_engines_parallel.py
     "dev ulysses-2 reference": RankCase("flux2-dev", 2, dict(strategy="ulysses"), {**SIZE, "condition": "image.png"}),
     "klein-base cfg-2 reference": RankCase("flux2-klein-base-4b", 2, dict(strategy="ring", cfg_parallel=True),
                                            {**SIZE, "condition": "image.png"}),
