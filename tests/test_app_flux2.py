@@ -1,6 +1,6 @@
-"""FLUX.2 through the app, as users run it: generate with a reference image, a 2-rank CFG-parallel server whose
-image tab takes a reference image, batch with a reference line, and bad reference
-images refused before any rank starts.
+"""FLUX.2 through the app, as users run it: a 2-rank CFG-parallel server whose image tab takes a reference image,
+batch with a reference line, and bad reference images refused before any rank starts (`generate` with a reference
+image: the family conformance suite's app cases, pipelines/flux2/conformance.py).
 
 The checkpoints are pipelines.flux2.tiny' tiny random FLUX.2 folders: dev-style (Mistral 3 encoder, guidance
 embedding) and Klein-base-style (Qwen3 encoder, classifier-free guidance).
@@ -34,18 +34,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     Image.fromarray(image).save(root / "reference.png")
     Image.fromarray(image[:40, :56]).save(root / "small.png")
     return paths
-
-
-def test_generate_with_a_reference_image(folders: dict[str, Path], tmp_path: Path) -> None:
-    out = tmp_path / "edit.png"
-    result = run_app("generate", "--model", "flux2-dev", "--model-path", str(folders["dev"]),
-                     "--prompt", "a red circle", "--input", str(folders["dev"].parent / "reference.png"),
-                     "--steps", "2", "--size", "48x64", "--out", str(out))
-    assert result.returncode == 0, result.stderr
-    with Image.open(out) as png:
-        assert png.size == (48, 64)
-    settings = read_png_settings(out)
-    assert settings["model"] == "flux2-dev" and settings["condition"] == "reference.png"
 
 
 def test_bad_reference_refused_before_the_ranks_start(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -211,15 +211,22 @@ def one_rank(root: Path):
 
 @pytest.mark.parametrize(("module_name", "case"), _cases("APP_CASES"))
 def test_app_generate_writes_the_checkpoints_defaults(one_rank, module_name: str, case: str) -> None:
+    """The output at the asked size (and frames), its settings with the checkpoint's defaults where none was asked,
+    and the input named by its file name."""
     expected = _module(module_name).APP_CASES[case]
     spec, out = get_spec(expected.model), one_rank(module_name, case)
+    asked = dict(zip(expected.options[::2], expected.options[1::2]))  # the cases' options are --name value pairs
     pixels = _pixels(out)
     assert pixels.std() > 1  # random weights still draw something
+    width, height = (int(side) for side in asked["--size"].split("x"))
+    assert pixels.shape[-3:] == (height, width, 3)
     settings = (read_mp4_settings if out.suffix == ".mp4" else read_png_settings)(out)
     assert (settings["model"], settings["guidance"], settings["steps"]) == (spec.name, spec.guidance, 2)
     assert settings["negative_prompt"] == spec.negative_prompt
+    assert settings.get("condition") == asked.get("--input")
     if out.suffix == ".mp4":
-        assert read_video(out)[1] == pytest.approx(spec.fps)
+        assert len(pixels) == int(asked.get("--frames", spec.frames))
+        assert read_video(out)[1] == pytest.approx(float(asked.get("--fps", spec.fps)))
 
 
 def _plans(module_name: str, case: str) -> list:

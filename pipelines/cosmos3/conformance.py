@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import PIL.Image
 
-from pipelines.conformance import Case, RankCase, seeded
+from pipelines.conformance import AppCase, Case, RankCase, seeded
 
 VIDEO = dict(height=64, width=96, steps=3, frames=9, fps=8, negative_prompt="blurry")
 IMAGE = dict(height=64, width=96, steps=3, negative_prompt="blurry")
@@ -28,6 +28,11 @@ RANK_CASES = {  # every strategy and hybrid at 2/3/4/8 ranks on the transformer 
     "cfg-2 cache": RankCase("cosmos3-nano", 2, dict(cfg_parallel=True, cache="fbcache:0.005"), {**VIDEO, "steps": 6}),
     "ulysses-2 cache": RankCase("cosmos3-nano", 2, dict(strategy="ulysses", cache="fbcache:0.005"),
                                 {**VIDEO, "steps": 6}),
+}
+APP = ("--size", "96x64", "--steps", "2")
+APP_CASES = {  # one checkpoint, a video and an image model; their 2 ranks: RANK_CASES and tests/test_app_cosmos3.py
+    "video": AppCase("cosmos3-nano", (*APP, "--frames", "9", "--fps", "8"), {}),
+    "image": AppCase("cosmos3-nano-image", APP, {}),
 }
 
 

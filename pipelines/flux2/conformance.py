@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import PIL.Image
 
-from pipelines.conformance import Case, RankCase, diffusers_run, seeded
+from pipelines.conformance import AppCase, Case, RankCase, diffusers_run, seeded
 
 SPEC = dict(max_sequence_length=32)
 """Text tokens: the pipelines pad to max_sequence_length; 32 keeps the tiny runs quick."""
@@ -27,6 +27,9 @@ RANK_CASES = {  # every strategy and hybrid at 2/3/4/8 ranks on the transformer 
     # than itself from step to step)
     "klein ulysses-2 cache": RankCase("flux2-klein-4b", 2, dict(strategy="ulysses", cache="fbcache:1.1"),
                                       dict(prompt="a red circle", seed=2, steps=6, height=80, width=112)),
+}
+APP_CASES = {  # its 2 ranks: RANK_CASES, and a CFG-parallel server's reference image in tests/test_app_flux2.py
+    "dev reference": AppCase("flux2-dev", ("--size", "48x64", "--steps", "2", "--input", "image.png"), {}),
 }
 
 
