@@ -43,8 +43,8 @@
 #   graphs (2 of 4x H200): flux2-klein-graphs 54 | wan-1.3b-graphs 89 | wan22-ti2v-graphs 82 | cosmos3-nano-graphs 110
 #   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
 #          empty cache
-#   quantized (not yet timed on GPUs): wan14b-precisions (alone: a 1 GPU Wan 14B step is 22 s) |
-#          flux1-fp8-attention-generation
+#   quantized (not yet timed on GPUs; one a command): wan14b-precisions (a 1 GPU Wan 14B step is 22 s) |
+#          wan14b-fp8-precisions | flux1-fp8-attention-generation
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
 #          against every strategy on GPUS ranks, in that order of priority
 #   rest: flux1-ulysses-ring 240 (with xDiT) | flux2-dev-2048 200 | flux2-dev-tp 150
@@ -198,11 +198,15 @@ elif [ "$part" = 4 ]; then
 elif [ "$part" = quantized ]; then
     # quantized attention (--attention-precision fp8: FlashAttention-3's FP8 forward, `pip install fa3-fwd`) on $gpus
     # GPUs, against full precision on the same weights in the same run: a Wan 2.1 14B 720p step (one call with its
-    # guidance batch; Ulysses, bf16 and FP8 linears, diffusers' Ulysses beside them), then a whole FLUX.1-dev 1024²
-    # image with --fp8 and fp8 attention (the goals: <= 1.5 s on 2 GPUs, <= 0.9 s on 4), its 1 GPU rows skipped
+    # guidance batch; Ulysses), bf16 on 1 GPU and $gpus with diffusers' Ulysses beside, then the same with fp8
+    # attention; then (a command of its own) FP8 linears alone and with fp8 attention on $gpus; then a whole FLUX.1-dev
+    # 1024² image with --fp8 and fp8 attention (the goals: <= 1.5 s on 2 GPUs, <= 0.9 s on 4), its 1 GPU rows skipped
     piece wan14b-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
-        --strategies ulysses --no-cfg --backends "$fast" --fp8 parallel --attention-precision fp8 --warmup 1 \
+        --strategies ulysses --no-cfg --backends "$fast" --attention-precision fp8 --warmup 1 \
         --iters 1 --cache-dir "$cache" --out "$out/wan14b-precisions.json"
+    piece wan14b-fp8-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
+        --strategies ulysses --no-cfg --backends "$fast" --fp8 alone --attention-precision fp8 --warmup 1 \
+        --iters 1 --cache-dir "$cache" --out "$out/wan14b-fp8-precisions.json"
     piece flux1-fp8-attention-generation 420 "${generation[@]}" --model flux-dev "${steps[@]}" --no-single \
         --strategies allgather --all-to-all "$transport" --backends "$backend" --fp8 --attention-precision fp8 \
         --runs 2 --warmup-steps 2 --engine-cache "$cache" --out "$out/flux1-fp8-attention-generation.json"
