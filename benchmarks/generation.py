@@ -21,12 +21,12 @@ lengths (CLIP 77, T5 512) are the real ones.
 Modes: "1 GPU" (rank 0 alone, as `generate` on one GPU; the other ranks wait), then "ours <plan>"
 on all ranks for each --strategies plan (and cfg-2 with --cfg), each with every --backends engine;
 the parallel modes split the VAE decode over the ranks as serve does (--split-vae: video models by default).
-Per mode: one warm-up generation of --warmup-steps steps (it compiles and captures the engine and
-runs every stage once), then --runs timed generations. Reported: medians of total seconds (rank 0's
-wall time of one request), seconds in encode / denoise / decode (device-synchronised), each step's
-seconds (step_s, agreement point included, median over the runs), ms per step (denoise / steps),
-the seconds of writing the result file as the app does (write_s, PNG or MP4, after the request and
-not in its total), peak GiB per rank over the timed runs, and the speedup of total and of denoise
+Per mode: one warm-up generation of --warmup-steps steps (with quantized attention at least one quantized step;
+it compiles and captures the engine and runs every stage once), then --runs timed generations. Reported: medians
+of total seconds (rank 0's wall time of one request), seconds in encode / denoise / decode (device-
+synchronised), each step's seconds (step_s, agreement point included, median over the runs), ms per step
+(denoise / steps), the seconds of writing the result file as the app does (write_s, PNG or MP4, after the
+request and not in its total), peak GiB per rank over the timed runs, and the speedup of total and of denoise
 against the 1 GPU mode of the same backend (this run's, else --baseline's). --tiny: the embedded tiny
 models' configs, random float32 weights, CPU gloo ranks. The prompt cache is off: every request
 encodes its prompt.
@@ -66,6 +66,7 @@ from benchmarks.inputs import BenchModel, benchmarkable, build_random
 from benchmarks.step import agreed_error, comma_list, engine_labels, gather_objects, mode_label, our_plans, sync
 from engines.levers.compile import Engine
 from engines.options import (
+    FULL_PRECISION_EDGE_STEPS,
     SPLIT_VAE,
     STRATEGIES,
     TRANSPORTS,
@@ -378,8 +379,13 @@ def _time_generations(ctx: ParallelContext, timer: StageTimer, request: Generati
                       args: argparse.Namespace) -> tuple[list, float | None, float]:
     """Warm-up generation, then the timed ones; (rank 0's runs, warm-up seconds, this rank's peak GiB)."""
     warmup, failure = [], None
+    # with quantized attention the warm-up reaches a quantized step (the edge steps run at full precision, another
+    # engine input), so that its engine is built and captured there and not in a timed run
+    steps = args.warmup_steps
+    if timer.pipeline.attention_precision != "full":
+        steps = max(steps, 2 * FULL_PRECISION_EDGE_STEPS + 1)
     try:
-        warmup = run_requests(ctx, timer, [replace(request, steps=args.warmup_steps)], args.rank_timeout)
+        warmup = run_requests(ctx, timer, [replace(request, steps=steps)], args.rank_timeout)
     except JobFailed as exc:  # rank 0 only; the followers are released by the empty phase below
         failure = exc
     if ctx.device.type == "cuda":

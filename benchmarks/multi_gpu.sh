@@ -198,11 +198,12 @@ elif [ "$part" = 4 ]; then
 elif [ "$part" = quantized ]; then
     # quantized attention (--attention-precision fp8: FlashAttention-3's FP8 forward, `pip install fa3-fwd`) on $gpus
     # GPUs, against full precision on the same weights in the same run: a Wan 2.1 14B 720p step (one call with its
-    # guidance batch; Ulysses), bf16 on 1 GPU and $gpus with diffusers' Ulysses beside, then the same with fp8
-    # attention; then (a command of its own) FP8 linears alone and with fp8 attention on $gpus; then a whole FLUX.1-dev
-    # 1024² image with --fp8 and fp8 attention (the goals: <= 1.5 s on 2 GPUs, <= 0.9 s on 4), its 1 GPU rows skipped
+    # guidance batch; Ulysses; the 1 GPU rows are too long for the same command: docs/faster.md's run them), bf16 on
+    # $gpus with diffusers' Ulysses beside, then the same with fp8 attention; then (a command of its own) FP8 linears
+    # alone and with fp8 attention; then a whole FLUX.1-dev 1024² image with --fp8 and fp8 attention (the goals:
+    # <= 1.5 s on 2 GPUs, <= 0.9 s on 4), its 1 GPU rows skipped
     piece wan14b-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
-        --strategies ulysses --no-cfg --backends "$fast" --attention-precision fp8 --warmup 1 \
+        --strategies ulysses --no-cfg --no-single --backends "$fast" --attention-precision fp8 --warmup 1 \
         --iters 1 --cache-dir "$cache" --out "$out/wan14b-precisions.json"
     piece wan14b-fp8-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
         --strategies ulysses --no-cfg --backends "$fast" --fp8 alone --attention-precision fp8 --warmup 1 \
