@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
-# each piece. On 2 GPUs: the app's acceptance run (PART=accept), Cosmos-Predict2-2B and FLUX.2 (part 1), FLUX.1-dev
+# each piece and every minute while one runs (a command cut off from outside still returns what it wrote).
+# On 2 GPUs: the app's acceptance run (PART=accept), Cosmos-Predict2-2B and FLUX.2 (part 1), FLUX.1-dev
 # regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
 # every family in a CUDA graph (PART=graphs), quantized attention (PART=quantized, one piece a command: ONLY=).
 # On GPUS=4 or 8: the scaling sweep (PART=sweep) and what it leaves out (PART=rest).
@@ -62,6 +63,10 @@ start=$(date +%s)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 printf 'piece\tstatus\tseconds\n' >> "$out/pieces.tsv"
+running="${TMPDIR:-/tmp}/multi-gpu-running.$$"  # while a piece runs (its packs a minute go on)
+trap 'rm -f "$running"' EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 if [ -n "${TINY:-}" ]; then
     tiny=(--tiny) backend=eager fast=eager graph=eager graphs=eager transport=nccl
@@ -107,8 +112,24 @@ piece() {
     fi
     echo "== $name (up to ${cap} s): $*" | tee -a "$out/commands.txt"
     t0=$(date +%s)
+    # meanwhile a pack a minute: a command cut off from outside (its run limit) still returns the rows written so far
+    local packer=
+    if [ -n "${PACK:-}" ]; then
+        touch "$running"
+        ( last=$(date +%s)
+          while [ -e "$running" ] && kill -0 $$ 2>/dev/null; do
+              sleep 2
+              [ $(($(date +%s) - last)) -ge "${PACK_EVERY:-60}" ] && [ -e "$running" ] && pack && last=$(date +%s)
+          done
+          rm -f "$running" ) &
+        packer=$!
+    fi
     timeout -k "${KILL_AFTER:-30}" "$cap" "$@" > "$out/$name.log" 2>&1
     status=$?
+    if [ -n "$packer" ]; then
+        rm -f "$running"
+        wait "$packer"
+    fi
     [ "$status" -eq 124 ] && status="124 (timed out at ${cap} s)"
     printf '%s\t%s\t%s\n' "$name" "$status" "$(($(date +%s) - t0))" | tee -a "$out/pieces.tsv"
     pack

@@ -98,22 +98,31 @@ def test_benchmark_tiny_cosmos3_with_diffusers_forward(tmp_path: Path) -> None:
 
 
 def test_benchmark_tiny_tp_runs_last_and_fp8_parallel_skips_one_gpu(tmp_path: Path) -> None:
-    """--tp 2 on 2 ranks adds one tp-2 row after the others; --fp8 parallel times FP8 on the plans only."""
+    """--tp 2 on 2 ranks adds one tp-2 row after the others (--no-single: no 1 GPU row); --fp8 parallel times FP8
+    on the plans only, with --attention-precision each precision's rows after its full-precision ones."""
     out, fp8_out = tmp_path / "tp.json", tmp_path / "fp8.json"
     cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux2-dev", "--sizes", "64x64", "--strategies",
-                   "ulysses", "--no-cfg", "--tp", "2", "--warmup", "1", "--iters", "1", "--out", str(out))
+                   "ulysses", "--no-cfg", "--tp", "2", "--no-single", "--warmup", "1", "--iters", "1", "--out",
+                   str(out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["plan"]) for r in rows] == [("1 GPU", None), ("ours ulysses-2", "ulysses-2"),
-                                                      ("ours tp-2", "tp-2")]
+    assert [(r["mode"], r["plan"]) for r in rows] == [("ours ulysses-2", "ulysses-2"), ("ours tp-2", "tp-2")]
     assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
     cmd = torchrun(2, "-m", "benchmarks.step", "--tiny", "--model", "flux-dev", "--sizes", "64x64", "--strategies",
-                   "allgather", "--fp8", "parallel", "--warmup", "1", "--iters", "1", "--out", str(fp8_out))
+                   "allgather", "--fp8", "parallel", "--attention-precision", "fp8", "--warmup", "1", "--iters", "1",
+                   "--out", str(fp8_out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    modes = [r["mode"] for r in json.loads(fp8_out.read_text())["rows"]]
-    assert modes == ["1 GPU", "ours allgather-2", "ours allgather-2 fp8"]
+    rows = json.loads(fp8_out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["1 GPU", "ours allgather-2", "1 GPU attention fp8",
+                                         "ours allgather-2 attention fp8", "ours allgather-2 fp8",
+                                         "ours allgather-2 fp8 attention fp8"]
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    # each quantized row carries its output's error against full precision on the same weights (the reference
+    # kernel on CPU: a few percent), and each FP8 row its error against bf16
+    assert all(0 < r["rel_error_attention"] < 0.2 for r in rows if "attention" in r["mode"]), rows
+    assert all(0 < r["rel_error"] < 0.2 for r in rows if r["mode"] == "ours allgather-2 fp8"), rows
     refused = subprocess.run([PYTHON, "-m", "benchmarks.step", "--tiny", "--tp", "2", "--fp8"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)  # one process: no tp group of 2
     assert refused.returncode == 2 and "are not a multiple of it" in refused.stderr
