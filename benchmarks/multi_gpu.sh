@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU figures in commands of under 10 minutes each, every result in OUT_DIR, packed into PACK after
-# each piece and every minute while one runs (a command cut off from outside still returns what it wrote).
+# each piece and every PACK_EVERY seconds (60) while one runs (a command cut off from outside still returns what it
+# wrote).
 # On 2 GPUs: the app's acceptance run (PART=accept), Cosmos-Predict2-2B and FLUX.2 (part 1), FLUX.1-dev
 # regressions and FLUX.2-dev (part 2), Cosmos 3 Nano (part 3), FP8 (part 4), the generic path's models (part 5, also on GPUS=4), LoRA (part 8), cold builds (part 9),
 # every family in a CUDA graph (PART=graphs), quantized attention (PART=quantized, one piece a command: ONLY=).
