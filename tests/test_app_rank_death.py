@@ -129,6 +129,49 @@ def test_sigterm_ends_a_stuck_process_with_its_message():
     assert err.strip() == "error: the job ends: rank 0: told the clients"
 
 
+SIGNALLED = """
+import sys, time
+from app.ranks.stopping import stop_on_signals
+
+try:
+    with stop_on_signals() as stop:
+        print("ready", flush=True)
+        while not stop.is_set():
+            time.sleep(0.01)
+        print("stopping", flush=True)
+        time.sleep(30)  # a stop that takes long: only a later signal ends it
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_copies_of_a_signal_are_one_stop_and_a_later_one_interrupts():
+    """A signal sent to a process tree reaches a rank more than once (its sender, then torchrun forwarding it;
+    `pkill`, a service manager stopping every process): those copies are one request to stop cleanly. A signal
+    DUPLICATE_SIGNAL_SECONDS later is a second Ctrl-C, which interrupts at once."""
+    import subprocess
+    import sys
+
+    from app.ranks.stopping import DUPLICATE_SIGNAL_SECONDS
+    from tests.helpers import REPO
+
+    process = subprocess.Popen([sys.executable, "-c", SIGNALLED], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):  # one stop, three copies of it
+            process.send_signal(sig)
+        assert process.stdout.readline().strip() == "stopping"
+        time.sleep(DUPLICATE_SIGNAL_SECONDS * 0.5)
+        assert process.poll() is None  # the copies did not interrupt it
+        time.sleep(DUPLICATE_SIGNAL_SECONDS)
+        process.send_signal(signal.SIGINT)  # a second Ctrl-C
+        assert process.stdout.readline().strip() == "interrupted"
+        assert process.wait(timeout=10) == 0
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_the_lost_message_names_a_killed_rank_and_claims_no_sender_for_the_sigterm():
     import socket
     import subprocess

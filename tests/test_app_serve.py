@@ -328,7 +328,11 @@ def test_metrics_count_the_running_and_waiting_requests_as_status_does(server):
     assert response.status_code == 204 and response.headers["allow"] == "GET, HEAD, OPTIONS"
 
 
-def test_ctrl_c_stops_every_rank_cleanly():
+@pytest.mark.parametrize("sender", ["ctrl-c", "every-process"])
+def test_ctrl_c_stops_every_rank_cleanly(sender):
+    """Ctrl-C (the terminal's SIGINT to the launcher), or a stop sent to every process of the server at once (a
+    service manager's SIGTERM to each, or pkill): the ranks then get the signal from the sender and again from
+    torchrun and the launcher, copies of one request to stop cleanly."""
     port = free_port()
     app = AppProcess("launch", "--nproc", "2", "serve", "--model", "tiny-flux", "--port", str(port))
     try:
@@ -336,7 +340,11 @@ def test_ctrl_c_stops_every_rank_cleanly():
         ranks = app.rank_pids()
         assert sorted(ranks) == [0, 1]
         started = time.monotonic()
-        app.process.send_signal(signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
+        if sender == "ctrl-c":
+            app.process.send_signal(signal.SIGINT)  # what the terminal sends the launcher on Ctrl-C
+        else:
+            for pid in [app.process.pid, *descendants(app.process.pid)]:  # launcher, torchrun, ranks
+                os.kill(pid, signal.SIGTERM)
         assert app.process.wait(timeout=30) == 130
         assert time.monotonic() - started < 30
         output = app.final_output()

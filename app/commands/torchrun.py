@@ -93,6 +93,7 @@ def _torchrun(argv: list[str]) -> int:
     # torch here, not at the module's top: the launcher imports this module for remove_ended_logs once its ranks have
     # ended, and torch's import (1.5 s on a 2-core CPU) would come between their last output and its exit.
     from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -121,6 +122,11 @@ def _torchrun(argv: list[str]) -> int:
     except ChildFailedError as error:
         print(error, file=sys.stderr)
         return 1
+    except SignalException as error:
+        # torchrun itself got a stop signal (one sent to every process of the job: pkill, a service manager
+        # stopping a server): it has passed it to its ranks and waited for them, which stop as they do on Ctrl-C
+        print(f"torchrun: stopped by {error.sigval.name}; its ranks were told to stop", file=sys.stderr)
+        return 128 + error.sigval
     except BaseException:  # reported as the interpreter would, then the same fast exit
         traceback.print_exc()
         return 1

@@ -4,6 +4,9 @@ A KeyboardInterrupt raised between two collectives leaves the other ranks waitin
 comes. So every rank turns SIGINT/SIGTERM into an Event; the lockstep service looks at it at its
 agreement points (every denoising step and between requests) and all ranks stop there together.
 A second signal raises KeyboardInterrupt at once: the way out of a stop that takes too long (a load).
+Not one within DUPLICATE_SIGNAL_SECONDS of the first: a signal sent to a process tree reaches a rank
+more than once (from its sender, then forwarded by torchrun; `pkill`, or a service manager stopping
+every process of a server), and those copies are the same request to stop cleanly.
 
 SIGTERM is also how torchrun tells the surviving ranks that a rank died, and a rank may then be
 stuck in a collective with the dead one, where Python never runs a signal handler (the main thread
@@ -25,6 +28,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +36,8 @@ from pathlib import Path
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SIGTERM_GRACE_SECONDS = 1.5
 """How long the main thread has to end by itself after SIGTERM before the watchdog ends the process."""
+DUPLICATE_SIGNAL_SECONDS = 0.5
+"""Signals within this long of the first are copies of it (a process tree's), not a second Ctrl-C."""
 _ENDING = threading.Lock()
 """Held by the one thread that ends a process in end_process (the main thread or the watchdog)."""
 
@@ -61,8 +67,9 @@ def end_process(message: str) -> None:
 
 @contextmanager
 def stop_on_signals(*, grace: float = SIGTERM_GRACE_SECONDS) -> Iterator[StopRequest]:
-    """A StopRequest set by SIGINT or SIGTERM while the block runs (a second signal raises
-    KeyboardInterrupt), with the SIGTERM watchdog; the previous handlers come back after.
+    """A StopRequest set by SIGINT or SIGTERM while the block runs (a second signal, DUPLICATE_SIGNAL_SECONDS or
+    more after the first, raises KeyboardInterrupt), with the SIGTERM watchdog; the previous handlers come back
+    after.
 
     Only the main thread may install signal handlers; elsewhere the event is returned unconnected.
     """
@@ -71,10 +78,14 @@ def stop_on_signals(*, grace: float = SIGTERM_GRACE_SECONDS) -> Iterator[StopReq
         yield stop
         return
 
+    stopped_at = [float("-inf")]  # when a signal set `stop` (set otherwise: long before)
+
     def request_stop(signum: int, frame: object) -> None:
-        if stop.is_set():
+        if not stop.is_set():
+            stopped_at[0] = time.monotonic()
+            stop.set()
+        elif time.monotonic() - stopped_at[0] >= DUPLICATE_SIGNAL_SECONDS:
             raise KeyboardInterrupt
-        stop.set()
 
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
