@@ -41,7 +41,7 @@ from pathlib import Path
 
 from app.commands.arguments import run_options
 from app.commands.torchrun import free_port, remove_ended_logs
-from app.ranks.stopping import DUPLICATE_SIGNAL_SECONDS, process_running, temporary_folder
+from app.ranks.stopping import process_running, temporary_folder
 from app.server.access import AUTH_ENV, read_logins, write_private_auth_file
 
 LAUNCHABLE = ("serve", "batch", "generate")
@@ -253,14 +253,10 @@ def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, int]:
     """torchrun's exit status, and how many Ctrl-Cs or SIGTERMs this launcher received while it ran."""
     process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     interrupts = []
-    first = [0.0]
 
     def relay(signum: int, frame: object) -> None:
-        if interrupts and time.monotonic() - first[0] < DUPLICATE_SIGNAL_SECONDS:
-            return  # a copy of the first (a signal sent to every process, relayed by a wrapper too), not a second
         interrupts.append(signum)
         if len(interrupts) == 1:
-            first[0] = time.monotonic()
             # A rank stops at its next step; an engine build or a weight load in progress finishes first (seconds to
             # minutes), which a silent terminal would leave unexplained.
             print("launch: stopping: each rank ends at its next step (a build or load in progress finishes first); "

@@ -36,7 +36,7 @@ from pathlib import Path
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SIGTERM_GRACE_SECONDS = 1.5
 """How long the main thread has to end by itself after SIGTERM before the watchdog ends the process."""
-DUPLICATE_SIGNAL_SECONDS = 0.5
+DUPLICATE_SIGNAL_SECONDS = 0.25
 """Signals within this long of the first are copies of it (a process tree's), not a second Ctrl-C."""
 _ENDING = threading.Lock()
 """Held by the one thread that ends a process in end_process (the main thread or the watchdog)."""
