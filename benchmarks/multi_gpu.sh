@@ -64,10 +64,6 @@ start=$(date +%s)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 printf 'piece\tstatus\tseconds\n' >> "$out/pieces.tsv"
-running="${TMPDIR:-/tmp}/multi-gpu-running.$$"  # while a piece runs (its packs a minute go on)
-trap 'rm -f "$running"' EXIT
-trap 'exit 143' TERM
-trap 'exit 130' INT
 
 if [ -n "${TINY:-}" ]; then
     tiny=(--tiny) backend=eager fast=eager graph=eager graphs=eager transport=nccl
@@ -113,24 +109,18 @@ piece() {
     fi
     echo "== $name (up to ${cap} s): $*" | tee -a "$out/commands.txt"
     t0=$(date +%s)
+    timeout -k "${KILL_AFTER:-30}" "$cap" "$@" > "$out/$name.log" 2>&1 &
+    local command=$! last=$t0
     # meanwhile a pack a minute: a command cut off from outside (its run limit) still returns the rows written so far
-    local packer=
-    if [ -n "${PACK:-}" ]; then
-        touch "$running"
-        ( last=$(date +%s)
-          while [ -e "$running" ] && kill -0 $$ 2>/dev/null; do
-              sleep 2
-              [ $(($(date +%s) - last)) -ge "${PACK_EVERY:-60}" ] && [ -e "$running" ] && pack && last=$(date +%s)
-          done
-          rm -f "$running" ) &
-        packer=$!
-    fi
-    timeout -k "${KILL_AFTER:-30}" "$cap" "$@" > "$out/$name.log" 2>&1
+    while kill -0 "$command" 2>/dev/null; do
+        sleep 1
+        if [ -n "${PACK:-}" ] && [ $(($(date +%s) - last)) -ge "${PACK_EVERY:-60}" ]; then
+            pack
+            last=$(date +%s)
+        fi
+    done
+    wait "$command"
     status=$?
-    if [ -n "$packer" ]; then
-        rm -f "$running"
-        wait "$packer"
-    fi
     [ "$status" -eq 124 ] && status="124 (timed out at ${cap} s)"
     printf '%s\t%s\t%s\n' "$name" "$status" "$(($(date +%s) - t0))" | tee -a "$out/pieces.tsv"
     pack

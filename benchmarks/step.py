@@ -380,13 +380,13 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         return rows
     model = build_random(spec, device=device, dtype=dtype)
     # 1. one GPU: rank 0 alone; the others wait at the gather in record()
-    alone = not args.no_single  # the 1 GPU rows (of every step below)
-    single = single_process_forward(spec, model, device) if ctx.is_main and bf16 and alone else None
-    for options in backends if bf16 and alone else []:
+    single_rows = not args.no_single  # the 1 GPU rows (of every step below)
+    single = single_process_forward(spec, model, device) if ctx.is_main and bf16 and single_rows else None
+    for options in backends if bf16 and single_rows else []:
         for shape in shapes:
             record("1 GPU", shape, 1, single, None, options, keep="bf16")
     # the same, on a step that a step cache skips (engines/levers/step_cache.py)
-    if args.cached_step and bf16 and alone:
+    if args.cached_step and bf16 and single_rows:
         for options in (b for b in backends if b.keeps_block_loop):
             for shape in shapes:
                 record("1 GPU cached step", shape, 1, single, None, options, cached=True)
@@ -414,7 +414,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # 2b. --lora-rank: the same 1 GPU and plans with a LoRA, unfused (the app's) and merged into the weights
     if args.lora_rank and bf16:
         measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
-                     adapter=adapter, single=alone)
+                     adapter=adapter, single=single_rows)
     # 3. diffusers-native Ulysses (families whose record says it runs them; CUDA only: it divides by the
     # accelerator count; not with --tp, whose split of the weights would follow hooks that cannot be undone)
     if (spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers
@@ -438,13 +438,13 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
     # GPU and each plan of step 2, every backend; each row carries the relative error of its eager output (1 GPU)
     if args.attention_precision and bf16:
         measure_attention_precision(spec, model, shapes, inputs, backends, ctx, record, args.attention_precision,
-                                    modes=modes, adapter=adapter, single=alone)
+                                    modes=modes, adapter=adapter, single=single_rows)
     # 5. --fp8: the same weights with the blocks' linears made FP8 in place (engines/levers/fp8.py), 1 GPU (unless
     # --fp8 parallel) and each plan of step 2, every backend; each row carries the relative error of the FP8
     # eager output against the bf16 eager one. With --attention-precision, then the same with quantized attention.
     if args.fp8:
         # the 1-GPU FP8 rows: with 'all', and with 'alone' on one rank (whose only FP8 rows they are)
-        fp8_single = alone and (args.fp8 == "all" or (args.fp8 == "alone" and ctx.world_size == 1))
+        fp8_single = single_rows and (args.fp8 == "all" or (args.fp8 == "alone" and ctx.world_size == 1))
         measure_fp8(spec, model, shapes, inputs, backends, ctx, record, unfused=args.fp8_unfused,
                     single=fp8_single, modes=modes, adapter=adapter, linear=args.fp8_linear)
         if args.attention_precision:

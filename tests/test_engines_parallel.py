@@ -61,11 +61,11 @@ def flux2_inputs(text: int, latent: tuple[int, int], reference: tuple[int, int] 
 
 
 def _model(name: str) -> torch.nn.Module:
-    from diffusers import Flux2Transformer2DModel
-
     if name == "cosmos":
         return tiny_cosmos()
     if name == "flux2":
+        from diffusers import Flux2Transformer2DModel
+
         return Flux2Transformer2DModel(**FLUX2_TINY)
     model = tiny_flux()
     if name == "flux-fused":  # diffusers' fused q/k/v projections (fuse_qkv_projections)

@@ -78,13 +78,14 @@ def stop_on_signals(*, grace: float = SIGTERM_GRACE_SECONDS) -> Iterator[StopReq
         yield stop
         return
 
-    stopped_at = [float("-inf")]  # when a signal set `stop` (set otherwise: long before)
+    stopped_at = float("-inf")  # when a signal set `stop` (set otherwise: long before)
 
     def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopped_at
         if not stop.is_set():
-            stopped_at[0] = time.monotonic()
+            stopped_at = time.monotonic()
             stop.set()
-        elif time.monotonic() - stopped_at[0] >= DUPLICATE_SIGNAL_SECONDS:
+        elif time.monotonic() - stopped_at >= DUPLICATE_SIGNAL_SECONDS:
             raise KeyboardInterrupt
 
     read_fd, write_fd = os.pipe()
