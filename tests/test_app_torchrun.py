@@ -3,7 +3,9 @@ folder left behind however it ends."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from app.commands.launch import _kill_job
+from app.commands import torchrun
+from app.commands.launch import LaunchError, _kill_job, check_hosts
 from app.commands.torchrun import remove_ended_logs
 from tests.helpers import REPO, free_port, private_tmp, torchrun_log_folders
 
@@ -76,6 +79,25 @@ def test_a_rendezvous_port_taken_by_another_program(tmp_path, hosts):
         assert done.stderr.strip().splitlines()[-1] == (
             f"error: the rendezvous port {port} is taken on this host by another program: give --rdzv-endpoint a "
             "port that is free here"), done.stderr
+
+
+def test_the_rendezvous_port_is_never_the_port_serve_listens_on(monkeypatch):
+    """Both are chosen free before either is bound: a launch on one host takes its rendezvous port elsewhere (in
+    torchrun's retry too), and one on several hosts refuses --rdzv-endpoint on serve's --port."""
+    serve = free_port()
+    first = iter([serve])
+    monkeypatch.setattr(torchrun.random, "randrange", lambda low, high: next(first, random.randint(low, high - 1)))
+    one_host = argparse.Namespace(nnodes=1, node_rank=0)
+    assert check_hosts(one_host, argparse.Namespace(command="serve", port=serve), 2)[1] != serve
+    first = iter([serve])
+    assert torchrun.free_port() == serve  # what the launcher took before it avoided serve's port
+    argv = ["--nproc-per-node=2", "-m", "app", "serve", "--model", "tiny-flux"]
+    assert [torchrun._serve_port(argv + option) for option in (["--port", "8000"], ["--port=8001"], [])] == [
+        8000, 8001, None]
+    assert torchrun._serve_port(["--nproc-per-node=2", "-m", "app", "batch", "--port", "8000"]) is None
+    two_hosts = argparse.Namespace(nnodes=2, node_rank=0, rdzv_endpoint=f"10.0.0.1:{serve}")
+    with pytest.raises(LaunchError, match=f"port {serve} is the one serve listens on"):
+        check_hosts(two_hosts, argparse.Namespace(command="serve", port=serve), 2)
 
 
 def test_a_bad_command_line_gets_argparse_status():

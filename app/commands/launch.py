@@ -104,12 +104,14 @@ def check_hosts(args: argparse.Namespace, inner: argparse.Namespace, nproc: int)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise LaunchError(f"--node-rank must be from 0 to --nnodes - 1 ({args.nnodes - 1}), got {args.node_rank}")
     if args.nnodes == 1:
-        return "127.0.0.1", free_port()
+        return "127.0.0.1", free_port(avoid=getattr(inner, "port", None))
     if not args.rdzv_endpoint or ":" not in args.rdzv_endpoint:
         raise LaunchError("several hosts meet at --rdzv-endpoint HOST:PORT: host 0's address and a free port there")
     host, _, port = args.rdzv_endpoint.rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint}: the port must be a number from 1 to 65535")
+    if int(port) == getattr(inner, "port", None):
+        raise LaunchError(f"--rdzv-endpoint's port {port} is the one serve listens on (--port): give them two ports")
     replicas = getattr(inner, "replicas", None)
     if replicas == "auto":
         raise LaunchError("--replicas auto regroups the ranks of one host; on several hosts give --replicas R (a "

@@ -55,8 +55,9 @@ def run(argv: list[str] | None = None) -> int:
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for torchrun's rendezvous), below the kernel's ephemeral range.
+def free_port(avoid: int | None = None) -> int:
+    """A TCP port nobody listens on right now (for torchrun's rendezvous), below the kernel's ephemeral range, and
+    not `avoid` (the port `serve` will listen on, free until its rank 0 binds it, seconds later).
 
     A port the kernel hands out itself (bind to port 0) is one of its ephemeral ports, which it also gives to the
     outgoing end of every connection: between this choice and the listener's bind, any connection on the machine
@@ -70,10 +71,13 @@ def free_port() -> int:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+            if port != avoid:
+                return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            if probe.getsockname()[1] != avoid:
+                return probe.getsockname()[1]
 
 
 def _ephemeral_low() -> int:
@@ -113,7 +117,7 @@ def _torchrun(argv: list[str]) -> int:
                 if attempt == PORT_ATTEMPTS:
                     raise
                 argv = [option for option in argv if not option.startswith("--master-port=")]
-                argv.insert(0, f"--master-port={free_port()}")
+                argv.insert(0, f"--master-port={free_port(avoid=_serve_port(argv))}")
     except SystemExit as exit:
         if exit.code is None or isinstance(exit.code, int):
             return exit.code or 0
@@ -136,6 +140,17 @@ def _torchrun(argv: list[str]) -> int:
 def _option(argv: list[str], name: str) -> str | None:
     """The value of `name`=VALUE in a torchrun command line (the launcher writes each option so), or None."""
     return next((option.split("=", 1)[1] for option in argv if option.startswith(f"{name}=")), None)
+
+
+def _serve_port(argv: list[str]) -> int | None:
+    """The port of `-m app serve ... --port N` in a torchrun command line, or None."""
+    tail = argv[argv.index("serve") + 1:] if "serve" in argv else []
+    for option, value in zip(tail, [*tail[1:], ""]):
+        if option.startswith("--port="):
+            option, value = "--port", option.removeprefix("--port=")
+        if option == "--port" and value.isdigit():
+            return int(value)
+    return None
 
 
 if __name__ == "__main__":
