@@ -2,7 +2,7 @@
 
 One launch measures every mode: the 1-GPU baseline runs on rank 0 alone while the other ranks
 wait at a barrier, then all ranks run each parallel mode, then diffusers' own context
-parallelism (last of ours, because enable_parallelism cannot be undone), then the peers asked
+parallelism (then undone: the rows after it run rank 0's model alone for their error figures), then the peers asked
 for with --peers (xDiT, cache-dit: benchmarks/peers.py), each eager and compiled as it advises.
 
     torchrun --nproc-per-node 2 -m benchmarks.step --model flux-dev --out flux.json
@@ -152,6 +152,22 @@ def single_process_forward(spec: BenchModel, model: torch.nn.Module, device: tor
     its own order, no exchange), as the app runs one process."""
     local = ParallelContext(rank=0, world_size=1, local_rank=0, device=device, group=None, control_group=None)
     return parallelize_transformer(model, local, ParallelPlan(), load(spec.family.parallelize))
+
+
+def undo_diffusers_parallelism(model: torch.nn.Module) -> None:
+    """Take diffusers' context parallelism (enable_parallelism) off `model` again: its split and gather hooks
+    (diffusers' own remove_context_parallel) and its attention processors' config. Left on, the next forward that
+    rank 0 runs alone (the 1-GPU error figures of --attention-precision and --fp8) waits in an all-to-all that the
+    other ranks never join."""
+    from diffusers.hooks.context_parallel import remove_context_parallel
+
+    if getattr(model, "_parallel_config", None) is None:
+        return
+    remove_context_parallel(model, model._cp_plan)
+    for module in model.modules():
+        if getattr(getattr(module, "processor", None), "_parallel_config", None) is not None:
+            module.processor._parallel_config = None
+    model._parallel_config = None
 
 
 def sync(device: torch.device) -> None:
@@ -430,6 +446,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
             # eager only: diffusers' own CLI skips torch.compile with context parallelism
             record(f"diffusers ulysses-{ctx.world_size}", shape, ctx.world_size, model, ctx.control_group,
                    EngineOptions(), error=setup_error)
+        undo_diffusers_parallelism(model)
     # 4. peers (xDiT, cache-dit), last of all: they change process-wide state (compiler settings,
     # xDiT's process groups) and are the likeliest to fail.
     for name in args.peers if bf16 else []:

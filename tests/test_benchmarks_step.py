@@ -126,3 +126,39 @@ def test_benchmark_tiny_tp_runs_last_and_fp8_parallel_skips_one_gpu(tmp_path: Pa
     refused = subprocess.run([PYTHON, "-m", "benchmarks.step", "--tiny", "--tp", "2", "--fp8"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)  # one process: no tp group of 2
     assert refused.returncode == 2 and "are not a multiple of it" in refused.stderr
+
+
+def test_diffusers_parallelism_is_undone_for_the_rows_after_it() -> None:
+    """The benchmark runs diffusers' Ulysses, then rows whose error figures run rank 0's model alone: its hooks and
+    its processors' config come off again, and the model computes as before they went on."""
+    import torch
+    from diffusers import ContextParallelConfig, FluxTransformer2DModel
+    from diffusers.hooks.context_parallel import apply_context_parallel
+
+    from benchmarks.step import undo_diffusers_parallelism
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                   pooled_projection_dim=8, axes_dims_rope=(2, 2, 4)).eval()
+    inputs = dict(hidden_states=torch.randn(1, 16, 8), encoder_hidden_states=torch.randn(1, 4, 16),
+                  pooled_projections=torch.randn(1, 8), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3))
+    with torch.no_grad():
+        before = model(**inputs).sample
+    config = ContextParallelConfig(ulysses_degree=2)  # what enable_parallelism leaves on the model, without ranks
+    model._parallel_config = config
+    for module in model.modules():
+        if hasattr(getattr(module, "processor", None), "_parallel_config"):
+            module.processor._parallel_config = config
+    apply_context_parallel(model, config, model._cp_plan)
+    assert any(getattr(module, "_diffusers_hook", None) and module._diffusers_hook.hooks for module in model.modules())
+    undo_diffusers_parallelism(model)
+    assert not any(getattr(module, "_diffusers_hook", None) and module._diffusers_hook.hooks
+                   for module in model.modules())
+    assert model._parallel_config is None
+    assert all(getattr(getattr(module, "processor", None), "_parallel_config", None) is None
+               for module in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).sample, before)
+    undo_diffusers_parallelism(model)  # a model without it is left as it is
