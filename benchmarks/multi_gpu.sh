@@ -47,7 +47,8 @@
 #          empty cache
 #   quantized (2x H200, 2026-11-30; one a command): wan14b-precisions 174 without its diffusers rows (which left
 #          diffusers' hooks on the model, so that its fp8 attention rows hung until the piece's time ran out; they
-#          are now taken off; not timed since) | wan14b-fp8-precisions 202 |
+#          are now taken off; not timed since) | wan14b-fp8-precisions 202 | wan14b-i2v-precisions and
+#          wan14b-i2v-fp8-precisions (the image-to-video model; not yet run on GPUs) |
 #          flux1-fp8-attention-generation 64 (part 4's kernels warm); a command's run limit above BUDGET + 20 s,
 #          so that the pack at a piece's end comes back
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
@@ -217,12 +218,17 @@ elif [ "$part" = quantized ]; then
     # $gpus with diffusers' Ulysses beside, then the same with fp8 attention; then (a command of its own) FP8 linears
     # alone and with fp8 attention; then a whole FLUX.1-dev 1024² image with --fp8 and fp8 attention (the goals:
     # <= 1.5 s on 2 GPUs, <= 0.9 s on 4), its 1 GPU rows skipped
-    piece wan14b-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
-        --strategies ulysses --no-cfg --no-single --backends "$fast" --attention-precision fp8 --warmup 1 \
-        --iters 1 --cache-dir "$cache" --out "$out/wan14b-precisions.json"
-    piece wan14b-fp8-precisions 560 "${step[@]}" --model wan2.1-t2v-14b --video "$wan_video" --text-tokens 512 \
-        --strategies ulysses --no-cfg --backends "$fast" --fp8 alone --attention-precision fp8 --warmup 1 \
-        --iters 1 --cache-dir "$cache" --out "$out/wan14b-fp8-precisions.json"
+    # The text-to-video model (wan14b-*), then the image-to-video one (wan14b-i2v-*: 36 input channels, and CLIP's
+    # 257 image tokens beside the text in each block's cross-attention)
+    for kind in "" -i2v; do
+        model=wan2.1${kind:--t2v}-14b
+        piece "wan14b$kind-precisions" 560 "${step[@]}" --model "$model" --video "$wan_video" --text-tokens 512 \
+            --strategies ulysses --no-cfg --no-single --backends "$fast" --attention-precision fp8 --warmup 1 \
+            --iters 1 --cache-dir "$cache" --out "$out/wan14b$kind-precisions.json"
+        piece "wan14b$kind-fp8-precisions" 560 "${step[@]}" --model "$model" --video "$wan_video" --text-tokens 512 \
+            --strategies ulysses --no-cfg --backends "$fast" --fp8 alone --attention-precision fp8 --warmup 1 \
+            --iters 1 --cache-dir "$cache" --out "$out/wan14b$kind-fp8-precisions.json"
+    done
     piece flux1-fp8-attention-generation 420 "${generation[@]}" --model flux-dev "${steps[@]}" --no-single \
         --strategies allgather --all-to-all "$transport" --backends "$backend" --fp8 --attention-precision fp8 \
         --runs 2 --warmup-steps 2 --engine-cache "$cache" --out "$out/flux1-fp8-attention-generation.json"
