@@ -28,7 +28,6 @@ STORE_NAME = "jobs.sqlite3"
 """The store's file name in the results folder."""
 INTERRUPTED = "interrupted by a server restart"
 STATUSES = ("queued", "in_progress", "completed", "failed")
-ENDED = ("completed", "failed")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
