@@ -169,6 +169,14 @@ class Command:
             time.sleep(0.05)
         return None
 
+    def not_seen(self, what: str, timeout: float) -> str:
+        """Why wait_for returned None: `what` within `timeout` s, or the command's end before it (its status and last
+        line: a server that could not listen ends at once, and waiting its whole time would hide that)."""
+        status = self.process.poll()
+        if status is None:
+            return f"{what} within {timeout:.0f} s"
+        return f"{what}: it ended first, exit status {status}: {self.lines[-1][1] if self.lines else '(no output)'}"
+
     def finish(self, timeout: float) -> tuple[int | None, float | None]:
         """Wait for the end (at most `timeout` s, then SIGKILL to its session): (exit status or None if it had to
         be killed, seconds from its last line to its exit)."""
@@ -348,7 +356,7 @@ class Run:
         try:
             if result is not None:
                 row.result_s = command.wait_for(result, timeout)
-                row.check(row.result_s is not None, f"no line matching {result!r} within {timeout:.0f} s")
+                row.check(row.result_s is not None, command.not_seen(f"no line matching {result!r}", timeout))
             status, row.exit_s = command.finish(timeout - (time.monotonic() - command.started))
             row.status = status
             row.check(status == expect_status, f"exit status {status}, expected {expect_status}: "
@@ -519,7 +527,7 @@ def two_hosts(run: Run, model_args: list[str], out: Path, reference: Path) -> No
         hosts.append(Command(argv, run.logs / f"{row.name}-host{node}.log", env=env))
     try:
         row.result_s = hosts[0].wait_for(r"^wrote ", 300)
-        row.check(row.result_s is not None, "host 0 wrote no image within 300 s")
+        row.check(row.result_s is not None, hosts[0].not_seen("host 0 wrote no image", 300))
         ends = []
         for node, host in enumerate(hosts):
             status, exit_s = host.finish(60)
@@ -624,7 +632,7 @@ def part_batch(run: Run) -> None:
         command = run.start(row, run.launch(n, "batch", *common, "--replicas", "auto"))
         try:
             row.result_s = command.wait_for(r"\.png", 240)
-            row.check(row.result_s is not None, "no image within 240 s")
+            row.check(row.result_s is not None, command.not_seen("no image", 240))
             command.interrupt()
             interrupted = time.monotonic()
             row.status, row.exit_s = command.finish(60)
@@ -688,7 +696,7 @@ def part_serve(run: Run) -> None:
         command, url = server(row, *args)
         try:
             row.result_s = command.wait_for(up, 300)
-            if row.check(row.result_s is not None, "the server did not come up within 300 s"):
+            if row.check(row.result_s is not None, command.not_seen("the server did not come up", 300)):
                 ready = re.search(r"ready in .*", command.text())
                 if ready:
                     row.figures["ready"] = ready.group(0)
