@@ -45,10 +45,9 @@
 #   graphs (2 of 4x H200): flux2-klein-graphs 54 | wan-1.3b-graphs 89 | wan22-ti2v-graphs 82 | cosmos3-nano-graphs 110
 #   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
 #          empty cache
-#   quantized (2x H200, 2026-11-30; one a command): wan14b-precisions 174 without its diffusers rows (which left
-#          diffusers' hooks on the model, so that its fp8 attention rows hung until the piece's time ran out; they
-#          are now taken off; not timed since) | wan14b-fp8-precisions 202 | wan14b-i2v-precisions and
-#          wan14b-i2v-fp8-precisions (the image-to-video model; not yet run on GPUs) |
+#   quantized (2x H200, 2026-11-30; one a command): wan14b-precisions 174 without its diffusers rows (with them not
+#          yet timed) | wan14b-fp8-precisions 202 | wan14b-i2v-precisions and wan14b-i2v-fp8-precisions (not yet
+#          run on GPUs) |
 #          flux1-fp8-attention-generation 64 (part 4's kernels warm); a command's run limit above BUDGET + 20 s,
 #          so that the pack at a piece's end comes back
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU

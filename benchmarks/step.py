@@ -432,7 +432,7 @@ def run_model(spec: BenchModel, shapes: list[Shape], args: argparse.Namespace, c
         measure_lora(spec, model, shapes, inputs, backends, ctx, record, rank=args.lora_rank, modes=modes,
                      adapter=adapter, single=single_rows)
     # 3. diffusers-native Ulysses (families whose record says it runs them; CUDA only: it divides by the
-    # accelerator count; not with --tp, whose split of the weights would follow hooks that cannot be undone)
+    # accelerator count; not with --tp, whose runs compare tp with our plans alone), taken off the model after its rows
     if (spec.family.bench.diffusers_parallel and ctx.is_distributed and device.type == "cuda" and not args.no_diffusers
             and args.tp == 1 and bf16):
         from diffusers import ContextParallelConfig
