@@ -9,6 +9,7 @@ pipelines.conformance says what one holds) on its tiny checkpoints.
   and `launch --nproc 2 generate` with each plan writes the same output.
 - LoRAs on each family's transformer equal diffusers' PEFT adapters, and on 2 ranks one process (a family that
   diffusers has no LoRA loader for refuses them).
+- --fp8's fused projections compute what separate ones do, on every case's transformer.
 """
 
 from __future__ import annotations
@@ -363,6 +364,25 @@ def test_loras_equal_diffusers_peft_adapters(root: Path, module_name: str, model
             got = ours(**call)[0]
             assert _largest_difference(plain, expected) > 1e-3, choice  # the LoRA does something
             assert _largest_difference(got, expected) <= 1e-5, (choice, _largest_difference(got, expected))
+
+
+@pytest.mark.parametrize("model", _models())
+def test_fp8_fused_projections_equal_unfused_ones(root: Path, model: str) -> None:
+    """--fp8 fuses the projections that read one input (engines.levers.fp8.fuse_shared_input_projections, diffusers'
+    fuse_projections) before quantizing: every case's transformer, Wan 2.1's image-to-video attention with its image
+    K and V included, computes with them fused what it computes with them apart."""
+    from engines.levers.fp8 import quantize_fp8
+    from pipelines.registry import family_of
+
+    blocks = family_of(get_spec(model)).repeated_blocks
+    apart, fused = _transformer(model, root), _transformer(model, root)
+    quantize_fp8(apart, blocks, fuse=False)
+    quantize_fp8(fused, blocks)
+    call = _transformer_call(model, fused)
+    with torch.no_grad():
+        expected, got = apart(**call)[0], fused(**call)[0]
+    pairs = zip(got, expected) if isinstance(expected, list) else [(got, expected)]  # Cosmos 3: a list
+    assert all(_largest_difference(a, b) <= 1e-5 for a, b in pairs)
 
 
 def _lora_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:

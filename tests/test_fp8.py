@@ -122,7 +122,8 @@ def test_projections_that_share_an_input_quantize_it_once(compiled: bool) -> Non
     kwargs = flux_inputs((4, 6), 5, batch=1)
     quantize_fp8(unfused, ("transformer_blocks", "single_transformer_blocks"), fuse=False)
     quantize_fp8(fused, ("transformer_blocks", "single_transformer_blocks"))
-    assert fused.transformer_blocks[0].attn.fused_projections and not hasattr(fused.transformer_blocks[0].attn, "to_q")
+    assert fused.transformer_blocks[0].attn.fused_projections and not isinstance(fused.transformer_blocks[0].attn.to_q,
+                                                                                  torch.nn.Linear)
     with torch.no_grad():
         expected, got = unfused(**kwargs)[0], fused(**kwargs)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -153,25 +154,50 @@ def test_flux2_double_stream_projections_are_fused() -> None:
     assert _quantizations_per_block(fused, kwargs, compiled=False) == [8, 2]
 
 
-def test_wan_cross_attention_keeps_its_query_projection() -> None:
-    """Wan's cross-attention fuses K and V alone (to_kv): its query projection stays, and the fused model gives the
-    unfused one's output; its self-attention fuses all three (to_qkv)."""
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_wan_cross_attention_keeps_its_query_projection(kind: str) -> None:
+    """Wan's cross-attention fuses K and V alone (to_kv; the image-to-video one its image K and V too, to_added_kv):
+    its query projection stays, and the fused model gives the unfused one's output; its self-attention fuses all
+    three (to_qkv). What a fused projection replaced is a weightless FusedAway, not gone: diffusers' processor tells
+    an image-to-video attention by `attn.add_k_proj is not None`. A LoRA on the separate projections lands on its
+    slices of the fused ones: the same output as on the unfused model."""
     import torch
     from diffusers import WanTransformer3DModel
 
-    from engines.levers.fp8 import fuse_shared_input_projections
+    from engines.levers.fp8 import FusedAway, fuse_shared_input_projections
+    from engines.weights.lora import LoraWeights, attach_loras
+    from pipelines.transformer_inputs import Shape
+    from pipelines.wan.inputs import wan_inputs
+    from pipelines.wan.tiny import WAN_I2V_TINY_TRANSFORMER, WAN_TINY_TRANSFORMER
     from tests.helpers import randomize
-    from tests.test_engines_generic import WAN_TINY, wan_inputs
 
+    config = WAN_I2V_TINY_TRANSFORMER if kind == "i2v" else WAN_TINY_TRANSFORMER
     torch.manual_seed(0)
-    unfused = randomize(WanTransformer3DModel(**WAN_TINY))
-    fused = randomize(WanTransformer3DModel(**WAN_TINY))
+    unfused = randomize(WanTransformer3DModel(**config))
+    fused = randomize(WanTransformer3DModel(**config))
     fused.load_state_dict(unfused.state_dict())
     assert fuse_shared_input_projections(fused, ("blocks",)) == 2 * len(fused.blocks)
     cross, self_attention = fused.blocks[0].attn2, fused.blocks[0].attn1
-    assert hasattr(cross, "to_q") and hasattr(cross, "to_kv") and not hasattr(cross, "to_k")
-    assert hasattr(self_attention, "to_qkv") and not hasattr(self_attention, "to_q")
-    kwargs = wan_inputs(False)
+    assert isinstance(cross.to_q, torch.nn.Linear) and isinstance(cross.to_kv, torch.nn.Linear)
+    assert isinstance(cross.to_k, FusedAway) and isinstance(self_attention.to_q, FusedAway)
+    assert isinstance(self_attention.to_qkv, torch.nn.Linear)
+    assert (cross.add_k_proj is not None) == (kind == "i2v")
+    # the processor takes the last 512 text tokens as text, any before them as the image's
+    kwargs, _ = wan_inputs(dict(fused.config), Shape(frames=5, height=48, width=64, text_tokens=512), batch=1,
+                           device=torch.device("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        expected, got = unfused(**kwargs)[0], fused(**kwargs)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+    generator = torch.Generator().manual_seed(1)
+    layers = {}
+    for name in ["blocks.0.attn1.to_q", "blocks.0.attn1.to_v", "blocks.1.attn2.to_k", "blocks.1.attn2.to_q"] + (
+            ["blocks.0.attn2.add_k_proj", "blocks.0.attn2.add_v_proj"] if kind == "i2v" else []):
+        layer = unfused.get_submodule(name)
+        layers[name] = (torch.randn(3, layer.in_features, generator=generator) * 0.1,
+                        torch.randn(layer.out_features, 3, generator=generator) * 0.1)
+    for model in (unfused, fused):
+        attach_loras(model, [LoraWeights(name="a", layers=layers)], dtype=torch.float32).select([("a", 1.0)])
     with torch.no_grad():
         expected, got = unfused(**kwargs)[0], fused(**kwargs)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

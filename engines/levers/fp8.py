@@ -98,9 +98,9 @@ def fp8_linear_names(model: nn.Module, repeated_blocks: Iterable[str]) -> list[s
 def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[str]) -> int:
     """Fuse the q/k/v projections of every attention in the repeated blocks that supports it (diffusers'
     fuse_projections: to_qkv, and to_added_qkv for the text stream; a cross-attention's to_kv and to_added_kv,
-    its query projection kept, Wan's) and drop the separate ones a fused projection replaces, which nothing calls
-    once fused and which would hold a second copy of the weights (so this is not undone); returns how many
-    attentions were fused."""
+    its query projection kept, Wan's) and put a weightless FusedAway where each projection it replaces was: nothing
+    calls those once fused, and they would hold a second copy of the weights (so this is not undone); returns how
+    many attentions were fused."""
     from diffusers.models.attention import AttentionModuleMixin
 
     prefixes = tuple(f"{name}." for name in repeated_blocks)
@@ -111,16 +111,33 @@ def fuse_shared_input_projections(model: nn.Module, repeated_blocks: Iterable[st
         attn.fuse_projections()
         for fused, parts in FUSED_PROJECTIONS.items():
             if getattr(attn, fused, None) is not None:
-                for name in parts:
-                    if getattr(attn, name, None) is not None:
-                        delattr(attn, name)
+                for part, name in enumerate(parts):
+                    if isinstance(getattr(attn, name, None), nn.Linear):
+                        setattr(attn, name, FusedAway(fused, part, len(parts)))
     return len(attentions)
 
 
 FUSED_PROJECTIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
                      "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
                      "to_added_kv": ("add_k_proj", "add_v_proj")}
-"""A fused projection of diffusers' fuse_projections -> the separate ones it replaces."""
+"""A fused projection of diffusers' fuse_projections -> the separate ones it replaces, in its output's order."""
+
+
+class FusedAway(nn.Module):
+    """Where a projection was before fuse_shared_input_projections folded it into `fused` (the `part`-th of its
+    `parts` equal slices of the output). It holds no weight and is never called, but it is not None: diffusers'
+    Wan processor tells an image-to-video attention by `attn.add_k_proj is not None`, and a LoRA for the projection
+    finds its slice of the fused layer through it (engines.weights.lora)."""
+
+    def __init__(self, fused: str, part: int, parts: int) -> None:
+        super().__init__()
+        self.fused, self.part, self.parts = fused, part, parts
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"this projection is fused into {self.fused}: call that instead")
+
+    def extra_repr(self) -> str:
+        return f"{self.fused}, part {self.part} of {self.parts}"
 
 
 FP8_LINEARS = ("scaled-mm", "torchao")

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.levers.fp8 import Fp8Linear
+from engines.levers.fp8 import Fp8Linear, FusedAway
 from engines.options import LoraError, LoraFile
 from engines.parallel.tensor_parallel import RowParallelLinear, WeightSplit, take
 
@@ -65,11 +65,6 @@ def takes_loras(transformer_class: str) -> bool:
     import diffusers.loaders.lora_pipeline as lora_pipeline
 
     return hasattr(lora_pipeline, loader_name(transformer_class))
-
-
-FUSED = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
-         "add_q_proj": ("to_added_qkv", 0), "add_k_proj": ("to_added_qkv", 1), "add_v_proj": ("to_added_qkv", 2)}
-"""A projection diffusers' fuse_projections folds into a fused one (engines.levers.fp8): fused name, its third."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,14 +272,16 @@ class LoraSet:
         self.scales.copy_(vector.to(self.scales.device))
 
 
-def _target(modules: dict[str, nn.Module], name: str) -> tuple[str, int]:
-    """The layer that computes `name`'s output here and `name`'s third of it (FP8's fused q/k/v), or (name, -1)."""
-    if name in modules:
-        return name, -1
-    parent, _, child = name.rpartition(".")
-    if child in FUSED and f"{parent}.{FUSED[child][0]}" in modules:
-        return f"{parent}.{FUSED[child][0]}", FUSED[child][1]
-    raise LoraError(f"this transformer has no layer {name} (nor a fused one holding it)")
+def _target(modules: dict[str, nn.Module], name: str) -> tuple[str, int, int]:
+    """The layer that computes `name`'s output here, and which of how many equal slices of its output is `name`'s:
+    (name, 0, 1), or a fused projection's slice (FP8's fused q/k/v: engines.levers.fp8.FusedAway)."""
+    module = modules.get(name)
+    if isinstance(module, FusedAway):
+        parent = name.rpartition(".")[0]
+        return f"{parent}.{module.fused}" if parent else module.fused, module.part, module.parts
+    if module is not None:
+        return name, 0, 1
+    raise LoraError(f"this transformer has no layer {name}")
 
 
 def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dtype, split: WeightSplit | None = None,
@@ -298,15 +295,16 @@ def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dty
     """
     device = next(model.parameters()).device
     modules = dict(model.named_modules())
-    targets: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    targets: dict[str, list[tuple[int, int, int, torch.Tensor, torch.Tensor]]] = {}
     for index, lora in enumerate(loras):
         for name, (down, up) in lora.layers.items():
-            layer, third = _target(modules, name)
-            targets.setdefault(layer, []).append((index, third, down, up))
-    # a LoRA's slots in a layer: its pieces' ranks side by side (a fused layer takes three), the same in every layer
+            layer, part, parts = _target(modules, name)
+            targets.setdefault(layer, []).append((index, part, parts, down, up))
+    # a LoRA's slots in a layer: its pieces' ranks side by side (a fused layer takes one a projection in it), the same
+    # in every layer
     taken = {}
     for name, parts in targets.items():
-        for index, _, down, _ in parts:
+        for index, _, _, down, _ in parts:
             taken[name, index] = taken.get((name, index), 0) + down.shape[0]
     slots = max(taken.values())
     total = slots * len(loras)
@@ -320,8 +318,8 @@ def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dty
         down_all = torch.zeros(total, in_size)
         up_all = torch.zeros(out_size, total)
         filled = [0] * len(loras)
-        for index, third, down, up in parts:
-            rows = slice(None) if third < 0 else slice(third * out_size // 3, (third + 1) * out_size // 3)
+        for index, part, count, down, up in parts:
+            rows = slice(part * out_size // count, (part + 1) * out_size // count)
             start = index * slots + filled[index]
             filled[index] += down.shape[0]
             down_all[start:start + down.shape[0]] = down
