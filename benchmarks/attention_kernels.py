@@ -105,6 +105,8 @@ def kernels(small: bool) -> dict[str, Callable[..., Any]]:
     found["ours int8 kernel alone"] = KernelAlone()
     if small or fa3_forward() is not None:  # the PyTorch reference is too slow for a video's tokens
         found["ours fp8 (compiled)"] = ours("fp8")
+    if fa3_forward() is not None:
+        found["fa3 fp8 kernel alone"] = Fa3Fp8Alone(fa3_forward())
     try:
         from fa3_fwd_interface import flash_attn_func
 
@@ -153,6 +155,33 @@ class KernelAlone:
             return triton_kernel.int8_attention(*self.prepared[1])[0]
         finally:
             triton_kernel.NUM_WARPS, triton_kernel.NUM_STAGES = before
+
+
+class Fa3Fp8Alone:
+    """FlashAttention-3's FP8 forward on inputs smoothed and quantized once as `--attention-precision fp8` quantizes
+    them (engines.levers.quantized_attention._fa3_fp8): the call times the kernel alone, so that the compiled call's
+    row less this one is what the smoothing and quantization cost."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+        self.prepared: tuple[int, tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, q, k, v):
+        from engines.levers.quantized_attention import FP8_MAX, SCALE_FLOOR
+
+        if self.prepared is None or self.prepared[0] != id(q):
+            qf, kf, vf = q.float(), k.float(), v.float()
+            mean = kf.mean(dim=2, keepdim=True)
+            correction = (qf @ mean.transpose(-1, -2)).squeeze(-1) * q.shape[-1] ** -0.5
+            stored, descales = [], {}
+            for name, x in (("q", qf), ("k", kf - mean), ("v", vf)):
+                top = x.abs().amax(dim=(2, 3)).clamp_min(SCALE_FLOOR) / FP8_MAX
+                stored.append((x / top[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2))
+                descales[f"{name}_descale"] = top
+            self.prepared = (id(q), tuple(stored), descales, correction)
+        _, stored, descales, correction = self.prepared
+        out, lse = self.forward(*stored, **descales)[:2]
+        return out.transpose(1, 2), lse + correction
 
 
 def sweep() -> dict[str, Callable[..., Any]]:

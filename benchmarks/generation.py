@@ -85,7 +85,7 @@ from pipelines.factory import default_dtype
 from pipelines.family import load
 from pipelines.loading import component_class, load_component
 from pipelines.registry import INDEX_FILES, ModelSpec, default_folder, family_of, get_spec, read_model_index
-from pipelines.requests import GenerationRequest, make_request, read_limits
+from pipelines.requests import GenerationRequest, MediaLimits, make_request, read_limits
 
 PROMPT = "a lighthouse on a cliff at dusk, waves breaking below, warm light in the window"
 
@@ -151,8 +151,8 @@ def tiny_components(name: str) -> Components:
     transformer = json.loads((folder / "transformer" / "config.json").read_text())
     vae = json.loads((folder / "vae" / "config.json").read_text())
     encoders = {}
-    for component in ("text_encoder", "text_encoder_2"):
-        if component in index:
+    for component in ENCODER_COMPANIONS:
+        if component in index and index[component][0] is not None:
             cls = component_class(index, component)
             encoders[component] = (cls, cls.config_class.from_pretrained(folder / component))
     return Components(
@@ -191,6 +191,11 @@ def construct(make: Callable[..., nn.Module], *args: Any, device: torch.device, 
     return module.eval().requires_grad_(False)
 
 
+ENCODER_COMPANIONS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "image_encoder": "image_processor"}
+"""An encoder -> the component that prepares its input, taken from the family's tiny folder (tokenizers' token ids
+are valid in the large vocabularies; an image processor is sized for the encoder here)."""
+
+
 def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with_encoders: bool,
                    with_vae: bool | None = None) -> Any:
     """The checkpoint's pipeline (its family's class) with random weights; ranks > 0 build no encoders, and
@@ -206,9 +211,14 @@ def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with
         parts["transformer_2"] = build_random(arch.transformer, device=device, dtype=dtype)
     if with_encoders:
         for name, (encoder_class, config) in arch.text_encoders.items():
-            tokenizer = name.replace("text_encoder", "tokenizer")
-            parts[name] = construct(encoder_class, config, device=device, dtype=dtype)
-            parts[tokenizer] = load_component(arch.assets, tokenizer)
+            parts[name] = construct(encoder_class, config, device=device,
+                                    dtype=pipeline_class.COMPONENT_DTYPES.get(name, dtype))
+            companion = ENCODER_COMPANIONS[name]
+            parts[companion] = load_component(arch.assets, companion)
+            if companion == "image_processor":  # the tiny folder's sizes pictures for its tiny encoder: this one's
+                side = config.image_size
+                parts[companion].size, parts[companion].crop_size = {"shortest_edge": side}, dict(height=side,
+                                                                                                    width=side)
         if "text_tokenizer" in read_model_index(arch.assets):  # Cosmos 3: the transformer embeds token ids itself
             parts["text_tokenizer"] = load_component(arch.assets, "text_tokenizer")
     if with_encoders if with_vae is None else with_vae:
@@ -440,6 +450,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def input_picture(limits: MediaLimits, args: argparse.Namespace, folder: Path) -> str | None:
+    """For a checkpoint that needs an input picture (image-to-video's first frame, an edit's reference): a seeded
+    noise picture of the asked size, written into `folder` (its path); else None. Its content changes no stage's
+    cost."""
+    if not limits.input_required:
+        return None
+    import PIL.Image
+
+    size = (args.height or 720, args.width or 1280, 3)
+    path = folder / "input.png"
+    PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)).save(path)
+    return str(path)
+
+
 def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: list[dict[str, Any]],
               meta: dict[str, Any], save: Callable[[list[dict[str, Any]]], None]) -> None:
     """Every mode x backend of one model; rows are appended (complete on rank 0) and saved after each."""
@@ -447,8 +471,9 @@ def run_model(name: str, args: argparse.Namespace, ctx: ParallelContext, rows: l
     spec = arch.spec
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_config_folder(arch, Path(tmp))
-        request = make_request(spec, read_limits(spec, folder), prompt=args.prompt, seed=0, steps=args.steps,
-                               height=args.height, width=args.width, frames=args.frames)
+        limits = read_limits(spec, folder)
+        request = make_request(spec, limits, prompt=args.prompt, seed=0, steps=args.steps, height=args.height,
+                               width=args.width, frames=args.frames, condition=input_picture(limits, args, Path(tmp)))
         start = time.perf_counter()
         pipeline = build_pipeline(arch, folder, device=ctx.device, with_encoders=ctx.is_main,
                                   with_vae=ctx.is_main or splits_vae(args.split_vae, spec.media))
