@@ -46,8 +46,8 @@
 #   part 9 (not yet timed on GPUs): cold-bf16 150 | cold-fp8-scaled-mm 200 | cold-fp8-torchao 420, each from an
 #          empty cache
 #   quantized (2x H200, 2026-11-30; one a command): wan14b-precisions 174 without its diffusers rows (with them not
-#          yet timed) | wan14b-fp8-precisions 202 | wan14b-i2v-precisions and wan14b-i2v-fp8-precisions (not yet
-#          run on GPUs) |
+#          yet timed) | wan14b-fp8-precisions 202 | wan14b-i2v-precisions 211 | wan14b-i2v-fp8-precisions 209 |
+#          wan14b-i2v-generation 199 (needs imageio-ffmpeg) |
 #          flux1-fp8-attention-generation 64 (part 4's kernels warm); a command's run limit above BUDGET + 20 s,
 #          so that the pack at a piece's end comes back
 #   sweep: flux1-sweep 240 | cosmos2b-sweep 200 | flux2-dev-sweep 150 | cosmos3-nano-sweep 150, each 1 GPU
@@ -228,6 +228,11 @@ elif [ "$part" = quantized ]; then
             --strategies ulysses --no-cfg --backends "$fast" --fp8 alone --attention-precision fp8 --warmup 1 \
             --iters 1 --cache-dir "$cache" --out "$out/wan14b$kind-fp8-precisions.json"
     done
+    # the image-to-video clip's other stages (text, CLIP and VAE encode; decode, split over the ranks; write), 1 GPU and
+    # ulysses-$gpus, and its eager bf16 step: 2 steps, eager (the step rows above give the compiled steps)
+    piece wan14b-i2v-generation 330 "${generation[@]}" --model wan2.1-i2v-14b "${wan_shape[@]}" --steps 2 \
+        --strategies ulysses --backends eager --split-vae on --runs 1 --warmup-steps 1 --engine-cache "$cache" \
+        --out "$out/wan14b-i2v-generation.json"
     piece flux1-fp8-attention-generation 420 "${generation[@]}" --model flux-dev "${steps[@]}" --no-single \
         --strategies allgather --all-to-all "$transport" --backends "$backend" --fp8 --attention-precision fp8 \
         --runs 2 --warmup-steps 2 --engine-cache "$cache" --out "$out/flux1-fp8-attention-generation.json"
