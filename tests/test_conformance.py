@@ -370,19 +370,36 @@ def test_loras_equal_diffusers_peft_adapters(root: Path, module_name: str, model
 def test_fp8_fused_projections_equal_unfused_ones(root: Path, model: str) -> None:
     """--fp8 fuses the projections that read one input (engines.levers.fp8.fuse_shared_input_projections, diffusers'
     fuse_projections) before quantizing: every case's transformer, Wan 2.1's image-to-video attention with its image
-    K and V included, computes with them fused what it computes with them apart."""
-    from engines.levers.fp8 import quantize_fp8
+    K and V included, computes with them fused what it computes with them apart. Two LoRAs on every linear of its
+    blocks land on their slices of the fused projections (where diffusers has a LoRA loader): the same output, checked
+    in float32 without FP8, whose roundings would turn the LoRA sums' last-bit differences into percents."""
+    from engines.levers.fp8 import fuse_shared_input_projections, quantize_fp8
+    from engines.options import LoraFile
+    from engines.weights.lora import attach_loras, check_lora_files
     from pipelines.registry import family_of
 
     blocks = family_of(get_spec(model)).repeated_blocks
+
+    def assert_equal(apart: torch.nn.Module, fused: torch.nn.Module) -> None:
+        call = _transformer_call(model, fused)
+        with torch.no_grad():
+            expected, got = apart(**call)[0], fused(**call)[0]
+        pairs = zip(got, expected) if isinstance(expected, list) else [(got, expected)]  # Cosmos 3: a list
+        differences = [_largest_difference(a, b) for a, b in pairs]
+        assert max(differences) <= 1e-5, differences
+
     apart, fused = _transformer(model, root), _transformer(model, root)
     quantize_fp8(apart, blocks, fuse=False)
     quantize_fp8(fused, blocks)
-    call = _transformer_call(model, fused)
-    with torch.no_grad():
-        expected, got = apart(**call)[0], fused(**call)[0]
-    pairs = zip(got, expected) if isinstance(expected, list) else [(got, expected)]  # Cosmos 3: a list
-    assert all(_largest_difference(a, b) <= 1e-5 for a, b in pairs)
+    assert_equal(apart, fused)
+    if _takes_loras(model):
+        apart, fused = _transformer(model, root), _transformer(model, root)
+        fuse_shared_input_projections(fused, blocks)
+        files = [LoraFile(name=name, path=path) for name, path in _loras(model, root).items()]
+        weights = check_lora_files(files, type(apart), dict(apart.config))
+        for transformer in (apart, fused):
+            attach_loras(transformer, weights, dtype=torch.float32).select(LORA_CHOICES[1])
+        assert_equal(apart, fused)
 
 
 def _lora_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:
