@@ -63,13 +63,17 @@ def test_bench_end_to_end_command_tiny_flux(tmp_path: Path) -> None:
 
 
 def test_e2e_tiny_cosmos_ulysses_and_cfg(tmp_path: Path) -> None:
+    """Cosmos-Predict2, and Wan 2.1 image-to-video, whose request needs an input picture (the benchmark gives a seeded
+    noise one) and whose pipeline its CLIP image encoder."""
     out = tmp_path / "e2e.json"
-    cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", *COSMOS_ARGS, "--media-dir", str(tmp_path / "media"),
+    args = [arg if arg != "cosmos-predict2-2b-video2world" else f"{arg},wan2.1-i2v-14b" for arg in COSMOS_ARGS]
+    cmd = torchrun(2, "-m", "benchmarks.generation", "--tiny", *args, "--media-dir", str(tmp_path / "media"),
                    "--out", str(out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = check_result(out, {"1 GPU", "ours ulysses-2", "ours cfg-2"}, runs=1)
     assert {r["shape"] for r in rows} == {"9x48x64"}
+    assert {r["model"] for r in rows} == {"tiny-cosmos", "wan2.1-i2v-14b"}  # --tiny: the embedded model where one is
 
 
 def test_e2e_tiny_cosmos3_ulysses_and_cfg(tmp_path: Path) -> None:
