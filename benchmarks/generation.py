@@ -217,8 +217,8 @@ def build_pipeline(arch: Components, folder: Path, *, device: torch.device, with
             parts[companion] = load_component(arch.assets, companion)
             if companion == "image_processor":  # the tiny folder's sizes pictures for its tiny encoder: this one's
                 side = config.image_size
-                parts[companion].size, parts[companion].crop_size = {"shortest_edge": side}, dict(height=side,
-                                                                                                    width=side)
+                parts[companion].size = {"shortest_edge": side}
+                parts[companion].crop_size = {"height": side, "width": side}
         if "text_tokenizer" in read_model_index(arch.assets):  # Cosmos 3: the transformer embeds token ids itself
             parts["text_tokenizer"] = load_component(arch.assets, "text_tokenizer")
     if with_encoders if with_vae is None else with_vae:

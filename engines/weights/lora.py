@@ -298,8 +298,8 @@ def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dty
     targets: dict[str, list[tuple[int, int, int, torch.Tensor, torch.Tensor]]] = {}
     for index, lora in enumerate(loras):
         for name, (down, up) in lora.layers.items():
-            layer, part, parts = _target(modules, name)
-            targets.setdefault(layer, []).append((index, part, parts, down, up))
+            layer, part, count = _target(modules, name)
+            targets.setdefault(layer, []).append((index, part, count, down, up))
     # a LoRA's slots in a layer: its pieces' ranks side by side (a fused layer takes one a projection in it), the same
     # in every layer
     taken = {}
