@@ -9,7 +9,9 @@ pipelines.conformance says what one holds) on its tiny checkpoints.
   and `launch --nproc 2 generate` with each plan writes the same output.
 - LoRAs on each family's transformer equal diffusers' PEFT adapters, and on 2 ranks one process (a family that
   diffusers has no LoRA loader for refuses them).
-- --fp8's fused projections compute what separate ones do, on every case's transformer.
+- --fp8's fused projections compute what separate ones do, on every case's transformer, LoRAs on them too.
+- Each family's transformer, split over 2 ranks by every strategy, compiles whole, and with quantized attention errs
+  as one process does.
 """
 
 from __future__ import annotations
@@ -444,7 +446,17 @@ def _compile_plans(model: str) -> list[str]:
     return ["ulysses", "ring", "allgather"] + (["cfg"] if family_of(get_spec(model)).bench.batch == 2 else [])
 
 
-def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:
+QUANTIZED = ("int8", "fp8")
+"""The attention precisions each split is checked at (the CPU's reference kernels)."""
+
+
+def _largest(a, b) -> float:
+    """Largest absolute difference of two outputs (Cosmos 3's are lists)."""
+    pairs = zip(a, b) if isinstance(b, list) else [(a, b)]
+    return max((x - y).abs().max().item() for x, y in pairs)
+
+
+def _split_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:
     join_ranks(rank, world_size, port)
     import torch.distributed._functional_collectives as funcol
 
@@ -452,6 +464,7 @@ def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, m
         raise RuntimeError("_maybe_view_chunk_cat reached: torch 2.11's dynamo cannot trace it")
 
     funcol._maybe_view_chunk_cat = refuse  # stands in for torch 2.11's graph break there (the GPU image's torch)
+    from engines.levers.quantized_attention import attention_precision
     from engines.parallel.distributed import init_parallel, shutdown
     from engines.parallel.parallelize import parallelize_transformer
     from engines.parallel.plan import ParallelPlan
@@ -459,7 +472,7 @@ def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, m
     from pipelines.registry import family_of
 
     ctx = init_parallel("cpu")
-    errors = {}
+    compiled_errors, quantized = {}, {}
     for model in models:
         transformer = _transformer(model, Path(root))
         family = family_of(get_spec(model))
@@ -469,6 +482,11 @@ def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, m
             setattr(transformer.get_submodule(parent) if parent else transformer, attribute, blocks[:1])
         adapter = load(family.parallelize)
         call = _transformer_call(model, transformer)
+        with torch.no_grad():  # one process, at full precision and quantized
+            one = {"full": transformer(**call)[0]}
+            for precision in QUANTIZED:
+                with attention_precision(precision):
+                    one[precision] = transformer(**call)[0]
         for strategy in _compile_plans(model):
             plan = ParallelPlan(cfg=2) if strategy == "cfg" else \
                 ParallelPlan.auto(world_size, transformer.config.num_attention_heads, strategy=strategy)
@@ -477,25 +495,41 @@ def _compile_ranks(rank: int, world_size: int, port: int, root: str, out: str, m
                 parallel = parallelize_transformer(transformer, ctx, plan, adapter)
                 eager = parallel(**call)[0]
                 compiled = torch.compile(parallel, fullgraph=True, backend="aot_eager")(**call)[0]
+                for precision in QUANTIZED:
+                    with attention_precision(precision):
+                        got = parallel(**call)[0]
+                    quantized[f"{model} {strategy} {precision}"] = dict(
+                        err=_largest(got, one[precision]), own=_largest(one[precision], one["full"]),
+                        full=_largest(got, one["full"]))
                 parallel.restore()
-            pairs = zip(compiled, eager) if isinstance(eager, list) else [(compiled, eager)]  # Cosmos 3: a list
-            errors[f"{model} {strategy}"] = max((a - b).abs().max().item() for a, b in pairs)
-    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(errors))
+            compiled_errors[f"{model} {strategy}"] = _largest(compiled, eager)
+    Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(dict(compiled=compiled_errors, quantized=quantized)))
     shutdown(ctx)
 
 
-def test_compiled_fullgraph_equals_eager_on_two_ranks(root: Path, tmp_path: Path) -> None:
+def test_every_split_compiles_whole_and_quantizes_attention_as_one_process(root: Path, tmp_path: Path) -> None:
     """Every family's transformer (one block of each kind) split over 2 gloo ranks by its parallel plan, with each
-    sequence split (and CFG groups where guidance is one batched call), compiled whole (fullgraph=True) with
-    "aot_eager": what inductor receives (dynamo's graph with the functional collectives, then AOT autograd), without
-    its fusion, so it equals eager exactly; any graph break fails. torch 2.11 (the GPU image) cannot trace
-    torch._utils._maybe_view_chunk_cat, which funcol's all-gather calls for a non-zero gather dim; torch 2.13 (here)
-    can, so the ranks make it raise: the test fails if the parallel layer ever reaches it."""
+    sequence split (and CFG groups where guidance is one batched call):
+    - compiled whole (fullgraph=True) with "aot_eager": what inductor receives (dynamo's graph with the functional
+      collectives, then AOT autograd), without its fusion, so it equals eager exactly; any graph break fails. torch
+      2.11 (the GPU image) cannot trace torch._utils._maybe_view_chunk_cat, which funcol's all-gather calls for a
+      non-zero gather dim; torch 2.13 (here) can, so the ranks make it raise: the test fails if the parallel layer
+      ever reaches it;
+    - with quantized attention (--attention-precision int8 and fp8) it errs as one process does: the ranks quantize
+      other blocks of tokens than one process (padding, ring blocks), so their rounding is another of the same size.
+      Against one process at the same precision, and against full precision, they stay within twice one process's
+      own error (its quantized output against its full-precision one; 2026-11-30, the largest ratios 1.56 and 1.43,
+      both ring: a ring block's keys are smoothed and scaled on their own)."""
     models = [param.values[1] for param in _family_models()]
     for model in models:
         _transformer(model, root)  # the checkpoints, before the ranks
-    spawn_ranks(_compile_ranks, 2, str(root), str(tmp_path), models)
+    spawn_ranks(_split_ranks, 2, str(root), str(tmp_path), models)
     for rank in range(2):
-        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        errors, quantized = results["compiled"], results["quantized"]
         assert len(errors) == sum(len(_compile_plans(model)) for model in models)
         assert all(error == 0.0 for error in errors.values()), (rank, errors)
+        assert len(quantized) == len(errors) * len(QUANTIZED)
+        for case, r in quantized.items():
+            assert r["own"] > 0, (rank, case, r)  # its attention was quantized
+            assert r["err"] <= 2 * r["own"] and r["full"] <= 2 * r["own"], (rank, case, r)
