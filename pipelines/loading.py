@@ -16,10 +16,6 @@ import torch
 from pipelines.memory import HOST_TEXT_ENCODER_PARAMETERS, fits_beside, on_host
 from pipelines.registry import ModelNotFoundError, read_model_index
 
-# Components a folder may name that ulysses-studio never loads: the Cosmos guardrail is handled
-# separately (pipelines.guardrail), the rest are IP-adapter parts we do not support.
-SKIPPED_COMPONENTS = {"safety_checker", "image_encoder", "feature_extractor"}
-
 
 def component_class(index: dict, name: str) -> type:
     """The class that model_index.json names for component `name`."""
