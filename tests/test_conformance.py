@@ -303,13 +303,17 @@ def _takes_loras(model: str) -> bool:
     return takes_loras(family_of(get_spec(model)).transformer.partition(":")[2])
 
 
-def _adapted(model: str, root: Path, files: dict[str, Path]):
+def _adapted(model: str, root: Path, files: dict[str, Path], *, fused: bool = False):
     """The model's tiny transformer with `files` attached as the app attaches them (engines.weights.lora), and the
-    choice it selects from."""
+    choice it selects from; with `fused`, its projections fused first, as --fp8 fuses them."""
+    from engines.levers.fp8 import fuse_shared_input_projections
     from engines.options import LoraFile
     from engines.weights.lora import attach_loras, check_lora_files
+    from pipelines.registry import family_of
 
     transformer = _transformer(model, root)
+    if fused:
+        fuse_shared_input_projections(transformer, family_of(get_spec(model)).repeated_blocks)
     weights = check_lora_files([LoraFile(name=name, path=path) for name, path in files.items()], type(transformer),
                                dict(transformer.config))
     return transformer, attach_loras(transformer, weights, dtype=torch.float32)
@@ -330,9 +334,14 @@ def _transformer_call(model: str, transformer: torch.nn.Module) -> dict:
                               dtype=torch.float32)[0]
 
 
-def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+def _pairs(a, b) -> list:
+    """Two outputs' tensors side by side (Cosmos 3's outputs are lists)."""
+    return list(zip(a, b)) if isinstance(b, list) else [(a, b)]
+
+
+def _largest_difference(a, b) -> float:
     """Largest difference relative to b's largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max()).item()
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in _pairs(a, b))
 
 
 @pytest.mark.parametrize(("module_name", "model"), _family_models())
@@ -375,32 +384,26 @@ def test_fp8_fused_projections_equal_unfused_ones(root: Path, model: str) -> Non
     K and V included, computes with them fused what it computes with them apart. Two LoRAs on every linear of its
     blocks land on their slices of the fused projections (where diffusers has a LoRA loader): the same output, checked
     in float32 without FP8, whose roundings would turn the LoRA sums' last-bit differences into percents."""
-    from engines.levers.fp8 import fuse_shared_input_projections, quantize_fp8
-    from engines.options import LoraFile
-    from engines.weights.lora import attach_loras, check_lora_files
+    from engines.levers.fp8 import quantize_fp8
     from pipelines.registry import family_of
-
-    blocks = family_of(get_spec(model)).repeated_blocks
 
     def assert_equal(apart: torch.nn.Module, fused: torch.nn.Module) -> None:
         call = _transformer_call(model, fused)
         with torch.no_grad():
-            expected, got = apart(**call)[0], fused(**call)[0]
-        pairs = zip(got, expected) if isinstance(expected, list) else [(got, expected)]  # Cosmos 3: a list
-        differences = [_largest_difference(a, b) for a, b in pairs]
-        assert max(differences) <= 1e-5, differences
+            difference = _largest_difference(fused(**call)[0], apart(**call)[0])
+        assert difference <= 1e-5, difference
 
+    blocks = family_of(get_spec(model)).repeated_blocks
     apart, fused = _transformer(model, root), _transformer(model, root)
     quantize_fp8(apart, blocks, fuse=False)
     quantize_fp8(fused, blocks)
     assert_equal(apart, fused)
     if _takes_loras(model):
-        apart, fused = _transformer(model, root), _transformer(model, root)
-        fuse_shared_input_projections(fused, blocks)
-        files = [LoraFile(name=name, path=path) for name, path in _loras(model, root).items()]
-        weights = check_lora_files(files, type(apart), dict(apart.config))
-        for transformer in (apart, fused):
-            attach_loras(transformer, weights, dtype=torch.float32).select(LORA_CHOICES[1])
+        files = _loras(model, root)
+        apart, chosen_apart = _adapted(model, root, files)
+        fused, chosen_fused = _adapted(model, root, files, fused=True)
+        chosen_apart.select(LORA_CHOICES[1])
+        chosen_fused.select(LORA_CHOICES[1])
         assert_equal(apart, fused)
 
 
@@ -451,9 +454,8 @@ QUANTIZED = ("int8", "fp8")
 
 
 def _largest(a, b) -> float:
-    """Largest absolute difference of two outputs (Cosmos 3's are lists)."""
-    pairs = zip(a, b) if isinstance(b, list) else [(a, b)]
-    return max((x - y).abs().max().item() for x, y in pairs)
+    """Largest absolute difference of two outputs."""
+    return max((x - y).abs().max().item() for x, y in _pairs(a, b))
 
 
 def _split_ranks(rank: int, world_size: int, port: int, root: str, out: str, models: list[str]) -> None:
