@@ -164,21 +164,14 @@ class Fa3Fp8Alone:
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
-        self.prepared: tuple[int, tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor] | None = None
+        self.prepared: tuple[int, list[torch.Tensor], dict[str, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, q, k, v):
-        from engines.levers.quantized_attention import FP8_MAX, SCALE_FLOOR
+        from engines.levers.quantized_attention import fa3_fp8_inputs, smoothed
 
         if self.prepared is None or self.prepared[0] != id(q):
-            qf, kf, vf = q.float(), k.float(), v.float()
-            mean = kf.mean(dim=2, keepdim=True)
-            correction = (qf @ mean.transpose(-1, -2)).squeeze(-1) * q.shape[-1] ** -0.5
-            stored, descales = [], {}
-            for name, x in (("q", qf), ("k", kf - mean), ("v", vf)):
-                top = x.abs().amax(dim=(2, 3)).clamp_min(SCALE_FLOOR) / FP8_MAX
-                stored.append((x / top[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2))
-                descales[f"{name}_descale"] = top
-            self.prepared = (id(q), tuple(stored), descales, correction)
+            qf, kf, vf, correction = smoothed(q, k, v)
+            self.prepared = (id(q), *fa3_fp8_inputs(qf, kf, vf), correction)
         _, stored, descales, correction = self.prepared
         out, lse = self.forward(*stored, **descales)[:2]
         return out.transpose(1, 2), lse + correction

@@ -146,10 +146,7 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if groups > 1:
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     scale = q.shape[-1] ** -0.5
-    qf, kf, vf = q.float(), k.float(), v.float()
-    mean = kf.mean(dim=2, keepdim=True)  # (B, H, 1, D)
-    kf = kf - mean
-    correction = (qf @ mean.transpose(-1, -2)).squeeze(-1) * scale  # (B, H, Sq): the LSE's missing part
+    qf, kf, vf, correction = smoothed(q, k, v)
     if precision == "fp8" and _fa3_forward is not None and q.is_cuda and q.shape[-1] in FA3_HEAD_DIMS:
         return _fa3_fp8(_fa3_forward, qf, kf, vf, correction, q.dtype)
     if precision == "int8" and int8_attention_available(q):
@@ -179,16 +176,34 @@ def quantized_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out.to(q.dtype), lse
 
 
+def smoothed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v (BHSD) in float32, k less its mean over the tokens, and the LSE's missing part, q·mean(K)/sqrt(D)
+    (B, H, Sq): the smoothing every quantized kernel here starts from."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    mean = kf.mean(dim=2, keepdim=True)  # (B, H, 1, D)
+    correction = (qf @ mean.transpose(-1, -2)).squeeze(-1) * q.shape[-1] ** -0.5
+    return qf, kf - mean, vf, correction
+
+
+def fa3_fp8_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """FlashAttention-3's FP8 inputs from float32 BHSD q, smoothed k and v: each in e4m3 with one scale per batch and
+    head, as BSHD views (as it takes them), and its descales by keyword."""
+    stored, descales = [], {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        top = x.abs().amax(dim=(2, 3)).clamp_min(SCALE_FLOOR) / FP8_MAX  # (B, H)
+        stored.append((x / top[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2))
+        descales[f"{name}_descale"] = top
+    return stored, descales
+
+
 def _fa3_fp8(forward: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, correction: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashAttention-3's FP8 forward of float32 BHSD q, smoothed k and v, each in e4m3 with one scale per batch and
-    head (its descales); output in `dtype` (it writes bf16) and the LSE with the smoothing's `correction` added."""
-    stored, descales = [], []
-    for x in (q, k, v):
-        top = x.abs().amax(dim=(2, 3)).clamp_min(SCALE_FLOOR) / FP8_MAX  # (B, H)
-        stored.append((x / top[:, :, None, None]).to(torch.float8_e4m3fn).transpose(1, 2))  # BSHD, as it takes
-        descales.append(top)
-    out, lse = forward(*stored, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])[:2]
+    """FlashAttention-3's FP8 forward of float32 BHSD q, smoothed k and v (fa3_fp8_inputs); output in `dtype` (it
+    writes bf16) and the LSE with the smoothing's `correction` added."""
+    stored, descales = fa3_fp8_inputs(q, k, v)
+    out, lse = forward(*stored, **descales)[:2]
     return out.transpose(1, 2).to(dtype), lse + correction
 
 
