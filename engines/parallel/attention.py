@@ -209,7 +209,7 @@ class HybridAttention(UlyssesAttention):
 
 class RingAttention(SplitAttention):
     """Ring: this rank's K/V block travels around the K/V axis, one attention per block, the partial
-    results merged by log-sum-exp (ring_steps), each pass issued before the attention it hides under.
+    results merged by log-sum-exp (_ring_attention), each pass issued before the attention it hides under.
 
     Cost: ring - 1 passes of one (k, v) message; a copy to stack k and v, one float32 merge per block.
     Grouped K/V travel as K/V heads and are widened on arrival; replicated extra K/V are one more block,
@@ -354,9 +354,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, ex
     precision = precision_in_effect()
     if precision != "full":
         return quantized_attention_with_lse(q, k, v, precision)[0]
-    if k.shape[1] == q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,34 +410,25 @@ def _ring_attention(
     waiting: Callable[[], None],
 ) -> torch.Tensor:
     """Ring attention (BHSD): K/V blocks travel around the ring group; partial results merge by LSE.
-    `waiting` runs once the first pass is issued; the replicated `extra` K/V (BSHD) are attended then."""
-    groups = q.shape[1] // k.shape[1]
-    kv = torch.stack((k, v))  # one message per step
-    pending = ring_pass(kv, mesh)
-    waiting()
-    start = None
-    if extra is not None and extra[0].shape[1]:
-        keys, values = (t.transpose(1, 2) for t in extra)
-        if groups > 1:
-            keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))
-        start = merge_attention(None, None, *attention_with_lse(q, keys, values))
-    return ring_steps(q, kv, pending, mesh, layout, groups=groups, start=start)
-
-
-def ring_steps(
-    q: torch.Tensor, kv: torch.Tensor, pending: torch.Tensor | None, mesh: ParallelMesh, layout: ShardLayout,
-    *, groups: int = 1, start: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The ring's attention steps, from this rank's own K/V block `kv`, whose pass `pending` is issued.
+    `waiting` runs once the first pass is issued; the replicated `extra` K/V (BSHD) are attended then.
 
     Each block's pass to the next member is issued before attending to it (explicit start/finish
     ops, so the order survives torch.compile): the transfer runs during that block's attention.
     `groups`: query heads per K/V head (grouped-query attention: the blocks travel with the K/V
-    heads only, and are widened on arrival). `start`: the float32 (output, LSE) of keys outside
-    the ring, merged with the blocks' (Cosmos 3's replicated text keys).
+    heads only, and are widened on arrival). The float32 (output, LSE) of the keys outside the ring
+    (Cosmos 3's replicated text keys) is merged with the blocks'.
     """
     size, rank = mesh.plan.ring, mesh.ring_rank
-    out, lse = start if start is not None else (None, None)
+    groups = q.shape[1] // k.shape[1]
+    kv = torch.stack((k, v))  # one message per step
+    pending = ring_pass(kv, mesh)
+    waiting()
+    out = lse = None
+    if extra is not None and extra[0].shape[1]:
+        keys, values = (t.transpose(1, 2) for t in extra)
+        if groups > 1:
+            keys, values = (t.repeat_interleave(groups, dim=1) for t in (keys, values))
+        out, lse = merge_attention(None, None, *attention_with_lse(q, keys, values))
     for step in range(size):
         runs = layout.valid_runs(mesh.ring_shards((rank - step) % size))
         if runs:  # a block made only of padding adds nothing (and would give an empty softmax)

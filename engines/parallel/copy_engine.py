@@ -68,9 +68,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import Work
 
-TRANSPORTS = ("nccl", "copy-engine")
-"""How context-parallel exchanges (Ulysses all-to-alls, ring K/V passes and gathers) travel:
-"nccl" = the process group's collectives (NCCL on GPUs, gloo on CPU); "copy-engine" = this module."""
+from engines.options import TRANSPORTS
 
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
@@ -338,9 +336,8 @@ class CopyEngineTransport:
                 self._retired.append(exchange)  # graphs captured on it may replay it: keep it mapped
             elif action == "free":
                 exchange.free()  # released too
-            size = max(nbytes, exchange.data_bytes if exchange is not None else 0)
             exchange = self._exchanges[group_name, kind] = _outside_graph_pools(
-                lambda: _Exchange(group_name, size, device), device)
+                lambda: _Exchange(group_name, nbytes, device), device)
         exchange.captured = exchange.captured or capturing
         return exchange
 

@@ -60,13 +60,8 @@ class ParallelContext:
         return self.rank == 0
 
     @property
-    def first_rank(self) -> int:
-        """Global rank of the group's leader."""
-        return self.replica * self.world_size
-
-    @property
     def global_rank(self) -> int:
-        return self.first_rank + self.rank
+        return self.replica * self.world_size + self.rank
 
 
 def cpu_group(ranks: list[int]) -> dist.ProcessGroup | None:
@@ -114,12 +109,6 @@ def split_replicas(ctx: ParallelContext, replicas: int) -> ParallelContext:
                            replica=mine, replicas=replicas)
 
 
-def _default_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def init_parallel(device: str | torch.device | None = None) -> ParallelContext:
     """Join the torchrun job (env:// rendezvous) or, without one, return a single-process context.
 
@@ -134,11 +123,10 @@ def init_parallel(device: str | torch.device | None = None) -> ParallelContext:
         world_size, rank = dist.get_world_size(), dist.get_rank()
 
     if device is None:
-        dev = _default_device(local_rank)
-    else:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {dev} requested but CUDA is not available")

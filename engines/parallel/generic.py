@@ -307,7 +307,7 @@ def _hand_modulation(state: _CallState, consumer: int, names: tuple[str, ...], n
 def _split_batch(value: Any, mesh: ParallelMesh, batch: int, per_sample: bool) -> Any:
     """This CFG group's share of an argument: of a tensor (or a tuple of them) with the batch leading; of a
     per-sample list (`per_sample`), its entries."""
-    if per_sample and mesh.plan.cfg > 1:
+    if per_sample:
         if len(value) != batch:
             raise ValueError(f"expected one entry per sample ({batch}), got {len(value)}")
         size = batch // mesh.plan.cfg
@@ -397,8 +397,7 @@ def generic_adapter(*, plan: dict[str, Any] | None = None, segments: Segments = 
 
     def parallelize(model: nn.Module, mesh: ParallelMesh) -> ParallelGeneric:
         cp_plan = plan if plan is not None else context_parallel_plan(model)
-        num_heads = model.config.num_attention_heads
-        mesh.plan.check(num_heads=num_heads)
+        mesh.plan.check(num_heads=model.config.num_attention_heads)
         split_over_mesh(model, weights or generic_weights, mesh)
         state = _CallState()
         replaced, swapped, shared_modulation = [], [], None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 from engines.options import STRATEGIES
 
@@ -33,8 +32,6 @@ class ParallelPlan:
     tp: int = 1
     """Ranks that split every block's linear weights and attention heads (tensor parallelism); they hold
     the same tokens, and their partial outputs are summed by an all-reduce."""
-
-    STRATEGIES: ClassVar[tuple[str, ...]] = STRATEGIES
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
