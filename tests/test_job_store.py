@@ -14,7 +14,7 @@ import time
 import pytest
 
 from app.server.job_store import INTERRUPTED, JobRow, JobStore
-from app.server.jobs import JobQueue, ServiceBusy
+from app.server.jobs import Job, JobQueue, ServiceBusy
 from pipelines.requests import RequestError
 from tests.helpers import REPO
 
@@ -134,6 +134,34 @@ def test_owners_take_turns_and_each_holds_at_most_its_share_of_the_queue():
     assert taken == [many[0], one, later, many[1]]
     again = jobs.submit("image", request, owner="b")  # b was served longer ago than a: its turn comes first
     assert [jobs.take(timeout=0) for _ in range(3)] == [again, many[2], many[3]]
+
+
+def test_a_job_cancelled_while_the_queue_looks_at_it_is_failed_not_lost():
+    """A client cancels without the queue's lock: a job whose `cancelled` changes between two looks of one take
+    is still failed with its reason (it was once in neither the kept nor the dropped jobs)."""
+    from pipelines.registry import get_spec
+    from pipelines.requests import MediaLimits, make_request
+
+    class CancelledOnSecondLook(Job):
+        looks = 0
+
+        @property
+        def cancelled(self) -> str | None:
+            self.looks += 1
+            return None if self.looks == 1 else "the client went away"
+
+        @cancelled.setter
+        def cancelled(self, value: str | None) -> None:
+            pass
+
+    request = make_request(get_spec("tiny-flux"), MediaLimits(size_multiple=16, max_height=512, max_width=512),
+                           prompt="x")
+    jobs, told = JobQueue(4), []
+    job = CancelledOnSecondLook("image", request, owner="a", changed=lambda **changes: told.append(changes))
+    jobs._waiting.append(job)
+    assert [jobs.take(timeout=0), jobs.take(timeout=0)] == [None, None]  # seen cancelled by the second take
+    assert jobs.waiting() == 0 and job.ended
+    assert [changes["error"] for changes in told] == ["the client went away"]
 
 
 def test_a_full_queue_says_when_a_place_should_free_by_the_running_jobs_estimate():

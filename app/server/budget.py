@@ -31,10 +31,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pipelines.requests import GenerationRequest
+from pipelines.requests import GenerationRequest, RequestError
 
 if TYPE_CHECKING:  # pipelines.work imports torch; the CLI's --help must not
     from pipelines.work import Work
@@ -165,8 +165,6 @@ class RequestBudget:
 
     def check(self, key: str, request: GenerationRequest) -> float | None:
         """The request's estimate; RequestError if it is over the limit (call before queueing)."""
-        from pipelines.requests import RequestError
-
         estimate = self.estimate(key, request)
         if self.max_seconds is not None and estimate is not None and estimate > self.max_seconds:
             frames = f", {request.frames} frames" if request.frames > 1 else ""
@@ -218,8 +216,6 @@ def calibration_requests(default: GenerationRequest, *, min_frames: int, max_hei
     its fewest frames (a video's default length can cost minutes), then those of the candidates whose estimate, from
     the measurements before, is under CALIBRATION_SECONDS: twice the side (within the model's limits), then, for a
     video, its default length (so that frames, not only sides, are measured)."""
-    from dataclasses import replace
-
     def larger(side: int, maximum: int) -> int:
         return max(multiple, min(2 * side, maximum) // multiple * multiple)
 

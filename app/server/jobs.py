@@ -23,6 +23,7 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any
 
 from app.failures import JobCancelled, JobFailed, RankLost
@@ -332,18 +333,10 @@ class JobQueue:
         for job in self._waiting:
             if job.cancelled is None:
                 lines.setdefault(job.owner, []).append(job)
-        turns = dict(self._turns)
-        first = {owner: self._waiting.index(jobs[0]) for owner, jobs in lines.items()}
-        order = []
-        while lines:
-            owner = min(lines, key=lambda name: (turns.get(name, -1), first[name]))
-            order.append(lines[owner].pop(0))
-            turns[owner] = self._takes + len(order)
-            if lines[owner]:
-                first[owner] = self._waiting.index(lines[owner][0])
-            else:
-                del lines[owner]
-        return order
+        # Each job taken makes its owner the most recently served, so after the first round the owners keep their
+        # order: one job of each in turn (a tie among the never served goes to the first to arrive: dict order).
+        owners = sorted(lines, key=lambda owner: self._turns.get(owner, -1))
+        return [job for turn in zip_longest(*(lines[owner] for owner in owners)) for job in turn if job is not None]
 
     def snapshot(self) -> tuple[list[Job], list[Job]]:
         """The running jobs and the jobs still wanted that wait, in the order of their turns (for the status line)."""
@@ -357,9 +350,13 @@ class JobQueue:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                dropped = [job for job in self._waiting if job.cancelled is not None]
-                self._waiting = [job for job in self._waiting if job.cancelled is None]
-                job = self._in_turn()[0] if self._waiting else None
+                # one look at each job: a client may cancel one meanwhile (Job.cancel takes no lock)
+                kept, dropped = [], []
+                for job in self._waiting:
+                    (kept if job.cancelled is None else dropped).append(job)
+                self._waiting = kept
+                turns = self._in_turn()  # empty where the jobs kept were cancelled since: dropped next time
+                job = turns[0] if turns else None
                 if job is not None:
                     self._waiting.remove(job)
                     self._takes += 1
@@ -613,12 +610,8 @@ def calibrate(service: LockstepService, budget: RequestBudget, model: str, first
             if estimate is None or estimate > most_seconds:
                 continue
         clock = RequestClock(steps=request.steps)
-
-        def step_done(done: int, total: int, clock: RequestClock = clock) -> None:
-            clock.step()
-
         started = time.monotonic()
-        generation = service.run(model, request, on_step=step_done)
+        generation = service.run(model, request, on_step=lambda done, total, clock=clock: clock.step())
         _record(budget, model, request, clock, generation, layout)
         lines.append(f"{request.width}x{request.height}x{request.frames}: {duration(time.monotonic() - started)}"
                      f" (estimated now {duration(budget.estimate(model, request, layout) or 0.0)})")

@@ -270,12 +270,11 @@ def requeue(runtime: Runtime, server: Server) -> list[Submitted]:
     queued = []
     for row in server.store.recover():
         model = models.get(row.model)
-        why = None
         if model is None:
             why = f"its model {row.model!r} is not served since the server restarted"
         elif row.upload_bytes and not Path(row.request["condition"]).is_file():
             why = "its input file did not survive the server's restart (uploads go when a server stops): send it again"
-        if why is None:
+        else:
             try:
                 request = make_request(model.spec, model.limits, **row.request)
                 submitted = queue_row(model, server, row, request, server.budget.estimate(model.key, request))
