@@ -58,15 +58,21 @@ def parse_login(text: str, where: str) -> tuple[str, str]:
     return user, password
 
 
-def read_auth_file(path: str | Path) -> list[tuple[str, str]]:
-    """The logins of a file: one `user:password` a line; blank lines and lines starting with # are skipped."""
-    path = Path(path)
+def _entries(path: Path, option: str) -> list[tuple[int, str]]:
+    """The numbered lines of the file of `option` (e.g. --auth-file), blank lines and lines starting with # skipped."""
     try:
         lines = path.read_text().splitlines()
     except OSError as error:
-        raise AuthError(f"cannot read --auth-file {path}: {error.strerror or error}") from None
+        raise AuthError(f"cannot read {option} {path}: {error.strerror or error}") from None
+    return [(number, line) for number, line in enumerate(lines, 1)
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def read_auth_file(path: str | Path) -> list[tuple[str, str]]:
+    """The logins of a file: one `user:password` a line; blank lines and lines starting with # are skipped."""
+    path = Path(path)
     logins = [parse_login(line, f"line {number} of --auth-file {path}")
-              for number, line in enumerate(lines, 1) if line.strip() and not line.lstrip().startswith("#")]
+              for number, line in _entries(path, "--auth-file")]
     if not logins:
         raise AuthError(f"--auth-file {path} has no USER:PASSWORD line")
     return logins
@@ -76,14 +82,8 @@ def read_api_keys(path: str | Path) -> tuple[list[str], list[str]]:
     """The API keys of `--api-key-file` and those of them marked admin: one key a line, `KEY` or `KEY admin` (an
     admin key sees every owner's jobs); blank lines and lines starting with # are skipped."""
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise AuthError(f"cannot read --api-key-file {path}: {error.strerror or error}") from None
     keys, admins = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
+    for number, line in _entries(path, "--api-key-file"):
         key, *marks = line.split()
         if len(key) < MIN_API_KEY_CHARS or marks not in ([], ["admin"]):
             raise AuthError(f"line {number} of --api-key-file {path}: a key is at least {MIN_API_KEY_CHARS} "
@@ -193,7 +193,6 @@ class LoginThrottle:
         self.app = app
         self.failures = failures if failures is not None else LoginFailures(clock)
         self.lockout = self.failures.lockout
-        self.failed = self.failures.failed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].rstrip("/").endswith("/login"):
@@ -215,7 +214,7 @@ class LoginThrottle:
         if status and status[0] == 200:
             self.failures.succeeded(address)
         elif status and 400 <= status[0] < 500:
-            self.failed(address)
+            self.failures.failed(address)
 
 
 async def _refuse(send: Send, wait: float) -> None:

@@ -41,7 +41,7 @@ from app.ranks.runtime import Runtime
 from app.server.access import LoginThrottle
 from app.server.jobs import JobQueue
 from app.server.metrics import CONTENT_TYPE, ServerMetrics
-from app.server.openai_api import ANY_METHOD, ApiAccess, api_endpoint, api_routes, unmatched
+from app.server.openai_api import ApiAccess, api_endpoint, api_routes, unmatched
 from app.server.request_ids import RequestIds
 from app.server.submit import Server, public_message, server_line
 from app.server.webhooks import Webhooks
@@ -150,8 +150,7 @@ def api_app(runtime: Runtime, server: Server, access: ApiAccess, max_upload_byte
     """The API-only app: the /v1 routes, the server's routes, and OpenAI's error shape at any other path."""
     routes = [*api_routes(runtime, server, access, max_upload_bytes, webhooks),
               *server_routes(runtime, server, access, probes)]
-    fallback = Route("/{path:path}", api_endpoint(unmatched(routes), None), methods=ANY_METHOD)
-    return Starlette(routes=[*routes, fallback], middleware=server_middleware(access))
+    return Starlette(routes=[*routes, unmatched("", routes)], middleware=server_middleware(access))
 
 
 def display_url(host: str, port: int) -> str:

@@ -36,18 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hashlib
 import hmac
 import math
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
@@ -124,6 +124,10 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def not_found(message: str, param: str | None = None) -> ApiError:
+    return ApiError(404, message, type="not_found_error", param=param, code="not_found")
 
 
 def refused(error: Exception, input_param: str = "image", frames_param: str = "frames") -> ApiError:
@@ -243,12 +247,12 @@ class FileLinks:
         base = str(request.base_url).rstrip("/")
         return f"{base}{PREFIX}/files/{path.name}?expires={expires}&sig={self.signature(path.name, expires)}"
 
-    def check(self, name: str, expires: str, signature: str, now: float | None = None) -> None:
+    def check(self, name: str, expires: str, signature: str) -> None:
         """ApiError unless the URL's signature is right (404) and its time has not passed (403)."""
         valid = expires.isdigit() and hmac.compare_digest(self.signature(name, int(expires)), signature)
         if not valid:
-            raise ApiError(404, "no such file", type="not_found_error", code="not_found")
-        if int(expires) < (time.time() if now is None else now):
+            raise not_found("no such file")
+        if int(expires) < time.time():
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(expires)))
             raise ApiError(403, f"this link expired at {when}: ask its owner for a new one", type="permission_error",
                            code="url_expired")
@@ -363,13 +367,11 @@ def _size(text: Any) -> tuple[int | None, int | None]:
 
 def _whole(name: str, value: Any) -> int:
     """`value` (a JSON number or a form's text) as a whole number; 400 naming `name` otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
     text = str(value).strip()
     if re.fullmatch(r"-?\d+", text):
         return int(text)
     try:
-        number = float(text) if not isinstance(value, bool) else float("nan")
+        number = float(text)
     except ValueError:
         number = float("nan")
     if not number.is_integer():
@@ -381,31 +383,40 @@ def _our_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return {name: fields[name] for name in OUR_FIELDS if name in fields}
 
 
-async def _save_upload(server: Server, upload: UploadFile) -> Path:
-    """An uploaded file in the server's upload folder (a folder of its own, so that its name is the client's)."""
-    name = re.sub(r"[^\w.-]", "_", Path(upload.filename or "input").name)[-100:] or "input"
+async def _save(server: Server, name: str, write: Callable[[BinaryIO], object]) -> Path:
+    """A new upload `name`, written by `write`, in the server's upload folder (a folder of its own, so that its name
+    is the client's), held by this handler until it releases it."""
     folder = server.uploads.folder / f"api-{uuid.uuid4().hex}"
     path = folder / name
 
-    def copy() -> None:
+    def save() -> None:
         folder.mkdir()
         with path.open("wb") as out:
-            while chunk := upload.file.read(1 << 20):
-                out.write(chunk)
+            write(out)
 
-    await asyncio.to_thread(copy)
+    await asyncio.to_thread(save)
+    server.uploads.use(path)
+    return path
+
+
+async def _save_upload(server: Server, upload: UploadFile) -> Path:
+    """An uploaded file in the server's upload folder (closed once copied), held as _save holds it."""
+    name = re.sub(r"[^\w.-]", "_", Path(upload.filename or "input").name)[-100:] or "input"
+    path = await _save(server, name, partial(shutil.copyfileobj, upload.file, length=1 << 20))
+    await upload.close()
     return path
 
 
 async def _save_data_url(server: Server, url: str, max_bytes: int) -> Path:
-    """An input given as a base64 data URL (data:image/png;base64,...) in the server's upload folder."""
+    """An input given as a base64 data URL (data:image/png;base64,...) in the server's upload folder, held as _save
+    holds it."""
     match = re.fullmatch(r"data:(image|video)/([\w.+-]+);base64,(.*)", url.strip(), re.S)
     if match is None:
         raise bad("input_reference's image_url must be a base64 data URL (data:image/png;base64,...): this server "
                   "fetches nothing from the network", "input_reference")
     try:
         data = base64.b64decode(match[3], validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:  # binascii.Error is one
         raise bad("input_reference's data URL is not valid base64", "input_reference") from None
     if len(data) > max_bytes - FIELD_BYTES:
         raise _too_large(max_bytes)
@@ -413,15 +424,7 @@ async def _save_data_url(server: Server, url: str, max_bytes: int) -> Path:
     if suffix not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise bad(f"input_reference's data URL has a type this server does not read ({match[1]}/{match[2]})",
                   "input_reference")
-    folder = server.uploads.folder / f"api-{uuid.uuid4().hex}"
-    path = folder / f"input_reference{suffix}"
-
-    def save() -> None:
-        folder.mkdir()
-        path.write_bytes(data)
-
-    await asyncio.to_thread(save)
-    return path
+    return await _save(server, f"input_reference{suffix}", lambda out: out.write(data))
 
 
 async def _result(job: Job, gone: Callable[[], Awaitable[bool]]) -> Generation:
@@ -462,10 +465,10 @@ def api_endpoint(handler: Callable[[Request], Awaitable[Response]], access: ApiA
 ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
-def unmatched(routes: list[BaseRoute]) -> Callable[[Request], Awaitable[Response]]:
-    """What answers a request that none of `routes` took (under /v1, and everywhere with --no-ui), in OpenAI's
-    shape: a path no route has, 404; a path some route has, OPTIONS 204 and any other method 405, with the
-    methods it takes in `Allow`."""
+def unmatched(prefix: str, routes: list[BaseRoute]) -> Route:
+    """The route that answers a request under `prefix` that none of `routes` took (under /v1, and everywhere with
+    --no-ui), whatever its method, in OpenAI's shape: a path no route has, 404; a path some route has, OPTIONS 204
+    and any other method 405, with the methods it takes in `Allow`."""
 
     async def endpoint(request: Request) -> Response:
         path = request.url.path
@@ -480,7 +483,7 @@ def unmatched(routes: list[BaseRoute]) -> Callable[[Request], Awaitable[Response
         raise ApiError(405, f"{path} takes {allow}, not {request.method}", type="invalid_request_error",
                        code="method_not_allowed", headers={"allow": allow}, names_no_file=True)
 
-    return endpoint
+    return Route(f"{prefix}/{{path:path}}", api_endpoint(endpoint, None), methods=ANY_METHOD)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -509,11 +512,6 @@ def api_routes(runtime: Runtime, server: Server, access: ApiAccess, max_upload_b
     api = ApiContext(runtime=runtime, server=server, access=access, max_bytes=max_upload_bytes + FIELD_BYTES,
                      links=FileLinks(server.store.secret(), server.quotas.url_seconds), webhooks=webhooks)
     server.store.subscribe(partial(video_ended, api))
-    return endpoint_routes(api)
-
-
-def endpoint_routes(api: ApiContext) -> list[BaseRoute]:
-    """Each endpoint's route, its handler given `api`; then the one that answers anything else under /v1."""
 
     def route(path: str, handler: Callable[[ApiContext, Request], Awaitable[Response]], methods: list[str],
               keyed: bool = True) -> Route:
@@ -532,7 +530,7 @@ def endpoint_routes(api: ApiContext) -> list[BaseRoute]:
         route("/files/{name}", result_file, ["GET"], keyed=False),  # the signature is the key
     ]
     # Anything else under /v1 is this API's to answer, whatever its method (Gradio's routes never see it).
-    return [*endpoints, Route(f"{PREFIX}/{{path:path}}", api_endpoint(unmatched(endpoints), None), methods=ANY_METHOD)]
+    return [*endpoints, unmatched(PREFIX, endpoints)]
 
 
 def video_ended(api: ApiContext, row: JobRow) -> None:
@@ -552,8 +550,7 @@ def _video_of(api: ApiContext, request: Request) -> JobRow:
     video_id = request.path_params["video_id"]
     row = api.server.store.get(video_id)
     if row is None or row.kind != "video" or not request.state.caller.may_see(row.owner):
-        raise ApiError(404, f"no video {video_id!r} (unknown, deleted, expired, or not yours)",
-                       type="not_found_error", param="video_id", code="not_found")
+        raise not_found(f"no video {video_id!r} (unknown, deleted, expired, or not yours)", "video_id")
     return row
 
 
@@ -587,9 +584,7 @@ async def edits(api: ApiContext, request: Request) -> Response:
     model = _model(api.runtime, "image", fields.get("model"))
     if not model.limits.reference_image:
         raise bad(f"model '{model.spec.name}' makes images from text alone; it takes no input image", "image")
-    path = await _save_upload(api.server, given[0])
-    await given[0].close()
-    api.server.uploads.use(path)  # this handler's hold; each job takes its own (app.server.submit)
+    path = await _save_upload(api.server, given[0])  # this handler's hold; each job takes its own (app.server.submit)
     try:
         return await _images(api, request, fields, path)
     finally:
@@ -704,13 +699,9 @@ async def create_video(api: ApiContext, request: Request) -> Response:
 def _video_reference(fields: dict[str, Any]) -> Any:
     """The input_reference a video request gives in its fields (an image_url data URL), taken out of them; None where
     it gives none (or sends it as a file)."""
-    reference = fields.pop("input_reference[image_url]", None) or fields.pop("input_reference", None)
-    if isinstance(reference, dict):
-        reference = reference.get("image_url")
-        if reference is None:
-            raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
-                      "input_reference")
-    if "input_reference[file_id]" in fields:
+    given = fields.pop("input_reference[image_url]", None) or fields.pop("input_reference", None)
+    reference = given.get("image_url") if isinstance(given, dict) else given
+    if (isinstance(given, dict) and reference is None) or "input_reference[file_id]" in fields:
         raise bad("input_reference: give an uploaded file or an image_url data URL (no file ids here)",
                   "input_reference")
     return reference
@@ -730,15 +721,11 @@ def _video_length(fields: dict[str, Any], model: ServedModel) -> tuple[int | Non
 async def _video_input(api: ApiContext, files: dict[str, list[UploadFile]], reference: Any) -> Path | None:
     """A video request's input (an uploaded file, or its data URL) in the upload folder, held by this handler until
     it releases it; None where it gives none."""
-    path = None
     if files.get("input_reference"):
-        path = await _save_upload(api.server, files["input_reference"][0])
-        await files["input_reference"][0].close()
-    elif reference is not None:
-        path = await _save_data_url(api.server, str(reference), api.max_bytes)
-    if path is not None:
-        api.server.uploads.use(path)
-    return path
+        return await _save_upload(api.server, files["input_reference"][0])
+    if reference is not None:
+        return await _save_data_url(api.server, str(reference), api.max_bytes)
+    return None
 
 
 async def list_videos(api: ApiContext, request: Request) -> Response:
@@ -780,8 +767,7 @@ async def video_content(api: ApiContext, request: Request) -> Response:
         raise ApiError(409, f"video {video.id} is {video.status}: {message}", code="video_not_ready")
     path = api.server.results.folder / video.files[0] if video.files else None
     if path is None or not path.is_file():
-        raise ApiError(404, f"video {video.id}'s file was removed (the server keeps its latest results: "
-                       "--keep-results)", type="not_found_error", code="not_found")
+        raise not_found(f"video {video.id}'s file was removed (the server keeps its latest results: --keep-results)")
     return FileResponse(path, media_type="video/mp4")
 
 
@@ -805,12 +791,11 @@ async def result_file(api: ApiContext, request: Request) -> Response:
     """GET /v1/files/{name}: a result by its signed URL, until the URL's time."""
     name = request.path_params["name"]
     if not RESULT_NAME.fullmatch(name):
-        raise ApiError(404, "no such file", type="not_found_error", code="not_found")
+        raise not_found("no such file")
     api.links.check(name, request.query_params.get("expires", ""), request.query_params.get("sig", ""))
     path = api.server.results.folder / name
     if not path.is_file():
-        raise ApiError(404, f"{name} was removed (the server keeps its latest results: --keep-results)",
-                       type="not_found_error", code="not_found")
+        raise not_found(f"{name} was removed (the server keeps its latest results: --keep-results)")
     return FileResponse(path, media_type="image/png" if name.endswith(".png") else "video/mp4")
 
 

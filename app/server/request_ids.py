@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Any
 
+from starlette.datastructures import Headers
+
 from app.server.access import Receive, Scope, Send
 
 HEADER = "x-request-id"
@@ -63,9 +65,7 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((value.decode("latin-1") for name, value in scope["headers"] if name.lower() == b"x-request-id"),
-                     None)
-        request_id = request_id_of(given)
+        request_id = request_id_of(Headers(scope=scope).get(HEADER))
         token = _REQUEST_ID.set(request_id)
         started = time.monotonic()
         status: list[int] = []

@@ -19,7 +19,6 @@ delivered when the server ends are dropped.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import heapq
 import hmac
@@ -31,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.server.request_ids import LOGGER
@@ -64,7 +63,7 @@ def read_webhook_secret(path: str | Path) -> str:
     secret = lines[0] if len(lines) == 1 else ""
     try:
         key = base64.b64decode(secret.removeprefix(SECRET_PREFIX), validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:  # binascii.Error is one
         key = b""
     if not secret.startswith(SECRET_PREFIX) or len(key) < MIN_SECRET_BYTES:
         raise WebhookError(f"--webhook-secret-file {path} must hold one line: {SECRET_PREFIX} and the base64 of "
@@ -157,8 +156,7 @@ class Webhooks:
                 delay = self._first_retry * 2 ** delivery.attempt
                 log.warning("webhook %s to %s failed (%s); trying again in %g s", delivery.event_id, self.url,
                             problem, delay, extra=extra)
-                retry = _Delivery(delivery.event_id, delivery.body, delivery.attempt + 1, delivery.request_id)
-                self._queue(retry, time.monotonic() + delay)
+                self._queue(replace(delivery, attempt=delivery.attempt + 1), time.monotonic() + delay)
             else:
                 log.error("webhook %s to %s failed (%s); given up after %d tries", delivery.event_id, self.url,
                           problem, self._attempts, extra=extra)
