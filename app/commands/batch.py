@@ -155,9 +155,7 @@ def _run_lines(plan: BatchPlan, runtime, stop, *, quiet: bool) -> int:
     writes: list[tuple[Task, Future]] = []
     lock = threading.Lock()
     queue = JobQueue(max_waiting=max(1, len(tasks)))
-    task_of: dict[int, Task] = {}
-    for task in tasks:
-        task_of[id(queue.submit(plan.spec.media, task.request))] = task
+    task_of = {id(queue.submit(plan.spec.media, task.request)): task for task in tasks}
     with tqdm(total=len(tasks), desc="batch", unit="item", disable=quiet, file=sys.stderr) as bar, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-writer") as writer:
 

@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from app.commands.arguments import run_options
@@ -145,7 +146,9 @@ def run_launch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         checked = inner.check(inner)  # user mistakes end here, in one line, before any rank starts
     run_options(inner)
 
-    cuda = _cuda_visible()
+    from app.commands.memory_plan import visible_gpus
+
+    cuda = visible_gpus() > 0
     nproc = args.nproc if args.nproc is not None else default_nproc()
     if nproc < 1:
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
@@ -245,12 +248,6 @@ def hand_over_exit_status(status: int) -> int:
     return 0
 
 
-def _cuda_visible() -> bool:
-    from app.commands.memory_plan import visible_gpus
-
-    return visible_gpus() > 0
-
-
 def _run_torchrun(command: list[str], env: dict[str, str]) -> tuple[int, int]:
     """torchrun's exit status, and how many Ctrl-Cs or SIGTERMs this launcher received while it ran."""
     process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -303,10 +300,8 @@ def _children(pid: int) -> list[int]:
     """The running (not exited) children of process `pid`, read from /proc (none where it is missing)."""
     children = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
+        with suppress(OSError):
             children += [int(child) for child in task.read_text().split()]
-        except OSError:
-            pass
     return [child for child in children if process_running(child)]
 
 
@@ -316,10 +311,8 @@ def _signal_ranks(torchrun_pid: int, sig: signal.Signals) -> None:
     if not children:
         os.killpg(torchrun_pid, sig)
     for pid in children:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _kill_job(torchrun_pid: int) -> None:
@@ -328,16 +321,12 @@ def _kill_job(torchrun_pid: int) -> None:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:  # not a group leader (a torchrun that keeps ranks in its own group)
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     os.killpg(torchrun_pid, signal.SIGKILL)
 
 
 def _die_with_parent() -> None:
     """In the torchrun child: get SIGTERM if this launcher dies (Linux), so no ranks are orphaned."""
-    try:
+    with suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass

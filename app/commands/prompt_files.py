@@ -125,8 +125,7 @@ def sanitize_name(raw: str) -> str:
     Returns "" when nothing usable is left.
     """
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", raw.strip())
-    stem = stem.strip(".-_")[:MAX_NAME_CHARS].strip(".-_")
-    return stem
+    return stem.strip(".-_")[:MAX_NAME_CHARS].strip(".-_")
 
 
 def output_name(item: PromptLine, extension: str) -> str:

@@ -168,7 +168,6 @@ class RemoteGroup:
         self.label = label
         self.leader = leader
         self._link = link
-        self._down = link.down
         self._events: queue.Queue = queue.Queue()
         self._jobs = 0
         self._receiver: threading.Thread | None = None
@@ -189,12 +188,10 @@ class RemoteGroup:
         self._send(HandOver())
         while True:
             try:
-                message = self._events.get(timeout=timeout)
+                message = self._event(timeout=timeout)
             except queue.Empty:
                 raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) did not answer within "
                                f"{timeout:g} s") from None
-            if isinstance(message, Lost):
-                raise RankLost(f"rank 0: {message.message}")
             if isinstance(message, HandOver):
                 self._receiver.join(timeout=timeout)
                 self._receiver = None
@@ -212,9 +209,7 @@ class RemoteGroup:
         self._send(Run(job, model, request))
         cancelled = False
         while True:
-            message = self._events.get()
-            if isinstance(message, Lost):
-                raise RankLost(f"rank 0: {message.message}")
+            message = self._event()
             if getattr(message, "job", job) != job:
                 continue  # what an earlier, cancelled job still said
             if isinstance(message, Stepped):
@@ -236,7 +231,7 @@ class RemoteGroup:
             return
         self._released = True
         try:
-            self._down.send(Stop())
+            self._link.down.send(Stop())
         except Exception:  # a leader that is gone needs no release
             return
         self._receiver.join(timeout=timeout)
@@ -246,15 +241,20 @@ class RemoteGroup:
         cancelled request still said is dropped."""
         while True:
             try:
-                message = self._events.get_nowait()
+                self._event(block=False)
             except queue.Empty:
                 return
-            if isinstance(message, Lost):
-                raise RankLost(f"rank 0: {message.message}")
+
+    def _event(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The leader's next message (queue.Empty if none comes); RankLost if it says that the group is lost."""
+        message = self._events.get(block, timeout)
+        if isinstance(message, Lost):
+            raise RankLost(f"rank 0: {message.message}")
+        return message
 
     def _send(self, message: Any) -> None:
         try:
-            self._down.send(message)
+            self._link.down.send(message)
         except Exception as error:  # the leader is gone
             raise RankLost(f"rank 0: rank {self.leader} (leader of {self.label}) is gone "
                            f"({describe(error)})") from error
@@ -273,8 +273,9 @@ def lead(service: LockstepService, link: Link) -> Stop | HandOver:
     later: list[Any] = []
     """Messages that came during a request and are for after it (a Stop)."""
     while True:
-        message = later.pop(0) if later else _next(inbox)
-        if message is None:
+        try:
+            message = later.pop(0) if later else inbox.get(timeout=POLL_SECONDS)
+        except queue.Empty:
             service.keep_alive()
             continue
         if isinstance(message, (Stop, HandOver)):
@@ -308,24 +309,14 @@ def lead(service: LockstepService, link: Link) -> Stop | HandOver:
         except RankLost as error:
             _tell(link, Lost(str(error)))
             raise
-        except JobCancelled as error:
-            _tell(link, Done(job, failure=str(error), cancelled=True))
-            continue
-        except JobFailed as error:
-            _tell(link, Done(job, failure=str(error)))
-            continue
+        except JobFailed as error:  # JobCancelled too
+            answer = Done(job, failure=str(error), cancelled=isinstance(error, JobCancelled))
         except Exception as error:  # anything else is this group's failure, not the run's
             traceback.print_exc()
-            _tell(link, Done(job, failure=f"rank {rank}: {describe(error)}"))
-            continue
-        _tell(link, Done(job, generation=generation))
-
-
-def _next(inbox: queue.Queue) -> Any:
-    try:
-        return inbox.get(timeout=POLL_SECONDS)
-    except queue.Empty:
-        return None
+            answer = Done(job, failure=f"rank {rank}: {describe(error)}")
+        else:
+            answer = Done(job, generation=generation)
+        _tell(link, answer)
 
 
 def _tell(link: Link, message: Any) -> None:

@@ -354,28 +354,23 @@ class LockstepService:
     def _agree(self, failure: str | None, cancelled: str | None = None) -> None:
         """Agreement point: raise JobFailed if any rank failed, JobCancelled if any wants to stop (the
         service then ends) or rank 0 cancels the request (`cancelled`: why; the service goes on)."""
-        if not self.ctx.is_distributed:
-            if failure is not None:
-                raise JobFailed(failure)
-            if self.stop_event.is_set():
-                raise JobCancelled(STOPPED)
-            if cancelled is not None:
-                raise JobCancelled(cancelled)
-            return
         flags = torch.tensor([int(self.stop_event.is_set()), int(failure is not None), int(cancelled is not None)],
                              dtype=torch.int64)
-        try:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
-            work.wait(timeout=timedelta(seconds=self.rank_timeout))
-        except Exception as error:  # a timeout or a closed connection
-            if "timed out" in str(error).lower():
-                reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
-                raise RankLost(f"rank {self.ctx.global_rank}: {reason}") from error
-            raise self._peer_lost(_short(error)) from error
+        if self.ctx.is_distributed:
+            try:
+                work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+                work.wait(timeout=timedelta(seconds=self.rank_timeout))
+            except Exception as error:  # a timeout or a closed connection
+                if "timed out" in str(error).lower():
+                    reason = f"another rank did not reach the agreement point within {self.rank_timeout:g} s"
+                    raise RankLost(f"rank {self.ctx.global_rank}: {reason}") from error
+                raise self._peer_lost(_short(error)) from error
         stop_wanted, failed, cancel_wanted = flags.tolist()
         if failed:
-            reports: list[str | None] = [None] * self.ctx.world_size
-            self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
+            reports: list[str | None] = [failure]
+            if self.ctx.is_distributed:
+                reports = [None] * self.ctx.world_size
+                self._collective(dist.all_gather_object, reports, failure, group=self.ctx.control_group)
             raise JobFailed("; ".join(dict.fromkeys(r for r in reports if r)))
         if stop_wanted:
             self.stop_event.set()

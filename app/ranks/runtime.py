@@ -211,12 +211,11 @@ class Runtime:
             name = torch.cuda.get_device_name(device)
         media = " or ".join(dict.fromkeys(m.spec.media for m in self.models.values())) or "image"
         shared = status_words.sharing(self.plan, media)
+        detail = f" ({shared})" if shared else ""
         if self.regroups:
-            shared = "as one group for a lone request" + (f" ({shared})" if shared else "") + \
-                ", as smaller groups side by side while requests wait"
+            shared = f"as one group for a lone request{detail}, as smaller groups side by side while requests wait"
         elif self.replicas > 1:
-            shared = f"in {self.replicas} groups of {self.group_size}, each running its own request" + (
-                f" ({shared})" if shared else "")
+            shared = f"in {self.replicas} groups of {self.group_size}, each running its own request{detail}"
         what = ", ".join(part for part in (status_words.processes(self.world_size, device.type, name), shared,
                                             status_words.precision(self.backend)) if part)
         if last_step_seconds is None and stages is None:
@@ -315,7 +314,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
     pipelines: dict[str, Any] = {}
     runtime: Runtime | None = None
     try:
-        hosts = world.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+        hosts = world.world_size // local_ranks
         counts = layout_sizes(world.world_size, replicas, options, world.device.type, max(hosts, 1))
         if world.world_size % counts[0]:
             raise StartupError(f"--replicas {counts[0]}: {world.world_size} ranks cannot form {counts[0]} equal groups")
@@ -335,7 +335,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
                                    f"needs {needs}{per_group}, this run has {rest}")
         if world.device.type == "cpu" and world.is_distributed:
             # torchrun sets OMP_NUM_THREADS=1 when it is unset; CPU ranks share the cores instead.
-            torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))))
+            torch.set_num_threads(cpu_threads_per_rank(local_ranks))
         dtype = default_dtype(world.device)
         leads = any(ctx.is_main for ctx in contexts)
         """Whether this rank leads a group in some layout: it then encodes prompts and decodes results."""
@@ -365,9 +365,8 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
 
         distinct = list({id(p): p for p in pipelines.values()}.values())
         split_media = sorted(media for media in pipelines if keys[media] in split_keys)
-        for pipeline in distinct:
-            if leads:
-                pipeline.use_prompt_cache(PromptCache())
+        for pipeline in distinct if leads else ():
+            pipeline.use_prompt_cache(PromptCache())
         if options.fp8:
             quantize_transformers(distinct, world.group)
         for pipeline in distinct if options.loras else ():  # --lora: after tp and FP8, before plans copy them
@@ -382,11 +381,7 @@ def start_runtime(models: list[tuple[ModelSpec, Path]], options: RunOptions, *, 
             for pipeline in pipes:
                 if keys[pipeline.spec.media] in split_keys and ctx.is_distributed:
                     pipeline.use_split_vae(ctx.group)
-            plan_label = "none (1 rank)"
-            if ctx.is_distributed:
-                plan_label = parallelize_pipelines(pipes, ctx, options)
-            else:
-                wrap_one_rank(pipes, ctx)
+            plan_label = parallelize_pipelines(pipes, ctx, options) if ctx.is_distributed else wrap_one_rank(pipes, ctx)
             engine_label = build_engines(pipes, ctx, options)
             for pipeline in pipes:
                 pipeline.attention_precision = options.attention_precision
@@ -494,9 +489,10 @@ def parallelize_pipelines(pipelines: Iterable, ctx, options: RunOptions) -> str:
     return " / ".join(dict.fromkeys(labels))
 
 
-def wrap_one_rank(pipelines: Iterable, ctx) -> None:
+def wrap_one_rank(pipelines: Iterable, ctx) -> str:
     """A one-rank run: the transformers of families whose record asks for it (adapter_at_one_rank) go
-    through their adapter on a mesh of this one rank (nothing is split)."""
+    through their adapter on a mesh of this one rank (nothing is split); returns the plan's description,
+    'none (1 rank)'."""
     from engines.parallel.parallelize import parallelize_transformer
     from engines.parallel.plan import ParallelPlan
     from pipelines.family import load
@@ -506,6 +502,7 @@ def wrap_one_rank(pipelines: Iterable, ctx) -> None:
         for name, module in pipeline.transformers() if family.adapter_at_one_rank else ():
             pipeline.use_transformer(parallelize_transformer(module, ctx, ParallelPlan(), load(family.parallelize)),
                                      name)
+    return "none (1 rank)"
 
 
 def build_engines(pipelines: Iterable, ctx, options: RunOptions) -> str:
