@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Collection, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,13 @@ TRANSPORTS = ("nccl", "copy-engine")
 """How the context-parallel exchanges (Ulysses all-to-alls, ring K/V passes, K/V all-gathers)
 travel: the process group's collectives, or peer copies on the GPUs' copy engines
 (engines/parallel/copy_engine.py)."""
+
+
+def check_choice(what: str, value: str, choices: Collection[str]) -> None:
+    """ValueError unless `value` is one of `choices`, naming `what` it is and the choices."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+
 
 BACKENDS = ("eager", "inductor", "tensorrt")
 SCOPES = ("whole", "blocks")
@@ -159,10 +166,8 @@ class EngineOptions:
     default reorderings inductor moves that compute after the wait (tests/test_engines_flux_overlap.py)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"unknown compile scope {self.scope!r}; choose one of {', '.join(SCOPES)}")
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("compile scope", self.scope, SCOPES)
         if self.scope == "blocks" and self.backend == "eager":
             raise ValueError("the eager backend compiles nothing: it has no -blocks form")
         if self.overlap and self.backend != "inductor":
@@ -220,8 +225,7 @@ class CacheOptions:
     (relative): higher skips more steps and strays further from the full computation."""
 
     def __post_init__(self) -> None:
-        if self.name not in CACHES:
-            raise ValueError(f"unknown step cache {self.name!r}; choose one of {', '.join(CACHES)}")
+        check_choice("step cache", self.name, CACHES)
         if not self.threshold > 0:
             raise ValueError(f"a step cache threshold is a relative change above 0, got {self.threshold}")
 
@@ -233,14 +237,12 @@ class CacheOptions:
     def parse(cls, text: str) -> CacheOptions:
         """Inverse of `label`; the threshold may be left out (the cache's default)."""
         name, _, threshold = text.partition(":")
-        if name not in CACHES:
-            raise ValueError(f"unknown step cache {name!r}; choose one of {', '.join(CACHES)}")
+        check_choice("step cache", name, CACHES)
         try:
-            return cls(name=name, threshold=float(threshold) if threshold else CACHES[name])
+            value = float(threshold) if threshold else CACHES[name]
         except ValueError as error:
-            if threshold and not threshold.replace(".", "", 1).isdigit():
-                raise ValueError(f"{text!r}: the threshold after ':' must be a number, e.g. {name}:0.1") from error
-            raise
+            raise ValueError(f"{text!r}: the threshold after ':' must be a number, e.g. {name}:0.1") from error
+        return cls(name=name, threshold=value)
 
 
 ATTENTION_PRECISIONS = ("full", "fp8", "int8")
@@ -378,24 +380,17 @@ class RunOptions:
     request may ask for full precision (GenerationRequest.quantized_attention)."""
 
     def __post_init__(self) -> None:
-        if self.attention_precision not in ATTENTION_PRECISIONS:
-            raise ValueError(f"unknown --attention-precision {self.attention_precision!r}; choose one of "
-                             f"{', '.join(ATTENTION_PRECISIONS)}")
+        check_choice("--attention-precision", self.attention_precision, ATTENTION_PRECISIONS)
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ValueError(f"--tp must be a positive integer, got {self.tp!r}")
-        if self.split_vae not in SPLIT_VAE:
-            raise ValueError(f"unknown --split-vae {self.split_vae!r}; choose one of {', '.join(SPLIT_VAE)}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if self.all_to_all not in TRANSPORTS:
-            raise ValueError(f"unknown all-to-all transport {self.all_to_all!r}; choose one of {', '.join(TRANSPORTS)}")
-        if self.backend is not None:
-            EngineOptions.parse(self.backend)
+        check_choice("--split-vae", self.split_vae, SPLIT_VAE)
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("all-to-all transport", self.all_to_all, TRANSPORTS)
+        engine = EngineOptions.parse(self.backend) if self.backend is not None else None
         if not self.rank_timeout > 0:
             raise ValueError(f"rank timeout must be positive, got {self.rank_timeout}")
         if self.cache is not None:
             CacheOptions.parse(self.cache)
-            engine = EngineOptions.parse(self.backend) if self.backend else None
             if engine is not None and not engine.keeps_block_loop:
                 raise ValueError(f"--cache decides between steps outside the compiled graphs, so it needs the block "
                                  f"loop outside them: use --backend eager, inductor-blocks or "

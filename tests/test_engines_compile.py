@@ -129,3 +129,22 @@ def test_generate_says_what_building_its_engines_took() -> None:
     assert engine_builds(Pipeline()) == "; engine built in 1.5 s from the engine cache"
     compiled.builds["b"] = BuildRecord(key="k2", cache_hit=False, seconds=2.0)
     assert engine_builds(Pipeline()) == "; engines built in 3.5 s compiled in part"
+
+
+def test_an_engine_refused_for_a_missing_block_list_leaves_the_model_as_it_was(monkeypatch) -> None:
+    """prepare_engine finds every block list before it swaps a block: one that is not there leaves no list's blocks
+    compiled (the caller keeps its plain model)."""
+    import pytest
+
+    from engines.levers import compile as engines_compile
+    from engines.options import EngineOptions
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit",
+                        torch._dynamo.config.accumulated_recompile_limit)
+    model = _Blocks()
+    blocks = list(model.blocks)
+    with pytest.raises(AttributeError, match="nope"):
+        engines_compile.prepare_engine(model, EngineOptions.parse("inductor-blocks"),
+                                       repeated_blocks=("blocks", "nope"))
+    assert list(model.blocks) == blocks

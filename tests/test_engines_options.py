@@ -154,3 +154,15 @@ def test_bytecode_is_kept_outside_the_sources_where_it_may_not_be_written_beside
         assert returned == "None" and not folder.exists()
         prefix = str(tmp_path / "mine") if setting == "a prefix of the user's" else "None"
         assert child == f"{prefix} {setting != 'bytecode allowed'}"
+
+
+def test_a_step_cache_threshold_that_is_a_number_but_not_above_0_is_refused_as_such() -> None:
+    """`--cache fbcache:-0.1` is a number: the message says the threshold must be above 0, not that it must be one."""
+    from engines.options import CacheOptions
+
+    for text in ("fbcache:-0.1", "fbcache:-1", "fbcache:0e0", "fbcache:nan"):
+        with pytest.raises(ValueError, match="above 0"):
+            CacheOptions.parse(text)
+    for text in ("fbcache:lots", "fbcache:0.1.2"):
+        with pytest.raises(ValueError, match="must be a number"):
+            CacheOptions.parse(text)

@@ -99,13 +99,18 @@ def tensorrt_available() -> bool:
     return True
 
 
-def _tensorrt_compile(fn: Callable[..., Any], dtype: torch.dtype, cache: Path | None) -> Callable[..., Any]:
-    """torch-tensorrt dynamo backend with NCCL collective converters (see module docstring; not run here)."""
+def _require_tensorrt() -> None:
+    """BackendUnavailable, with the reason, unless torch-tensorrt can be imported here."""
     if not tensorrt_available():
         raise BackendUnavailable(
             "backend 'tensorrt' needs torch-tensorrt with TensorRT >= 10.16 (its NCCL collective converters); "
             "it is not installed here. Use --backend inductor."
         )
+
+
+def _tensorrt_compile(fn: Callable[..., Any], dtype: torch.dtype, cache: Path | None) -> Callable[..., Any]:
+    """torch-tensorrt dynamo backend with NCCL collective converters (see module docstring; not run here)."""
+    _require_tensorrt()
     import torch_tensorrt  # noqa: F401 - registers backend="torch_tensorrt"
 
     options: dict[str, Any] = {
@@ -300,8 +305,8 @@ def prepare_engine(
     """
     if options.cuda_graph and transformer.device.type != "cuda":
         raise ValueError(f"cuda_graph needs a CUDA transformer, this one is on {transformer.device}")
-    if options.backend == "tensorrt" and not tensorrt_available():
-        _tensorrt_compile(transformer, transformer.dtype, None)  # raises BackendUnavailable with the reason
+    if options.backend == "tensorrt":
+        _require_tensorrt()
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
     cache = EngineCache(Path(cache_dir).expanduser()) if cache_dir is not None else None
@@ -321,8 +326,10 @@ def prepare_engine(
         model = _inner_model(transformer)
         if not repeated_blocks:
             raise ValueError(f"no repeated blocks named for {type(model).__name__}; use scope 'whole'")
-        for name in repeated_blocks:
-            blocks: nn.ModuleList = model.get_submodule(name)  # a dotted path reaches into a ModuleDict
+        # every list is found before a block is swapped, so that a missing one leaves the model as it was
+        lists: list[nn.ModuleList] = [model.get_submodule(name)  # a dotted path reaches into a ModuleDict
+                                      for name in repeated_blocks]
+        for blocks in lists:
             for index, block in enumerate(blocks):
                 if backend == "inductor":
                     compiled = _inductor_compile(block, options)

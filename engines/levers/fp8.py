@@ -292,17 +292,15 @@ def _quantize_scaled_mm(model: nn.Module, repeated_blocks: Iterable[str], *, fus
     split = any(isinstance(module, RowParallelLinear) for module in model.modules())
     if fuse and not split:  # a split model keeps them apart: its family's split names them (module docstring)
         fuse_shared_input_projections(model, repeated_blocks)
-    chosen = fp8_linear_names(model, repeated_blocks)
-    rows = [model.get_submodule(name) for name in chosen if isinstance(model.get_submodule(name), RowParallelLinear)]
+    chosen = {name: model.get_submodule(name) for name in fp8_linear_names(model, repeated_blocks)}
+    rows = [layer for layer in chosen.values() if isinstance(layer, RowParallelLinear)]
     for layer in rows:
         layer.to(torch.bfloat16)  # the weight is quantized from bfloat16, as torchao takes it; the bias stays so
     for layer, row_max in zip(rows, _whole_row_maxima(rows, group) if rows else [], strict=True):
         weight, scale = quantize_rows(layer.weight.detach(), row_max=row_max.to(torch.bfloat16)[:, None])
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.register_buffer("weight_scale", scale)
-    for name in chosen:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        if not isinstance(getattr(owner, child), RowParallelLinear):
-            setattr(owner, child, Fp8Linear.from_linear(getattr(owner, child)))
+    for name, layer in chosen.items():
+        if not isinstance(layer, RowParallelLinear):
+            model.set_submodule(name, Fp8Linear.from_linear(layer))
     return len(chosen)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from engines.levers.quantized_attention_triton import int8_attention, int8_attention_available
-from engines.options import ATTENTION_PRECISIONS
+from engines.options import ATTENTION_PRECISIONS, check_choice
 
 FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
 """Head dims FlashAttention-3's FP8 forward is built for (fa3-fwd)."""
@@ -75,8 +75,7 @@ def attention_precision(precision: str) -> Iterator[None]:
     (engines.parallel.attention), and diffusers' native attention, which serves a model whose plan splits no sequence
     (one rank, --cfg-parallel or --tp alone). Under torch.compile the value is guarded on: a change recompiles."""
     global _precision, _fa3_forward, _fa3_looked
-    if precision not in ATTENTION_PRECISIONS:
-        raise ValueError(f"unknown attention precision {precision!r}; choose one of {', '.join(ATTENTION_PRECISIONS)}")
+    check_choice("attention precision", precision, ATTENTION_PRECISIONS)
     if precision == "fp8" and not _fa3_looked:
         _fa3_forward, _fa3_looked = fa3_forward(), True
     # diffusers' dispatcher, where a model was made with it (a model's module imports it)

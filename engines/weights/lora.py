@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.import_noise import quiet_torchao_import
 from engines.levers.fp8 import Fp8Linear, FusedAway
 from engines.options import LoraError, LoraFile
 from engines.parallel.tensor_parallel import RowParallelLinear, WeightSplit, take
@@ -57,14 +58,18 @@ def loader_name(transformer_class: str) -> str:
     FluxLoraLoaderMixin, WanTransformer3DModel -> WanLoraLoaderMixin."""
     return re.sub(r"Transformer[23]DModel$", "", transformer_class) + "LoraLoaderMixin"
 
-def takes_loras(transformer_class: str) -> bool:
-    """Whether diffusers has a LoRA loader (loader_name) for `transformer_class`: a model without one takes no LoRA."""
-    from engines.levers.fp8 import quiet_torchao_import
 
+def _lora_pipeline() -> Any:
+    """diffusers' module of LoRA loaders (diffusers.loaders.lora_pipeline), imported without torchao's noise."""
     quiet_torchao_import()
     import diffusers.loaders.lora_pipeline as lora_pipeline
 
-    return hasattr(lora_pipeline, loader_name(transformer_class))
+    return lora_pipeline
+
+
+def takes_loras(transformer_class: str) -> bool:
+    """Whether diffusers has a LoRA loader (loader_name) for `transformer_class`: a model without one takes no LoRA."""
+    return hasattr(_lora_pipeline(), loader_name(transformer_class))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +78,6 @@ class LoraWeights:
 
     name: str
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def rank(self) -> int:
-        return max(down.shape[0] for down, _ in self.layers.values())
 
 
 def meta_transformer(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
@@ -87,12 +88,7 @@ def meta_transformer(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
 
 def _state_dict(path: Path, transformer_class: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict | None]:
     """diffusers' conversion of `path` to diffusers/PEFT keys: state dict, network alphas, PEFT config metadata."""
-    from engines.levers.fp8 import quiet_torchao_import
-
-    quiet_torchao_import()
-    import diffusers.loaders.lora_pipeline as lora_pipeline
-
-    loader = getattr(lora_pipeline, loader_name(transformer_class))
+    loader = getattr(_lora_pipeline(), loader_name(transformer_class))
     accepts = inspect.signature(loader.lora_state_dict).parameters
     kwargs = {"return_lora_metadata": True}
     if "return_alphas" in accepts:
@@ -127,8 +123,6 @@ def read_lora(file: LoraFile, transformer: nn.Module) -> LoraWeights:
         raise LoraError(f"LoRA {file.name}: file {file.path} does not exist")
     try:
         state, alphas, metadata = _state_dict(file.path, kind)
-    except LoraError:
-        raise
     except Exception as error:  # diffusers' converters raise anything on a foreign file
         raise LoraError(f"LoRA {file.name}: {file.path.name} is not a LoRA diffusers reads for {kind}: "
                         f"{error}") from None
@@ -150,7 +144,7 @@ def read_lora(file: LoraFile, transformer: nn.Module) -> LoraWeights:
             raise LoraError(f"{where}: shape {tuple(tensor.shape)}, the layer {module} takes {want}")
         pairs.setdefault(module, {})[kind_of[0]] = tensor
     layers = {}
-    config = (metadata or {}) if isinstance(metadata, dict) else {}
+    config = metadata if isinstance(metadata, dict) else {}
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"} or pair["A"].shape[0] != pair["B"].shape[1]:
             raise LoraError(f"LoRA {file.name} ({file.path.name}) does not fit: key "
@@ -173,10 +167,7 @@ def read_lora(file: LoraFile, transformer: nn.Module) -> LoraWeights:
 def check_lora_files(files: Iterable[LoraFile], transformer_class: type[nn.Module], config: dict[str, Any]
                      ) -> list[LoraWeights]:
     """Every file read and checked against a transformer of `config` (built on the meta device); names unique."""
-    files = list(files)
-    names = [file.name for file in files]
-    if len(set(names)) != len(names):
-        raise LoraError(f"LoRA names must differ: {', '.join(names)}")
+    files = _named_apart(files)
     if not files:
         return []
     transformer = meta_transformer(transformer_class, config)
@@ -187,22 +178,26 @@ def fitting_lora_files(files: Iterable[LoraFile], transformer_class: type[nn.Mod
                        ) -> tuple[list[LoraWeights], dict[str, str]]:
     """The files of `files` that fit a transformer of `config`, read (check_lora_files), and why each other does
     not (name -> message): a server of several models gives each model the LoRAs it takes."""
-    files = list(files)
-    names = [file.name for file in files]
-    if len(set(names)) != len(names):
-        raise LoraError(f"LoRA names must differ: {', '.join(names)}")
+    files = _named_apart(files)
     if not files:
         return [], {}
+    transformer = meta_transformer(transformer_class, config)
     fits, refused = [], {}
-    transformer = None
     for file in files:
         try:
-            if transformer is None:
-                transformer = meta_transformer(transformer_class, config)
             fits.append(read_lora(file, transformer))
         except LoraError as error:
             refused[file.name] = str(error)
     return fits, refused
+
+
+def _named_apart(files: Iterable[LoraFile]) -> list[LoraFile]:
+    """`files` as a list; LoraError unless their names differ."""
+    files = list(files)
+    names = [file.name for file in files]
+    if len(set(names)) != len(names):
+        raise LoraError(f"LoRA names must differ: {', '.join(names)}")
+    return files
 
 
 class LoraDelta(nn.Module):
@@ -332,8 +327,7 @@ def attach_loras(model: nn.Module, loras: list[LoraWeights], *, dtype: torch.dty
         if isinstance(base, (RowParallelLinear, Fp8Linear)):
             base.lora = delta
         else:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, LoraLinear.of(base, delta))
+            model.set_submodule(name, LoraLinear.of(base, delta))
     return LoraSet(names=tuple(lora.name for lora in loras), slots=slots, scales=scales, layers=len(targets))
 
 
@@ -351,8 +345,7 @@ def detach_loras(model: nn.Module) -> dict[str, LoraDelta]:
         base = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         base.weight, base.bias = module.weight, module.bias
         base.train(module.training)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, base)
+        model.set_submodule(name, base)
     return taken
 
 
