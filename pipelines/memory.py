@@ -45,17 +45,24 @@ def fits_beside(module_bytes: int, free_bytes: int, total_bytes: int) -> bool:
     return free_bytes - module_bytes >= (1 - WEIGHTS_SHARE) * total_bytes
 
 
-def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:
-    """Parameters one rank keeps of the family's transformer built from `config`, split over `tp` ranks;
-    ValueError when the split does not divide (heads, K/V heads or widths)."""
+def _meta_transformer(family: ModelFamily, config: dict[str, Any], tp: int) -> Any:
+    """The family's transformer built from `config` on the meta device (no memory), once `tp` is checked against
+    its attention heads (ValueError where it does not divide them)."""
     import torch
 
     from engines.parallel.plan import ParallelPlan
-    from engines.parallel.tensor_parallel import rank_parameters
 
     ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
     with torch.device("meta"):
-        model = load(family.transformer)(**config)
+        return load(family.transformer)(**config)
+
+
+def transformer_parameters(family: ModelFamily, config: dict[str, Any], tp: int) -> int:
+    """Parameters one rank keeps of the family's transformer built from `config`, split over `tp` ranks;
+    ValueError when the split does not divide (heads, K/V heads or widths)."""
+    from engines.parallel.tensor_parallel import rank_parameters
+
+    model = _meta_transformer(family, config, tp)
     if tp == 1:  # nothing split (a family whose attention tp cannot split, Wan's, runs whole)
         return sum(parameter.numel() for parameter in model.parameters())
     split = load(family.tensor_parallel)(model, tp)
@@ -67,15 +74,10 @@ def transformer_bytes(family: ModelFamily, config: dict[str, Any], tp: int, *, f
     """Bytes one rank keeps of the family's transformer built from `config`, split over `tp` ranks, in bfloat16
     (BF16_BYTES a parameter); with `fp8` its FP8 layers (engines.levers.fp8.fp8_linear_names of the rank's shares) at
     FP8_BYTES an element plus one float32 scale per output row. ValueError as transformer_parameters."""
-    import torch
-
     from engines.levers.fp8 import fp8_linear_names
-    from engines.parallel.plan import ParallelPlan
     from engines.parallel.tensor_parallel import split_weights
 
-    ParallelPlan(tp=tp).check(num_heads=config["num_attention_heads"])
-    with torch.device("meta"):
-        model = load(family.transformer)(**config)
+    model = _meta_transformer(family, config, tp)
     if tp > 1:  # a family whose attention tp cannot split (Wan's) runs whole at tp 1
         split_weights(model, load(family.tensor_parallel)(model, tp), tp=tp, rank=0)  # meta: local shapes, no data
     quantized = set(fp8_linear_names(model, family.compiled_blocks)) if fp8 else set()

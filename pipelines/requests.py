@@ -297,7 +297,11 @@ def _check_condition(condition: Any) -> str:
     from pipelines.media import MediaError, check_input  # numpy and PIL: not for every command line's start
 
     path = Path(str(condition))
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as error:  # a name too long for the file system, a folder this process may not enter
+        raise RequestError(f"input file {path.name} cannot be read ({error.strerror})") from None
+    if not found:
         raise RequestError(f"input file {path.name} does not exist")
     if path.suffix.lower() not in IMAGE_SUFFIXES + VIDEO_SUFFIXES:
         raise RequestError(f"input file {path.name} is neither an image ({', '.join(IMAGE_SUFFIXES)}) "
@@ -309,12 +313,16 @@ def _check_condition(condition: Any) -> str:
     return str(path)
 
 
+def _check_image(condition: Any, takes: str) -> str:
+    """An input image's path (_check_condition); a video is refused, `takes` saying what the model takes instead."""
+    if Path(str(condition)).suffix.lower() in VIDEO_SUFFIXES:
+        raise RequestError(f"input file {Path(str(condition)).name} is a video; this model {takes}")
+    return _check_condition(condition)
+
+
 def _check_first_frame(condition: Any) -> str:
     """An image-to-video input's path, once its header shows a readable image (a video is refused)."""
-    if Path(str(condition)).suffix.lower() in VIDEO_SUFFIXES:
-        raise RequestError(f"input file {Path(str(condition)).name} is a video; this model starts a video from an "
-                           "image (its first frame)")
-    return _check_condition(condition)
+    return _check_image(condition, "starts a video from an image (its first frame)")
 
 
 REFERENCE_MIN_SIDE, REFERENCE_MAX_ASPECT = 64, 8
@@ -325,9 +333,7 @@ def _check_reference(condition: Any) -> str:
     """A reference image's path, once its header shows an image FLUX.2's pipelines accept."""
     from pipelines.media import probe
 
-    if Path(str(condition)).suffix.lower() in VIDEO_SUFFIXES:
-        raise RequestError(f"input file {Path(str(condition)).name} is a video; this model takes a reference image")
-    path = _check_condition(condition)
+    path = _check_image(condition, "takes a reference image")
     info = probe(path)
     if min(info.width, info.height) < REFERENCE_MIN_SIDE:
         raise RequestError(f"reference image {Path(path).name} is {info.width}x{info.height}; both sides must be at "

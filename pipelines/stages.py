@@ -31,6 +31,17 @@ Predict = Callable[[int, Any, Any, str], Any]
 the scheduler steps with (the step's model inputs, the transformer call or calls, the guidance)."""
 
 
+def latent_statistics(vae_config: Any, like: Any) -> tuple[Any, Any]:
+    """A Wan-style VAE's per-channel latent mean and inverse standard deviation (its config's latents_mean and
+    latents_std), [1, z_dim, 1, 1, 1] on `like`'s device and in its dtype: diffusers' Wan and Qwen-Image pipelines'
+    arithmetic (latents normalised as (x - mean) * inverse_std, de-normalised as x / inverse_std + mean)."""
+    import torch
+
+    mean = torch.tensor(vae_config.latents_mean).view(1, vae_config.z_dim, 1, 1, 1).to(like)
+    inverse_std = 1.0 / torch.tensor(vae_config.latents_std).view(1, vae_config.z_dim, 1, 1, 1).to(like)
+    return mean, inverse_std
+
+
 class StagedPipeline:
     """Base of the family pipelines (each family folder's pipeline.py)."""
 
@@ -260,11 +271,15 @@ class StagedPipeline:
 
         return splits(request.height // self.vae_spatial_factor, dist.get_world_size(self.vae_group))
 
+    def require_vae(self) -> None:
+        """RuntimeError where this pipeline was loaded without its VAE (with_vae=False: a rank that does not decode)."""
+        if self.vae is None:
+            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+
     def decode_latents(self, request: GenerationRequest, latents: Any) -> Any:
         """`self.vae.decode(latents).sample`: split over the ranks when decode_is_split(request) (then every rank
         calls it and rank 0 alone gets the result, the others None), else whole."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         if self.decode_is_split(request):
             from pipelines.split_vae import Parts, split_decode
 

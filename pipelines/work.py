@@ -50,7 +50,9 @@ class WorkCounter:
         self._count = lru_cache(maxsize=256)(self._count_shape)
 
     def __call__(self, request: GenerationRequest) -> Work:
-        guided = uses_guidance_batch(self.spec) or self._family.guidance_calls  # two branches, batched or not
+        # two branches, batched or as two calls (guidance_calls) where the model has them: not FLUX.3's distilled
+        # checkpoint, whose family makes two calls for its base checkpoint alone (that spec's guidance_batch)
+        guided = uses_guidance_batch(self.spec)
         branches = 2 if guided and request.guidance > 1.0 else 1
         reference = None
         if request.condition is not None and self.limits.reference_area:  # a square of its area: about its tokens

@@ -163,3 +163,12 @@ def test_whole_numbers_may_come_as_floats_or_text():
     assert all(type(value) is int for value in (request.steps, request.seed, request.frames, request.width))
     # a seed as text keeps every digit (a float would not)
     assert tiny("tiny-flux", prompt="x", seed=str(2**63 - 1))[2].seed == 2**63 - 1
+
+
+def test_an_input_path_the_file_system_refuses_is_refused_with_a_message(tmp_path):
+    """A name longer than the file system allows (or a folder this process may not enter) makes the existence check
+    itself fail: that is a RequestError naming the file, not an OSError out of make_request."""
+    from pipelines.requests import RequestError
+
+    with pytest.raises(RequestError, match=r"input file a+\.png cannot be read"):
+        tiny("tiny-cosmos", prompt="x", condition=str(tmp_path / ("a" * 300 + ".png")))

@@ -87,3 +87,37 @@ def test_every_block_list_compiles_and_goes_fp8_one_block_at_a_time() -> None:
     quantized = fp8_linear_names(model, FLUX3.compiled_blocks)
     for name in FLUX3.compiled_blocks:
         assert any(layer.startswith(f"{name}.") for layer in quantized), name
+
+
+def test_work_counts_the_guidance_calls_the_pipeline_makes(base: Path, distilled: Path) -> None:
+    """The base model's guidance is two calls, counted twice; the distilled (flow-map) model makes one call whatever
+    a request's guidance, so its work is one call's."""
+    from pipelines.work import WorkCounter
+
+    for name, folder, calls in (("flux3-klein-base", base, 2), ("flux3-klein", distilled, 1)):
+        spec, path = resolve_model(name, folder)
+        limits = read_limits(spec, path)
+        count = WorkCounter(spec, path, limits)
+        guided, plain = (count(make_request(spec, limits, prompt=PROMPT, height=64, width=48, guidance=guidance))
+                         for guidance in (3.5, 1.0))
+        assert guided.step_flops == pytest.approx(calls * plain.step_flops, rel=1e-6), name
+
+
+def test_a_rank_without_the_vae_reads_its_factor_from_the_folder(base: Path, tmp_path: Path) -> None:
+    """Ranks > 0 load no VAE, yet make the latent grid every rank shares: its factor comes from the folder's VAE config
+    (as the limits read it), not from an assumed 8x."""
+    import json
+    import shutil
+
+    from pipelines.factory import load_pipeline
+
+    folder = tmp_path / "flux-3-image-klein-base"
+    shutil.copytree(base, folder)
+    config_path = folder / "vae" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["block_out_channels"] = config["block_out_channels"][:3]  # a 4x VAE
+    config_path.write_text(json.dumps(config))
+    spec, path = resolve_model("flux3-klein-base", folder)
+    pipeline = load_pipeline(spec, path, with_encoders=False)
+    assert pipeline.vae is None
+    assert pipeline.vae_scale_factor * 2 == read_limits(spec, path).size_multiple == 8

@@ -150,9 +150,14 @@ class CosmosPipeline(StagedPipeline):
             frames = np.concatenate([frames, np.repeat(frames[-1:], request.frames - num_given, axis=0)])
         return torch.from_numpy(np.ascontiguousarray(frames)), self._given_latent_frames(request, num_given)
 
-    def _normalised(self, latents: torch.Tensor) -> torch.Tensor:
+    def _latent_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel latent mean and standard deviation (its config's), [1, C, 1, 1, 1] float32."""
         mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
+        return mean, std
+
+    def _normalised(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._latent_statistics()
         return (latents - mean) / std * SIGMA_DATA
 
     def encode_is_split(self, request: GenerationRequest) -> bool:
@@ -176,8 +181,7 @@ class CosmosPipeline(StagedPipeline):
 
         from pipelines.split_vae import Parts, encode_wan
 
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         # [T, H, W, 3] uint8 -> [1, 3, T, H, W] in [-1, 1]: the float32 arithmetic of VideoProcessor.preprocess_video
         video = cond.condition_frames.to(self.device).permute(3, 0, 1, 2).unsqueeze(0).float() / 255.0
         video = 2.0 * video - 1.0
@@ -250,10 +254,8 @@ class CosmosPipeline(StagedPipeline):
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image | None:
         """VAE-decode latents: uint8 frames [T, H, W, 3] for video models, a PIL image for image models (None
         on a rank > 0 of a split decode)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
-        mean = torch.tensor(self.vae_config["latents_mean"], device=self.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(self.vae_config["latents_std"], device=self.device).view(1, -1, 1, 1, 1)
+        self.require_vae()
+        mean, std = self._latent_statistics()
         latents = latents.to(self.device, torch.float32) * std / SIGMA_DATA + mean
         video = self.decode_latents(request, latents.to(self.vae.dtype))
         if video is None:

@@ -180,8 +180,7 @@ class Cosmos3Pipeline(StagedPipeline):
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | PIL.Image.Image | None:
         """VAE-decode latents: uint8 frames [T, H, W, 3], or a PIL image for a one-frame request (None on a
         rank > 0 of a split decode)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         # diffusers' Cosmos3OmniPipeline's latent statistics (its _vae_latents_mean / _inv_std), from the VAE's config
         mean = torch.tensor(self.vae.config.latents_mean, dtype=self.vae.dtype)
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std, dtype=self.vae.dtype)

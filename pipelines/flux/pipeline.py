@@ -124,8 +124,7 @@ class FluxImagePipeline(StagedPipeline):
     @torch.no_grad()
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image | None:
         """VAE-decode packed latents into the image (None on a rank > 0 of a split decode)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         latents = FluxPipeline._unpack_latents(latents.to(self.device), request.height, request.width,
                                                self.vae_scale_factor)
         latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor

@@ -171,8 +171,7 @@ class Flux2ImagePipeline(StagedPipeline):
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image | None:
         """Unpack, de-normalise with the VAE's batch-norm statistics, un-patch and VAE-decode (None on a rank > 0
         of a split decode)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         rows, cols = request.height // (self.vae_scale_factor * 2), request.width // (self.vae_scale_factor * 2)
         latents = unpack_latents(self.vae, latents.to(self.device), rows, cols)
         image = self.decode_latents(request, latents.to(self.vae.dtype))

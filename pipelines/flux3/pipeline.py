@@ -52,7 +52,7 @@ from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flu
 from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.flux2.pipeline import unpack_latents
-from pipelines.registry import ModelSpec, read_model_index
+from pipelines.registry import ModelSpec, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback
 
@@ -105,7 +105,9 @@ class Flux3ImagePipeline(StagedPipeline):
         self.text_encoder = text_encoder
         self.processor = as_processor(tokenizer) if tokenizer is not None else None
         self.image_processor = _created(Flux3DecodeStep(), "image_processor")
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
+        # from the folder's config, not the loaded VAE, which ranks > 0 lack (the latent grid is every rank's)
+        vae_config = read_component_config(folder, "vae")
+        self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
         self.vae_spatial_factor = self.vae_scale_factor
         self._text_step = Flux3TextEncoderStep()
         self._rope_scale = Flux3PrepareLatentsStep().image_rope_scale
@@ -151,8 +153,7 @@ class Flux3ImagePipeline(StagedPipeline):
     def _reference(self, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference image as diffusers' FLUX.3 blocks prepare one: scaled to fit its canvas and reflect-padded
         to the 16-pixel grid, VAE-encoded (the mode), packed 2x2 and batch-norm normalised, as tokens with ids."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         with PIL.Image.open(path) as opened:
             image = opened.convert("RGB")
         pixels, _ = self.image_processor.preprocess(image, resize_mode="fill")  # one reference: kept whole
@@ -219,8 +220,7 @@ class Flux3ImagePipeline(StagedPipeline):
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image | None:
         """Unpack, de-normalise with the VAE's batch-norm statistics, un-patch and VAE-decode (None on a rank > 0
         of a split decode)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         latents = unpack_latents(self.vae, latents.to(self.device), *self._latent_grid(request))
         image = self.decode_latents(request, latents.to(self.vae.dtype))
         if image is None:

@@ -65,7 +65,7 @@ from transformers import Qwen2VLProcessor
 from pipelines.qwen_image.limits import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline, StepCallback
+from pipelines.stages import StagedPipeline, StepCallback, latent_statistics
 
 PACK = 2
 """Latent rows and columns per token: QwenImagePipeline's packing helpers take 2x2 patches."""
@@ -202,13 +202,10 @@ class QwenImageImagePipeline(StagedPipeline):
     @torch.no_grad()
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> PIL.Image.Image:
         """Unpack, de-normalise with the VAE's latent statistics and VAE-decode the one frame."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
-        config = self.vae.config
+        self.require_vae()
         latents = QwenImagePipeline._unpack_latents(latents.to(self.device), request.height, request.width,
                                                     self.vae_scale_factor).to(self.vae.dtype)
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        mean, inverse_std = latent_statistics(self.vae.config, latents)
         image = self.decode_latents(request, latents / inverse_std + mean)[:, :, 0]  # QwenImagePipeline's arithmetic
         return self.image_processor.postprocess(image, output_type="pil")[0]
 

@@ -45,7 +45,7 @@ from diffusers.video_processor import VideoProcessor
 
 from pipelines.registry import ModelSpec, folder_experts, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
-from pipelines.stages import StagedPipeline, StepCallback
+from pipelines.stages import StagedPipeline, StepCallback, latent_statistics
 
 
 @dataclass(kw_only=True)
@@ -153,17 +153,14 @@ class WanVideoPipeline(StagedPipeline):
         """The image resized to the request's size and VAE-encoded (the posterior's mode), normalised by the
         VAE's latent statistics, as WanImageToVideoPipeline.prepare_latents does: the image alone (TI2V), or
         followed by black frames to the request's length behind a first-frame mask (Wan 2.1)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
+        self.require_vae()
         height, width = request.height, request.width
         pixels = self.video_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
         video = pixels.unsqueeze(2)
         if not self.expand_timesteps:
             video = torch.cat([video, video.new_zeros(1, 3, request.frames - 1, height, width)], dim=2)
         latents = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().float()
-        config = self.vae.config
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        mean, inverse_std = latent_statistics(self.vae.config, latents)
         latents = (latents - mean) * inverse_std
         if self.expand_timesteps:
             return latents
@@ -237,12 +234,9 @@ class WanVideoPipeline(StagedPipeline):
     def decode(self, request: GenerationRequest, latents: torch.Tensor) -> np.ndarray | None:
         """De-normalise with the VAE's latent statistics and VAE-decode: uint8 frames [T, H, W, 3] (None on a
         rank > 0 of a split decode)."""
-        if self.vae is None:
-            raise RuntimeError("this pipeline was loaded without a VAE (with_vae=False)")
-        config = self.vae.config
+        self.require_vae()
         latents = latents.to(self.device, self.vae.dtype)
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+        mean, inverse_std = latent_statistics(self.vae.config, latents)
         video = self.decode_latents(request, latents / inverse_std + mean)  # WanPipeline's arithmetic, to the bit
         if video is None:
             return None
