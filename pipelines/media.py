@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import PIL.Image
+import PIL.ImageOps
 from PIL.PngImagePlugin import PngInfo
 
 from pipelines.media_suffixes import IMAGE_SUFFIXES
@@ -134,13 +135,28 @@ def read_video(path: str | Path) -> tuple[list[np.ndarray], float]:
     return frames, fps
 
 
+EXIF_ORIENTATION = 0x0112
+"""The EXIF tag that says how a camera held the picture (values 5 to 8: turned a quarter, width and height swap)."""
+
+
+def _turned(image: PIL.Image.Image) -> bool:
+    """Whether `image`'s EXIF orientation turns it a quarter (its upright width is its stored height)."""
+    return image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
+
+
+def open_image(path: str | Path) -> PIL.Image.Image:
+    """An input image as RGB, upright by its EXIF orientation (a phone's photo), as diffusers' load_image gives it."""
+    with PIL.Image.open(path) as image:
+        return PIL.ImageOps.exif_transpose(image).convert("RGB")
+
+
 def probe(path: str | Path) -> MediaInfo:
     """Size (and for a video frame rate and duration) from `path`'s header, decoding nothing."""
     path = Path(path)
     if path.suffix.lower() in IMAGE_SUFFIXES:
         try:
             with PIL.Image.open(path) as image:
-                width, height = image.size
+                width, height = image.size[::-1] if _turned(image) else image.size  # as open_image gives it
         except PIL.Image.DecompressionBombError:  # PIL refuses to open an image over twice its MAX_IMAGE_PIXELS
             raise MediaError(f"input image {path.name} is over {2 * PIL.Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels; "
                              f"the limit is {INPUT_LIMITS.image_pixels / 1e6:.0f} megapixels") from None
@@ -196,8 +212,9 @@ def read_frames(path: str | Path, size: tuple[int, int], *, last: int = 1,
     info = check_input(path)
     if not info.video:
         with PIL.Image.open(path) as image:
-            image.draft("RGB", size)  # JPEG decodes at a reduced scale when that is still >= size
-            return [image.convert("RGB").resize(size, resample)]
+            image.draft("RGB", size[::-1] if _turned(image) else size)  # JPEG decodes at a reduced scale when that is
+            # still >= size
+            return [PIL.ImageOps.exif_transpose(image).convert("RGB").resize(size, resample)]
     import imageio_ffmpeg
 
     input_params = []

@@ -172,3 +172,28 @@ def test_an_input_path_the_file_system_refuses_is_refused_with_a_message(tmp_pat
 
     with pytest.raises(RequestError, match=r"input file a+\.png cannot be read"):
         tiny("tiny-cosmos", prompt="x", condition=str(tmp_path / ("a" * 300 + ".png")))
+
+
+def test_a_phone_photo_is_read_upright_by_its_exif_orientation(tmp_path):
+    """A camera's JPEG stored sideways with EXIF orientation 6 (turn 90 degrees clockwise to view): every reader of
+    an input image (its header's size, a reference or first frame, a video-to-world frame) sees it upright, as
+    diffusers' load_image does, not on its side."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    from pipelines.media import EXIF_ORIENTATION, open_image, probe, read_frames
+
+    stored = Image.new("RGB", (48, 32), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 24, 32))  # left half red: upright, the top half
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = 6
+    path = tmp_path / "photo.jpg"
+    stored.save(path, exif=exif, quality=95)
+    assert (probe(path).width, probe(path).height) == (32, 48)
+    for image in (open_image(path), read_frames(path, (32, 48))[0]):
+        assert image.size == (32, 48)
+        top, bottom = np.asarray(image)[4, 16], np.asarray(image)[44, 16]
+        assert top[0] > 200 > top[2] and bottom[2] > 200 > bottom[0], (top, bottom)
+    pipelines = Path(__file__).resolve().parent.parent / "pipelines"
+    assert not [path for path in pipelines.glob("*/pipeline.py") if "Image.open(" in path.read_text()]

@@ -31,6 +31,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from pipelines.media import open_image
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, uses_guidance_batch
 from pipelines.stages import StagedPipeline, StepCallback
@@ -107,8 +108,7 @@ class Flux2ImagePipeline(StagedPipeline):
         """The reference image as diffusers prepares it: scaled down to REFERENCE_MAX_AREA if larger, cropped
         to a multiple of the VAE factor x 2, in [-1, 1]."""
         processor = self._diffusers.image_processor
-        with PIL.Image.open(path) as opened:
-            image = opened.convert("RGB")
+        image = open_image(path)  # upright, as diffusers' load_image gives it
         if image.width * image.height > REFERENCE_MAX_AREA:
             image = processor._resize_to_target_area(image, REFERENCE_MAX_AREA)
         multiple = self.vae_scale_factor * 2

@@ -52,6 +52,7 @@ from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flu
 from diffusers.utils.torch_utils import randn_tensor
 
 from pipelines.flux2.pipeline import unpack_latents
+from pipelines.media import open_image
 from pipelines.registry import ModelSpec, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback
@@ -154,8 +155,7 @@ class Flux3ImagePipeline(StagedPipeline):
         """The reference image as diffusers' FLUX.3 blocks prepare one: scaled to fit its canvas and reflect-padded
         to the 16-pixel grid, VAE-encoded (the mode), packed 2x2 and batch-norm normalised, as tokens with ids."""
         self.require_vae()
-        with PIL.Image.open(path) as opened:
-            image = opened.convert("RGB")
+        image = open_image(path)  # upright, as diffusers' load_image gives it
         pixels, _ = self.image_processor.preprocess(image, resize_mode="fill")  # one reference: kept whole
         vae = self.vae
         latents = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()

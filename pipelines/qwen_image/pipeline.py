@@ -62,6 +62,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
 from diffusers.utils.torch_utils import randn_tensor
 from transformers import Qwen2VLProcessor
 
+from pipelines.media import open_image
 from pipelines.qwen_image.limits import EDIT_AREA, QWEN_EDIT_CHECKPOINT, QWEN_EDIT_PLUS_CHECKPOINT
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest
@@ -258,8 +259,7 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
             raise RuntimeError("this pipeline was loaded without text encoder or VAE (with_encoders=False)")
         if request.condition is None:
             raise ValueError(f"model '{self.spec.name}' edits an image: the request brings none (its input)")
-        with PIL.Image.open(request.condition) as opened:
-            image = opened.convert("RGB")
+        image = open_image(request.condition)  # upright, as diffusers' load_image gives it
         width, height, _ = calculate_dimensions(self.VISION_AREA, image.width / image.height)
         reference = self.image_processor.resize(image, height, width)  # what the vision tower sees, as diffusers
         guided = request.guidance > 1.0
