@@ -154,3 +154,16 @@ def test_batch_errors_are_one_line(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "steps must be between 1" in result.stderr
     assert os.listdir(tmp_path) == ["p.txt"]
+
+
+def test_an_entry_appended_after_a_torn_last_line_is_kept(tmp_path):
+    """An interrupted run's torn last line (no newline) must not swallow the next run's first entry."""
+    from app.commands.manifest import MANIFEST_NAME, Manifest
+
+    (tmp_path / "a.png").write_bytes(b"a")
+    (tmp_path / "b.png").write_bytes(b"b")
+    (tmp_path / MANIFEST_NAME).write_text('{"file": "a.png", "settings": {"seed": 1}}\n{"file": "b.p')
+    Manifest(tmp_path).append({"file": "b.png", "settings": {"seed": 2}})
+    resumed = Manifest(tmp_path)
+    assert [entry["file"] for entry in resumed.entries()] == ["a.png", "b.png"]
+    assert resumed.is_done("b.png", {"seed": 2})

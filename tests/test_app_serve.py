@@ -394,3 +394,46 @@ def test_launch_checks_the_command_line_before_starting_ranks():
     result = subprocess.run([sys.executable, "-m", "app", "serve", "--auth", "nopassword"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip() == "error: --auth must look like USER:PASSWORD"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-upload-mb", "inf"], "--max-upload-mb"),
+    (["--max-upload-mb-per-owner", "nan"], "--max-upload-mb-per-owner"),
+    (["--max-results-mb-per-owner", "inf"], "--max-results-mb-per-owner"),
+    (["--max-request-seconds", "nan"], "--max-request-seconds"),
+    (["--signed-url-seconds", "nan"], "--signed-url-seconds"),
+])
+def test_limits_that_are_not_finite_numbers_are_refused_before_any_rank_starts(args, message):
+    from app.commands.cli import build_parser
+    from app.server.serve import ServeError, serve_plan
+
+    with pytest.raises(ServeError, match=message):
+        serve_plan(build_parser().parse_args(["serve", "--model", "tiny-flux", *args]))
+
+
+def test_an_out_that_is_a_file_is_refused_before_any_rank_starts(tmp_path):
+    from app.commands.cli import build_parser
+    from app.server.serve import ServeError, serve_plan
+
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    with pytest.raises(ServeError, match="is a file, not a folder"):
+        serve_plan(build_parser().parse_args(["serve", "--model", "tiny-flux", "--out", str(taken)]))
+
+
+def test_the_port_probe_takes_an_ipv6_host_as_the_server_binds_it():
+    """`--host ::1` (or `::`) is bound as uvicorn and the API server bind it: an IPv6 socket, not refused up front."""
+    from app.server.serve import ServeError, check_port
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 here")
+    check_port("::1", port)
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", port))
+        taken.listen(1)
+        with pytest.raises(ServeError, match=f"cannot listen on ::1:{port}"):
+            check_port("::1", port)

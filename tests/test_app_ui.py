@@ -254,3 +254,37 @@ def test_with_logins_a_result_file_goes_to_its_owners_login_alone(tmp_path):
                 assert http.get(f"gradio_api/file={stray}").status_code == 404
     finally:
         demo.close()
+
+
+def test_a_result_that_cannot_be_written_is_an_error_naming_no_server_path(monkeypatch):
+    """The write's own error (a full disk, a missing ffmpeg) reaches the page as a gr.Error whose message names
+    files by their names alone, as every other error of a request does."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    from app.server import ui
+    from app.server.jobs import Finished
+
+    class Job:
+        async def follow(self, gone, every):
+            yield Finished(generation=None)
+
+    async def submit(model, server, **fields):
+        return SimpleNamespace(job=Job(), request=SimpleNamespace(steps=2), estimate=None, id="image_1")
+
+    async def write(*args):
+        raise OSError(28, "No space left on device", "/srv/secret-folder/results/x.png")
+
+    monkeypatch.setattr(ui, "submit", submit)
+    monkeypatch.setattr(ui, "write", write)
+    page = SimpleNamespace(owners=ui.Owners(), server=None, status=lambda: "status")
+
+    async def run() -> None:
+        async for _ in ui._generate(None, page, lambda *args, **kwargs: None, False, None, prompt="x"):
+            pass
+
+    with pytest.raises(gr.Error) as raised:
+        asyncio.run(run())
+    assert "x.png" in raised.value.message and "/srv" not in raised.value.message

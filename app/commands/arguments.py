@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engines.options import (
@@ -224,15 +224,12 @@ def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimit
     if not files:
         return limits
     from engines.weights.lora import check_lora_files
-    from pipelines.family import load
-    from pipelines.registry import family_of, read_component_config
 
     for file in _pairs_for_one_transformer(files, spec):
         raise OptionsError(f"--lora {file.name}: {TWO_FILES}; {spec.name} has one transformer")
     try:
-        for index, component in enumerate(expert_components(spec)):
-            check_lora_files([file.for_expert(index) for file in files], load(family_of(spec).transformer),
-                             read_component_config(folder, component))
+        for index, transformer, config in _transformer_configs(spec, folder):
+            check_lora_files([file.for_expert(index) for file in files], transformer, config)
     except LoraError as error:
         raise OptionsError(f"{error} (model {spec.name})") from None
     return replace(limits, loras=tuple((file.name, file.scale) for file in files))
@@ -241,6 +238,16 @@ def lora_limits(args: argparse.Namespace, spec, folder: Path, limits: MediaLimit
 def expert_components(spec) -> list[str]:
     """The folder components of `spec`'s transformers: "transformer", and "transformer_2" for a two-expert model."""
     return ["transformer", "transformer_2"][:spec.experts]
+
+
+def _transformer_configs(spec, folder: Path) -> Iterator[tuple[int, type, dict]]:
+    """(expert index, transformer class, its config from `folder`) of each of `spec`'s transformers, read as
+    iterated."""
+    from pipelines.family import load
+    from pipelines.registry import family_of, read_component_config
+
+    for index, component in enumerate(expert_components(spec)):
+        yield index, load(family_of(spec).transformer), read_component_config(folder, component)
 
 
 TWO_FILES = "two files are a two-expert model's (Wan 2.2 A14B: high noise, low noise)"
@@ -255,14 +262,11 @@ def _fitting_names(files, spec, folder: Path) -> tuple[set[str], dict[str, str]]
     """The names of `files` that fit every transformer of `spec` (by `folder`'s configs), and why each other does
     not (LoraError for a file that cannot be read)."""
     from engines.weights.lora import fitting_lora_files
-    from pipelines.family import load
-    from pipelines.registry import family_of, read_component_config
 
     refused = {file.name: TWO_FILES for file in _pairs_for_one_transformer(files, spec)}
     names = {file.name for file in files} - set(refused)
-    for index, component in enumerate(expert_components(spec)):
-        fits, why = fitting_lora_files([file.for_expert(index) for file in files], load(family_of(spec).transformer),
-                                       read_component_config(folder, component))
+    for index, transformer, config in _transformer_configs(spec, folder):
+        fits, why = fitting_lora_files([file.for_expert(index) for file in files], transformer, config)
         names &= {weights.name for weights in fits}
         for name, reason in why.items():
             refused.setdefault(name, reason)

@@ -43,8 +43,18 @@ class Manifest:
 
     def append(self, entry: dict[str, Any]) -> None:
         """Add one entry, durably."""
+        # After an interrupted run's torn last line, a line of its own: else the two would be one bad line.
+        start = "\n" if self._ends_torn() else ""
         with self.path.open("a", encoding="utf-8") as stream:
-            stream.write(json.dumps(entry, sort_keys=True) + "\n")
+            stream.write(start + json.dumps(entry, sort_keys=True) + "\n")
             stream.flush()
             os.fsync(stream.fileno())
         self._written[entry["file"]] = entry.get("settings")
+
+    def _ends_torn(self) -> bool:
+        """Whether the file's last line has no newline (an interrupted run's torn line)."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return False
+        with self.path.open("rb") as stream:
+            stream.seek(-1, os.SEEK_END)
+            return stream.read(1) != b"\n"

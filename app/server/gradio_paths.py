@@ -45,10 +45,9 @@ class ServerPaths:
     def __init__(self, app: Any, *, uploads: Path, results: Path, upload_quota: int | None = None) -> None:
         self.app = app
         uploads, results = Path(uploads).resolve(), Path(results).resolve()
-        self._out = [(f"{uploads}/".encode(), UPLOADS_ALIAS.encode()), (f"{results}/".encode(), RESULTS_ALIAS.encode())]
-        self._in = [(f'"{UPLOADS_ALIAS}'.encode(), f'"{uploads}/'.encode()),
-                    (f'"{RESULTS_ALIAS}'.encode(), f'"{results}/'.encode())]
         self._folders = {UPLOADS_ALIAS: f"{uploads}/", RESULTS_ALIAS: f"{results}/"}
+        self._out = [(folder.encode(), alias.encode()) for alias, folder in self._folders.items()]
+        self._in = [(f'"{alias}'.encode(), f'"{folder}'.encode()) for alias, folder in self._folders.items()]
         self.upload_quota = upload_quota
         self._held: dict[str, dict[str, int]] = {}
         """Uploader -> its uploads' paths and sizes (pruned of files no longer there as it is read)."""

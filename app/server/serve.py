@@ -29,6 +29,7 @@ ended.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import socket
@@ -205,12 +206,18 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     served_lora_limits(args, models, [read_limits(spec, folder) for spec, folder in models])
     if args.no_ui:
         _check_no_ui(args)
+    for option in ("max_request_seconds", "max_upload_mb", "max_upload_mb_per_owner", "max_results_mb_per_owner",
+                   "signed_url_seconds"):
+        if not math.isfinite(getattr(args, option)):  # nan passes every comparison below; inf overflows int()
+            raise ServeError(f"--{option.replace('_', '-')} must be a finite number, got {getattr(args, option)}")
     if args.max_request_seconds < 0 or args.max_queue < 1 or args.max_upload_mb <= 0:
         raise ServeError("--max-request-seconds must be at least 0, --max-queue at least 1, --max-upload-mb above 0")
     if (args.max_queue_per_owner < 1 or args.max_upload_mb_per_owner <= 0 or args.max_results_mb_per_owner < 0
             or args.signed_url_seconds <= 0):
         raise ServeError("--max-queue-per-owner must be at least 1, --max-upload-mb-per-owner and "
                          "--signed-url-seconds above 0, --max-results-mb-per-owner at least 0")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ServeError(f"--out {args.out} is a file, not a folder")
     keep_results = None
     if args.keep_results is not None:
         try:
@@ -256,9 +263,10 @@ def check_port(host: str, port: int) -> None:
     if not 0 < port < 65536:
         raise ServeError(f"--port must be between 1 and 65535, got {port}")
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            # As uvicorn binds: with SO_REUSEADDR, so that the TIME_WAIT connections a server that just
-            # ended left behind do not refuse the port, while a live listener still does (Linux).
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As uvicorn binds: IPv6 for a host with a colon, and with SO_REUSEADDR, so that the TIME_WAIT
+            # connections a server that just ended left behind do not refuse the port, while a live listener still
+            # does (Linux).
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
             probe.listen(1)

@@ -342,12 +342,8 @@ def _image_tab(model: ServedModel, page: _Page) -> None:
     inputs = (restored + ([reference] if reference is not None else [gr.State(None)])
               + ([cached] if cached else [gr.State(True)]) + (loras or [gr.State(None), gr.State(None)])
               + ([quantized] if quantized else [gr.State(True)]))
-    event = _wire(page, model, button, stop, generate_image, inputs,
-                  [result, download, settings, page.status_line, seed], gallery, shown)
-    if reference is not None:  # the request deleted its upload from the server: do not offer it again
-        event.then(lambda: None, outputs=reference, api_visibility="private", show_progress="hidden", queue=False)
-    gallery.select(restore, inputs=shown, outputs=[*restored, *loras, settings], api_visibility="private",
-                   show_progress="hidden")
+    _wire(page, model, button, stop, generate_image, inputs, [result, download, settings, page.status_line, seed],
+          gallery, shown, restore, [*restored, *loras, settings], reference)
 
 
 def _restored_loras(used: dict[str, Any], scale: gr.Slider | None) -> tuple:
@@ -420,20 +416,18 @@ def _video_tab(model: ServedModel, page: _Page) -> None:
     inputs = [prompt, negative_prompt, condition, frames, fps, seed, random_seed, steps, guidance, width, height,
               *([cached] if cached else [gr.State(True)]), *(loras or [gr.State(None), gr.State(None)]), guidance_2,
               quantized or gr.State(True)]
-    event = _wire(page, model, button, stop, generate_video, inputs,
-                  [result, download, settings, page.status_line, seed], gallery, shown)
-    # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
-    event.then(lambda: None, outputs=condition, api_visibility="private", show_progress="hidden", queue=False)
     restored = [prompt, negative_prompt, frames, fps, seed, random_seed, steps, guidance, guidance_2, width, height]
-    gallery.select(restore, inputs=shown, outputs=[*restored, *loras, settings], api_visibility="private",
-                   show_progress="hidden")
+    _wire(page, model, button, stop, generate_video, inputs, [result, download, settings, page.status_line, seed],
+          gallery, shown, restore, [*restored, *loras, settings], condition)
 
 
 def _wire(page: _Page, model: ServedModel, button: gr.Button, stop: gr.Button, handler: Callable[..., Any],
-          inputs: list, outputs: list, gallery: gr.Gallery, shown: gr.State) -> Any:
+          inputs: list, outputs: list, gallery: gr.Gallery, shown: gr.State, restore: Callable[..., tuple],
+          restored: list, upload: gr.File | None) -> None:
     """The tab's API endpoint (named as its handler) on its button (progress and errors on the result only), its
     Stop button (the ranks drop the request at the next step), then its gallery (also once the page's owner is
-    known); returns the endpoint's event."""
+    known), its `upload` input emptied after each request, and a click on the gallery putting an item's settings
+    back into `restored` (restore)."""
 
     def refresh(session: gr.Request) -> tuple:
         return _gallery_of(page.server.recent, model.key, page.owners.of(session))
@@ -444,7 +438,10 @@ def _wire(page: _Page, model: ServedModel, button: gr.Button, stop: gr.Button, h
     event.success(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden", queue=False)
     page.identified.then(refresh, outputs=[gallery, shown], api_visibility="private", show_progress="hidden",
                          queue=False)
-    return event
+    if upload is not None:
+        # The request deleted its upload from the server: empty the input, so that the page does not offer it again.
+        event.then(lambda: None, outputs=upload, api_visibility="private", show_progress="hidden", queue=False)
+    gallery.select(restore, inputs=shown, outputs=restored, api_visibility="private", show_progress="hidden")
 
 
 class _Progress:
@@ -507,7 +504,10 @@ async def _generate(model: ServedModel, page: _Page, progress: gr.Progress, rand
     relay = _Progress(progress, request.steps, None if estimate is None else estimate / request.steps)
     generation = await _wait(submitted.job, relay)
     relay.writing()
-    path, used = await write(model, page.server, submitted, generation, owner)
+    try:
+        path, used = await write(model, page.server, submitted, generation, owner)
+    except Exception as error:  # Gradio shows an exception's own text (show_error): without the server's paths
+        raise gr.Error(public_message(str(error))) from error
     yield str(path), str(path), used, page.status(), used["seed"]
 
 
