@@ -292,3 +292,19 @@ def test_no_import_cycle_closed_by_a_deferred_import() -> None:
     both sides need belongs in a module of its own that both import."""
     cycles = import_cycles(_project_imports(), ("module", "function", "type-checking"))
     assert not cycles, "import circles closed inside a function or under TYPE_CHECKING:\n" + "\n".join(cycles)
+
+
+def test_the_commands_that_generate_import_no_web_server_package() -> None:
+    """generate, batch, build and launch (and the ranks they start) run where no web server package is installed
+    (a GPU host with the pipelines' packages alone): importing them, and the CLI that registers serve's options,
+    imports neither Gradio nor starlette, fastapi or uvicorn."""
+    modules = ["app.commands.cli", "app.commands.generate", "app.commands.batch", "app.commands.build",
+               "app.commands.launch", "app.ranks.runtime", "app.ranks.lockstep", "app.ranks.groups"]
+    script = ("import importlib, sys\n"
+              f"for name in {modules!r}:\n"
+              "    importlib.import_module(name)\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+              "('gradio', 'gradio_client', 'starlette', 'fastapi', 'uvicorn')))\n")
+    proc = subprocess.run([PYTHON, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout

@@ -22,8 +22,6 @@ import time
 import uuid
 from typing import Any
 
-from starlette.datastructures import Headers
-
 from app.server.access import Receive, Scope, Send
 
 HEADER = "x-request-id"
@@ -65,7 +63,11 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = request_id_of(Headers(scope=scope).get(HEADER))
+        # the raw headers, not starlette's Headers: every command imports this module (its log format), and the
+        # generate and batch commands run where starlette is not installed
+        given = next((value.decode("latin-1") for name, value in scope["headers"] if name.lower() == b"x-request-id"),
+                     None)
+        request_id = request_id_of(given)
         token = _REQUEST_ID.set(request_id)
         started = time.monotonic()
         status: list[int] = []
