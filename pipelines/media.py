@@ -212,8 +212,8 @@ def read_frames(path: str | Path, size: tuple[int, int], *, last: int = 1,
     info = check_input(path)
     if not info.video:
         with PIL.Image.open(path) as image:
-            image.draft("RGB", size[::-1] if _turned(image) else size)  # JPEG decodes at a reduced scale when that is
-            # still >= size
+            # a JPEG decodes at a reduced scale where that is still >= size (in its stored orientation)
+            image.draft("RGB", size[::-1] if _turned(image) else size)
             return [PIL.ImageOps.exif_transpose(image).convert("RGB").resize(size, resample)]
     import imageio_ffmpeg
 

@@ -220,6 +220,26 @@ def test_unused_uploads_go_within_a_minute_and_used_ones_stay(tmp_path):
     assert not (tmp_path / "a").exists()  # its folder, empty, goes next
 
 
+def test_an_upload_that_arrives_as_its_folder_is_removed_stays(tmp_path, monkeypatch):
+    """Gradio may store an upload in a folder just as the last request using the folder's other upload ends: the
+    folder looked empty a moment before (the look is made to say so here), and the upload that arrived stays,
+    with no error for the request that ended."""
+    from pathlib import Path
+
+    from app.server.uploads import Uploads
+
+    uploads = Uploads(tmp_path)
+    (tmp_path / "a").mkdir()
+    used, arrived = tmp_path / "a" / "used.png", tmp_path / "a" / "arrived.png"
+    used.write_bytes(b"x")
+    arrived.write_bytes(b"y")
+    uploads.use(used)
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(()))  # what a look before `arrived` came would see
+    uploads.release(used)
+    assert not used.exists() and arrived.exists()
+    assert uploads.sweep(max_age=-1.0) == [arrived] and not (tmp_path / "a").exists()  # in its time, with its folder
+
+
 def test_results_cap_takes_an_age_and_api_keys_may_be_marked_admin(tmp_path):
     from app.outputs import ResultsCap
     from app.server.access import AuthError, read_api_keys

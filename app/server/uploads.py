@@ -10,6 +10,7 @@ Gradio's own sweep of its cache is hourly.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,13 @@ UNUSED_SECONDS = 50.0
 """Age past which an upload no request uses is deleted (sweep): within a minute, with the housekeeping's period."""
 ORPHAN_SECONDS = 2.0
 """Age past which an empty temporary file at the top of the upload folder is an orphan (see remove_orphans)."""
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove `folder` if it is empty: rmdir alone decides, so that an upload Gradio stores there meanwhile stays
+    (a look first, then the removal, would race with it)."""
+    with contextlib.suppress(OSError):  # not empty, or gone already
+        folder.rmdir()
 
 
 class Uploads:
@@ -51,9 +59,8 @@ class Uploads:
             del self._users[path]
             path.unlink(missing_ok=True)
             folder = path.parent
-            if (folder != self.folder and folder.is_relative_to(self.folder) and folder.is_dir()
-                    and not any(folder.iterdir())):
-                folder.rmdir()  # Gradio's per-upload folder
+            if folder != self.folder and folder.is_relative_to(self.folder):
+                _remove_if_empty(folder)  # Gradio's per-upload folder
 
     def sweep(self, max_age: float = UNUSED_SECONDS, now: float | None = None) -> list[Path]:
         """Delete the uploads older than `max_age` seconds that no request uses, and the folders they leave empty;
@@ -69,8 +76,7 @@ class Uploads:
                 if now - stat.st_mtime <= max_age or path.resolve() in self._users:
                     continue
                 if path.is_dir() and not path.is_symlink():
-                    if not any(path.iterdir()):
-                        path.rmdir()
+                    _remove_if_empty(path)
                 else:
                     path.unlink(missing_ok=True)
                     removed.append(path)
