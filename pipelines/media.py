@@ -155,8 +155,9 @@ def probe(path: str | Path) -> MediaInfo:
     path = Path(path)
     if path.suffix.lower() in IMAGE_SUFFIXES:
         try:
+            # its size as stored (a phone's photo may be turned a quarter: no check here minds which side is which)
             with PIL.Image.open(path) as image:
-                width, height = image.size[::-1] if _turned(image) else image.size  # as open_image gives it
+                width, height = image.size
         except PIL.Image.DecompressionBombError:  # PIL refuses to open an image over twice its MAX_IMAGE_PIXELS
             raise MediaError(f"input image {path.name} is over {2 * PIL.Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels; "
                              f"the limit is {INPUT_LIMITS.image_pixels / 1e6:.0f} megapixels") from None
