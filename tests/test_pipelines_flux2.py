@@ -60,3 +60,22 @@ def test_bad_requests_refused_by_the_checks(folders: dict[str, Path]) -> None:
 # --- several ranks through the app's runtime ----------------------------------------------------
 
 
+
+
+def test_the_work_estimate_counts_a_reference_at_the_most_the_pipeline_keeps(folders: dict[str, Path]) -> None:
+    """The time limit's work estimate (pipelines.work) counts a reference image's tokens after the image's, as the
+    transformer takes them: at 1024², the most FLUX.2 keeps (4096 tokens), so a 64x64 image (16 tokens) with a
+    reference costs what a 4112-token image costs."""
+    from pipelines.flux2.limits import REFERENCE_MAX_AREA
+    from pipelines.work import WorkCounter
+
+    spec, path = resolve_model("flux2-klein-4b", folders["klein"])
+    limits = read_limits(spec, path)
+    assert limits.reference_area == REFERENCE_MAX_AREA == 1024 * 1024
+    count = WorkCounter(spec, path, limits)
+    reference = str(path.parent / "reference.png")
+    edit = count(make_request(spec, limits, prompt=PROMPT, height=64, width=64, condition=reference))
+    alone = count(make_request(spec, limits, prompt=PROMPT, height=64, width=64))
+    one_grid = count._count(16 * 16, 257 * 16, 1, 1, None)  # 16 x 257 = 4112 tokens
+    assert edit.step_flops == pytest.approx(one_grid.step_flops, rel=1e-9)
+    assert edit.step_flops > 10 * alone.step_flops and edit.decode_flops == alone.decode_flops

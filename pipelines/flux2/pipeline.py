@@ -31,13 +31,11 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
+from pipelines.flux2.limits import REFERENCE_MAX_AREA
 from pipelines.media import open_image
 from pipelines.registry import ModelSpec, read_component_config
 from pipelines.requests import GenerationRequest, uses_guidance_batch
 from pipelines.stages import StagedPipeline, StepCallback
-
-REFERENCE_MAX_AREA = 1024 * 1024
-"""A larger reference image is scaled down to this many pixels first, as diffusers does."""
 
 
 @dataclass(kw_only=True)

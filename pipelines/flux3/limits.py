@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from pipelines.family import ModelSpec
@@ -11,5 +12,7 @@ from pipelines.requests import MediaLimits
 
 def flux3_limits(spec: ModelSpec, folder: Path) -> MediaLimits:
     """FLUX.3: VAE downsampling x the 2x2 latent packing (16) as FLUX.2, up to 4096 px a side (the largest side
-    diffusers' FLUX.3 image processor gives a reference's canvas); a reference image may be given."""
-    return flux2_limits(spec, folder)
+    diffusers' FLUX.3 image processor gives a reference's canvas); a reference image may be given. Its reference
+    runs through blocks of its own (the image_cond mode blocks), which the work estimate does not count
+    (reference_area 0)."""
+    return replace(flux2_limits(spec, folder), reference_area=0)
