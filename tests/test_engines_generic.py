@@ -213,8 +213,6 @@ def flux_plans(world_size: int) -> list:
 def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """FLUX.1, FLUX.2 and Cosmos-Predict2 (their records' adapters, all on the generic path) against one process."""
     join_ranks(rank, world_size, port)
-    from types import SimpleNamespace
-
     from diffusers import Flux2Transformer2DModel
 
     from engines.parallel.distributed import init_parallel, shutdown
@@ -224,11 +222,12 @@ def _flux_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from pipelines.flux2.inputs import flux2_inputs
     from pipelines.flux2.parallel import parallelize_flux2
     from pipelines.flux2.tiny import FLUX2_TINY_TRANSFORMER
+    from pipelines.transformer_inputs import Shape
     from tests.helpers import cosmos_inputs, flux_inputs, tiny_cosmos, tiny_flux
 
     ctx = init_parallel("cpu")
     torch.manual_seed(0)
-    shape = SimpleNamespace(height=80, width=48, text_tokens=7, frames=1)  # 5 x 3 image tokens after 2x2 packing
+    shape = Shape(height=80, width=48, text_tokens=7)  # 5 x 3 image tokens after 2x2 packing
     models = {"flux": (randomize(tiny_flux()), lambda: flux_inputs((3, 5), 7), parallelize_flux),
               "flux2": (randomize(Flux2Transformer2DModel(**FLUX2_TINY_TRANSFORMER)),
                         lambda: flux2_inputs(FLUX2_TINY_TRANSFORMER, shape, batch=2, device=torch.device("cpu"),
