@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import Work
 
-from engines.options import TRANSPORTS
+from engines.options import TRANSPORTS, check_choice
 
 _lib = torch.library.Library("ulysses_studio", "DEF")
 _lib.define("copy_engine_all_to_all(Tensor x, str group_name) -> Tensor")
@@ -612,8 +612,7 @@ def check_transport(transport: str, group: dist.ProcessGroup | None, device: tor
     "copy-engine" needs CUDA and the whole job on one host (torchrun's LOCAL_WORLD_SIZE equal to
     WORLD_SIZE): symmetric memory maps peers' memory through CUDA IPC, which does not cross hosts.
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown all-to-all transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    check_choice("all-to-all transport", transport, TRANSPORTS)
     if transport != "copy-engine" or group is None:
         return
     if device.type not in ("cuda", "cpu"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engines.options import STRATEGIES
+from engines.options import STRATEGIES, check_choice
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -34,8 +34,7 @@ class ParallelPlan:
     the same tokens, and their partial outputs are summed by an all-reduce."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        check_choice("strategy", self.strategy, STRATEGIES)
         for name in ("ulysses", "ring", "cfg", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -130,8 +129,7 @@ class ParallelPlan:
             raise ValueError(f"tp degree {tp} does not divide the model's {num_heads} attention heads")
         if cfg < 1 or (world_size // tp) % cfg != 0:
             raise ValueError(f"cfg degree {cfg} does not divide the {world_size // tp} ranks left by tp {tp}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        check_choice("strategy", strategy, STRATEGIES)
         seq = world_size // (cfg * tp)
         if strategy in ("ring", "allgather"):
             return cls(strategy=strategy, ring=seq, cfg=cfg, tp=tp)
