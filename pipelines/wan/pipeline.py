@@ -40,9 +40,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from diffusers import WanPipeline
-from diffusers.utils import load_image
 from diffusers.video_processor import VideoProcessor
 
+from pipelines.media import open_image
 from pipelines.registry import ModelSpec, folder_experts, read_component_config, read_model_index
 from pipelines.requests import GenerationRequest
 from pipelines.stages import StagedPipeline, StepCallback, latent_statistics
@@ -136,7 +136,7 @@ class WanVideoPipeline(StagedPipeline):
             if self.needs_image:
                 raise ValueError("this image-to-video model needs an input image")
             return cond
-        image = load_image(request.condition)
+        image = open_image(request.condition)  # upright, as diffusers' load_image gives it
         cond.image_latents = self._image_latents(request, image)
         if self.image_context:
             cond.image_embeds = self._clip(image)
