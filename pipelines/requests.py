@@ -76,7 +76,14 @@ class MediaLimits:
     names no LoRA uses (serve's requests name none by default: app.server.submit)."""
     guidance_split: bool = False
     """The ranks run the conditional and unconditional guidance branches apart (--cfg-parallel), so a
-    request must use guidance (above 1): without it there is one branch, and half the ranks would idle."""
+    request must use guidance (guided): without it there is one branch, and half the ranks would idle."""
+    guided_below_1: bool = False
+    """Its guidance runs at every scale but 1 (diffusers' guider: FLUX.3's base model), not above 1 alone (the
+    pipelines' `guidance_scale > 1`)."""
+
+    def guided(self, guidance: float) -> bool:
+        """Whether a request at `guidance` makes guidance's second branch (a model that has one)."""
+        return guidance > 1.0 or (self.guided_below_1 and not math.isclose(guidance, 1.0))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -276,8 +283,9 @@ def _check_steps(steps: int) -> None:
 def _check_guidance(limits: MediaLimits, guidance: float, name: str = "guidance") -> None:
     if not 0.0 <= guidance <= 100.0:
         raise RequestError(f"{name} must be between 0 and 100, got {guidance}")
-    if limits.guidance_split and guidance <= 1.0:
-        raise RequestError(f"{name} must be above 1 here (got {guidance:g}): this run splits classifier-free "
+    if limits.guidance_split and not limits.guided(guidance):
+        wanted = "other than 1" if limits.guided_below_1 else "above 1"
+        raise RequestError(f"{name} must be {wanted} here (got {guidance:g}): this run splits classifier-free "
                            "guidance's two branches across ranks (--cfg-parallel), and without guidance there is one")
 
 

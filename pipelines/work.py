@@ -53,7 +53,7 @@ class WorkCounter:
         # two branches, batched or as two calls (guidance_calls) where the model has them: not FLUX.3's distilled
         # checkpoint, whose family makes two calls for its base checkpoint alone (that spec's guidance_batch)
         guided = uses_guidance_batch(self.spec)
-        branches = 2 if guided and request.guidance > 1.0 else 1
+        branches = 2 if guided and self.limits.guided(request.guidance) else 1
         reference = None
         if request.condition is not None and self.limits.reference_area:  # a square of its area: about its tokens
             side = round(self.limits.reference_area ** 0.5)

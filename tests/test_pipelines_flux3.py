@@ -43,6 +43,11 @@ def test_limits_from_the_configs(base: Path, distilled: Path) -> None:
     assert read_limits(spec, path, cfg_parallel=True).guidance_split  # the base model: its two calls, one per group
     flow_map, flow_map_path = resolve_model("flux3-klein", distilled)
     assert not read_limits(flow_map, flow_map_path, cfg_parallel=True).guidance_split  # no guidance
+    # its guider runs guidance at every scale but 1 (below 1 too), so --cfg-parallel takes 0.5 and refuses 1 alone
+    split = read_limits(spec, path, cfg_parallel=True)
+    assert make_request(spec, split, prompt=PROMPT, guidance=0.5).guidance == 0.5
+    with pytest.raises(RequestError, match="guidance must be other than 1 here"):
+        make_request(spec, split, prompt=PROMPT, guidance=1.0)
     with pytest.raises(RequestError, match="width 40 is not a multiple of 16"):
         make_request(spec, limits, prompt=PROMPT, width=40)
 
@@ -90,17 +95,18 @@ def test_every_block_list_compiles_and_goes_fp8_one_block_at_a_time() -> None:
 
 
 def test_work_counts_the_guidance_calls_the_pipeline_makes(base: Path, distilled: Path) -> None:
-    """The base model's guidance is two calls, counted twice; the distilled (flow-map) model makes one call whatever
-    a request's guidance, so its work is one call's."""
+    """The base model's guidance is two calls, counted twice (below 1 as above: its guider is on at every scale
+    but 1); the distilled (flow-map) model makes one call whatever a request's guidance, so its work is one call's."""
     from pipelines.work import WorkCounter
 
     for name, folder, calls in (("flux3-klein-base", base, 2), ("flux3-klein", distilled, 1)):
         spec, path = resolve_model(name, folder)
         limits = read_limits(spec, path)
         count = WorkCounter(spec, path, limits)
-        guided, plain = (count(make_request(spec, limits, prompt=PROMPT, height=64, width=48, guidance=guidance))
-                         for guidance in (3.5, 1.0))
+        guided, below_1, plain = (count(make_request(spec, limits, prompt=PROMPT, height=64, width=48,
+                                                     guidance=guidance)) for guidance in (3.5, 0.5, 1.0))
         assert guided.step_flops == pytest.approx(calls * plain.step_flops, rel=1e-6), name
+        assert below_1.step_flops == guided.step_flops, name
 
 
 def test_a_rank_without_the_vae_reads_its_factor_from_the_folder(base: Path, tmp_path: Path) -> None:
