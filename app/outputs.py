@@ -50,6 +50,20 @@ def check_output_path(path: str | Path, spec: ModelSpec) -> Path:
     return path
 
 
+def check_results_folder(folder: str | Path) -> Path:
+    """`folder` (made when the first result is written) if results can be written into it; OutputError otherwise,
+    before any rank starts: a file in its place or on its path, or a folder this user may not write."""
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"--out {folder} is a file, not a folder")
+    nearest = next(path for path in (folder.absolute(), *folder.absolute().parents) if path.exists())
+    if not nearest.is_dir():
+        raise OutputError(f"--out {folder} cannot be made: {nearest} is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise OutputError(f"--out {folder} cannot be written: permission denied in {nearest}")
+    return folder
+
+
 def settings_of(request: GenerationRequest, spec: ModelSpec, computed_steps: int | None = None,
                 ran_on: dict[str, str] | None = None) -> dict[str, Any]:
     """What a result file records about how it was made; `computed_steps`: of a request run with a step cache,

@@ -411,14 +411,23 @@ def test_limits_that_are_not_finite_numbers_are_refused_before_any_rank_starts(a
         serve_plan(build_parser().parse_args(["serve", "--model", "tiny-flux", *args]))
 
 
-def test_an_out_that_is_a_file_is_refused_before_any_rank_starts(tmp_path):
+@pytest.mark.parametrize("command", ["serve", "batch"])
+def test_an_out_that_cannot_take_results_is_refused_before_any_rank_starts(tmp_path, command):
+    """A file in --out's place or on its path, or a folder the user may not write (/proc/1: not even root may), is
+    refused by the command's checks, before a rank starts or a model loads."""
     from app.commands.cli import build_parser
-    from app.server.serve import ServeError, serve_plan
+    from app.outputs import OutputError
 
     taken = tmp_path / "results"
     taken.write_text("not a folder")
-    with pytest.raises(ServeError, match="is a file, not a folder"):
-        serve_plan(build_parser().parse_args(["serve", "--model", "tiny-flux", "--out", str(taken)]))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    for out, message in ((taken, "is a file, not a folder"), (taken / "inside", "cannot be made: .* is a file"),
+                         (Path("/proc/1/results"), "cannot be written: permission denied in /proc/1")):
+        args = build_parser().parse_args([command, *([str(prompts)] if command == "batch" else []),
+                                          "--model", "tiny-flux", "--out", str(out)])
+        with pytest.raises(OutputError, match=message):
+            args.check(args)
 
 
 def test_the_port_probe_takes_an_ipv6_host_as_the_server_binds_it():

@@ -31,7 +31,7 @@ from app.commands.arguments import (
 )
 from app.commands.prompt_files import FIELDS, SUFFIXES, BadLine, BatchError, output_name, read_prompt_file
 from app.commands.prompt_files import request_fields as line_fields
-from app.outputs import EXTENSIONS, check_writer, settings_of
+from app.outputs import EXTENSIONS, check_results_folder, check_writer, settings_of
 from app.ranks.stopping import stop_on_signals
 from pipelines.registry import ModelSpec, resolve_model
 from pipelines.requests import GenerationRequest, MediaLimits, RequestError, make_request, read_limits
@@ -89,9 +89,7 @@ def check_batch(args: argparse.Namespace) -> BatchPlan:
         raise BatchError(f"prompt file {prompts} does not exist")
     if prompts.suffix.lower() not in SUFFIXES:
         raise BatchError(f"{prompts}: prompt files are {', '.join(SUFFIXES)}")
-    out_dir = Path(args.out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BatchError(f"--out {out_dir} is a file, not a folder")
+    out_dir = check_results_folder(args.out)
     check_writer(spec)
     defaults = {key: value for key, value in request_fields(args).items() if value is not None}
     make_request(spec, limits, prompt="a check of the command line's settings", **defaults)

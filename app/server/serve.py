@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from app.commands.arguments import add_parallel_arguments, add_replicas_argument, run_options, served_lora_limits
 from app.failures import RankLost
-from app.outputs import OutputError, ResultsCap, check_writer
+from app.outputs import OutputError, ResultsCap, check_results_folder, check_writer
 from app.ranks.stopping import stop_on_signals, temporary_folder
 from app.server.access import (
     AUTH_ENV,
@@ -216,8 +216,8 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             or args.signed_url_seconds <= 0):
         raise ServeError("--max-queue-per-owner must be at least 1, --max-upload-mb-per-owner and "
                          "--signed-url-seconds above 0, --max-results-mb-per-owner at least 0")
-    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ServeError(f"--out {args.out} is a file, not a folder")
+    if args.out:
+        check_results_folder(args.out)
     keep_results = None
     if args.keep_results is not None:
         try:
