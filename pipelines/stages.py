@@ -271,6 +271,13 @@ class StagedPipeline:
 
         return splits(request.height // self.vae_spatial_factor, dist.get_world_size(self.vae_group))
 
+    @staticmethod
+    def require_encoders(*parts: Any) -> None:
+        """RuntimeError where this pipeline was loaded without the encoders `parts` are (with_encoders=False: a rank
+        other than 0, which encodes nothing)."""
+        if any(part is None for part in parts):
+            raise RuntimeError("this pipeline was loaded without its encoders (with_encoders=False)")
+
     def require_vae(self) -> None:
         """RuntimeError where this pipeline was loaded without its VAE (with_vae=False: a rank that does not decode)."""
         if self.vae is None:

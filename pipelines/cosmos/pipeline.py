@@ -99,8 +99,7 @@ class CosmosPipeline(StagedPipeline):
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> CosmosConditioning:
         """T5 embeddings of prompt and negative prompt, and latents of the conditioning frames if any."""
-        if self.text_encoder is None or self.vae is None:
-            raise RuntimeError("this pipeline was loaded without encoders (with_encoders=False)")
+        self.require_encoders(self.text_encoder, self.vae)
         if self.guardrail is not None:
             self.guardrail.check_text(request.prompt)
         negative_text = request.negative_prompt if request.guidance > 1.0 else None

@@ -83,8 +83,7 @@ class Cosmos3Pipeline(StagedPipeline):
     def encode(self, request: GenerationRequest) -> Cosmos3Conditioning:
         """Tokenized, packed prompt and negative prompt, and latents of the conditioning frames if any."""
         pipe = self._diffusers
-        if pipe is None:
-            raise RuntimeError("this pipeline was loaded without tokenizer and VAE (with_encoders=False)")
+        self.require_encoders(pipe)
         if self.guardrail is not None:
             self.guardrail.check_text(request.prompt)
         cond_ids, uncond_ids = self.cached_text(

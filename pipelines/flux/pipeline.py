@@ -56,8 +56,7 @@ class FluxImagePipeline(StagedPipeline):
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> FluxText:
         """CLIP pooled + T5 sequence embeddings of the prompt, as FluxPipeline.encode_prompt computes them."""
-        if self.text_encoder is None or self.text_encoder_2 is None:
-            raise RuntimeError("this pipeline was loaded without text encoders (with_encoders=False)")
+        self.require_encoders(self.text_encoder, self.text_encoder_2)
         return self.cached_text(("flux", request.prompt, self.spec.max_sequence_length),
                                 lambda: self._encode_prompt(request.prompt))
 

@@ -87,8 +87,7 @@ class Flux2ImagePipeline(StagedPipeline):
     def encode(self, request: GenerationRequest) -> Flux2Conditioning:
         """Prompt embeddings (and the negative prompt's with guidance), and the reference image's latents."""
         pipe = self._diffusers
-        if pipe is None:
-            raise RuntimeError("this pipeline was loaded without text encoder and VAE (with_encoders=False)")
+        self.require_encoders(pipe)
         prompts = [request.prompt, request.negative_prompt][: self._branches(request)]
         embeds, text_ids = self.cached_text(
             ("flux2", tuple(prompts), self.spec.max_sequence_length),

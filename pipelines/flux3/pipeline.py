@@ -133,8 +133,7 @@ class Flux3ImagePipeline(StagedPipeline):
     @torch.no_grad()
     def encode(self, request: GenerationRequest) -> Flux3Conditioning:
         """Prompt embeddings (and the negative prompt's with guidance), and the reference image's latents."""
-        if self.text_encoder is None or self.processor is None:
-            raise RuntimeError("this pipeline was loaded without text encoder (with_encoders=False)")
+        self.require_encoders(self.text_encoder, self.processor)
         cond = Flux3Conditioning(prompt_embeds=self._text(request.prompt))
         if self._guided(request):
             cond.negative_embeds = self._text(request.negative_prompt or "")

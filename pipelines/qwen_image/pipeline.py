@@ -122,8 +122,7 @@ class QwenImageImagePipeline(StagedPipeline):
     def encode(self, request: GenerationRequest) -> QwenImageConditioning:
         """The prompt's embeddings, and the negative prompt's when guidance is on (above 1)."""
         pipe = self._diffusers
-        if pipe is None:
-            raise RuntimeError("this pipeline was loaded without text encoder (with_encoders=False)")
+        self.require_encoders(pipe)
         guided = request.guidance > 1.0
         prompts = (request.prompt, request.negative_prompt) if guided else (request.prompt,)
         length = self.spec.max_sequence_length
@@ -255,8 +254,7 @@ class QwenImageEditImagePipeline(QwenImageImagePipeline):
         """The prompt's embeddings with the reference image (and the negative prompt's when guidance is on), and
         the reference's packed latents, as DIFFUSERS makes them."""
         pipe = self._diffusers
-        if pipe is None or self.vae is None:
-            raise RuntimeError("this pipeline was loaded without text encoder or VAE (with_encoders=False)")
+        self.require_encoders(pipe, self.vae)
         if request.condition is None:
             raise ValueError(f"model '{self.spec.name}' edits an image: the request brings none (its input)")
         image = open_image(request.condition)  # upright, as diffusers' load_image gives it

@@ -118,8 +118,7 @@ class WanVideoPipeline(StagedPipeline):
     def encode(self, request: GenerationRequest) -> WanConditioning:
         """UMT5 embeddings of the prompt, and of the negative prompt when guidance is on (above 1)."""
         pipe = self._diffusers
-        if pipe is None:
-            raise RuntimeError("this pipeline was loaded without text encoder (with_encoders=False)")
+        self.require_encoders(pipe)
         guided = request.guidance > 1.0
         negative = request.negative_prompt if guided else None
         length = self.spec.max_sequence_length
