@@ -115,6 +115,7 @@ from engines.weights.lora import (
 )
 from pipelines.family import load
 from pipelines.transformer_inputs import Shape
+from pipelines.work import counting_on_meta
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, per GPU
 PEER_WARMUP = 3  # torch.compile(mode="reduce-overhead") records its CUDA graph at the 2nd call, replays from the 3rd
@@ -139,7 +140,7 @@ def count_flops(spec: BenchModel, shape: Shape, batch: int) -> float | None:
             model = torch.nn.Module.to(spec.model_class(**spec.config), torch.bfloat16)
         forward = single_process_forward(spec, model, torch.device("meta"))
         kwargs, _ = spec.inputs(shape, batch=batch, device=torch.device("meta"), dtype=torch.bfloat16)
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
+        with FlopCounterMode(display=False) as counter, torch.no_grad(), counting_on_meta():
             forward(**kwargs)
         return float(counter.get_total_flops())
     except Exception as error:  # FLOPs only feed the MFU column; never lose the timings for them

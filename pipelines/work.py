@@ -13,7 +13,9 @@ kept per shape.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +28,23 @@ from pipelines.registry import ModelSpec, family_of, read_component_config
 from pipelines.requests import GenerationRequest, MediaLimits, uses_guidance_batch
 
 META = torch.device("meta")
+
+
+@contextlib.contextmanager
+def counting_on_meta() -> Iterator[None]:
+    """While a meta forward is counted: `torch.autocast` on the meta device does nothing, where torch refuses it
+    ("unsupported scalarType"). Cosmos 3's rotary embedding turns autocast off around its position matmul on its
+    inputs' device, which made every Cosmos 3 count fail (and its time estimates fall back to pixels)."""
+    autocast = torch.autocast
+
+    def autocast_off_meta(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        return contextlib.nullcontext() if device_type == "meta" else autocast(device_type, *args, **kwargs)
+
+    torch.autocast = autocast_off_meta
+    try:
+        yield
+    finally:
+        torch.autocast = autocast
 
 
 @dataclass(frozen=True)
@@ -84,7 +103,7 @@ class WorkCounter:
                       reference=reference)
         inputs, _ = load(self._family.bench.inputs)(self._transformer_config, shape, batch=branches, device=META,
                                                      dtype=torch.float32)
-        with torch.no_grad():
+        with torch.no_grad(), counting_on_meta():
             with FlopCounterMode(display=False) as counter:
                 transformer(**inputs)
             step = counter.get_total_flops()

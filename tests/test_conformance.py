@@ -110,6 +110,27 @@ def test_limits_refuse_what_the_checkpoint_cannot_make(root: Path, model: str) -
             make_request(spec, limits, prompt="x", frames=frames)
 
 
+@pytest.mark.parametrize("model", _models())
+def test_the_work_estimate_counts_each_models_flops(root: Path, model: str, tmp_path: Path) -> None:
+    """The server's time estimates (pipelines.work) count each model's FLOPs on the meta device (a count that fails
+    leaves the server the stand-in of pixels, app.server.budget.counted_work): more pixels, more FLOPs in a step and
+    in the decode."""
+    from pipelines.work import WorkCounter
+
+    spec = get_spec(model)
+    folder = tiny_folder(spec, root)
+    limits = read_limits(spec, folder)
+    count = WorkCounter(spec, folder, limits)
+    side = limits.size_multiple * 4
+    given = {}
+    if limits.input_required:  # an editing or image-to-video checkpoint: its input image
+        given["condition"] = str(tmp_path / "input.png")
+        PIL.Image.new("RGB", (side, side), (200, 30, 30)).save(given["condition"])
+    small, large = (count(make_request(spec, limits, prompt="a red circle", height=side, width=width, **given))
+                    for width in (side, 2 * side))
+    assert 0 < small.step_flops < large.step_flops and 0 < small.decode_flops < large.decode_flops, (small, large)
+
+
 def test_every_family_has_its_cases_or_says_why_not() -> None:
     for name in MODULES:
         module = _module(name)
