@@ -30,17 +30,29 @@ from pipelines.requests import GenerationRequest, MediaLimits, uses_guidance_bat
 META = torch.device("meta")
 
 
+class _AutocastOffMeta(torch.autocast):
+    """torch.autocast, doing nothing on the meta device (where torch refuses it: "unsupported scalarType")."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        self._on_meta = device_type == "meta"
+        if not self._on_meta:
+            super().__init__(device_type, *args, **kwargs)
+
+    def __enter__(self) -> Any:
+        return None if self._on_meta else super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return None if self._on_meta else super().__exit__(*exc)
+
+
 @contextlib.contextmanager
 def counting_on_meta() -> Iterator[None]:
-    """While a meta forward is counted: `torch.autocast` on the meta device does nothing, where torch refuses it
-    ("unsupported scalarType"). Cosmos 3's rotary embedding turns autocast off around its position matmul on its
-    inputs' device, which made every Cosmos 3 count fail (and its time estimates fall back to pixels)."""
+    """While a meta forward is counted: `torch.autocast` on the meta device does nothing. Cosmos 3's rotary embedding
+    turns autocast off around its position matmul on its inputs' device, which made every Cosmos 3 count fail (its
+    time estimates fell back to pixels). torch.autocast is swapped for a subclass that behaves as it does on every
+    other device, so another thread's autocast meanwhile is the same."""
     autocast = torch.autocast
-
-    def autocast_off_meta(device_type: str, *args: Any, **kwargs: Any) -> Any:
-        return contextlib.nullcontext() if device_type == "meta" else autocast(device_type, *args, **kwargs)
-
-    torch.autocast = autocast_off_meta
+    torch.autocast = _AutocastOffMeta
     try:
         yield
     finally:
