@@ -101,6 +101,9 @@ class ServePlan:
     """Those of api_keys marked admin (`KEY admin`): they see every owner's jobs."""
     webhook_secret: str | None = None
     """The webhooks' signing secret (--webhook-secret-file), rank 0's only."""
+    out: Path | None = None
+    """--out as checked (app.outputs.check_results_folder), the folder the results go to; None: a temporary folder of
+    the run's own, removed at its end."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,8 +219,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             or args.signed_url_seconds <= 0):
         raise ServeError("--max-queue-per-owner must be at least 1, --max-upload-mb-per-owner and "
                          "--signed-url-seconds above 0, --max-results-mb-per-owner at least 0")
-    if args.out:
-        check_results_folder(args.out)
+    out = check_results_folder(args.out) if args.out else None
     keep_results = None
     if args.keep_results is not None:
         try:
@@ -242,7 +244,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
         except (AuthError, WebhookError) as error:
             raise ServeError(str(error)) from None
     return ServePlan(models=models, logins=logins, keep_results=keep_results, trusted_proxies=trusted_proxies,
-                     api_keys=api_keys, admin_keys=admin_keys, webhook_secret=webhook_secret)
+                     api_keys=api_keys, admin_keys=admin_keys, webhook_secret=webhook_secret, out=out)
 
 
 def _check_no_ui(args: argparse.Namespace) -> None:
@@ -337,7 +339,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from app.server.submit import Quotas, Server, keep_house, requeue, restore_galleries
         from app.server.uploads import Uploads
 
-        out_dir = Path(args.out) if args.out else temporary_folder("ulysses-studio")
+        out_dir = plan.out or temporary_folder("ulysses-studio")
         out_dir.mkdir(parents=True, exist_ok=True)
         from pipelines.work import WorkCounter
 
@@ -375,7 +377,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         def remove_files() -> None:
             shutil.rmtree(uploads_dir, ignore_errors=True)
-            if not args.out:  # a folder this run made; the user's own --out stays
+            if plan.out is None:  # a folder this run made; the user's own --out stays
                 shutil.rmtree(out_dir, ignore_errors=True)
 
         def abandon() -> str:
